@@ -1,0 +1,25 @@
+# Two commands on a fresh clone:  `make run` (the GRPO recipe)  and  `make test` (the test suite).
+# TORCH is the torch requirement installed first; the default is the CPU build on this machine's disk.
+# On a CUDA machine:  make run TORCH="torch --index-url https://download.pytorch.org/whl/cu128"
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+EXTRAS ?= test,ray,bench
+OUT    ?= runs/latest
+
+.PHONY: run test bench clean
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	touch $@
+
+run: $(VENV)/.installed
+	$(PY) recipes/grpo_qwen3_moe.py --out $(OUT)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis
