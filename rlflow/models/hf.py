@@ -1,0 +1,129 @@
+"""Checkpoints in transformers' own format: ``config.json`` + safetensors (one file, or shards with
+``model.safetensors.index.json``).
+
+On disk experts are one tensor per expert (``mlp.experts.{e}.gate_proj.weight`` [F, D], ``up_proj``,
+``down_proj`` [D, F]); in memory they are stacked (``mlp.experts.gate_up_proj`` [E, 2F, D],
+``mlp.experts.down_proj`` [E, D, F]), as transformers 5 holds them. Load and save convert.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rlflow.models.config import ModelConfig, param_shapes
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def load_config(path: str) -> ModelConfig:
+    with open(os.path.join(path, "config.json")) as f:
+        return ModelConfig.from_hf(json.load(f))
+
+
+def _checkpoint_files(path: str) -> list[str]:
+    if os.path.exists(os.path.join(path, INDEX)):
+        with open(os.path.join(path, INDEX)) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    if os.path.exists(os.path.join(path, SINGLE)):
+        return [SINGLE]
+    raise FileNotFoundError(f"{path}: neither {SINGLE} nor {INDEX} found")
+
+
+def load(path: str, *, dtype: torch.dtype | None = torch.float32,
+         device: torch.device | str = "cpu") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a transformers checkpoint directory into (config, params) with experts stacked."""
+    cfg = load_config(path)
+    raw: dict[str, torch.Tensor] = {}
+    for fn in _checkpoint_files(path):
+        with safe_open(os.path.join(path, fn), framework="pt", device="cpu") as f:
+            for k in f.keys():
+                raw[k] = f.get_tensor(k)
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    params: dict[str, torch.Tensor] = {}
+    for k, t in raw.items():
+        m = _EXPERT.match(k)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = t
+        else:
+            params[k] = t
+    for prefix, parts in experts.items():
+        n = len(parts["down_proj"])
+        if sorted(parts["down_proj"]) != list(range(n)) or any(len(parts[p]) != n for p in parts):
+            raise ValueError(f"{path}: experts under {prefix} are incomplete")
+        gate = torch.stack([parts["gate_proj"][e] for e in range(n)])
+        up = torch.stack([parts["up_proj"][e] for e in range(n)])
+        params[prefix + ".gate_up_proj"] = torch.cat([gate, up], dim=1)
+        params[prefix + ".down_proj"] = torch.stack([parts["down_proj"][e] for e in range(n)])
+    if cfg.tie_word_embeddings:
+        params.pop("lm_head.weight", None)
+    expected = param_shapes(cfg)
+    missing = sorted(set(expected) - set(params))
+    unexpected = sorted(set(params) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{path}: checkpoint does not match its config: missing {missing[:5]}"
+                         f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}")
+    for k, shape in expected.items():
+        if tuple(params[k].shape) != shape:
+            raise ValueError(f"{path}: parameter {k} has shape {tuple(params[k].shape)}, config says {shape}")
+        params[k] = params[k].to(device=device, dtype=dtype or params[k].dtype)
+    return cfg, {k: params[k] for k in expected}
+
+
+def to_disk_names(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Unstack experts into transformers' per-expert checkpoint names."""
+    out: dict[str, torch.Tensor] = {}
+    for k, t in params.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            base = k[: -len("gate_up_proj")]
+            gate, up = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = gate[e]
+                out[f"{base}{e}.up_proj.weight"] = up[e]
+        elif k.endswith("mlp.experts.down_proj"):
+            base = k[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e]
+        else:
+            out[k] = t
+    return out
+
+
+def save(path: str, cfg: ModelConfig, params: dict[str, torch.Tensor], *,
+         max_shard_bytes: int = 5 * 2**30) -> list[str]:
+    """Write config.json and safetensors (sharded with an index when larger than max_shard_bytes)."""
+    os.makedirs(path, exist_ok=True)
+    d = cfg.to_hf()
+    d["torch_dtype"] = str(next(iter(params.values())).dtype).removeprefix("torch.")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(d, f, indent=2)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in to_disk_names(params).items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, t in tensors.items():
+        nb = t.numel() * t.element_size()
+        if shards[-1] and size + nb > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t
+        size += nb
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, SINGLE), metadata=meta)
+        return [SINGLE]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        save_file(shard, os.path.join(path, name), metadata=meta)
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(path, INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return names

@@ -1,0 +1,176 @@
+"""Qwen3-MoE (and dense Qwen2 / Qwen2.5 / Qwen3 through the same code) as pure functions over a params dict.
+
+Legend: B batch, T tokens of this call, S key positions (cache), D model dim, H query heads,
+K key/value heads, d head dim, V vocab, N = B*T tokens, E experts.
+
+``params`` maps transformers' parameter names (see ``models/config.py: param_shapes``) to tensors. The
+functions hold no layout code: sharded execution lives in ``rlflow/sharding`` and the per-model table of
+logical dims in ``models/sharding.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rlflow.models.config import ModelConfig, param_shapes
+from rlflow.ops import apply_rope, attention, causal_padding_mask, moe_experts, rmsnorm, rope_cos_sin, route
+
+Params = dict[str, Tensor]
+
+
+def init_params(cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu", std: float = 0.02) -> Params:
+    """Random init as transformers does: N(0, std) for matrices, ones for norms, zeros for biases."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    out: Params = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape)
+        elif name.endswith(".bias"):
+            t = torch.zeros(shape)
+        else:
+            t = torch.randn(shape, generator=g) * std
+        out[name] = t.to(device=device, dtype=dtype)
+    return out
+
+
+@dataclass
+class KVCache:
+    """Preallocated keys/values per layer, [B, K, S_max, d]. Buffers are written in place by ``forward``;
+    ``length`` is the number of positions filled, ``valid_BS`` marks which hold real (unpadded) tokens."""
+
+    k: list[Tensor]
+    v: list[Tensor]
+    valid_BS: Tensor
+    length: int = 0
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, batch: int, max_len: int, *, dtype: torch.dtype,
+                 device: torch.device | str) -> "KVCache":
+        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        L = cfg.num_hidden_layers
+        return cls(k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(L)],
+                   v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(L)],
+                   valid_BS=torch.zeros(batch, max_len, dtype=torch.bool, device=device))
+
+    @property
+    def max_len(self) -> int:
+        return self.valid_BS.shape[1]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def _linear(params: Params, name: str, x: Tensor) -> Tensor:
+    return F.linear(x, params[name + ".weight"], params.get(name + ".bias"))
+
+
+def _attention_block(params: Params, cfg: ModelConfig, p: str, x_BTD: Tensor, cos: Tensor, sin: Tensor,
+                     mask: Tensor | None, cache: KVCache | None, layer: int) -> Tensor:
+    B, T, _ = x_BTD.shape
+    H, K, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = _linear(params, p + "q_proj", x_BTD).view(B, T, H, d)
+    k = _linear(params, p + "k_proj", x_BTD).view(B, T, K, d)
+    v = _linear(params, p + "v_proj", x_BTD).view(B, T, K, d)
+    if cfg.qk_norm:
+        q = rmsnorm(q, params[p + "q_norm.weight"], cfg.rms_norm_eps)
+        k = rmsnorm(k, params[p + "k_norm.weight"], cfg.rms_norm_eps)
+    q = apply_rope(q.transpose(1, 2), cos, sin)
+    k = apply_rope(k.transpose(1, 2), cos, sin)
+    v = v.transpose(1, 2)
+    if cache is not None:
+        s0, s1 = cache.length, cache.length + T
+        cache.k[layer][:, :, s0:s1] = k
+        cache.v[layer][:, :, s0:s1] = v
+        k, v = cache.k[layer][:, :, :s1], cache.v[layer][:, :, :s1]
+    o = attention(q, k, v, mask, is_causal=True)  # [B, H, T, d]
+    return _linear(params, p + "o_proj", o.transpose(1, 2).reshape(B, T, H * d))
+
+
+def _mlp_block(params: Params, cfg: ModelConfig, p: str, layer: int, x_BTD: Tensor,
+               valid_BT: Tensor | None) -> tuple[Tensor, Tensor]:
+    if not cfg.is_moe_layer(layer):
+        h = F.silu(_linear(params, p + "gate_proj", x_BTD)) * _linear(params, p + "up_proj", x_BTD)
+        return _linear(params, p + "down_proj", h), x_BTD.new_zeros((), dtype=torch.float32)
+    B, T, D = x_BTD.shape
+    x_ND = x_BTD.reshape(B * T, D)
+    w_NK, idx_NK, aux = route(x_ND, params[p + "gate.weight"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                              None if valid_BT is None else valid_BT.reshape(-1))
+    y = moe_experts(x_ND, w_NK, idx_NK, params[p + "experts.gate_up_proj"], params[p + "experts.down_proj"])
+    return y.view(B, T, D), aux
+
+
+def forward(params: Params, cfg: ModelConfig, ids_BT: Tensor, positions_BT: Tensor, *,
+            valid_BT: Tensor | None = None, cache: KVCache | None = None) -> tuple[Tensor, Tensor, KVCache | None]:
+    """Final hidden states [B, T, D] (after the last norm), the mean router aux loss, and the cache.
+
+    positions_BT: rotary positions (for left-padded rows, ``cumsum(valid) - 1``).
+    valid_BT: True on real tokens; None means no padding (plain causal attention).
+    cache: when given, this call's keys/values are written at ``cache.length`` onward and queries attend
+    over all filled positions; the returned cache has ``length`` advanced by T (same buffers).
+    """
+    B, T = ids_BT.shape
+    dtype = params["model.embed_tokens.weight"].dtype
+    h = F.embedding(ids_BT, params["model.embed_tokens.weight"])
+    cos, sin = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta, dtype)
+    if cache is not None:
+        if cache.length + T > cache.max_len:
+            raise ValueError(f"KVCache overflow: length {cache.length} + {T} tokens > max_len {cache.max_len}")
+        vb = valid_BT if valid_BT is not None else torch.ones_like(ids_BT, dtype=torch.bool)
+        cache.valid_BS[:, cache.length:cache.length + T] = vb
+        mask = causal_padding_mask(cache.valid_BS[:, :cache.length + T], cache.length, T)
+    else:
+        mask = None if valid_BT is None else causal_padding_mask(valid_BT, 0, T)
+    aux_total = h.new_zeros((), dtype=torch.float32)
+    n_moe = 0
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a = _attention_block(params, cfg, p + "self_attn.",
+                             rmsnorm(h, params[p + "input_layernorm.weight"], cfg.rms_norm_eps),
+                             cos, sin, mask, cache, i)
+        h = h + a
+        m, aux = _mlp_block(params, cfg, p + "mlp.", i,
+                            rmsnorm(h, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps),
+                            valid_BT)
+        h = h + m
+        if cfg.is_moe_layer(i):
+            aux_total = aux_total + aux
+            n_moe += 1
+    h = rmsnorm(h, params["model.norm.weight"], cfg.rms_norm_eps)
+    if cache is not None:
+        cache.length += T
+    return h, aux_total / max(n_moe, 1), cache
+
+
+def lm_head(params: Params, cfg: ModelConfig) -> Tensor:
+    """The [V, D] output projection (the embedding when tied)."""
+    return params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+
+
+def logits(params: Params, cfg: ModelConfig, hidden: Tensor) -> Tensor:
+    return F.linear(hidden, lm_head(params, cfg))
+
+
+def positions_from_valid(valid_BT: Tensor) -> Tensor:
+    """Rotary positions for left-padded rows: 0 at each row's first real token."""
+    return (valid_BT.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Forward matmul FLOPs per token (2 x active parameters in matmuls), attention scores excluded."""
+    D, d = cfg.hidden_size, cfg.head_dim
+    attn = 2 * D * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    total = 0.0
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_moe_layer(i):
+            mlp = 2 * 3 * D * cfg.moe_intermediate_size * cfg.num_experts_per_tok + 2 * D * cfg.num_experts
+        else:
+            mlp = 2 * 3 * D * cfg.intermediate_size
+        total += attn + mlp
+    return total + 2 * D * cfg.vocab_size
+
+

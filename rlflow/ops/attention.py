@@ -1,0 +1,32 @@
+"""Grouped-query attention over torch SDPA.
+
+Legend: B batch, H query heads, K key/value heads (H % K == 0), T query tokens, S key tokens, d head dim.
+Masks are boolean, True where a query may attend.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def causal_padding_mask(key_valid_BS: Tensor, q_offset: int, T: int) -> Tensor:
+    """[B, 1, T, S] mask: query t (absolute position q_offset + t) sees valid keys s <= q_offset + t.
+
+    A query always sees itself, so rows that are all padding (left-padded prompts) stay finite; their
+    outputs are garbage and are masked out downstream.
+    """
+    S = key_valid_BS.shape[1]
+    q_abs = torch.arange(q_offset, q_offset + T, device=key_valid_BS.device)[:, None]
+    k_abs = torch.arange(S, device=key_valid_BS.device)[None, :]
+    causal = k_abs <= q_abs  # [T, S]
+    mask = causal[None] & key_valid_BS[:, None, :]
+    mask = mask | (k_abs == q_abs)[None]
+    return mask[:, None]
+
+
+def attention(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | None,
+              *, is_causal: bool = False) -> Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v, with K < H key/value heads shared by groups of H/K queries."""
+    return F.scaled_dot_product_attention(q_BHTd, k_BKSd, v_BKSd, attn_mask=mask_B1TS,
+                                          is_causal=is_causal and mask_B1TS is None,
+                                          enable_gqa=q_BHTd.shape[1] != k_BKSd.shape[1])

@@ -1,0 +1,39 @@
+"""Log-probs and entropy of target tokens from hidden states, chunked over tokens.
+
+Legend: N tokens, D model dim, V vocab, C chunk of tokens.
+The [N, V] logits are never materialized: each chunk's [C, V] logits are computed, reduced to a log-prob
+and an entropy, and (under autograd) recomputed in the backward pass instead of being stored.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+
+def _chunk(h_CD: Tensor, w_VD: Tensor, t_C: Tensor, temperature: float, with_entropy: bool):
+    logits = F.linear(h_CD, w_VD).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_CV = torch.log_softmax(logits, -1)
+    lp = logp_CV.gather(-1, t_C[:, None])[:, 0]
+    if with_entropy:
+        ent = -(logp_CV.exp() * logp_CV).sum(-1)
+        return lp, ent
+    return lp, torch.zeros_like(lp)
+
+
+def token_logprobs(hidden_ND: Tensor, weight_VD: Tensor, targets_N: Tensor, *, temperature: float = 1.0,
+                   chunk: int = 2048, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """log softmax(h W^T / temperature)[target] per token, and the entropy of that distribution."""
+    lps, ents = [], []
+    grad = torch.is_grad_enabled() and (hidden_ND.requires_grad or weight_VD.requires_grad)
+    for s in range(0, hidden_ND.shape[0], chunk):
+        args = (hidden_ND[s:s + chunk], weight_VD, targets_N[s:s + chunk], temperature, with_entropy)
+        lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args)
+        lps.append(lp)
+        ents.append(ent)
+    if not lps:
+        z = hidden_ND.new_zeros(0, dtype=torch.float32)
+        return z, (z if with_entropy else None)
+    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)

@@ -1,0 +1,96 @@
+"""transformers as the outside oracle: rlflow's functional model gives the same logits as
+transformers' own modules, loading their checkpoints and saving ones they load."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from rlflow.models import hf, qwen3_moe  # noqa: E402
+
+TOL = 1e-4
+
+
+def _hf_models():
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    common = dict(vocab_size=97, hidden_size=48, num_hidden_layers=3, num_attention_heads=6,
+                  num_key_value_heads=2, max_position_embeddings=128, rope_theta=10000.0)
+    return {
+        "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            **common, head_dim=8, intermediate_size=64, moe_intermediate_size=24, num_experts=6,
+            num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])),
+        "qwen3_moe_nonorm_tied": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            **common, head_dim=8, intermediate_size=64, moe_intermediate_size=24, num_experts=4,
+            num_experts_per_tok=3, norm_topk_prob=False, tie_word_embeddings=True)),
+        "qwen3_dense": lambda: Qwen3ForCausalLM(Qwen3Config(**common, head_dim=8, intermediate_size=64)),
+        "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**common, intermediate_size=64)),
+    }
+
+
+def _inputs(seed=0, B=3, T=11, V=97):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :4] = False  # left padding
+    valid[2, :1] = False
+    return ids, valid
+
+
+def _randomize(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+
+
+@pytest.mark.parametrize("kind", list(_hf_models()))
+def test_load_transformers_checkpoint_same_logits(kind, tmp_path):
+    torch.manual_seed(0)
+    model = _hf_models()[kind]().float().eval()
+    _randomize(model, 1)  # norms away from 1, biases non-zero: every parameter matters
+    model.save_pretrained(tmp_path)
+    cfg, params = hf.load(str(tmp_path))
+    ids, valid = _inputs()
+    pos = qwen3_moe.positions_from_valid(valid)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=valid.long(), position_ids=pos).logits
+        h, aux, _ = qwen3_moe.forward(params, cfg, ids, pos, valid_BT=valid)
+        out = qwen3_moe.logits(params, cfg, h)
+    diff = (out - ref)[valid].abs().max().item()
+    assert diff <= TOL, f"{kind}: max |logits - transformers| = {diff}"
+    assert torch.isfinite(out).all()
+    if cfg.is_moe:
+        assert aux.item() > 0
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2"])
+def test_saved_checkpoint_loads_in_transformers(kind, tmp_path):
+    from transformers import AutoModelForCausalLM
+    model = _hf_models()[kind]().float().eval()
+    model.save_pretrained(tmp_path / "src")
+    cfg, params = hf.load(str(tmp_path / "src"))
+    params = {k: v + 0.01 * torch.randn_like(v) for k, v in params.items()}  # not the original weights
+    hf.save(str(tmp_path / "dst"), cfg, params, max_shard_bytes=50_000)  # forces sharding + index
+    assert (tmp_path / "dst" / hf.INDEX).exists()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "dst", dtype=torch.float32).eval()
+    ids, valid = _inputs(seed=3)
+    pos = qwen3_moe.positions_from_valid(valid)
+    with torch.no_grad():
+        ref = loaded(input_ids=ids, attention_mask=valid.long(), position_ids=pos).logits
+        h, _, _ = qwen3_moe.forward(params, cfg, ids, pos, valid_BT=valid)
+        out = qwen3_moe.logits(params, cfg, h)
+    assert (out - ref)[valid].abs().max().item() <= TOL
+    cfg2, params2 = hf.load(str(tmp_path / "dst"))
+    assert cfg2 == cfg and all(torch.equal(params[k], params2[k]) for k in params)
+
+
+def test_load_rejects_mismatched_checkpoint(tmp_path):
+    model = _hf_models()["qwen3_dense"]()
+    model.save_pretrained(tmp_path)
+    import json
+    c = json.loads((tmp_path / "config.json").read_text())
+    c["num_hidden_layers"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match="missing"):
+        hf.load(str(tmp_path))
