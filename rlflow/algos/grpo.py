@@ -1,0 +1,143 @@
+"""GRPO as pure functions: group advantages, KL estimators, the clipped policy loss, loss aggregation.
+
+Legend: B samples, T response tokens (right-padded), mask_BT True on real response tokens.
+Variants are knobs of ``GRPOConfig``: Dr.GRPO (``scale_rewards=False``, ``loss_agg="seq-mean-token-sum-norm"``),
+DAPO (``clip_high > clip_low``, ``loss_agg="token-mean"``), dual clip (``dual_clip=c``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+ADV_EPS = 1e-6  # added to the group std: (r - mean) / (std + ADV_EPS)
+KL_CLAMP = 10.0  # low_var_kl is clamped to [-KL_CLAMP, KL_CLAMP]
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GRPOConfig:
+    group_size: int = 8  # G samples per prompt
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2  # DAPO's clip-higher: e.g. 0.28
+    dual_clip: float | None = None  # c > 1: for A < 0 the loss is capped at -A * c (dual-clip PPO)
+    kl_coef: float = 0.0  # beta: weight of KL(pi || pi_ref) in the loss; 0 skips the reference model
+    kl_estimator: str = "low_var_kl"
+    entropy_coef: float = 0.0
+    loss_agg: str = "token-mean"
+    scale_rewards: bool = True  # False: Dr.GRPO advantages r - mean (no std division)
+    epochs: int = 1  # passes over the step's samples
+    temperature: float = 1.0  # sampling temperature; log-probs are recomputed at the same temperature
+
+    def __post_init__(self):
+        if self.group_size < 2:
+            raise ValueError(f"GRPOConfig.group_size must be >= 2 (advantages compare samples), got {self.group_size}")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError(f"GRPOConfig.clip_low/clip_high out of range: {self.clip_low}, {self.clip_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"GRPOConfig.dual_clip must be > 1, got {self.dual_clip}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"GRPOConfig.kl_estimator={self.kl_estimator!r}: expected one of {KL_ESTIMATORS}")
+        if self.loss_agg not in LOSS_AGGS:
+            raise ValueError(f"GRPOConfig.loss_agg={self.loss_agg!r}: expected one of {LOSS_AGGS}")
+        if self.epochs < 1:
+            raise ValueError(f"GRPOConfig.epochs must be >= 1, got {self.epochs}")
+
+
+def group_advantages(rewards_B: Tensor, group_B: Tensor, *, scale: bool = True, eps: float = ADV_EPS) -> Tensor:
+    """GRPO outcome advantages, one per sample, normalized within its group g:
+
+        A_i = (r_i - mean_g(r)) / (std_g(r) + eps)      (scale=True; std is the unbiased sample std)
+        A_i =  r_i - mean_g(r)                          (scale=False: Dr.GRPO)
+    """
+    _, inv = torch.unique(group_B, return_inverse=True)
+    n_groups = int(inv.max()) + 1 if inv.numel() else 0
+    r = rewards_B.float()
+    count = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inv, torch.ones_like(r))
+    mean = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inv, r) / count
+    centered = r - mean[inv]
+    if not scale:
+        return centered
+    var = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inv, centered**2)
+    std = (var / (count - 1).clamp_min(1)).sqrt()
+    return centered / (std[inv] + eps)
+
+
+def kl_penalty(logp_BT: Tensor, ref_logp_BT: Tensor, estimator: str) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3), d = log pi_ref - log pi:
+
+        k1 = -d            k2 = d^2 / 2            k3 = exp(d) - d - 1  (>= 0, unbiased, low variance)
+        low_var_kl = clamp(k3, -KL_CLAMP, KL_CLAMP)
+    """
+    d = ref_logp_BT - logp_BT
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d**2
+    if estimator in ("k3", "low_var_kl"):
+        k3 = torch.exp(d) - d - 1
+        return k3.clamp(-KL_CLAMP, KL_CLAMP) if estimator == "low_var_kl" else k3
+    raise ValueError(f"kl estimator {estimator!r}: expected one of {KL_ESTIMATORS}")
+
+
+def aggregate(loss_BT: Tensor, mask_BT: Tensor, mode: str, *, n_tokens: float | None = None,
+              n_seqs: float | None = None, max_len: int | None = None) -> Tensor:
+    """Reduce per-token losses to a scalar. ``n_tokens`` / ``n_seqs`` are the normalizers of the whole
+    mini-batch when this call sees one micro-batch of it (gradient accumulation stays exact).
+
+        token-mean:               sum(l * m) / n_tokens
+        seq-mean-token-mean:      sum_b [ sum_t(l * m) / sum_t(m) ] / n_seqs
+        seq-mean-token-sum-norm:  sum(l * m) / (n_seqs * max_len)        (Dr.GRPO)
+    """
+    m = mask_BT.to(loss_BT.dtype)
+    if mode == "token-mean":
+        return (loss_BT * m).sum() / (m.sum().clamp_min(1) if n_tokens is None else max(n_tokens, 1))
+    n_seqs = loss_BT.shape[0] if n_seqs is None else n_seqs
+    if mode == "seq-mean-token-mean":
+        per_seq = (loss_BT * m).sum(-1) / m.sum(-1).clamp_min(1)
+        return per_seq.sum() / max(n_seqs, 1)
+    if mode == "seq-mean-token-sum-norm":
+        return (loss_BT * m).sum() / (max(n_seqs, 1) * (max_len or loss_BT.shape[1]))
+    raise ValueError(f"loss_agg {mode!r}: expected one of {LOSS_AGGS}")
+
+
+def policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_B: Tensor, mask_BT: Tensor, cfg: GRPOConfig, *,
+                ref_logp_BT: Tensor | None = None, entropy_BT: Tensor | None = None,
+                n_tokens: float | None = None, n_seqs: float | None = None,
+                max_len: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped surrogate with optional dual clip, KL and entropy terms, per token then aggregated:
+
+        rho = exp(logp - old_logp)
+        pg  = max(-A rho, -A clip(rho, 1 - clip_low, 1 + clip_high))
+        pg  = min(pg, -A c)  where A < 0                 (dual clip, c = cfg.dual_clip)
+        l   = pg + kl_coef * KL(pi || pi_ref) - entropy_coef * H(pi)
+    """
+    A = adv_B[:, None].to(logp_BT.dtype)
+    ratio = torch.exp(logp_BT - old_logp_BT)
+    pg1 = -A * ratio
+    pg2 = -A * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+    pg = torch.maximum(pg1, pg2)
+    if cfg.dual_clip is not None:
+        pg = torch.where(A < 0, torch.minimum(pg, -A * cfg.dual_clip), pg)
+    loss = pg
+    m = mask_BT.float()
+    ntok = m.sum().clamp_min(1)
+    metrics = {"clip_frac": ((pg2 > pg1).float() * m).sum() / ntok,
+               "ratio_mean": (ratio.detach() * m).sum() / ntok}
+    if cfg.kl_coef:
+        if ref_logp_BT is None:
+            raise ValueError("policy_loss: kl_coef != 0 needs ref_logp_BT")
+        kl = kl_penalty(logp_BT, ref_logp_BT, cfg.kl_estimator)
+        loss = loss + cfg.kl_coef * kl
+        metrics["kl"] = (kl.detach() * m).sum() / ntok
+    if cfg.entropy_coef:
+        if entropy_BT is None:
+            raise ValueError("policy_loss: entropy_coef != 0 needs entropy_BT")
+        loss = loss - cfg.entropy_coef * entropy_BT
+    if entropy_BT is not None:
+        metrics["entropy"] = (entropy_BT.detach() * m).sum() / ntok
+    out = aggregate(loss, mask_BT, cfg.loss_agg, n_tokens=n_tokens, n_seqs=n_seqs, max_len=max_len)
+    return out, {k: v.detach() for k, v in metrics.items()}

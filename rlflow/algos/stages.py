@@ -1,0 +1,118 @@
+"""The stages of a GRPO iteration as functions of (params, batch): score, log-probs, update.
+
+Legend: B samples, Tp prompt tokens, Tr response tokens, N tokens selected by a mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlflow import optim
+from rlflow.algos import grpo
+from rlflow.batch import RolloutBatch, TrainBatch, unpad
+from rlflow.models import qwen3_moe as model
+from rlflow.models.config import ModelConfig
+from rlflow.ops import token_logprobs
+
+
+def score(batch: RolloutBatch, tokenizer, reward_fn) -> Tensor:
+    """rewards_B: the verifier applied to each decoded response and its reference answer."""
+    if len(batch.answers) != batch.size:
+        raise ValueError(f"score: batch has {batch.size} rows but {len(batch.answers)} answers")
+    texts = [tokenizer.decode(r.tolist()) for r in unpad(batch.response_ids_BTr.cpu(), batch.response_mask_BTr.cpu())]
+    return torch.tensor([float(reward_fn(t, a)) for t, a in zip(texts, batch.answers)], dtype=torch.float32)
+
+
+def _trim(batch: RolloutBatch) -> RolloutBatch:
+    """Drop columns that are padding in every row (left of the prompts, right of the responses)."""
+    tp = int(batch.prompt_mask_BTp.sum(-1).max())
+    tr = max(int(batch.response_mask_BTr.sum(-1).max()), 1)
+    kw = {k: v[:, -tp:] for k, v in batch.tensors().items() if k.endswith("_BTp")}
+    kw.update({k: v[:, :tr] for k, v in batch.tensors().items() if k.endswith("_BTr")})
+    return batch.replace(**kw)
+
+
+def response_logprobs(params: model.Params, cfg: ModelConfig, batch: RolloutBatch, *, temperature: float = 1.0,
+                      with_entropy: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
+    """log pi(response token | prefix) [B, Tr] (0 on padding), the entropy [B, Tr] if asked, and the router
+    aux loss. The sequence is prompt (left-padded) + response (right-padded); hidden state t predicts t+1."""
+    Tp = batch.prompt_ids_BTp.shape[1]
+    ids = torch.cat([batch.prompt_ids_BTp, batch.response_ids_BTr], 1)
+    valid = torch.cat([batch.prompt_mask_BTp, batch.response_mask_BTr], 1)
+    h, aux, _ = model.forward(params, cfg, ids[:, :-1], model.positions_from_valid(valid)[:, :-1],
+                              valid_BT=valid[:, :-1])
+    m = batch.response_mask_BTr
+    h_resp = h[:, Tp - 1:]  # predicts response tokens 0..Tr-1
+    lp_N, ent_N = token_logprobs(h_resp[m], model.lm_head(params, cfg), batch.response_ids_BTr[m],
+                                 temperature=temperature, with_entropy=with_entropy)
+    lp = torch.zeros(m.shape, dtype=torch.float32, device=h.device).masked_scatter(m, lp_N)
+    ent = None if ent_N is None else torch.zeros_like(lp).masked_scatter(m, ent_N)
+    return lp, ent, aux
+
+
+@torch.no_grad()
+def batched_logprobs(params, cfg: ModelConfig, batch: RolloutBatch, *, micro_batch_size: int,
+                     temperature: float = 1.0) -> Tensor:
+    """response_logprobs over micro-batches without gradients (old and reference log-probs)."""
+    out = torch.zeros(batch.response_ids_BTr.shape, dtype=torch.float32, device=batch.response_ids_BTr.device)
+    for s in range(0, batch.size, micro_batch_size):
+        rows = torch.arange(s, min(s + micro_batch_size, batch.size))
+        mb = _trim(batch.select(rows))
+        lp, _, _ = response_logprobs(params, cfg, mb, temperature=temperature)
+        out[rows, :lp.shape[1]] = lp
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateConfig:
+    mini_batch_size: int  # samples per optimizer step
+    micro_batch_size: int  # samples per forward/backward (gradient accumulation within a mini-batch)
+    max_grad_norm: float = 1.0
+    router_aux_coef: float = 0.0  # weight of the MoE load-balancing loss in the update
+
+
+def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch, cfg: ModelConfig,
+           gcfg: grpo.GRPOConfig, ucfg: UpdateConfig, ocfg: optim.AdamWConfig, *, seed: int = 0,
+           lr: float | None = None) -> tuple[model.Params, optim.AdamWState, dict[str, float]]:
+    """``gcfg.epochs`` passes over the batch in shuffled mini-batches; one AdamW step per mini-batch with
+    gradients accumulated over micro-batches (normalizers of the whole mini-batch, so accumulation is exact)."""
+    g = torch.Generator().manual_seed(seed)
+    names = list(params)
+    leaves = [params[k].detach().requires_grad_(True) for k in names]
+    live = dict(zip(names, leaves))
+    Tr = batch.response_ids_BTr.shape[1]
+    sums: dict[str, float] = {}
+    n_mb = 0
+    for _ in range(gcfg.epochs):
+        perm = torch.randperm(batch.size, generator=g)
+        for s in range(0, batch.size, ucfg.mini_batch_size):
+            mini = perm[s:s + ucfg.mini_batch_size]
+            n_tokens = float(batch.response_mask_BTr[mini].sum())
+            grads = [torch.zeros_like(p) for p in leaves]
+            for u in range(0, len(mini), ucfg.micro_batch_size):
+                mb = _trim(batch.select(mini[u:u + ucfg.micro_batch_size]))
+                lp, ent, aux = response_logprobs(live, cfg, mb, temperature=gcfg.temperature,
+                                                 with_entropy=bool(gcfg.entropy_coef))
+                loss, met = grpo.policy_loss(lp, mb.old_logprobs_BTr, mb.advantages_B, mb.response_mask_BTr, gcfg,
+                                             ref_logp_BT=mb.ref_logprobs_BTr, entropy_BT=ent, n_tokens=n_tokens,
+                                             n_seqs=len(mini), max_len=Tr)
+                if ucfg.router_aux_coef:
+                    loss = loss + ucfg.router_aux_coef * aux * (mb.size / len(mini))
+                for p, gr in zip(grads, torch.autograd.grad(loss, leaves, allow_unused=True)):
+                    if gr is not None:
+                        p.add_(gr)
+                for k, v in {**met, "loss": loss.detach(), "router_aux": aux.detach()}.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * mb.size / len(mini)
+            gdict, norm = optim.clip_by_global_norm(dict(zip(names, grads)), ucfg.max_grad_norm)
+            with torch.no_grad():
+                _, opt_state = optim.step(live, gdict, opt_state, ocfg, lr=lr)
+            sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(norm)
+            n_mb += 1
+    new_params = {k: p.detach() for k, p in live.items()}
+    metrics = {k: v / max(n_mb, 1) for k, v in sums.items()}
+    metrics = {k: (v if math.isfinite(v) else float("nan")) for k, v in metrics.items()}
+    return new_params, opt_state, metrics

@@ -1,0 +1,87 @@
+"""Functional AdamW: ``(params, grads, state, cfg) -> (params, state)``.
+
+Like a JAX optimizer with donated buffers, the update writes into ``params`` and the moment buffers in
+place (no second copy of the model) and returns them. Weight decay is decoupled (Loshchilov & Hutter)
+and skips 1-D parameters (norms, biases).
+
+    m = b1 m + (1 - b1) g ;  v = b2 v + (1 - b2) g^2
+    p = p - lr * ( m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps) + wd * p )
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class AdamWConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self):
+        if not self.lr > 0:
+            raise ValueError(f"AdamWConfig.lr must be > 0, got {self.lr}")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"AdamWConfig.betas must be in [0, 1), got {self.betas}")
+
+
+@dataclass
+class AdamWState:
+    step: int
+    m: dict[str, Tensor]  # first moment, float32
+    v: dict[str, Tensor]  # second moment, float32
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in list(self.m.values()) + list(self.v.values()))
+
+
+def init(params: dict[str, Tensor]) -> AdamWState:
+    return AdamWState(step=0, m={k: torch.zeros_like(p, dtype=torch.float32) for k, p in params.items()},
+                      v={k: torch.zeros_like(p, dtype=torch.float32) for k, p in params.items()})
+
+
+def global_norm(grads: dict[str, Tensor]) -> Tensor:
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads.values()]))
+
+
+def clip_by_global_norm(grads: dict[str, Tensor], max_norm: float) -> tuple[dict[str, Tensor], Tensor]:
+    """Scale grads so their global L2 norm is at most max_norm; returns (grads, norm before clipping)."""
+    norm = global_norm(grads)
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return {k: g * scale for k, g in grads.items()}, norm
+
+
+def step(params: dict[str, Tensor], grads: dict[str, Tensor], state: AdamWState, cfg: AdamWConfig,
+         *, lr: float | None = None) -> tuple[dict[str, Tensor], AdamWState]:
+    """One AdamW step over the parameters that have a gradient (the others are left as they are)."""
+    keys = [k for k in params if k in grads and grads[k] is not None]
+    if not keys:
+        return params, state
+    lr = cfg.lr if lr is None else lr
+    b1, b2 = cfg.betas
+    t = state.step + 1
+    p = [params[k] for k in keys]
+    g = [grads[k].float() for k in keys]
+    m = [state.m[k] for k in keys]
+    v = [state.v[k] for k in keys]
+    with torch.no_grad():
+        torch._foreach_lerp_(m, g, 1 - b1)
+        torch._foreach_mul_(v, b2)
+        torch._foreach_addcmul_(v, g, g, value=1 - b2)
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, math.sqrt(1 - b2 ** t))
+        torch._foreach_add_(denom, cfg.eps)
+        upd = torch._foreach_div(m, denom)
+        torch._foreach_mul_(upd, lr / (1 - b1 ** t))
+        if cfg.weight_decay:
+            decay = [x for x in p if x.dim() > 1]
+            torch._foreach_mul_(decay, 1 - lr * cfg.weight_decay)
+        for x, u in zip(p, upd):
+            x.sub_(u.to(x.dtype))
+    return params, AdamWState(step=t, m=state.m, v=state.v)

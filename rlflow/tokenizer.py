@@ -1,0 +1,69 @@
+"""Tokenizers behind one small interface: a Hugging Face ``tokenizer.json`` (through the ``tokenizers``
+library) for real checkpoints, and a built-in character tokenizer for the built-in tasks."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+class CharTokenizer:
+    """One token per character of ``CHARS``; ids 0..2 are <pad>, <bos>, <eos>. Vocab size 32."""
+
+    SPECIALS = ("<pad>", "<bos>", "<eos>")
+    CHARS = "0123456789+-*=:,;?#abcdefghimnr"  # digits, operators and the letters the task names use
+
+    def __init__(self):
+        self.vocab = list(self.SPECIALS) + list(self.CHARS)
+        self._ids = {c: i for i, c in enumerate(self.vocab)}
+        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def encode(self, text: str) -> list[int]:
+        bad = sorted(set(text) - set(self.CHARS))
+        if bad:
+            raise ValueError(f"CharTokenizer.encode: characters {bad} are not in the vocabulary {self.CHARS!r}")
+        return [self._ids[c] for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.vocab[i] for i in ids if i >= len(self.SPECIALS))
+
+
+class HFTokenizer:
+    """A transformers-style tokenizer directory (tokenizer.json [+ tokenizer_config.json])."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+        f = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.exists(f):
+            raise FileNotFoundError(f"HFTokenizer: {f} does not exist")
+        self._tok = Tokenizer.from_file(f)
+        conf = {}
+        cfile = os.path.join(os.path.dirname(f), "tokenizer_config.json")
+        if os.path.exists(cfile):
+            with open(cfile) as fh:
+                conf = json.load(fh)
+
+        def tid(key, default):
+            name = conf.get(key)
+            if isinstance(name, dict):
+                name = name.get("content")
+            i = self._tok.token_to_id(name) if name else None
+            return default if i is None else i
+
+        self.eos_id = tid("eos_token", self._tok.token_to_id("<|endoftext|>") or 0)
+        self.pad_id = tid("pad_token", self.eos_id)
+        self.bos_id = tid("bos_token", None)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
