@@ -11,7 +11,7 @@ class CharTokenizer:
     """One token per character of ``CHARS``; ids 0..2 are <pad>, <bos>, <eos>. Vocab size 32."""
 
     SPECIALS = ("<pad>", "<bos>", "<eos>")
-    CHARS = "0123456789+-*=:,;?#abcdefghimnr"  # digits, operators and the letters the task names use
+    CHARS = "0123456789+-*=:,;?#()afimrstx"  # digits, operators and the letters the task names use
 
     def __init__(self):
         self.vocab = list(self.SPECIALS) + list(self.CHARS)

@@ -77,9 +77,13 @@ class UpdateConfig:
 
 def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch, cfg: ModelConfig,
            gcfg: grpo.GRPOConfig, ucfg: UpdateConfig, ocfg: optim.AdamWConfig, *, seed: int = 0,
-           lr: float | None = None) -> tuple[model.Params, optim.AdamWState, dict[str, float]]:
+           lr: float | None = None, old_is_current: bool = False
+           ) -> tuple[model.Params, optim.AdamWState, dict[str, float]]:
     """``gcfg.epochs`` passes over the batch in shuffled mini-batches; one AdamW step per mini-batch with
-    gradients accumulated over micro-batches (normalizers of the whole mini-batch, so accumulation is exact)."""
+    gradients accumulated over micro-batches (normalizers of the whole mini-batch, so accumulation is exact).
+
+    ``old_is_current``: the batch was sampled by exactly these params and this call makes one optimizer
+    step, so the ratio's denominator is the current log-prob detached (exact; saves a forward pass)."""
     g = torch.Generator().manual_seed(seed)
     names = list(params)
     leaves = [params[k].detach().requires_grad_(True) for k in names]
@@ -97,7 +101,8 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
                 mb = _trim(batch.select(mini[u:u + ucfg.micro_batch_size]))
                 lp, ent, aux = response_logprobs(live, cfg, mb, temperature=gcfg.temperature,
                                                  with_entropy=bool(gcfg.entropy_coef))
-                loss, met = grpo.policy_loss(lp, mb.old_logprobs_BTr, mb.advantages_B, mb.response_mask_BTr, gcfg,
+                old = lp.detach() if old_is_current else mb.old_logprobs_BTr
+                loss, met = grpo.policy_loss(lp, old, mb.advantages_B, mb.response_mask_BTr, gcfg,
                                              ref_logp_BT=mb.ref_logprobs_BTr, entropy_BT=ent, n_tokens=n_tokens,
                                              n_seqs=len(mini), max_len=Tr)
                 if ucfg.router_aux_coef:

@@ -1,0 +1,110 @@
+"""The GRPO iteration, one process: rollout -> score -> (ref / old log-probs) -> advantages -> update.
+
+Sizes are stated once in ``LoopConfig`` and validated at start. Metrics per step go to a callback; the
+throughput figure is the paper's Eq. (5), ``TPS_DEFINITION``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from rlflow import optim
+from rlflow.algos import grpo, stages
+from rlflow.batch import TrainBatch, extend
+from rlflow.data import PromptSource, prompt_batch
+from rlflow.models.config import ModelConfig
+from rlflow.rollout import SamplingConfig, generate
+
+TPS_DEFINITION = ("TPS = (prompt tokens + response tokens of all samples in the step) / "
+                  "(devices x step wall time)   [MindSpeed RL, Eq. 5]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopConfig:
+    steps: int
+    prompts_per_step: int
+    grpo: grpo.GRPOConfig
+    mini_batch_size: int  # samples per optimizer step; global batch = prompts_per_step * group_size
+    micro_batch_size: int  # samples per forward/backward
+    optim: optim.AdamWConfig
+    sampling: SamplingConfig
+    max_grad_norm: float = 1.0
+    router_aux_coef: float = 0.0
+    max_prompt_len: int | None = None
+    warmup_lr_steps: int = 0  # linear LR warm-up over this many steps
+    seed: int = 0
+    devices: int = 1
+
+    @property
+    def global_batch(self) -> int:
+        return self.prompts_per_step * self.grpo.group_size
+
+    def __post_init__(self):
+        validate_sizes(steps=self.steps, prompts_per_step=self.prompts_per_step, group_size=self.grpo.group_size,
+                       mini_batch_size=self.mini_batch_size, micro_batch_size=self.micro_batch_size)
+
+
+def validate_sizes(*, steps: int, prompts_per_step: int, group_size: int, mini_batch_size: int,
+                   micro_batch_size: int) -> None:
+    """Every size positive and dividing where it has to; the error names the numbers."""
+    for name, v in dict(steps=steps, prompts_per_step=prompts_per_step, group_size=group_size,
+                        mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size).items():
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    gb = prompts_per_step * group_size
+    if gb % mini_batch_size:
+        raise ValueError(f"global batch {gb} (= prompts_per_step {prompts_per_step} x group_size {group_size}) "
+                         f"is not divisible by mini_batch_size {mini_batch_size}")
+    if mini_batch_size % micro_batch_size:
+        raise ValueError(f"mini_batch_size {mini_batch_size} is not divisible by micro_batch_size {micro_batch_size}")
+
+
+def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, lcfg: LoopConfig, *,
+          on_step: Callable[[dict], None] | None = None, device: torch.device | str = "cpu"):
+    """Run ``lcfg.steps`` GRPO steps; returns (params, opt_state, list of per-step metrics)."""
+    gcfg = lcfg.grpo
+    opt_state = optim.init(params)
+    ref_params = {k: v.detach().clone() for k, v in params.items()} if gcfg.kl_coef else None
+    ucfg = stages.UpdateConfig(mini_batch_size=lcfg.mini_batch_size, micro_batch_size=lcfg.micro_batch_size,
+                               max_grad_norm=lcfg.max_grad_norm, router_aux_coef=lcfg.router_aux_coef)
+    single_update = gcfg.epochs == 1 and lcfg.mini_batch_size == lcfg.global_batch
+    history = []
+    for step in range(lcfg.steps):
+        t0 = time.perf_counter()
+        examples = source.take(lcfg.prompts_per_step)
+        prompts = prompt_batch(examples, tokenizer, first_index=step * lcfg.prompts_per_step,
+                               max_prompt_len=lcfg.max_prompt_len).to(device)
+        rollout = generate(params, cfg, prompts, lcfg.sampling, group_size=gcfg.group_size,
+                           seed=lcfg.seed * 1_000_003 + step)
+        t_roll = time.perf_counter()
+        rewards = stages.score(rollout, tokenizer, reward_fn).to(device)
+        adv = grpo.group_advantages(rewards, rollout.group_B, scale=gcfg.scale_rewards)
+        # With one optimizer step per batch the policy that sampled is the policy being updated, so the
+        # ratio's denominator is the current log-prob, detached (update() does that); otherwise recompute.
+        old = None if single_update else stages.batched_logprobs(
+            params, cfg, rollout, micro_batch_size=lcfg.micro_batch_size, temperature=gcfg.temperature)
+        ref = None if ref_params is None else stages.batched_logprobs(
+            ref_params, cfg, rollout, micro_batch_size=lcfg.micro_batch_size, temperature=gcfg.temperature)
+        batch = extend(rollout, TrainBatch, rewards_B=rewards, advantages_B=adv,
+                       old_logprobs_BTr=rollout.sample_logprobs_BTr if old is None else old, ref_logprobs_BTr=ref)
+        lr = lcfg.optim.lr * min(1.0, (step + 1) / lcfg.warmup_lr_steps) if lcfg.warmup_lr_steps else None
+        params, opt_state, upd = stages.update(params, opt_state, batch, cfg, gcfg, ucfg, lcfg.optim,
+                                               seed=lcfg.seed + step, lr=lr, old_is_current=single_update)
+        t1 = time.perf_counter()
+        n_prompt = int(rollout.prompt_mask_BTp.sum())
+        n_resp = int(rollout.response_mask_BTr.sum())
+        wall = t1 - t0
+        m = {"step": step, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+             "tps": (n_prompt + n_resp) / (lcfg.devices * wall), "step_time_s": wall,
+             "rollout_time_s": t_roll - t0, "update_time_s": t1 - t_roll,
+             "response_len_mean": n_resp / rollout.size, "prompt_tokens": n_prompt, "response_tokens": n_resp,
+             **{k: v for k, v in upd.items()}}
+        history.append(m)
+        if on_step is not None:
+            on_step(m)
+    return params, opt_state, history
+

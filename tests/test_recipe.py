@@ -1,0 +1,49 @@
+"""Smoke run of the recipe, and the start-up size checks."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rlflow.runtime.loop import validate_sizes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_recipe_two_steps_writes_metrics_plot_and_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--steps", "2",
+           "--prompts-per-step", "4", "--group-size", "4", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "TPS = (prompt tokens + response tokens" in res.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert {"step", "reward_mean", "tps", "step_time_s"} <= set(r)
+        assert r["tps"] > 0 and 0.0 <= r["reward_mean"] <= 1.0
+    assert (out / "reward.png").stat().st_size > 1000
+    assert (out / "checkpoint" / "config.json").exists()
+
+
+def test_recipe_help_lists_the_flags():
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0
+    for flag in ["--model", "--dataset", "--steps", "--prompts-per-step", "--group-size", "--max-new-tokens",
+                 "--lr", "--kl-coef", "--seed", "--out"]:
+        assert flag in res.stdout
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(prompts_per_step=6, group_size=5, mini_batch_size=4, micro_batch_size=2),
+     "global batch 30 .*prompts_per_step 6 x group_size 5.* not divisible by mini_batch_size 4"),
+    (dict(prompts_per_step=4, group_size=4, mini_batch_size=8, micro_batch_size=3),
+     "mini_batch_size 8 is not divisible by micro_batch_size 3"),
+    (dict(prompts_per_step=0, group_size=4, mini_batch_size=8, micro_batch_size=8), "prompts_per_step must be"),
+])
+def test_sizes_validated_with_numbers(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        validate_sizes(steps=1, **kw)
