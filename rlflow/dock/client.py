@@ -33,8 +33,6 @@ from rlflow.dock.samplers import balance
 from rlflow.dock.schema import GRPO_COLUMNS, GRPO_CONSUMERS, Schema, Wire, concat_cells, take_rows
 from rlflow.dock.warehouse import Warehouse
 
-_EMPTY: Mapping[str, Tensor] = types.MappingProxyType({})
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DockBatch:
@@ -44,8 +42,8 @@ class DockBatch:
 
     index_B: Tensor  # int64, global row index
     data: Mapping[str, Tensor]
-    mask: Mapping[str, Tensor] = _EMPTY  # padded var columns only
-    cu_seqlens: Mapping[str, Tensor] = _EMPTY  # packed var columns only
+    mask: Mapping[str, Tensor] = field(default_factory=dict)  # padded var columns only
+    cu_seqlens: Mapping[str, Tensor] = field(default_factory=dict)  # packed var columns only
     packed: bool = False
 
     def __post_init__(self):
