@@ -14,11 +14,20 @@ warehouses. See docs/dock.md.
     cost.py         communication-volume model (the paper's Eqs. (1), (2), (4))
 """
 
-from rlflow.dock.centralized import CentralizedBuffer, CentralStore
-from rlflow.dock.client import Dock, DockBatch, LocalTransport, Ticket
-from rlflow.dock.controller import Controller
-from rlflow.dock.schema import GRPO_COLUMNS, GRPO_CONSUMERS, Column, Schema
-from rlflow.dock.warehouse import Meter, Warehouse, payload_bytes
+import importlib
 
-__all__ = ["CentralizedBuffer", "CentralStore", "Column", "Controller", "Dock", "DockBatch", "GRPO_COLUMNS",
-           "GRPO_CONSUMERS", "LocalTransport", "Meter", "Schema", "Ticket", "Warehouse", "payload_bytes"]
+# Lazy exports (PEP 562): a Ray actor process that hosts a warehouse or a controller imports only
+# numpy-only modules, not torch.
+_EXPORTS = {
+    "CentralizedBuffer": "centralized", "CentralStore": "centralized", "Dock": "client", "DockBatch": "client",
+    "LocalTransport": "client", "Ticket": "client", "Controller": "controller", "GRPO_COLUMNS": "schema",
+    "GRPO_CONSUMERS": "schema", "Column": "schema", "Schema": "schema", "Meter": "warehouse",
+    "Warehouse": "warehouse", "payload_bytes": "warehouse",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'rlflow.dock' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"rlflow.dock.{_EXPORTS[name]}"), name)

@@ -35,7 +35,8 @@ def balance(costs: np.ndarray, k: int) -> list[np.ndarray]:
     """Partition positions ``0..len(costs)-1`` into ``k`` parts: equal counts (+-1), even total cost.
 
     Greedy: units in decreasing cost go to the part with the least total cost among parts that still
-    have room. Each part's positions are returned sorted.
+    have room; then single swaps between the heaviest and the lightest part while the gap narrows.
+    Each part's positions are returned sorted.
     """
     if k <= 0:
         raise ValueError(f"balance: k must be positive, got {k}")
@@ -51,7 +52,35 @@ def balance(costs: np.ndarray, k: int) -> list[np.ndarray]:
         parts[p].append(u)
         load[p] += costs[u]
         room[p] -= 1
+    _refine(costs, parts, load)
     return [np.array(sorted(p), dtype=np.int64) for p in parts]
+
+
+def _refine(costs: np.ndarray, parts: list[list[int]], load: np.ndarray, rounds: int = 64) -> None:
+    """Swap one unit between the heaviest and the lightest part while that narrows their gap."""
+    for _ in range(rounds):
+        hi, lo = int(np.argmax(load)), int(np.argmin(load))
+        gap = load[hi] - load[lo]
+        if gap <= 0 or not parts[lo]:
+            return
+        lo_units = np.array(parts[lo])
+        lo_costs = costs[lo_units]
+        order = np.argsort(lo_costs)
+        best, pick = gap, None
+        for i, u in enumerate(parts[hi]):  # want c_u - c_v close to gap / 2, 0 < c_u - c_v < gap
+            j = np.searchsorted(lo_costs[order], costs[u] - gap / 2)
+            for jj in (j - 1, j):
+                if 0 <= jj < len(order):
+                    d = costs[u] - lo_costs[order[jj]]
+                    if 0 < d < gap and abs(gap - 2 * d) < best:
+                        best, pick = abs(gap - 2 * d), (i, int(order[jj]))
+        if pick is None:
+            return
+        i, j = pick
+        u, v = parts[hi][i], parts[lo][j]
+        parts[hi][i], parts[lo][j] = v, u
+        load[hi] += costs[v] - costs[u]
+        load[lo] += costs[u] - costs[v]
 
 
 def imbalance(costs: np.ndarray, parts: list[np.ndarray]) -> float:

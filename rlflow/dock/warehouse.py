@@ -18,9 +18,12 @@ from __future__ import annotations
 import pickle
 import threading
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from rlflow.dock.schema import Cell, Wire
+if TYPE_CHECKING:  # schema.py imports torch; a warehouse process needs only numpy
+    from rlflow.dock.schema import Cell, Wire
 
 
 def payload_bytes(obj: object) -> int:

@@ -1,0 +1,292 @@
+"""Transfer dock, in-process: put/get semantics, options, bad input, samplers, the cost model."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rlflow.dock import GRPO_COLUMNS, CentralizedBuffer, Column, Dock, Schema
+from rlflow.dock.cost import GRPO_FLOW, Shape, centralized_bytes, dock_bytes, stage_bytes
+from rlflow.dock.samplers import balance, imbalance, pick_groups
+from rlflow.dock.schema import take_rows
+
+CAP, G = 16, 4
+MAKERS = {
+    "dock1": lambda: Dock.local(capacity=CAP, warehouses=1, group_size=G),
+    "dock3": lambda: Dock.local(capacity=CAP, warehouses=3, group_size=G),
+    "central": lambda: CentralizedBuffer.local(capacity=CAP, group_size=G),
+}
+
+
+@pytest.fixture(params=list(MAKERS))
+def dock(request):
+    return MAKERS[request.param]()
+
+
+def prompts(rows, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.full((1 + (r * 7 + seed) % 5,), r, dtype=torch.long) for r in rows]
+
+
+def put_prompts(d, rows):
+    d.put(rows, {"prompt_ids": prompts(rows), "group": torch.tensor(rows) // G})
+
+
+def put_responses(d, rows):
+    resp = [torch.arange(1 + r % 3) + 100 * r for r in rows]
+    d.put(rows, {"response_ids": resp, "sample_logprobs": [-(x.float()) for x in resp]})
+
+
+# ---- the basic flow ----
+def test_put_get_roundtrip_padded_and_packed(dock):
+    put_prompts(dock, list(range(CAP)))
+    b = dock.get("rollout", ["prompt_ids", "group"], 8)
+    assert b.index_B.tolist() == list(range(8))
+    assert [r.tolist() for r in b.rows("prompt_ids")] == [p.tolist() for p in prompts(range(8))]
+    m = b.mask["prompt_ids"]
+    assert m[:, -1].all(), "prompts are left-padded: the last position is always real"
+    assert b["group"].tolist() == [r // G for r in range(8)]
+    c = dock.get("rollout", ["prompt_ids"], 8, packed=True)
+    assert c.index_B.tolist() == list(range(8, 16))
+    assert c.lengths("prompt_ids").tolist() == [len(p) for p in prompts(range(8, 16))]
+    assert torch.equal(c["prompt_ids"], torch.cat(prompts(range(8, 16))))
+
+
+def test_get_waits_for_every_requested_column(dock):
+    put_prompts(dock, list(range(CAP)))
+    put_responses(dock, [1, 3, 5])
+    b = dock.get("score", ["prompt_ids", "response_ids"], 3, timeout=0)
+    assert b.index_B.tolist() == [1, 3, 5]
+    assert [r.tolist() for r in b.rows("response_ids")] == [[100, 101], [300], [500, 501, 502]]
+    assert dock.get("score", ["prompt_ids", "response_ids"], 2, timeout=0, partial=True).size == 0
+    # another consumer still sees the same rows: consumption is per consumer
+    assert dock.get("update", ["response_ids"], 3, timeout=0).index_B.tolist() == [1, 3, 5]
+
+
+def test_whole_groups_only(dock):
+    put_prompts(dock, list(range(CAP)))
+    put_responses(dock, [0, 1, 2, 4, 5, 6, 7, 9])  # group 1 complete, group 0 misses row 3
+    b = dock.get("score", ["response_ids"], G, groups=True, timeout=0)
+    assert b.index_B.tolist() == [4, 5, 6, 7]
+    with pytest.raises(TimeoutError):
+        dock.get("score", ["response_ids"], G, groups=True, timeout=0)
+    assert dock.get("score", ["response_ids"], 2, timeout=0).index_B.tolist() == [0, 1]
+
+
+def test_get_dp_balances_length_with_equal_counts(dock):
+    rows = list(range(CAP))
+    dock.put(rows, {"prompt_ids": [torch.zeros(1 + 10 * (r % 2) + r, dtype=torch.long) for r in rows]})
+    parts = dock.get_dp("rollout", ["prompt_ids"], CAP, 4)
+    assert sorted(sum((p.index_B.tolist() for p in parts), [])) == rows
+    assert [p.size for p in parts] == [4, 4, 4, 4]
+    tot = [int(p.lengths("prompt_ids").sum()) for p in parts]
+    assert max(tot) - min(tot) <= 2, tot
+
+
+def test_get_dp_groups_stay_whole(dock):
+    put_prompts(dock, list(range(CAP)))
+    parts = dock.get_dp("rollout", ["prompt_ids"], CAP, 2, groups=True)
+    for p in parts:
+        gs = (p.index_B // G).tolist()
+        assert all(gs.count(g) == G for g in set(gs))
+
+
+def test_blocking_get_wakes_when_rows_arrive(dock):
+    put_prompts(dock, list(range(CAP)))
+    out = {}
+
+    def consumer():
+        out["b"] = dock.get("score", ["response_ids"], 4, timeout=10)
+
+    t = threading.Thread(target=consumer)
+    t.start()
+    time.sleep(0.05)
+    assert "b" not in out
+    put_responses(dock, [2, 3])
+    time.sleep(0.05)
+    assert "b" not in out, "must wait for 4 rows"
+    put_responses(dock, [8, 9])
+    t.join(5)
+    assert out["b"].index_B.tolist() == [2, 3, 8, 9]
+
+
+def test_clear_resets_everything(dock):
+    put_prompts(dock, list(range(CAP)))
+    dock.get("rollout", ["prompt_ids"], 4)
+    dock.clear()
+    assert dock.pending("rollout", ["prompt_ids"]) == (CAP, 0)
+    put_prompts(dock, [0])  # the same cell can be written again after clear
+    assert dock.get("rollout", ["prompt_ids"], 1, timeout=0).index_B.tolist() == [0]
+
+
+def test_blocked_get_on_impossible_request_raises(dock):
+    put_prompts(dock, list(range(CAP)))
+    dock.get("rollout", ["prompt_ids"], 12)
+    with pytest.raises(ValueError, match="only 4 remain"):
+        dock.get("rollout", ["prompt_ids"], 8)
+
+
+def test_bfloat16_and_fixed_columns():
+    schema = Schema(Column("h", torch.bfloat16, "var"), Column("f", torch.int32, "fixed", length=3))
+    for d in (Dock.local(schema, ["c"], capacity=4, warehouses=2), CentralizedBuffer.local(schema, ["c"], capacity=4)):
+        h = [torch.randn(n).bfloat16() for n in (1, 3, 2, 4)]
+        f = torch.arange(12, dtype=torch.int32).reshape(4, 3)
+        d.put([0, 1, 2, 3], {"h": h, "f": f})
+        b = d.get("c", ["h", "f"], 4)
+        assert b["h"].dtype == torch.bfloat16 and all(torch.equal(x, y) for x, y in zip(b.rows("h"), h))
+        assert torch.equal(b["f"], f)
+
+
+def test_puts_spread_rows_round_robin_by_group():
+    d = Dock.local(capacity=CAP, warehouses=2, group_size=G)
+    put_prompts(d, list(range(CAP)))
+    held = [w["prompt_ids"] for w in d.snapshot()["warehouses"]]
+    assert held == [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]]
+    put_responses(d, [4])  # later columns follow the row to its warehouse
+    assert d.snapshot()["warehouses"][1]["response_ids"] == [4]
+
+
+# ---- bad input: a clear error, and the dock unchanged ----
+def _unchanged(d, fn, exc, match):
+    before = d.snapshot()
+    with pytest.raises(exc, match=match):
+        fn()
+    assert d.snapshot() == before
+
+
+def test_bad_unknown_column(dock):
+    put_prompts(dock, [0, 1])
+    _unchanged(dock, lambda: dock.put([2], {"prompt_ids": prompts([2]), "nope": torch.zeros(1)}), ValueError,
+               "unknown column 'nope'")
+    _unchanged(dock, lambda: dock.get("rollout", ["prompt_ids", "nope"], 1), ValueError, "unknown column 'nope'")
+
+
+def test_bad_unknown_consumer(dock):
+    put_prompts(dock, [0, 1])
+    _unchanged(dock, lambda: dock.get("critic", ["prompt_ids"], 1), ValueError, "unknown consumer 'critic'")
+
+
+def test_bad_dtype(dock):
+    put_prompts(dock, [0, 1])
+    _unchanged(dock, lambda: dock.put([2, 3], {"rewards": torch.tensor([1, 2])}), ValueError,
+               "column 'rewards' expects dtype float32, got int64")
+    _unchanged(dock, lambda: dock.put([2], {"prompt_ids": [torch.zeros(3)]}), ValueError,
+               "column 'prompt_ids' expects dtype int64, got float32")
+
+
+def test_bad_shape(dock):
+    put_prompts(dock, [0, 1])
+    _unchanged(dock, lambda: dock.put([2, 3], {"rewards": torch.zeros(3)}), ValueError,
+               r"'rewards' expects shape \[2\], got \[3\]")
+    _unchanged(dock, lambda: dock.put([2], {"prompt_ids": [torch.zeros(2, 2, dtype=torch.long)]}), ValueError,
+               "expected a 1-D tensor")
+    _unchanged(dock, lambda: dock.put([2, 3], {"prompt_ids": prompts([2])}), ValueError, "has 1 rows, indices has 2")
+    # the log-probs of a response have its length, in the same put or against the stored response
+    _unchanged(dock, lambda: dock.put([0], {"response_ids": [torch.zeros(3, dtype=torch.long)],
+                                            "sample_logprobs": [torch.zeros(2)]}), ValueError, "length group")
+    put_responses(dock, [0])
+    _unchanged(dock, lambda: dock.put([0], {"old_logprobs": [torch.zeros(5)]}), ValueError, "length group")
+
+
+def test_bad_second_put_of_a_cell(dock):
+    put_prompts(dock, [0, 1, 4, 5])
+    # rows 4, 5 live in another warehouse than 0, 1 when S > 1: the whole put must still be refused
+    _unchanged(dock, lambda: dock.put([2, 5], {"group": torch.tensor([0, 1])}), ValueError,
+               r"cell \(row 5, column 'group'\) already written")
+    b = dock.get("rollout", ["group"], 4, timeout=0)
+    assert b["group"].tolist() == [0, 0, 1, 1]
+
+
+def test_bad_index(dock):
+    _unchanged(dock, lambda: dock.put([CAP], {"group": torch.tensor([0])}), ValueError,
+               rf"index {CAP} out of range \[0, {CAP}\)")
+    _unchanged(dock, lambda: dock.put([-1], {"group": torch.tensor([0])}), ValueError, "index -1 out of range")
+    _unchanged(dock, lambda: dock.put([1, 1], {"group": torch.tensor([0, 0])}), ValueError, "more than once")
+
+
+def test_bad_get_larger_than_capacity(dock):
+    put_prompts(dock, list(range(CAP)))
+    _unchanged(dock, lambda: dock.get("rollout", ["prompt_ids"], CAP + 1), ValueError, "exceeds the dock's capacity")
+    _unchanged(dock, lambda: dock.get("rollout", ["prompt_ids"], 3, groups=True), ValueError, "not a multiple")
+
+
+def test_timeout_leaves_dock_unchanged(dock):
+    put_prompts(dock, [0, 1])
+    _unchanged(dock, lambda: dock.get("rollout", ["prompt_ids"], 3, timeout=0.05), TimeoutError, "2 are ready")
+
+
+def test_bad_schema_declarations():
+    with pytest.raises(ValueError, match="duplicate column names"):
+        Schema(Column("a", torch.long), Column("a", torch.long))
+    with pytest.raises(ValueError, match="length is required"):
+        Column("a", torch.long, "fixed")
+    with pytest.raises(ValueError, match="capacity=10 must be a positive multiple of group_size=4"):
+        Dock.local(capacity=10, group_size=4)
+
+
+# ---- samplers and wire helpers ----
+@given(st.lists(st.integers(1, 1000), min_size=1, max_size=40), st.integers(1, 6))
+def test_balance_partitions_evenly(costs, k):
+    parts = balance(np.array(costs), k)
+    flat = sorted(np.concatenate(parts).tolist())
+    assert flat == list(range(len(costs)))
+    sizes = [len(p) for p in parts]
+    assert max(sizes) - min(sizes) <= 1
+    totals = [sum(costs[i] for i in p) for p in parts]  # no part exceeds the mean by more than the largest unit
+    assert max(totals) <= sum(costs) / k + max(costs) + 1e-9, (totals, imbalance(np.array(costs), parts))
+
+
+@given(st.lists(st.booleans(), min_size=8, max_size=8), st.sampled_from([2, 4, 8]))
+def test_pick_groups_takes_whole_groups(bits, n):
+    rows = pick_groups(np.array(bits), 2, n)
+    assert len(rows) % 2 == 0 and all(bits[r] for r in rows)
+    assert all(r % 2 == 0 and r + 1 == s for r, s in zip(rows[::2], rows[1::2]))
+
+
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=12), st.data())
+def test_take_rows_matches_python(lens, data):
+    rows = data.draw(st.lists(st.integers(0, len(lens) - 1), max_size=12))
+    lens = np.array(lens)
+    values = np.arange(lens.sum())
+    split = np.split(values, np.cumsum(lens)[:-1])
+    got, glens = take_rows((values, lens), np.array(rows, dtype=np.int64))
+    assert got.tolist() == [x for r in rows for x in split[r].tolist()]
+    assert glens.tolist() == [int(lens[r]) for r in rows]
+
+
+# ---- cost model against bytes measured in-process ----
+def run_grpo(d, shape: Shape, mb: int):
+    """One GRPO-shaped iteration in this process; fixed lengths so the model is exact up to headers."""
+    R, PL, SL = shape.rows, int(shape.prompt_len), int(shape.response_len)
+    d.put(range(R), {"prompt_ids": [torch.zeros(PL, dtype=torch.long)] * R, "group": torch.arange(R) // G})
+    for s in GRPO_FLOW[1:]:
+        for _ in range(R // mb):
+            b = d.get(s.name, list(s.reads), mb, groups=True, timeout=0)
+            k = b.size
+            out = {"response_ids": [torch.zeros(SL, dtype=torch.long)] * k,
+                   "sample_logprobs": [torch.zeros(SL)] * k, "ref_logprobs": [torch.zeros(SL)] * k,
+                   "old_logprobs": [torch.zeros(SL)] * k, "rewards": torch.zeros(k), "advantages": torch.zeros(k)}
+            if s.writes:
+                d.put(b.index_B, {c: out[c] for c in s.writes})
+
+
+@pytest.mark.parametrize("S", [1, 2, 4])
+def test_cost_model_matches_measured_bytes(S):
+    shape = Shape(prompts=8, group_size=G, prompt_len=512, response_len=1024)
+    d = Dock.local(capacity=shape.rows, warehouses=S, group_size=G)
+    run_grpo(d, shape, mb=8)
+    t = d.traffic()
+    wh = max(v["bytes_in"] + v["bytes_out"] for k, v in t.items() if k.startswith("warehouse"))
+    model = dock_bytes(shape, S)
+    assert abs(wh - model["warehouse"]) / model["warehouse"] < 0.02, (wh, model)
+    ctl = max(v["bytes_in"] + v["bytes_out"] for k, v in t.items() if k.startswith("controller"))
+    assert ctl < wh / 10, "controllers carry metadata only"
+    c = CentralizedBuffer.local(capacity=shape.rows, group_size=G)
+    run_grpo(c, shape, mb=8)
+    cb = sum(c.traffic()["central"][k] for k in ("bytes_in", "bytes_out"))
+    assert abs(cb - centralized_bytes(shape)) / centralized_bytes(shape) < 0.02
+    assert sum(stage_bytes(shape, s) for s in GRPO_FLOW) == centralized_bytes(shape)
