@@ -48,11 +48,12 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
     B = P * G
     dtype = params["model.embed_tokens.weight"].dtype
     gen = torch.Generator(device=dev).manual_seed(seed)
+    params = model.fuse_for_inference(params, cfg)
 
     valid = prompts.prompt_mask_BTp
     cache = model.KVCache.allocate(cfg, P, Tp + Tn, dtype=dtype, device=dev)
     h, _, cache = model.forward(params, cfg, prompts.prompt_ids_BTp, model.positions_from_valid(valid),
-                                valid_BT=valid, cache=cache)
+                                valid_BT=valid, cache=cache, with_aux=False)
     next_logits = model.logits(params, cfg, h[:, -1]).repeat_interleave(G, 0)
     if G > 1:  # prefix sharing: one prefill per prompt, copied to its G samples
         cache = model.KVCache(k=[x.repeat_interleave(G, 0) for x in cache.k],
@@ -75,7 +76,7 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
         if t == Tn - 1 or bool(finished.all()):
             break
         h, _, cache = model.forward(params, cfg, out_ids[:, t:t + 1], (pos + t)[:, None],
-                                    valid_BT=out_mask[:, t:t + 1], cache=cache)
+                                    valid_BT=out_mask[:, t:t + 1], cache=cache, with_aux=False)
         next_logits = model.logits(params, cfg, h[:, -1])
     return extend(prompts.repeat(G), RolloutBatch, response_ids_BTr=out_ids, response_mask_BTr=out_mask,
                   sample_logprobs_BTr=out_lp)

@@ -69,49 +69,83 @@ def _linear(params: Params, name: str, x: Tensor) -> Tensor:
     return F.linear(x, params[name + ".weight"], params.get(name + ".bias"))
 
 
+# Derived keys that ``fuse_for_inference`` adds; the forward uses them when present, else builds them.
+QKV_W, QKV_B, QK_NORM = "qkv_proj.weight", "qkv_proj.bias", "qk_norm.weight"
+
+
+def _fused_attention_weights(params: Params, cfg: ModelConfig, p: str) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """q/k/v projections stacked [(H + 2K) d, D] (one matmul), and q_norm/k_norm as one [(H + K), d] weight."""
+    w = params.get(p + QKV_W)
+    if w is None:
+        w = torch.cat([params[p + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")])
+    bias = params.get(p + QKV_B)
+    if bias is None and cfg.attention_bias:
+        bias = torch.cat([params[p + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")])
+    norm = params.get(p + QK_NORM)
+    if norm is None and cfg.qk_norm:
+        H, K = cfg.num_attention_heads, cfg.num_key_value_heads
+        norm = torch.cat([params[p + "q_norm.weight"].expand(H, -1), params[p + "k_norm.weight"].expand(K, -1)])
+    return w, bias, norm
+
+
+def fuse_for_inference(params: Params, cfg: ModelConfig) -> Params:
+    """params plus the stacked attention weights, computed once (the rollout engine's decode loop would
+    otherwise stack them at every token). The extra keys are derived and never saved."""
+    out = dict(params)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}.self_attn."
+        w, b, n = _fused_attention_weights(params, cfg, p)
+        out[p + QKV_W] = w
+        if b is not None:
+            out[p + QKV_B] = b
+        if n is not None:
+            out[p + QK_NORM] = n
+    return out
+
+
 def _attention_block(params: Params, cfg: ModelConfig, p: str, x_BTD: Tensor, cos: Tensor, sin: Tensor,
                      mask: Tensor | None, cache: KVCache | None, layer: int) -> Tensor:
     B, T, _ = x_BTD.shape
     H, K, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = _linear(params, p + "q_proj", x_BTD).view(B, T, H, d)
-    k = _linear(params, p + "k_proj", x_BTD).view(B, T, K, d)
-    v = _linear(params, p + "v_proj", x_BTD).view(B, T, K, d)
-    if cfg.qk_norm:
-        q = rmsnorm(q, params[p + "q_norm.weight"], cfg.rms_norm_eps)
-        k = rmsnorm(k, params[p + "k_norm.weight"], cfg.rms_norm_eps)
-    q = apply_rope(q.transpose(1, 2), cos, sin)
-    k = apply_rope(k.transpose(1, 2), cos, sin)
-    v = v.transpose(1, 2)
+    w, bias, norm = _fused_attention_weights(params, cfg, p)
+    qkv = F.linear(x_BTD, w, bias).view(B, T, H + 2 * K, d).transpose(1, 2)  # [B, H+2K, T, d]
+    qk, v = qkv[:, :H + K], qkv[:, H + K:]
+    if norm is not None:
+        qk = rmsnorm(qk, norm[:, None], cfg.rms_norm_eps)  # per-head weights over [B, H+K, T, d]
+    qk = apply_rope(qk, cos, sin)
+    q, k = qk[:, :H], qk[:, H:]
     if cache is not None:
         s0, s1 = cache.length, cache.length + T
         cache.k[layer][:, :, s0:s1] = k
         cache.v[layer][:, :, s0:s1] = v
         k, v = cache.k[layer][:, :, :s1], cache.v[layer][:, :, :s1]
     o = attention(q, k, v, mask, is_causal=True)  # [B, H, T, d]
-    return _linear(params, p + "o_proj", o.transpose(1, 2).reshape(B, T, H * d))
+    return F.linear(o.transpose(1, 2).reshape(B, T, H * d), params[p + "o_proj.weight"])
 
 
 def _mlp_block(params: Params, cfg: ModelConfig, p: str, layer: int, x_BTD: Tensor,
-               valid_BT: Tensor | None) -> tuple[Tensor, Tensor]:
+               valid_BT: Tensor | None, with_aux: bool) -> tuple[Tensor, Tensor]:
     if not cfg.is_moe_layer(layer):
         h = F.silu(_linear(params, p + "gate_proj", x_BTD)) * _linear(params, p + "up_proj", x_BTD)
         return _linear(params, p + "down_proj", h), x_BTD.new_zeros((), dtype=torch.float32)
     B, T, D = x_BTD.shape
     x_ND = x_BTD.reshape(B * T, D)
     w_NK, idx_NK, aux = route(x_ND, params[p + "gate.weight"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                              None if valid_BT is None else valid_BT.reshape(-1))
+                              None if valid_BT is None else valid_BT.reshape(-1), with_aux=with_aux)
     y = moe_experts(x_ND, w_NK, idx_NK, params[p + "experts.gate_up_proj"], params[p + "experts.down_proj"])
     return y.view(B, T, D), aux
 
 
 def forward(params: Params, cfg: ModelConfig, ids_BT: Tensor, positions_BT: Tensor, *,
-            valid_BT: Tensor | None = None, cache: KVCache | None = None) -> tuple[Tensor, Tensor, KVCache | None]:
+            valid_BT: Tensor | None = None, cache: KVCache | None = None,
+            with_aux: bool = True) -> tuple[Tensor, Tensor, KVCache | None]:
     """Final hidden states [B, T, D] (after the last norm), the mean router aux loss, and the cache.
 
     positions_BT: rotary positions (for left-padded rows, ``cumsum(valid) - 1``).
     valid_BT: True on real tokens; None means no padding (plain causal attention).
     cache: when given, this call's keys/values are written at ``cache.length`` onward and queries attend
     over all filled positions; the returned cache has ``length`` advanced by T (same buffers).
+    with_aux: compute the router load-balancing loss (off in decode, where nothing uses it).
     """
     B, T = ids_BT.shape
     dtype = params["model.embed_tokens.weight"].dtype
@@ -135,7 +169,7 @@ def forward(params: Params, cfg: ModelConfig, ids_BT: Tensor, positions_BT: Tens
         h = h + a
         m, aux = _mlp_block(params, cfg, p + "mlp.", i,
                             rmsnorm(h, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps),
-                            valid_BT)
+                            valid_BT, with_aux)
         h = h + m
         if cfg.is_moe_layer(i):
             aux_total = aux_total + aux

@@ -26,7 +26,18 @@ def causal_padding_mask(key_valid_BS: Tensor, q_offset: int, T: int) -> Tensor:
 
 def attention(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | None,
               *, is_causal: bool = False) -> Tensor:
-    """softmax(q k^T / sqrt(d) + mask) v, with K < H key/value heads shared by groups of H/K queries."""
+    """softmax(q k^T / sqrt(d) + mask) v, with K < H key/value heads shared by groups of H/K queries.
+
+    A single query token (decode) takes three batched matmul-sized kernels over [B, K, H/K, S] instead
+    of SDPA's general path, which dominates a decode step for small models.
+    """
+    B, H, T, d = q_BHTd.shape
+    K = k_BKSd.shape[1]
+    if T == 1 and mask_B1TS is not None:
+        q = q_BHTd.reshape(B, K, H // K, d)
+        scores = torch.matmul(q, k_BKSd.transpose(-1, -2)) * d ** -0.5  # [B, K, H/K, S]
+        scores = scores.masked_fill(~mask_B1TS, float("-inf"))
+        return torch.matmul(torch.softmax(scores, -1), v_BKSd).reshape(B, H, 1, d)
     return F.scaled_dot_product_attention(q_BHTd, k_BKSd, v_BKSd, attn_mask=mask_B1TS,
                                           is_causal=is_causal and mask_B1TS is None,
                                           enable_gqa=q_BHTd.shape[1] != k_BKSd.shape[1])

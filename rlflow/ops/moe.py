@@ -9,18 +9,21 @@ from torch import Tensor
 
 
 def route(x_ND: Tensor, gate_ED: Tensor, top_k: int, norm_topk_prob: bool,
-          valid_N: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+          valid_N: Tensor | None = None, *, with_aux: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """Softmax top-k routing (Qwen3-MoE). Returns (weights_NK in x's dtype, experts_NK, aux_loss).
 
     p = softmax(x W_g^T) in float32; keep the top-k; renormalize them to sum 1 when ``norm_topk_prob``.
     aux_loss is the Switch-Transformer load-balancing loss  E * sum_e f_e * P_e, with f_e the fraction
-    of (token, slot) assignments to expert e and P_e the mean router probability of e, over valid tokens.
+    of (token, slot) assignments to expert e and P_e the mean router probability of e, over valid tokens
+    (a zero scalar when ``with_aux`` is False).
     """
     logits_NE = F.linear(x_ND, gate_ED)
     probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float32)
     w_NK, idx_NK = torch.topk(probs_NE, top_k, dim=-1)
     if norm_topk_prob:
         w_NK = w_NK / w_NK.sum(dim=-1, keepdim=True)
+    if not with_aux:
+        return w_NK.to(x_ND.dtype), idx_NK, x_ND.new_zeros((), dtype=torch.float32)
     E = gate_ED.shape[0]
     with torch.no_grad():
         onehot_NE = torch.zeros_like(probs_NE).scatter_(1, idx_NK, 1.0)
@@ -36,12 +39,35 @@ def route(x_ND: Tensor, gate_ED: Tensor, top_k: int, norm_topk_prob: bool,
     return w_NK.to(x_ND.dtype), idx_NK, aux
 
 
-def moe_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_E2FD: Tensor, down_EDF: Tensor) -> Tensor:
-    """sum_k w_nk * down_e(silu(gate_e x_n) * up_e x_n) with e = idx_nk, computed grouped by expert.
+# At most this many tokens (decode steps), every expert runs on every token in a few large kernels and
+# the top-k weights (zero elsewhere) combine them: E/K times the FLOPs of routing, but the same weight
+# bytes once N*K >= E (decode is bound by reading weights) and no host sync or per-expert launches.
+DENSE_MAX_TOKENS = 256
 
-    The N*K (token, slot) pairs are sorted by expert so each expert runs one matmul over a contiguous
-    block of its tokens; there is no loop over tokens.
+
+def moe_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_E2FD: Tensor, down_EDF: Tensor) -> Tensor:
+    """sum_k w_nk * down_e(silu(gate_e x_n) * up_e x_n) with e = idx_nk.
+
+    Many tokens: the N*K (token, slot) pairs are sorted by expert so each expert runs one matmul over a
+    contiguous block of its tokens (no loop over tokens). Few tokens (decode, N <= DENSE_MAX_TOKENS):
+    all experts on all tokens, weighted by the sparse routing weights.
     """
+    if idx_NK.shape[0] <= DENSE_MAX_TOKENS:
+        return _moe_dense(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
+    return _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
+
+
+def _moe_dense(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
+    E, F2, D = gate_up_E2FD.shape
+    N = x_ND.shape[0]
+    h = F.linear(x_ND, gate_up_E2FD.reshape(E * F2, D)).view(N, E, F2).transpose(0, 1)  # [E, N, 2F]
+    g, u = h.chunk(2, dim=-1)
+    y = torch.bmm(F.silu(g) * u, down_EDF.transpose(1, 2))  # [E, N, D]
+    w_NE = torch.zeros(N, E, dtype=w_NK.dtype, device=w_NK.device).scatter_(1, idx_NK, w_NK)
+    return torch.einsum("end,ne->nd", y, w_NE)
+
+
+def _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
     N, K = idx_NK.shape
     E = gate_up_E2FD.shape[0]
     flat = idx_NK.reshape(-1)

@@ -4,9 +4,9 @@ import torch
 from torch import Tensor
 
 
-def rmsnorm(x: Tensor, weight_D: Tensor, eps: float) -> Tensor:
-    """y = w * x / sqrt(mean(x^2) + eps), computed in float32 and cast back (as transformers does)."""
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight_D * x32.to(dtype)
+def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """y = w * x / sqrt(mean(x^2) + eps), normalized in float32 and cast back (as transformers does).
+    ``weight`` broadcasts against x's trailing dims (e.g. [D], or [heads, d] for per-head norms)."""
+    x32 = x if x.dtype == torch.float32 else x.float()
+    y = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
+    return weight * (y if x.dtype == torch.float32 else y.to(x.dtype))

@@ -1,0 +1,103 @@
+"""Rollout throughput: rlflow's built-in engine vs transformers' `generate`, same model, same prompts, same run.
+
+Both sample (temperature 1, no top-k/top-p) a fixed number of new tokens per prompt (EOS never ends a row),
+from the same weights: rlflow's random init saved as a transformers checkpoint and loaded by
+`AutoModelForCausalLM.from_pretrained`. Figure: decode tokens/s = rows x new tokens / wall time of the
+whole call (prefill included), median over timed repeats. Last line: one JSON object.
+
+    python bench/rollout_vs_hf.py                      # CPU: batch 64, tiny Qwen3-MoE
+    python bench/rollout_vs_hf.py --device cuda --batch 256 --preset qwen3-moe-0.5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+from rlflow.data import PromptSource, prompt_batch
+from rlflow.models import hf, qwen3_moe
+from rlflow.models.config import get_config
+from rlflow.rollout import SamplingConfig, generate
+from rlflow.tokenizer import CharTokenizer
+
+DEFINITION = "tokens/s = rows x new tokens / wall time of one generate call (prefill included); median of repeats"
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen3-moe-tiny")
+    ap.add_argument("--batch", type=int, default=64, help="rows per generate call")
+    ap.add_argument("--group-size", type=int, default=1, help="samples per prompt (rlflow shares the prefill)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    dev = torch.device(a.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
+    tok = CharTokenizer()
+    cfg = get_config(a.preset).replace(eos_token_id=tok.eos_id)
+    params = qwen3_moe.init_params(cfg, seed=a.seed, dtype=dtype, device=dev)
+    P = a.batch // a.group_size
+    prompts = prompt_batch(PromptSource(task="max_digit", seed=a.seed).take(P), tok).to(dev)
+
+    from transformers import AutoModelForCausalLM
+    with tempfile.TemporaryDirectory() as d:
+        hf.save(d, cfg, params)
+        ref = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(dev).eval()
+
+    scfg = SamplingConfig(max_new_tokens=a.new_tokens, eos_id=-1, pad_id=tok.pad_id, temperature=1.0)
+
+    def run_rlflow(seed):
+        out = generate(params, cfg, prompts, scfg, group_size=a.group_size, seed=seed)
+        assert int(out.response_mask_BTr.sum()) == a.batch * a.new_tokens
+        return out
+
+    ids = prompts.prompt_ids_BTp.repeat_interleave(a.group_size, 0)
+    mask = prompts.prompt_mask_BTp.repeat_interleave(a.group_size, 0).long()
+
+    @torch.no_grad()
+    def run_hf(seed):
+        torch.manual_seed(seed)
+        out = ref.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                           max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, pad_token_id=tok.pad_id,
+                           eos_token_id=None)
+        assert out.shape == (a.batch, ids.shape[1] + a.new_tokens)
+        return out
+
+    times = {"rlflow": [], "transformers": []}
+    for name, fn in (("rlflow", run_rlflow), ("transformers", run_hf)):
+        fn(0)  # warm-up
+    for r in range(a.repeats):  # alternate to share the machine's noise
+        for name, fn in (("rlflow", run_rlflow), ("transformers", run_hf)):
+            _sync(dev)
+            t = time.perf_counter()
+            fn(r + 1)
+            _sync(dev)
+            times[name].append(time.perf_counter() - t)
+    tps = {k: a.batch * a.new_tokens / statistics.median(v) for k, v in times.items()}
+    print(DEFINITION)
+    print(f"model {a.preset} ({sum(p.numel() for p in params.values()) / 1e6:.1f}M params) on {dev} {a.dtype}; "
+          f"batch {a.batch} (group {a.group_size}), prompt {ids.shape[1]} tokens, {a.new_tokens} new tokens")
+    for k in tps:
+        print(f"  {k:13s} {tps[k]:12.0f} tokens/s   (median {statistics.median(times[k]):.3f} s)")
+    res = {"rlflow_tokens_per_s": tps["rlflow"], "hf_tokens_per_s": tps["transformers"],
+           "ratio": tps["rlflow"] / tps["transformers"], "batch": a.batch, "new_tokens": a.new_tokens,
+           "preset": a.preset, "device": str(dev), "dtype": a.dtype, "torch_threads": torch.get_num_threads()}
+    print(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()
