@@ -1,0 +1,129 @@
+"""Per-model tables: the logical dim names of every parameter, and the default rules mapping them to
+mesh axes (Megatron's: heads, MLP width and vocab over ``tp``; experts over ``ep``).
+
+A table row is ``(regex on the param name, dims)``; ``dims`` has one entry per stored dim: a logical
+name, or a tuple of names when the stored dim is several logical dims flattened (major to minor), e.g.
+``q_proj.weight`` [H*hd, D] is ``(("heads", "head_dim"), "embed")``. The sizes of the inner parts come
+from the config (``head_dim``, ``gate_up`` = 2 ...); the one unknown part is inferred. A parameter no
+row matches is an error that names it.
+
+``model_shapes(name)`` and ``logical_params(name)`` know both the Qwen presets
+(``rlflow.models.config``) and the DeepSeek ones (``rlflow.models.deepseek``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+
+from rlflow.models import config as qwen
+from rlflow.models import deepseek
+from rlflow.sharding.layout import Layout, Logical
+from rlflow.sharding.mesh import Mesh
+
+_COMMON = (
+    (r"(^|\.)embed_tokens\.weight$", ("vocab", "embed")),
+    (r"(^|\.)lm_head\.weight$", ("vocab", "embed")),
+    (r"(input_layernorm|post_attention_layernorm|(^|\.)norm)\.weight$", ("embed",)),
+    (r"\.mlp\.gate\.weight$", ("router", "embed")),
+    (r"\.mlp\.gate\.e_score_correction_bias$", ("router",)),
+    (r"\.mlp\.experts\.gate_up_proj$", ("experts", ("gate_up", "expert_mlp"), "embed")),
+    (r"\.mlp\.experts\.down_proj$", ("experts", "embed", "expert_mlp")),
+    (r"\.mlp\.(shared_experts\.)?(gate|up)_proj\.weight$", ("mlp", "embed")),
+    (r"\.mlp\.(shared_experts\.)?down_proj\.weight$", ("embed", "mlp")),
+)
+
+QWEN_TABLE = _COMMON + (
+    (r"\.self_attn\.q_proj\.weight$", (("heads", "head_dim"), "embed")),
+    (r"\.self_attn\.[kv]_proj\.weight$", (("kv_heads", "head_dim"), "embed")),
+    (r"\.self_attn\.q_proj\.bias$", (("heads", "head_dim"),)),
+    (r"\.self_attn\.[kv]_proj\.bias$", (("kv_heads", "head_dim"),)),
+    (r"\.self_attn\.o_proj\.weight$", ("embed", ("heads", "head_dim"))),
+    (r"\.self_attn\.[qk]_norm\.weight$", ("head_dim",)),
+)
+
+DEEPSEEK_TABLE = _COMMON + (
+    (r"\.self_attn\.q_a_proj\.weight$", ("q_lora", "embed")),
+    (r"\.self_attn\.q_a_layernorm\.weight$", ("q_lora",)),
+    (r"\.self_attn\.q_b_proj\.weight$", (("heads", "qk_head_dim"), "q_lora")),
+    (r"\.self_attn\.kv_a_proj_with_mqa\.weight$", ("kv_a", "embed")),
+    (r"\.self_attn\.kv_a_layernorm\.weight$", ("kv_lora",)),
+    (r"\.self_attn\.kv_b_proj\.weight$", (("heads", "kv_head_dim"), "kv_lora")),
+    (r"\.self_attn\.o_proj\.weight$", ("embed", ("heads", "v_head_dim"))),
+)
+
+# Logical name -> None | axis | tuple of axes. Dense params never name ``ep``: they are replicated
+# over it (MoE parallel folding, see rlflow/sharding/mesh.py).
+RULES: dict[str, object] = {
+    "vocab": "tp", "embed": None, "heads": "tp", "kv_heads": "tp", "head_dim": None, "mlp": "tp",
+    "experts": "ep", "expert_mlp": "tp", "gate_up": None, "router": None,
+    "q_lora": None, "kv_lora": None, "kv_a": None, "qk_head_dim": None, "kv_head_dim": None,
+    "v_head_dim": None,
+}
+
+
+def _family(name_or_cfg):
+    """(config, shapes, table, known inner sizes) for a model name or config."""
+    cfg = name_or_cfg
+    if isinstance(name_or_cfg, str):
+        if name_or_cfg in qwen.PRESETS:
+            cfg = qwen.PRESETS[name_or_cfg]
+        elif name_or_cfg in deepseek.PRESETS:
+            cfg = deepseek.PRESETS[name_or_cfg]
+        else:
+            raise KeyError(f"unknown model name {name_or_cfg!r}; known: "
+                           f"{sorted(qwen.PRESETS) + sorted(deepseek.PRESETS)}")
+    if isinstance(cfg, deepseek.DeepseekConfig):
+        sizes = {"qk_head_dim": cfg.qk_head_dim, "kv_head_dim": cfg.qk_nope_head_dim + cfg.v_head_dim,
+                 "v_head_dim": cfg.v_head_dim, "gate_up": 2}
+        return cfg, deepseek.param_shapes(cfg), DEEPSEEK_TABLE, sizes
+    if isinstance(cfg, qwen.ModelConfig):
+        return cfg, qwen.param_shapes(cfg), QWEN_TABLE, {"head_dim": cfg.head_dim, "gate_up": 2}
+    raise TypeError(f"expected a model name, ModelConfig or DeepseekConfig, got {type(cfg).__name__}")
+
+
+def model_shapes(name_or_cfg) -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and shape, for Qwen and DeepSeek presets alike."""
+    return _family(name_or_cfg)[1]
+
+
+def _logical(name: str, shape: tuple[int, ...], table, sizes: dict[str, int]) -> Logical:
+    for pattern, dims in table:
+        if re.search(pattern, name):
+            break
+    else:
+        raise ValueError(f"param {name}: no row of the sharding table matches it")
+    if len(dims) != len(shape):
+        raise ValueError(f"param {name}: table gives {len(dims)} dims {dims} for shape {shape}")
+    names, view, merge = [], [], []
+    for n, d in zip(shape, dims):
+        parts = (d,) if isinstance(d, str) else tuple(d)
+        unknown = [p for p in parts if p not in sizes or len(parts) == 1]
+        if len(parts) > 1 and len(unknown) != 1:
+            raise ValueError(f"param {name}: cannot split dim of size {n} into {parts}")
+        known = int(np.prod([sizes[p] for p in parts if p not in unknown], dtype=np.int64))
+        if n % known:
+            raise ValueError(f"param {name}: dim of size {n} does not split into {parts} ({known} inner)")
+        for p in parts:
+            names.append(p)
+            view.append(n // known if p in unknown else sizes[p])
+        merge.append(len(parts))
+    return Logical(shape=tuple(shape), dims=tuple(names), view=tuple(view), merge=tuple(merge))
+
+
+def logical_params(name_or_cfg) -> dict[str, Logical]:
+    """Param name -> stored shape, logical dims and view, in forward order."""
+    _, shapes, table, sizes = _family(name_or_cfg)
+    return {n: _logical(n, s, table, sizes) for n, s in shapes.items()}
+
+
+def layout(name_or_cfg, mesh: Mesh, rules: dict | None = None, *, dtype: torch.dtype = torch.bfloat16,
+           layers_per_stage: tuple[int, ...] | None = None, name: str = "") -> Layout:
+    """The layout of a model on ``mesh`` under ``rules`` (default ``RULES``, overrides merged in)."""
+    r = dict(RULES)
+    r.update(rules or {})
+    label = name or (name_or_cfg if isinstance(name_or_cfg, str) else "")
+    return Layout.build(mesh, logical_params(name_or_cfg), r, dtype=dtype,
+                        layers_per_stage=layers_per_stage, name=label)

@@ -1,0 +1,210 @@
+"""The torch.distributed executor, process groups, and a local process launcher.
+
+``execute(plan, shards, state)`` runs on every rank (gloo on CPU, nccl on CUDA, hccl on NPU): the same
+per-rank packing as the simulated executor (``rlflow.sharding.execute``), with real collectives:
+``all_gather_into_tensor`` over the all-gathered source axes, ``broadcast`` along ``pp``,
+``all_to_all_single`` over the ranks taking part, ``batch_isend_irecv`` for one-way flows. On an
+accelerator, swaps go to pinned host memory.
+
+``new_groups(partition)`` creates (once, cached) the process groups of a partition of the ranks;
+every rank must call it with the same partitions in the same order, as ``dist.new_group`` requires.
+``spawn(fn, world)`` runs ``fn(rank, world, *args)`` in ``world`` local processes joined by
+``torch.distributed`` and returns what each returned.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rlflow.sharding import execute as ex
+from rlflow.sharding.plan import COLLECTIVES, Bucket, Plan
+
+_GROUPS: dict[tuple, object] = {}
+
+
+def _key(ranks) -> tuple:
+    return (id(dist.group.WORLD), tuple(ranks))
+
+
+def new_groups(partition) -> list:
+    """Process groups of ``partition`` (a tuple of rank tuples), created on first use."""
+    out = []
+    for ranks in partition:
+        ranks = tuple(sorted(ranks))
+        if len(ranks) == dist.get_world_size():
+            out.append(dist.group.WORLD)
+            continue
+        k = _key(ranks)
+        if k not in _GROUPS:
+            _GROUPS[k] = dist.new_group(list(ranks))
+        out.append(_GROUPS[k])
+    return out
+
+
+def group(ranks):
+    """The (already created) group of ``ranks``."""
+    ranks = tuple(sorted(ranks))
+    if len(ranks) == dist.get_world_size():
+        return dist.group.WORLD
+    return _GROUPS[_key(ranks)]
+
+
+def clear_groups() -> None:
+    _GROUPS.clear()
+
+
+def _partitions(plan: Plan) -> list[tuple]:
+    parts, seen = [], set()
+
+    def add(p):
+        if p not in seen:
+            seen.add(p)
+            parts.append(p)
+    mesh = plan.src.mesh
+    for b in plan.buckets:
+        if b.kind in ("all_gather", "broadcast") and b.axes:
+            add(mesh.groups(b.axes))
+        if b.kind == "broadcast":
+            add(mesh.groups(("pp",)))
+        if b.kind == "all_to_all":
+            add((b.group,))
+    return parts
+
+
+def _gather(plan: Plan, b: Bucket, rank: int, shards: dict, device):
+    """All-gather phase: (segments, buffer) of this rank's gather group, or None if it has nothing."""
+    grp = ex.gather_group(plan, b, rank)
+    mine = ex.own_segs(plan, b, rank)
+    if not mine:
+        return None
+    buf = ex.pack(plan.src, mine, shards, rank, device)
+    segs = [s for m in grp for s in ex.own_segs(plan, b, m)]
+    if len(grp) == 1:
+        return segs, buf
+    out = torch.empty(len(grp) * buf.numel(), dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(out, buf, group=group(grp))
+    return segs, out
+
+
+def _collective(plan: Plan, b: Bucket, rank: int, shards: dict, device) -> list:
+    if b.kind == "all_gather":
+        g = _gather(plan, b, rank, shards, device)
+        return [g] if g else []
+    if b.kind == "broadcast":
+        mesh = plan.src.mesh
+        root = ex.bcast_root(plan, b, rank)
+        if mesh.coords(rank)["pp"] == b.stage:
+            segs, buf = _gather(plan, b, rank, shards, device)
+        else:
+            segs = [s for m in ex.gather_group(plan, b, root) for s in ex.own_segs(plan, b, m)]
+            buf = torch.empty(ex.offsets(plan.src, segs)[1], dtype=torch.uint8, device=device)
+        dist.broadcast(buf, src=root, group=group(ex.bcast_group(plan, b, rank)))
+        return [(segs, buf)]
+    send, recv, _ = ex.p2p_segs(plan, b, rank)
+    if rank not in b.group:
+        return []
+    packs = {p: ex.pack(plan.src, s, shards, rank, device) for p, s in send.items()}
+    sizes = {p: ex.offsets(plan.src, s)[1] for p, s in recv.items()}
+    if b.kind == "all_to_all":
+        in_splits = [packs[p].numel() if p in packs else 0 for p in b.group]
+        out_splits = [sizes.get(p, 0) for p in b.group]
+        inp = torch.cat([packs[p] for p in b.group if p in packs]) if packs else \
+            torch.empty(0, dtype=torch.uint8, device=device)
+        out = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=group(b.group))
+        res, pos = [], 0
+        for p, n in zip(b.group, out_splits):
+            if n:
+                res.append((recv[p], out[pos:pos + n]))
+            pos += n
+        return res
+    bufs = {p: torch.empty(n, dtype=torch.uint8, device=device) for p, n in sizes.items()}
+    ops = [dist.P2POp(dist.isend, packs[p], p) for p in sorted(packs)]
+    ops += [dist.P2POp(dist.irecv, bufs[p], p) for p in sorted(bufs)]
+    if ops:
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+    return [(recv[p], bufs[p]) for p in sorted(bufs)]
+
+
+def execute(plan: Plan, shards: dict, state: ex.TrainState | None = None, *, device=None) -> dict:
+    """Run ``plan`` on this rank; returns its destination shards (see ``execute.simulate``)."""
+    rank = dist.get_rank()
+    if dist.get_world_size() != plan.world:
+        raise ValueError(f"plan is over {plan.world} ranks, torch.distributed world is {dist.get_world_size()}")
+    state = state if state is not None else ex.TrainState()
+    if device is None:
+        device = next((t.device for t in shards.values()), None)
+        if device is None:
+            from rlflow import device as rd
+            device = rd.device(int(os.environ.get("LOCAL_RANK", rank)) % max(1, _local_devices()))
+    for part in _partitions(plan):
+        new_groups(part)
+    outs: dict = {}
+    tmp: dict[int, list] = {}
+    for step in plan.steps:
+        b = plan.buckets[step.bucket] if step.bucket is not None and plan.buckets else None
+        if step.op in COLLECTIVES:
+            tmp[b.index] = _collective(plan, b, rank, shards, device)
+        elif step.op == "slice":
+            out = ex.alloc_dst(plan, b, rank, device)
+            if out:
+                if b.kind in ("slice", "all_to_all", "send_recv"):
+                    local = ex.p2p_segs(plan, b, rank)[2]
+                    if local:
+                        ex.unpack(plan.src, plan.dst, local, ex.pack(plan.src, local, shards, rank, device),
+                                  out, rank)
+                for segs, buf in tmp.get(b.index, ()):
+                    ex.unpack(plan.src, plan.dst, segs, buf, out, rank)
+            outs.update(ex.finish_dst(plan, out, rank))
+        elif step.op == "free" and step.what == "tmp":
+            tmp.pop(b.index, None)
+        else:
+            ex.swap_step(plan, step, rank, shards, state, outs, device)
+    return outs
+
+
+def _local_devices() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 1
+
+
+# ---- launcher ----
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world, port, backend, outdir, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    if backend is None:
+        from rlflow import device as rd
+        backend = rd.backend()
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        res = fn(rank, world, *args)
+        torch.save(res, os.path.join(outdir, f"{rank}.pt"))
+    finally:
+        clear_groups()
+        dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args, backend: str | None = None) -> list:
+    """Run ``fn(rank, world, *args)`` in ``world`` processes (torch.distributed initialised, gloo on
+    CPU by default); returns the list of results, rank order. ``fn`` must be importable (module level)."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_entry, args=(fn, world, free_port(), backend, d, args), nprocs=world,
+                           join=True, start_method="spawn")
+        return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(world)]

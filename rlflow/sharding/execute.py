@@ -1,0 +1,280 @@
+"""Executors of plans, and the per-rank packing both of them share.
+
+``simulate(plan, shards)`` is the reference: one process, ``shards[r]`` is rank ``r``'s dict of
+stored-shape local tensors; collectives are emulated over the list. ``rlflow.sharding.dist.execute``
+runs the same per-rank code with real ``torch.distributed`` collectives. Both move raw bytes, so the
+result is bitwise whatever the dtype.
+
+Buffers are flat ``uint8`` tensors made of *segments* ``(param, box)``: the elements of ``box`` of the
+param's view, row-major, each segment starting on a 16-byte boundary.
+
+Swap plans take ownership of the dicts they are given: ``swap_out train`` moves a shard from
+``shards[r]`` to ``states[r].host["train"]`` (pinned host memory on an accelerator, the same tensor on
+CPU), ``free rollout`` empties ``shards[r]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from rlflow.sharding import geometry as geo
+from rlflow.sharding.layout import Layout
+from rlflow.sharding.plan import COLLECTIVES, Bucket, Plan
+
+ALIGN = 16
+Segs = list  # list[tuple[str, geo.Box]]
+
+
+@dataclass
+class TrainState:
+    """One rank's optimizer-side state; what swap steps move between device and host."""
+
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    optim: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    host: dict[str, dict] = field(default_factory=lambda: {"train": {}, "grads": {}, "optim": {}})
+
+
+# ---- reference slicing ----
+def shard_tensor(full: torch.Tensor, layout: Layout, name: str, rank: int) -> torch.Tensor | None:
+    """Rank ``rank``'s stored-shape shard of ``full`` under ``layout`` (None if it holds none)."""
+    p = layout[name]
+    box = geo.blocks(*geo.placement(layout, name)).box_of(rank)
+    if box is None:
+        return None
+    v = full.reshape(p.view)[tuple(slice(lo, hi) for lo, hi in box)]
+    return v.contiguous().reshape(p.local_shape(layout.mesh))
+
+
+def shard(full: dict[str, torch.Tensor], layout: Layout) -> list[dict[str, torch.Tensor]]:
+    """Every rank's shards of the full tensors ``full``."""
+    out = []
+    for r in range(layout.mesh.size):
+        d = {}
+        for n in layout.names:
+            t = shard_tensor(full[n], layout, n, r)
+            if t is not None:
+                d[n] = t
+        out.append(d)
+    return out
+
+
+# ---- segments ----
+def _itemsize(layout: Layout, name: str) -> int:
+    return layout[name].itemsize
+
+
+def offsets(layout: Layout, segs: Segs) -> tuple[list[int], int]:
+    offs, pos = [], 0
+    for name, box in segs:
+        offs.append(pos)
+        pos += -(-geo.box_numel(box) * _itemsize(layout, name) // ALIGN) * ALIGN
+    return offs, pos
+
+
+def _view(t: torch.Tensor, layout: Layout, name: str) -> torch.Tensor:
+    return t.reshape(layout[name].local_view(layout.mesh))
+
+
+def pack(layout: Layout, segs: Segs, shards: dict, rank: int, device) -> torch.Tensor:
+    """Flat byte buffer of ``segs`` cut from this rank's shards under ``layout``."""
+    offs, total = offsets(layout, segs)
+    buf = torch.empty(total, dtype=torch.uint8, device=device)
+    for (name, box), off in zip(segs, offs):
+        lo = geo.blocks(*geo.placement(layout, name)).box_of(rank)
+        src = _view(shards[name], layout, name)[tuple(slice(a - l0, b - l0) for (a, b), (l0, _) in zip(box, lo))]
+        n = geo.box_numel(box) * _itemsize(layout, name)
+        buf[off:off + n].view(src.dtype).view(src.shape).copy_(src)
+    return buf
+
+
+def unpack(layout_src: Layout, layout_dst: Layout, segs: Segs, buf: torch.Tensor, out: dict, rank: int) -> None:
+    """Copy what ``out``'s destination boxes need from the segments of ``buf``."""
+    offs, _ = offsets(layout_src, segs)
+    for (name, box), off in zip(segs, offs):
+        if name not in out:
+            continue
+        dbox = geo.blocks(*geo.placement(layout_dst, name)).box_of(rank)
+        inter = geo.intersect(box, dbox)
+        if inter is None:
+            continue
+        dt = out[name].dtype
+        n = geo.box_numel(box) * dt.itemsize
+        seg = buf[off:off + n].view(dt).view(tuple(hi - lo for lo, hi in box))
+        seg = seg[tuple(slice(a - b0, b - b0) for (a, b), (b0, _) in zip(inter, box))]
+        out[name][tuple(slice(a - d0, b - d0) for (a, b), (d0, _) in zip(inter, dbox))] = seg
+
+
+# ---- what each rank does for a bucket ----
+def held(layout: Layout, names, rank: int) -> list[str]:
+    pp = layout.mesh.coords(rank)["pp"]
+    return [n for n in names if layout[n].stage == pp]
+
+
+def own_segs(plan: Plan, b: Bucket, rank: int) -> Segs:
+    """This rank's source blocks of the bucket's params (what it contributes to an all-gather)."""
+    return [(n, geo.blocks(*geo.placement(plan.src, n)).box_of(rank)) for n in held(plan.src, b.params, rank)]
+
+
+def gather_group(plan: Plan, b: Bucket, rank: int) -> tuple[int, ...]:
+    return geo.group_of(plan.src.mesh, b.axes, rank)
+
+
+def bcast_root(plan: Plan, b: Bucket, rank: int) -> int:
+    per_stage = plan.world // plan.src.mesh.pp
+    return rank % per_stage + b.stage * per_stage
+
+
+def bcast_group(plan: Plan, b: Bucket, rank: int) -> tuple[int, ...]:
+    return plan.src.mesh.group_ranks(("pp",), rank)
+
+
+def p2p_segs(plan: Plan, b: Bucket, rank: int) -> tuple[dict[int, Segs], dict[int, Segs], Segs]:
+    """(segments to send per peer, segments to receive per peer, local copies), canonical order."""
+    send: dict[int, Segs] = {}
+    recv: dict[int, Segs] = {}
+    local: Segs = []
+    for n in b.params:
+        t = geo.transfers(geo.placement(plan.src, n), geo.placement(plan.dst, n))
+        for k in t.by_send.get(rank, ()):
+            r = int(t.recv[k])
+            if r != rank:
+                send.setdefault(r, []).append((n, t.boxes[k]))
+        for k in t.by_recv.get(rank, ()):
+            s = int(t.send[k])
+            (local if s == rank else recv.setdefault(s, [])).append((n, t.boxes[k]))
+    return send, recv, local
+
+
+def alloc_dst(plan: Plan, b: Bucket, rank: int, dtype_device) -> dict[str, torch.Tensor]:
+    out = {}
+    for n in held(plan.dst, b.params, rank):
+        p = plan.dst[n]
+        out[n] = torch.empty(p.local_view(plan.dst.mesh), dtype=p.dtype, device=dtype_device)
+    return out
+
+
+def finish_dst(plan: Plan, out: dict, rank: int) -> dict[str, torch.Tensor]:
+    return {n: t.reshape(plan.dst[n].local_shape(plan.dst.mesh)) for n, t in out.items()}
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t
+    h = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+    h.copy_(t, non_blocking=True)
+    return h
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    return t if torch.device(device).type == "cpu" else t.to(device, non_blocking=True)
+
+
+def swap_step(plan: Plan, step, rank: int, shards: dict, state: TrainState, out: dict, device) -> None:
+    """The swap_out / swap_in / free(rollout) steps for one rank."""
+    if step.op == "swap_out" and step.what == "train":
+        for n in held(plan.src, plan.buckets[step.bucket].params, rank):
+            state.host["train"][n] = to_host(shards.pop(n))
+    elif step.op == "swap_out":
+        src = getattr(state, step.what)
+        for n in list(src):
+            v = src.pop(n)
+            state.host[step.what][n] = tuple(map(to_host, v)) if isinstance(v, tuple) else to_host(v)
+    elif step.op == "swap_in":
+        host = state.host[step.what]
+        dst = out if step.what == "train" else getattr(state, step.what)
+        for n in list(host):
+            v = host.pop(n)
+            dst[n] = tuple(to_device(x, device) for x in v) if isinstance(v, tuple) else to_device(v, device)
+    elif step.op == "free" and step.what == "rollout":
+        shards.clear()
+    else:
+        raise ValueError(f"not a swap step: {step}")
+
+
+# ---- the simulated executor ----
+def simulate(plan: Plan, shards: list[dict], states: list[TrainState] | None = None) -> list[dict]:
+    """Run ``plan`` over every rank in this process; returns each rank's destination shards."""
+    world = plan.world
+    if len(shards) != world:
+        raise ValueError(f"simulate: {len(shards)} shard dicts for a plan over {world} ranks")
+    states = states if states is not None else [TrainState() for _ in range(world)]
+    device = next((t.device for d in shards for t in d.values()), torch.device("cpu"))
+    outs: list[dict] = [{} for _ in range(world)]
+    tmp: list[dict] = [{} for _ in range(world)]  # rank -> bucket -> list of (segs, buffer)
+    for step in plan.steps:
+        b = plan.buckets[step.bucket] if step.bucket is not None and plan.buckets else None
+        if step.op in COLLECTIVES:
+            _sim_collective(plan, b, shards, tmp, device)
+        elif step.op == "slice":
+            for r in range(world):
+                out = alloc_dst(plan, b, r, device)
+                if out:
+                    _, _, local = p2p_segs(plan, b, r) if b.kind in ("slice", "all_to_all", "send_recv") \
+                        else ({}, {}, [])
+                    if local:
+                        unpack(plan.src, plan.dst, local, pack(plan.src, local, shards[r], r, device), out, r)
+                    for segs, buf in tmp[r].get(b.index, ()):
+                        unpack(plan.src, plan.dst, segs, buf, out, r)
+                outs[r].update(finish_dst(plan, out, r))
+        elif step.op == "free" and step.what == "tmp":
+            for r in range(world):
+                tmp[r].pop(b.index, None)
+        else:
+            for r in range(world):
+                swap_step(plan, step, r, shards[r], states[r], outs[r], device)
+    return outs
+
+
+def _sim_collective(plan: Plan, b: Bucket, shards, tmp, device) -> None:
+    world = plan.world
+    if b.kind in ("all_gather", "broadcast"):
+        gathered = {}  # rank -> (segs, buffer) after the all-gather phase
+        ranks = range(world) if b.kind == "all_gather" else \
+            [r for r in range(world) if plan.src.mesh.coords(r)["pp"] == b.stage]
+        for r in ranks:
+            group = gather_group(plan, b, r)
+            segs = [s for m in group for s in own_segs(plan, b, m)]
+            if not segs:
+                continue
+            bufs = [pack(plan.src, own_segs(plan, b, m), shards[m], m, device) for m in group]
+            gathered[r] = (segs, torch.cat(bufs))
+        if b.kind == "all_gather":
+            for r, v in gathered.items():
+                tmp[r].setdefault(b.index, []).append(v)
+        else:
+            for r in range(world):
+                root = bcast_root(plan, b, r)
+                if root in gathered:
+                    segs, buf = gathered[root]
+                    tmp[r].setdefault(b.index, []).append((segs, buf.clone() if r != root else buf))
+    else:  # all_to_all / send_recv
+        for r in range(world):
+            send, _, _ = p2p_segs(plan, b, r)
+            for peer, segs in sorted(send.items()):
+                tmp[peer].setdefault(b.index, []).append((segs, pack(plan.src, segs, shards[r], r, device)))
+
+
+def full_from_shards(shards: list[dict], layout: Layout) -> dict[str, torch.Tensor]:
+    """Reassemble full tensors from every rank's shards (checks that replicas agree bitwise)."""
+    out = {}
+    for p in layout.params:
+        full = torch.empty(p.view, dtype=p.dtype)
+        seen = torch.zeros(p.view, dtype=torch.bool)
+        bl = geo.blocks(*geo.placement(layout, p.name))
+        for row, r in enumerate(bl.ranks.tolist()):
+            sl = tuple(slice(lo, hi) for lo, hi in bl.box(row))
+            piece = shards[r][p.name].reshape(p.local_view(layout.mesh)).cpu()
+            if seen[sl].any() and not np.array_equal(_bytes(full[sl]), _bytes(piece)):
+                raise AssertionError(f"replicas of {p.name} disagree on rank {r}")
+            full[sl] = piece
+            seen[sl] = True
+        out[p.name] = full.reshape(p.shape)
+    return out
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    t = t.contiguous()
+    return (t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)).numpy()
