@@ -34,49 +34,85 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
 
 
+def right_align(ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move each row's real tokens to the front (left-padded -> right-padded), keeping their order."""
+    order = torch.argsort((~mask_BT).to(torch.int8), dim=1, stable=True)
+    return ids_BT.gather(1, order), mask_BT.gather(1, order)
+
+
 @torch.no_grad()
 def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg: SamplingConfig, *,
-             group_size: int = 1, seed: int = 0) -> RolloutBatch:
+             group_size: int = 1, seed: int = 0, max_batch: int | None = None) -> RolloutBatch:
     """Sample ``group_size`` responses per prompt. Rows of one prompt are adjacent and share its group id.
 
-    A response ends at EOS (included in the mask) or after ``max_new_tokens``. Reproducible: the same
-    params, prompts, config and seed give the same tokens on the same device.
+    A response ends at EOS (included in the mask) or after ``max_new_tokens``. At most ``max_batch``
+    rows decode at once (default: all); when a row finishes, its slot is refilled with the next waiting
+    row (continuous batching). Prompts are prefilled once per prompt and their KV copied to the G
+    samples. Reproducible: the same params, prompts, config, seed and max_batch give the same tokens.
     """
     dev = prompts.prompt_ids_BTp.device
     P, Tp = prompts.prompt_ids_BTp.shape
     G, Tn = group_size, scfg.max_new_tokens
     B = P * G
+    slots = min(B, max_batch or B)
     dtype = params["model.embed_tokens.weight"].dtype
     gen = torch.Generator(device=dev).manual_seed(seed)
     params = model.fuse_for_inference(params, cfg)
+    ids_r, mask_r = right_align(prompts.prompt_ids_BTp, prompts.prompt_mask_BTp)
+    plen_P = mask_r.sum(-1)
 
-    valid = prompts.prompt_mask_BTp
-    cache = model.KVCache.allocate(cfg, P, Tp + Tn, dtype=dtype, device=dev)
-    h, _, cache = model.forward(params, cfg, prompts.prompt_ids_BTp, model.positions_from_valid(valid),
-                                valid_BT=valid, cache=cache, with_aux=False)
-    next_logits = model.logits(params, cfg, h[:, -1]).repeat_interleave(G, 0)
-    if G > 1:  # prefix sharing: one prefill per prompt, copied to its G samples
-        cache = model.KVCache(k=[x.repeat_interleave(G, 0) for x in cache.k],
-                              v=[x.repeat_interleave(G, 0) for x in cache.v],
-                              valid_BS=cache.valid_BS.repeat_interleave(G, 0), length=cache.length)
-    pos = valid.sum(-1).repeat_interleave(G, 0)  # next position per row
-
+    cache = model.KVCache.allocate(cfg, slots, Tp + Tn, dtype=dtype, device=dev)
     out_ids = torch.full((B, Tn), scfg.pad_id, dtype=torch.long, device=dev)
     out_lp = torch.zeros((B, Tn), dtype=torch.float32, device=dev)
     out_mask = torch.zeros((B, Tn), dtype=torch.bool, device=dev)
-    finished = torch.zeros(B, dtype=torch.bool, device=dev)
-    for t in range(Tn):
+    slot_row = torch.full((slots,), -1, dtype=torch.long, device=dev)  # output row held by each slot
+    n_gen = torch.zeros(slots, dtype=torch.long, device=dev)
+    next_logits = torch.zeros((slots, cfg.vocab_size), dtype=torch.float32, device=dev)
+    admitted = 0  # rows are admitted in order
+
+    def admit(free_slots: torch.Tensor) -> None:
+        nonlocal admitted
+        n = min(len(free_slots), B - admitted)
+        sl, rows = free_slots[:n], torch.arange(admitted, admitted + n, device=dev)
+        p0, p1 = admitted // G, (admitted + n - 1) // G + 1  # prompts these rows sample from
+        tmp = model.KVCache.allocate(cfg, p1 - p0, Tp, dtype=dtype, device=dev)
+        pos = torch.arange(Tp, device=dev).expand(p1 - p0, Tp)
+        h, _, _ = model.forward(params, cfg, ids_r[p0:p1], pos, valid_BT=mask_r[p0:p1], cache=tmp, with_aux=False)
+        last = model.logits(params, cfg, h[torch.arange(p1 - p0, device=dev), plen_P[p0:p1] - 1]).float()
+        src = rows // G - p0  # prefix sharing: each prompt's KV goes to all its sampled rows
+        for layer in range(cfg.num_hidden_layers):
+            cache.k[layer][sl, :, :Tp] = tmp.k[layer][src]
+            cache.v[layer][sl, :, :Tp] = tmp.v[layer][src]
+        cache.lengths_B[sl] = plen_P[p0:p1][src]
+        cache.bound = max(cache.bound, Tp)
+        next_logits[sl] = last[src]
+        slot_row[sl] = rows
+        n_gen[sl] = 0
+        admitted += n
+
+    admit(torch.arange(slots, device=dev))
+    while True:
         tok, lp = sample(next_logits, temperature=scfg.temperature, top_k=scfg.top_k, top_p=scfg.top_p,
                          generator=gen)
-        alive = ~finished
-        out_ids[:, t] = torch.where(alive, tok, scfg.pad_id)
-        out_lp[:, t] = torch.where(alive, lp, 0.0)
-        out_mask[:, t] = alive
-        finished = finished | (tok == scfg.eos_id)
-        if t == Tn - 1 or bool(finished.all()):
-            break
-        h, _, cache = model.forward(params, cfg, out_ids[:, t:t + 1], (pos + t)[:, None],
-                                    valid_BT=out_mask[:, t:t + 1], cache=cache, with_aux=False)
-        next_logits = model.logits(params, cfg, h[:, -1])
+        active = slot_row >= 0
+        r, t = slot_row[active], n_gen[active]
+        out_ids[r, t] = tok[active]
+        out_lp[r, t] = lp[active]
+        out_mask[r, t] = True
+        n_gen += active.long()
+        done = active & ((tok == scfg.eos_id) | (n_gen >= Tn))
+        cont = active & ~done
+        if bool(done.any()):
+            slot_row[done] = -1
+            cache.lengths_B[done] = 0
+            if admitted < B:
+                admit(torch.nonzero(slot_row < 0)[:, 0])
+            elif not bool(cont.any()):
+                break
+        feed = torch.where(cont, tok, scfg.pad_id)[:, None]
+        h, _, cache = model.forward(params, cfg, feed, cache.lengths_B[:, None].clone(), valid_BT=cont[:, None],
+                                    cache=cache, with_aux=False)
+        new_logits = model.logits(params, cfg, h[:, -1]).float()
+        next_logits = torch.where(cont[:, None], new_logits, next_logits)
     return extend(prompts.repeat(G), RolloutBatch, response_ids_BTr=out_ids, response_mask_BTr=out_mask,
                   sample_logprobs_BTr=out_lp)

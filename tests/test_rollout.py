@@ -61,3 +61,24 @@ def test_sampling_config_errors():
         SamplingConfig(max_new_tokens=0, eos_id=2)
     with pytest.raises(ValueError, match="top_p"):
         SamplingConfig(max_new_tokens=1, eos_id=2, top_p=0.0)
+
+
+def test_continuous_batching_matches_full_batch():
+    """Few slots refilled as rows finish give every row the same greedy tokens as one big batch."""
+    params, prompts = _params(2), _prompts(2, P=6)
+    free = generate(params, CFG, prompts, SamplingConfig(max_new_tokens=12, eos_id=-1, temperature=0.0), group_size=2)
+    # an EOS id that ends rows at different steps: a token some rows emit early and others late or never
+    firsts = {}
+    for b in range(free.size):
+        for t, x in enumerate(free.response_ids_BTr[b].tolist()):
+            firsts.setdefault(x, []).append(t) if t not in firsts.get(x, []) else None
+    eos = max(firsts, key=lambda x: len(set(firsts[x])))
+    scfg = SamplingConfig(max_new_tokens=12, eos_id=eos, temperature=0.0)
+    full = generate(params, CFG, prompts, scfg, group_size=2)
+    lens = full.response_mask_BTr.sum(-1)
+    assert lens.min() < lens.max(), "test needs rows of different lengths"
+    for max_batch in (1, 3, 5):
+        cb = generate(params, CFG, prompts, scfg, group_size=2, max_batch=max_batch)
+        assert torch.equal(cb.response_mask_BTr, full.response_mask_BTr), max_batch
+        assert torch.equal(cb.response_ids_BTr, full.response_ids_BTr), max_batch
+        torch.testing.assert_close(cb.sample_logprobs_BTr, full.sample_logprobs_BTr, atol=1e-5, rtol=1e-5)

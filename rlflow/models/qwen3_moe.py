@@ -40,13 +40,17 @@ def init_params(cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.f
 
 @dataclass
 class KVCache:
-    """Preallocated keys/values per layer, [B, K, S_max, d]. Buffers are written in place by ``forward``;
-    ``length`` is the number of positions filled, ``valid_BS`` marks which hold real (unpadded) tokens."""
+    """Preallocated keys/values per layer, [B, K, S_max, d], written in place by ``forward``.
+
+    Each row is stored unpadded from column 0; ``lengths_B`` counts its filled positions, so rows may be
+    at different lengths (continuous batching refills a row while others decode). ``bound`` is a
+    host-side upper bound on ``lengths_B.max()``: attention spans columns [0, bound + T) only.
+    """
 
     k: list[Tensor]
     v: list[Tensor]
-    valid_BS: Tensor
-    length: int = 0
+    lengths_B: Tensor  # int64
+    bound: int = 0
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, batch: int, max_len: int, *, dtype: torch.dtype,
@@ -55,11 +59,11 @@ class KVCache:
         L = cfg.num_hidden_layers
         return cls(k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(L)],
                    v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(L)],
-                   valid_BS=torch.zeros(batch, max_len, dtype=torch.bool, device=device))
+                   lengths_B=torch.zeros(batch, dtype=torch.long, device=device))
 
     @property
     def max_len(self) -> int:
-        return self.valid_BS.shape[1]
+        return self.k[0].shape[2]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
@@ -104,7 +108,7 @@ def fuse_for_inference(params: Params, cfg: ModelConfig) -> Params:
 
 
 def _attention_block(params: Params, cfg: ModelConfig, p: str, x_BTD: Tensor, cos: Tensor, sin: Tensor,
-                     mask: Tensor | None, cache: KVCache | None, layer: int) -> Tensor:
+                     mask: Tensor | None, cache: KVCache | None, layer: int, cache_slots=None) -> Tensor:
     B, T, _ = x_BTD.shape
     H, K, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     w, bias, norm = _fused_attention_weights(params, cfg, p)
@@ -115,10 +119,10 @@ def _attention_block(params: Params, cfg: ModelConfig, p: str, x_BTD: Tensor, co
     qk = apply_rope(qk, cos, sin)
     q, k = qk[:, :H], qk[:, H:]
     if cache is not None:
-        s0, s1 = cache.length, cache.length + T
-        cache.k[layer][:, :, s0:s1] = k
-        cache.v[layer][:, :, s0:s1] = v
-        k, v = cache.k[layer][:, :, :s1], cache.v[layer][:, :, :s1]
+        rows, cols, span = cache_slots
+        cache.k[layer][rows, :, cols] = k.transpose(1, 2)  # [B, T, K, d] at each row's own columns
+        cache.v[layer][rows, :, cols] = v.transpose(1, 2)
+        k, v = cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]
     o = attention(q, k, v, mask, is_causal=True)  # [B, H, T, d]
     return F.linear(o.transpose(1, 2).reshape(B, T, H * d), params[p + "o_proj.weight"])
 
@@ -141,22 +145,26 @@ def forward(params: Params, cfg: ModelConfig, ids_BT: Tensor, positions_BT: Tens
             with_aux: bool = True) -> tuple[Tensor, Tensor, KVCache | None]:
     """Final hidden states [B, T, D] (after the last norm), the mean router aux loss, and the cache.
 
-    positions_BT: rotary positions (for left-padded rows, ``cumsum(valid) - 1``).
-    valid_BT: True on real tokens; None means no padding (plain causal attention).
-    cache: when given, this call's keys/values are written at ``cache.length`` onward and queries attend
-    over all filled positions; the returned cache has ``length`` advanced by T (same buffers).
+    positions_BT: rotary positions (for left-padded rows, ``cumsum(valid) - 1``; with a cache,
+    ``cache.lengths_B[:, None] + arange(T)``).
+    valid_BT: True on real tokens. Without a cache, rows are left-padded and None means no padding.
+    With a cache, rows are right-padded: row b's tokens go to columns lengths_B[b] + t, each query sees
+    the columns up to its own, and lengths_B advances by the row's valid count (padding written past
+    it is overwritten later). The returned cache is the same buffers with lengths and bound advanced.
     with_aux: compute the router load-balancing loss (off in decode, where nothing uses it).
     """
     B, T = ids_BT.shape
     dtype = params["model.embed_tokens.weight"].dtype
     h = F.embedding(ids_BT, params["model.embed_tokens.weight"])
     cos, sin = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta, dtype)
+    cache_slots = None
     if cache is not None:
-        if cache.length + T > cache.max_len:
-            raise ValueError(f"KVCache overflow: length {cache.length} + {T} tokens > max_len {cache.max_len}")
-        vb = valid_BT if valid_BT is not None else torch.ones_like(ids_BT, dtype=torch.bool)
-        cache.valid_BS[:, cache.length:cache.length + T] = vb
-        mask = causal_padding_mask(cache.valid_BS[:, :cache.length + T], cache.length, T)
+        span = min(cache.bound + T, cache.max_len)
+        if T > cache.max_len:
+            raise ValueError(f"KVCache overflow: {T} tokens > max_len {cache.max_len}")
+        cols = cache.lengths_B[:, None] + torch.arange(T, device=ids_BT.device)  # [B, T]
+        mask = (torch.arange(span, device=ids_BT.device) <= cols[:, :, None])[:, None]  # [B, 1, T, span]
+        cache_slots = (torch.arange(B, device=ids_BT.device)[:, None], cols.clamp_max(cache.max_len - 1), span)
     else:
         mask = None if valid_BT is None else causal_padding_mask(valid_BT, 0, T)
     aux_total = h.new_zeros((), dtype=torch.float32)
@@ -165,7 +173,7 @@ def forward(params: Params, cfg: ModelConfig, ids_BT: Tensor, positions_BT: Tens
         p = f"model.layers.{i}."
         a = _attention_block(params, cfg, p + "self_attn.",
                              rmsnorm(h, params[p + "input_layernorm.weight"], cfg.rms_norm_eps),
-                             cos, sin, mask, cache, i)
+                             cos, sin, mask, cache, i, cache_slots)
         h = h + a
         m, aux = _mlp_block(params, cfg, p + "mlp.", i,
                             rmsnorm(h, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps),
@@ -176,7 +184,8 @@ def forward(params: Params, cfg: ModelConfig, ids_BT: Tensor, positions_BT: Tens
             n_moe += 1
     h = rmsnorm(h, params["model.norm.weight"], cfg.rms_norm_eps)
     if cache is not None:
-        cache.length += T
+        cache.lengths_B += T if valid_BT is None else valid_BT.sum(-1)
+        cache.bound = span
     return h, aux_total / max(n_moe, 1), cache
 
 
