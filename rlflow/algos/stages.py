@@ -37,14 +37,14 @@ def _trim(batch: RolloutBatch) -> RolloutBatch:
 
 
 def response_logprobs(params: model.Params, cfg: ModelConfig, batch: RolloutBatch, *, temperature: float = 1.0,
-                      with_entropy: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
+                      with_entropy: bool = False, remat: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
     """log pi(response token | prefix) [B, Tr] (0 on padding), the entropy [B, Tr] if asked, and the router
     aux loss. The sequence is prompt (left-padded) + response (right-padded); hidden state t predicts t+1."""
     Tp = batch.prompt_ids_BTp.shape[1]
     ids = torch.cat([batch.prompt_ids_BTp, batch.response_ids_BTr], 1)
     valid = torch.cat([batch.prompt_mask_BTp, batch.response_mask_BTr], 1)
     h, aux, _ = model.forward(params, cfg, ids[:, :-1], model.positions_from_valid(valid)[:, :-1],
-                              valid_BT=valid[:, :-1])
+                              valid_BT=valid[:, :-1], remat=remat)
     m = batch.response_mask_BTr
     h_resp = h[:, Tp - 1:]  # predicts response tokens 0..Tr-1
     lp_N, ent_N = token_logprobs(h_resp[m], model.lm_head(params, cfg), batch.response_ids_BTr[m],
@@ -73,6 +73,29 @@ class UpdateConfig:
     micro_batch_size: int  # samples per forward/backward (gradient accumulation within a mini-batch)
     max_grad_norm: float = 1.0
     router_aux_coef: float = 0.0  # weight of the MoE load-balancing loss in the update
+    # Dynamic batching: micro-batches hold samples of similar length up to this many (padded) tokens
+    # instead of micro_batch_size samples. None: fixed micro_batch_size.
+    max_tokens_per_micro_batch: int | None = None
+    remat: bool = False  # recompute layer activations in the backward (long sequences)
+
+
+def micro_batches(batch: RolloutBatch, rows: Tensor, ucfg: UpdateConfig) -> list[Tensor]:
+    """Split ``rows`` of a mini-batch into micro-batches: fixed size, or by token budget (rows sorted by
+    length so each micro-batch pads little; padded tokens = rows x longest row <= budget, one row at least)."""
+    if ucfg.max_tokens_per_micro_batch is None:
+        return [rows[u:u + ucfg.micro_batch_size] for u in range(0, len(rows), ucfg.micro_batch_size)]
+    lens = (batch.prompt_mask_BTp.sum(-1) + batch.response_mask_BTr.sum(-1))[rows]
+    order = rows[torch.argsort(lens, descending=True, stable=True)]
+    out, cur, longest = [], [], 0
+    for r, n in zip(order.tolist(), lens.sort(descending=True, stable=True).values.tolist()):
+        longest = max(longest, n)
+        if cur and longest * (len(cur) + 1) > ucfg.max_tokens_per_micro_batch:
+            out.append(torch.tensor(cur))
+            cur, longest = [], n
+        cur.append(r)
+    if cur:
+        out.append(torch.tensor(cur))
+    return out
 
 
 def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch, cfg: ModelConfig,
@@ -84,6 +107,9 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
 
     ``old_is_current``: the batch was sampled by exactly these params and this call makes one optimizer
     step, so the ratio's denominator is the current log-prob detached (exact; saves a forward pass)."""
+    if old_is_current and (gcfg.epochs != 1 or ucfg.mini_batch_size < batch.size):
+        raise ValueError(f"update: old_is_current needs exactly one optimizer step, but epochs={gcfg.epochs} and "
+                         f"mini_batch_size={ucfg.mini_batch_size} (batch {batch.size}) give several")
     g = torch.Generator().manual_seed(seed)
     names = list(params)
     leaves = [params[k].detach().requires_grad_(True) for k in names]
@@ -97,10 +123,10 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
             mini = perm[s:s + ucfg.mini_batch_size]
             n_tokens = float(batch.response_mask_BTr[mini].sum())
             grads = [torch.zeros_like(p) for p in leaves]
-            for u in range(0, len(mini), ucfg.micro_batch_size):
-                mb = _trim(batch.select(mini[u:u + ucfg.micro_batch_size]))
+            for rows in micro_batches(batch, mini, ucfg):
+                mb = _trim(batch.select(rows))
                 lp, ent, aux = response_logprobs(live, cfg, mb, temperature=gcfg.temperature,
-                                                 with_entropy=bool(gcfg.entropy_coef))
+                                                 with_entropy=bool(gcfg.entropy_coef), remat=ucfg.remat)
                 old = lp.detach() if old_is_current else mb.old_logprobs_BTr
                 loss, met = grpo.policy_loss(lp, old, mb.advantages_B, mb.response_mask_BTr, gcfg,
                                              ref_logp_BT=mb.ref_logprobs_BTr, entropy_BT=ent, n_tokens=n_tokens,

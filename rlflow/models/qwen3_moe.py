@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from rlflow.models.config import ModelConfig, param_shapes
 from rlflow.ops import apply_rope, attention, causal_padding_mask, moe_experts, rmsnorm, rope_cos_sin, route
@@ -134,15 +135,31 @@ def _mlp_block(params: Params, cfg: ModelConfig, p: str, layer: int, x_BTD: Tens
         return _linear(params, p + "down_proj", h), x_BTD.new_zeros((), dtype=torch.float32)
     B, T, D = x_BTD.shape
     x_ND = x_BTD.reshape(B * T, D)
+    sel = None
+    if valid_BT is not None and T > 1 and not bool(valid_BT.all()):
+        sel = valid_BT.reshape(-1).nonzero()[:, 0]  # padding tokens are neither routed nor computed
+        x_ND = x_ND[sel]
     w_NK, idx_NK, aux = route(x_ND, params[p + "gate.weight"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                              None if valid_BT is None else valid_BT.reshape(-1), with_aux=with_aux)
+                              with_aux=with_aux)
     y = moe_experts(x_ND, w_NK, idx_NK, params[p + "experts.gate_up_proj"], params[p + "experts.down_proj"])
+    if sel is not None:
+        y = x_BTD.new_zeros(B * T, D).index_copy(0, sel, y)
     return y.view(B, T, D), aux
 
 
+def _layer(params, cfg, i, h, cos, sin, mask, cache, cache_slots, valid_BT, with_aux):
+    p = f"model.layers.{i}."
+    h = h + _attention_block(params, cfg, p + "self_attn.",
+                             rmsnorm(h, params[p + "input_layernorm.weight"], cfg.rms_norm_eps),
+                             cos, sin, mask, cache, i, cache_slots)
+    m, aux = _mlp_block(params, cfg, p + "mlp.", i,
+                        rmsnorm(h, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps), valid_BT, with_aux)
+    return h + m, aux
+
+
 def forward(params: Params, cfg: ModelConfig, ids_BT: Tensor, positions_BT: Tensor, *,
-            valid_BT: Tensor | None = None, cache: KVCache | None = None,
-            with_aux: bool = True) -> tuple[Tensor, Tensor, KVCache | None]:
+            valid_BT: Tensor | None = None, cache: KVCache | None = None, with_aux: bool = True,
+            remat: bool = False) -> tuple[Tensor, Tensor, KVCache | None]:
     """Final hidden states [B, T, D] (after the last norm), the mean router aux loss, and the cache.
 
     positions_BT: rotary positions (for left-padded rows, ``cumsum(valid) - 1``; with a cache,
@@ -152,6 +169,8 @@ def forward(params: Params, cfg: ModelConfig, ids_BT: Tensor, positions_BT: Tens
     the columns up to its own, and lengths_B advances by the row's valid count (padding written past
     it is overwritten later). The returned cache is the same buffers with lengths and bound advanced.
     with_aux: compute the router load-balancing loss (off in decode, where nothing uses it).
+    remat: recompute each layer's activations in the backward pass instead of storing them
+    (activation checkpointing, for long sequences).
     """
     B, T = ids_BT.shape
     dtype = params["model.embed_tokens.weight"].dtype
@@ -170,15 +189,11 @@ def forward(params: Params, cfg: ModelConfig, ids_BT: Tensor, positions_BT: Tens
     aux_total = h.new_zeros((), dtype=torch.float32)
     n_moe = 0
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        a = _attention_block(params, cfg, p + "self_attn.",
-                             rmsnorm(h, params[p + "input_layernorm.weight"], cfg.rms_norm_eps),
-                             cos, sin, mask, cache, i, cache_slots)
-        h = h + a
-        m, aux = _mlp_block(params, cfg, p + "mlp.", i,
-                            rmsnorm(h, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps),
-                            valid_BT, with_aux)
-        h = h + m
+        args = (params, cfg, i, h, cos, sin, mask, cache, cache_slots, valid_BT, with_aux)
+        if remat and torch.is_grad_enabled():
+            h, aux = checkpoint(_layer, *args, use_reentrant=False)
+        else:
+            h, aux = _layer(*args)
         if cfg.is_moe_layer(i):
             aux_total = aux_total + aux
             n_moe += 1

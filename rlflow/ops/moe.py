@@ -8,14 +8,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def route(x_ND: Tensor, gate_ED: Tensor, top_k: int, norm_topk_prob: bool,
-          valid_N: Tensor | None = None, *, with_aux: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+def route(x_ND: Tensor, gate_ED: Tensor, top_k: int, norm_topk_prob: bool, *,
+          with_aux: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """Softmax top-k routing (Qwen3-MoE). Returns (weights_NK in x's dtype, experts_NK, aux_loss).
 
     p = softmax(x W_g^T) in float32; keep the top-k; renormalize them to sum 1 when ``norm_topk_prob``.
     aux_loss is the Switch-Transformer load-balancing loss  E * sum_e f_e * P_e, with f_e the fraction
-    of (token, slot) assignments to expert e and P_e the mean router probability of e, over valid tokens
-    (a zero scalar when ``with_aux`` is False).
+    of (token, slot) assignments to expert e and P_e the mean router probability of e, over the N tokens
+    given (the caller drops padding first; a zero scalar when ``with_aux`` is False).
     """
     logits_NE = F.linear(x_ND, gate_ED)
     probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float32)
@@ -27,14 +27,8 @@ def route(x_ND: Tensor, gate_ED: Tensor, top_k: int, norm_topk_prob: bool,
     E = gate_ED.shape[0]
     with torch.no_grad():
         onehot_NE = torch.zeros_like(probs_NE).scatter_(1, idx_NK, 1.0)
-    if valid_N is not None:
-        v = valid_N.to(probs_NE.dtype)[:, None]
-        n = v.sum().clamp_min(1.0)
-        f_E = (onehot_NE * v).sum(0) / (n * top_k)
-        p_E = (probs_NE * v).sum(0) / n
-    else:
-        f_E = onehot_NE.mean(0) / top_k
-        p_E = probs_NE.mean(0)
+    f_E = onehot_NE.mean(0) / top_k
+    p_E = probs_NE.mean(0)
     aux = E * (f_E * p_E).sum()
     return w_NK.to(x_ND.dtype), idx_NK, aux
 
