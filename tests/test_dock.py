@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlflow.dock import GRPO_COLUMNS, CentralizedBuffer, Column, Dock, Schema
+from rlflow.dock import CentralizedBuffer, Column, Dock, Schema
 from rlflow.dock.cost import GRPO_FLOW, Shape, centralized_bytes, dock_bytes, stage_bytes
 from rlflow.dock.samplers import balance, imbalance, pick_groups
 from rlflow.dock.schema import take_rows
@@ -28,7 +28,6 @@ def dock(request):
 
 
 def prompts(rows, seed=0):
-    g = torch.Generator().manual_seed(seed)
     return [torch.full((1 + (r * 7 + seed) % 5,), r, dtype=torch.long) for r in rows]
 
 

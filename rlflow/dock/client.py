@@ -50,7 +50,8 @@ class DockBatch:
         for f in ("data", "mask", "cu_seqlens"):
             object.__setattr__(self, f, types.MappingProxyType(dict(getattr(self, f))))
         if self.index_B.dtype != torch.int64 or self.index_B.dim() != 1:
-            raise ValueError(f"DockBatch.index_B: expected int64 [B], got {self.index_B.dtype} {tuple(self.index_B.shape)}")
+            raise ValueError(f"DockBatch.index_B: expected int64 [B], got {self.index_B.dtype} "
+                             f"{tuple(self.index_B.shape)}")
         B = self.index_B.shape[0]
         for name, t in self.data.items():
             if name in self.cu_seqlens:
