@@ -84,7 +84,8 @@ def micro_batches(batch: RolloutBatch, rows: Tensor, ucfg: UpdateConfig) -> list
     length so each micro-batch pads little; padded tokens = rows x longest row <= budget, one row at least)."""
     if ucfg.max_tokens_per_micro_batch is None:
         return [rows[u:u + ucfg.micro_batch_size] for u in range(0, len(rows), ucfg.micro_batch_size)]
-    lens = (batch.prompt_mask_BTp.sum(-1) + batch.response_mask_BTr.sum(-1))[rows]
+    rows = rows.cpu()
+    lens = (batch.prompt_mask_BTp.sum(-1) + batch.response_mask_BTr.sum(-1)).cpu()[rows]
     order = rows[torch.argsort(lens, descending=True, stable=True)]
     out, cur, longest = [], [], 0
     for r, n in zip(order.tolist(), lens.sort(descending=True, stable=True).values.tolist()):
