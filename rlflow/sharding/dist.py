@@ -83,12 +83,13 @@ def _gather(plan: Plan, b: Bucket, rank: int, shards: dict, device):
     mine = ex.own_segs(plan, b, rank)
     if not mine:
         return None
-    buf = ex.pack(plan.src, mine, shards, rank, device)
+    n = ex.offsets(plan.src, mine)[1]
     segs = [s for m in grp for s in ex.own_segs(plan, b, m)]
-    if len(grp) == 1:
-        return segs, buf
-    out = torch.empty(len(grp) * buf.numel(), dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(out, buf, group=group(grp))
+    out = torch.empty(len(grp) * n, dtype=torch.uint8, device=device)
+    i = grp.index(rank)
+    ex.pack(plan.src, mine, shards, rank, device, out=out[i * n:(i + 1) * n])
+    if len(grp) > 1:  # in place: the input is this rank's slot of the output
+        dist.all_gather_into_tensor(out, out[i * n:(i + 1) * n], group=group(grp))
     return segs, out
 
 
@@ -109,13 +110,17 @@ def _collective(plan: Plan, b: Bucket, rank: int, shards: dict, device) -> list:
     send, recv, _ = ex.p2p_segs(plan, b, rank)
     if rank not in b.group:
         return []
-    packs = {p: ex.pack(plan.src, s, shards, rank, device) for p, s in send.items()}
+    peers = b.group if b.kind == "all_to_all" else sorted(set(send) | set(recv))
+    in_splits = [ex.offsets(plan.src, send[p])[1] if p in send else 0 for p in peers]
+    inp = torch.empty(sum(in_splits), dtype=torch.uint8, device=device)  # one send buffer, packed once
+    packs, pos = {}, 0
+    for p, n in zip(peers, in_splits):
+        if n:
+            packs[p] = ex.pack(plan.src, send[p], shards, rank, device, out=inp[pos:pos + n])
+        pos += n
     sizes = {p: ex.offsets(plan.src, s)[1] for p, s in recv.items()}
     if b.kind == "all_to_all":
-        in_splits = [packs[p].numel() if p in packs else 0 for p in b.group]
         out_splits = [sizes.get(p, 0) for p in b.group]
-        inp = torch.cat([packs[p] for p in b.group if p in packs]) if packs else \
-            torch.empty(0, dtype=torch.uint8, device=device)
         out = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
         dist.all_to_all_single(out, inp, out_splits, in_splits, group=group(b.group))
         res, pos = [], 0
@@ -124,7 +129,10 @@ def _collective(plan: Plan, b: Bucket, rank: int, shards: dict, device) -> list:
                 res.append((recv[p], out[pos:pos + n]))
             pos += n
         return res
-    bufs = {p: torch.empty(n, dtype=torch.uint8, device=device) for p, n in sizes.items()}
+    out = torch.empty(sum(sizes.values()), dtype=torch.uint8, device=device)  # one receive buffer
+    bufs, pos = {}, 0
+    for p in sorted(sizes):
+        bufs[p], pos = out[pos:pos + sizes[p]], pos + sizes[p]
     ops = [dist.P2POp(dist.isend, packs[p], p) for p in sorted(packs)]
     ops += [dist.P2POp(dist.irecv, bufs[p], p) for p in sorted(bufs)]
     if ops:
@@ -133,8 +141,10 @@ def _collective(plan: Plan, b: Bucket, rank: int, shards: dict, device) -> list:
     return [(recv[p], bufs[p]) for p in sorted(bufs)]
 
 
-def execute(plan: Plan, shards: dict, state: ex.TrainState | None = None, *, device=None) -> dict:
-    """Run ``plan`` on this rank; returns its destination shards (see ``execute.simulate``)."""
+def execute(plan: Plan, shards: dict, state: ex.TrainState | None = None, *, device=None,
+            on_step=None) -> dict:
+    """Run ``plan`` on this rank; returns its destination shards (see ``execute.simulate``).
+    ``on_step(i)`` is called after step ``i`` (e.g. to read the allocator's counters)."""
     rank = dist.get_rank()
     if dist.get_world_size() != plan.world:
         raise ValueError(f"plan is over {plan.world} ranks, torch.distributed world is {dist.get_world_size()}")
@@ -148,7 +158,7 @@ def execute(plan: Plan, shards: dict, state: ex.TrainState | None = None, *, dev
         new_groups(part)
     outs: dict = {}
     tmp: dict[int, list] = {}
-    for step in plan.steps:
+    for i, step in enumerate(plan.steps):
         b = plan.buckets[step.bucket] if step.bucket is not None and plan.buckets else None
         if step.op in COLLECTIVES:
             tmp[b.index] = _collective(plan, b, rank, shards, device)
@@ -156,10 +166,7 @@ def execute(plan: Plan, shards: dict, state: ex.TrainState | None = None, *, dev
             out = ex.alloc_dst(plan, b, rank, device)
             if out:
                 if b.kind in ("slice", "all_to_all", "send_recv"):
-                    local = ex.p2p_segs(plan, b, rank)[2]
-                    if local:
-                        ex.unpack(plan.src, plan.dst, local, ex.pack(plan.src, local, shards, rank, device),
-                                  out, rank)
+                    ex.copy_local(plan, ex.p2p_segs(plan, b, rank)[2], shards, out, rank)
                 for segs, buf in tmp.get(b.index, ()):
                     ex.unpack(plan.src, plan.dst, segs, buf, out, rank)
             outs.update(ex.finish_dst(plan, out, rank))
@@ -167,6 +174,8 @@ def execute(plan: Plan, shards: dict, state: ex.TrainState | None = None, *, dev
             tmp.pop(b.index, None)
         else:
             ex.swap_step(plan, step, rank, shards, state, outs, device)
+        if on_step is not None:
+            on_step(i)
     return outs
 
 

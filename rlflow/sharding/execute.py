@@ -78,16 +78,26 @@ def _view(t: torch.Tensor, layout: Layout, name: str) -> torch.Tensor:
     return t.reshape(layout[name].local_view(layout.mesh))
 
 
-def pack(layout: Layout, segs: Segs, shards: dict, rank: int, device) -> torch.Tensor:
-    """Flat byte buffer of ``segs`` cut from this rank's shards under ``layout``."""
+def pack(layout: Layout, segs: Segs, shards: dict, rank: int, device, out: torch.Tensor | None = None):
+    """Flat byte buffer of ``segs`` cut from this rank's shards under ``layout`` (written into ``out``
+    when given, e.g. a slice of a larger send buffer)."""
     offs, total = offsets(layout, segs)
-    buf = torch.empty(total, dtype=torch.uint8, device=device)
+    buf = torch.empty(total, dtype=torch.uint8, device=device) if out is None else out
     for (name, box), off in zip(segs, offs):
         lo = geo.blocks(*geo.placement(layout, name)).box_of(rank)
         src = _view(shards[name], layout, name)[tuple(slice(a - l0, b - l0) for (a, b), (l0, _) in zip(box, lo))]
         n = geo.box_numel(box) * _itemsize(layout, name)
         buf[off:off + n].view(src.dtype).view(src.shape).copy_(src)
     return buf
+
+
+def copy_local(plan: Plan, segs: Segs, shards: dict, out: dict, rank: int) -> None:
+    """Copy pieces this rank holds in both layouts straight from its source shard to its destination."""
+    for name, box in segs:
+        slo = geo.blocks(*geo.placement(plan.src, name)).box_of(rank)
+        dlo = geo.blocks(*geo.placement(plan.dst, name)).box_of(rank)
+        src = _view(shards[name], plan.src, name)[tuple(slice(a - l0, b - l0) for (a, b), (l0, _) in zip(box, slo))]
+        out[name][tuple(slice(a - d0, b - d0) for (a, b), (d0, _) in zip(box, dlo))] = src
 
 
 def unpack(layout_src: Layout, layout_dst: Layout, segs: Segs, buf: torch.Tensor, out: dict, rank: int) -> None:
@@ -214,8 +224,7 @@ def simulate(plan: Plan, shards: list[dict], states: list[TrainState] | None = N
                 if out:
                     _, _, local = p2p_segs(plan, b, r) if b.kind in ("slice", "all_to_all", "send_recv") \
                         else ({}, {}, [])
-                    if local:
-                        unpack(plan.src, plan.dst, local, pack(plan.src, local, shards[r], r, device), out, r)
+                    copy_local(plan, local, shards[r], out, r)
                     for segs, buf in tmp[r].get(b.index, ()):
                         unpack(plan.src, plan.dst, segs, buf, out, r)
                 outs[r].update(finish_dst(plan, out, r))

@@ -1,6 +1,7 @@
 """Transition plans: ``plan(src, dst)`` -> a frozen, printable sequence of steps, from shapes alone.
 
-Every parameter gets a strategy (``strategy.choose``: slice, all_gather, broadcast or p2p); parameters
+Every parameter gets a strategy (``strategy``: slice, all_gather, broadcast or p2p, chosen per family of
+parameters that differ only by pp stage); parameters
 with the same strategy are packed into buckets of at most ``bucket_bytes`` of temporary buffer per
 rank, taken one layer per stage in turn so that every stage sends at once. Each bucket is one
 collective on one flat byte buffer. Steps:
@@ -22,7 +23,7 @@ import numpy as np
 
 from rlflow.sharding import geometry as geo
 from rlflow.sharding.layout import Layout, fmt_bytes
-from rlflow.sharding.strategy import choose
+from rlflow.sharding.strategy import candidates, choose_family, pick
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 COLLECTIVES = ("all_gather", "broadcast", "all_to_all", "send_recv")
@@ -167,16 +168,27 @@ def plan(src: Layout, dst: Layout, *, swap: bool = False,
     _check_pair(src, dst)
     world = src.mesh.size
     pp_src, pp_dst = src.mesh.coord_array[:, 0], dst.mesh.coord_array[:, 0]
+    names = _order(src)
+    place = {n: (geo.placement(src, n), geo.placement(dst, n)) for n in names}
+    families: dict[tuple, dict[tuple, int]] = {}
+    for n in names:
+        s, d = place[n]
+        members = families.setdefault((s[0], s[1], s[3], d[0], d[1]), {})
+        members[(s, d)] = members.get((s, d), 0) + src[n].itemsize
+    chosen = {f: choose_family([(candidates(*sd), w) for sd, w in m.items()]) for f, m in families.items()}
     open_: dict[tuple, dict] = {}
     done: list[dict] = []
     choices = []
-    for name in _order(src):
+    for name in names:
         p, q = src[name], dst[name]
-        ch = choose(geo.placement(src, name), geo.placement(dst, name))
-        c, isz = ch.best, p.itemsize
+        s, d = place[name]
+        fc = chosen[(s[0], s[1], s[3], d[0], d[1])]
+        cands = candidates(s, d)
+        c, isz = pick(cands, fc.key), p.itemsize
+        alt = pick(cands, fc.alt) if fc.alt else None
         kind = "p2p" if c.kind == "p2p" else c.kind
         key = (kind, c.axes, c.stage if kind == "broadcast" else None)
-        choices.append((name, c.label, ch.alt.label if ch.alt else ""))
+        choices.append((name, c.label, alt.label if alt else ""))
         tmp = c.tmp * isz
         b = open_.get(key)
         if b is not None and b["params"] and (b["tmp"] + tmp).max() > bucket_bytes:
@@ -192,11 +204,10 @@ def plan(src: Layout, dst: Layout, *, swap: bool = False,
         b["tmp"] = b["tmp"] + tmp
         b["src"] = b["src"] + np.where(pp_src == p.stage, p.local_bytes(src.mesh), 0)
         b["dst"] = b["dst"] + np.where(pp_dst == q.stage, q.local_bytes(dst.mesh), 0)
-        alt = ch.alt if ch.alt is not None else None
         b["alt"].add(alt.label if alt else "")
         b["alt_recv"] = b["alt_recv"] + (alt.recv * isz if alt else c.recv * isz)
     done.extend(open_.values())
-    order = {name: i for i, name in enumerate(_order(src))}
+    order = {name: i for i, name in enumerate(names)}
     done.sort(key=lambda b: order[b["params"][0]])
     buckets = tuple(_finish(i, b, src, dst) for i, b in enumerate(done))
     steps = []

@@ -11,12 +11,15 @@ Candidates, each exact:
 - ``p2p``: the minimal pieces (``geometry.transfers``), each sent once by one holder; executed as an
   ``all_to_all`` (ranks exchange) or ``send_recv`` (one-way flows) per bucket.
 
-Cost model, per rank, in elements: received and sent (ring all-gather: ``(m-1)/m`` of the gathered
+Cost model, per rank, in bytes: received and sent (ring all-gather: ``(m-1)/m`` of the gathered
 buffer each way; broadcast: a pipelined chain along pp, every member but the last forwards the
-payload once). The choice minimises, lexicographically, the busiest rank's received elements, the
-busiest rank's sent elements, then prefers the simpler collective (slice, all_gather, broadcast,
-p2p). So an all-gather-then-slice is taken only when nothing moves less; when a p2p pattern beats it,
-the plan says so and by how much.
+payload once). The choice is made per *family*: the parameters whose placements differ only by pp
+stage (the same weight of every layer), since buckets take one layer per stage in turn and the
+stages' traffic overlaps. For each strategy valid for the whole family, sum the per-rank bytes over
+the family; minimise, lexicographically, the busiest rank's ``max(sent, received)`` (time on a full-
+duplex link), the busiest rank's received bytes, then prefer the simpler collective (slice/p2p
+without traffic, all_gather, broadcast, p2p). So an all-gather-then-slice is taken only when nothing
+is cheaper; when a p2p pattern beats it, the plan names the all-gather alternative and its bytes.
 """
 
 from __future__ import annotations
@@ -41,18 +44,13 @@ class Candidate:
     tmp: np.ndarray  # [world] elements of temporary buffers
 
     @property
-    def cost(self):
-        return (int(self.recv.max(initial=0)), int(self.sent.max(initial=0)), PREFERENCE[self.kind])
+    def key(self) -> tuple[str, tuple[str, ...]]:
+        """Same for every member of a family: slice and p2p are one strategy (p2p without traffic)."""
+        return ("p2p" if self.kind == "slice" else self.kind, self.axes)
 
     @property
     def label(self) -> str:
         return f"{self.kind}({','.join(self.axes)})" if self.axes else self.kind
-
-
-@dataclass(frozen=True, eq=False)
-class Choice:
-    best: Candidate
-    alt: Candidate | None  # the cheapest all-gather-based candidate, when the best is not one
 
 
 def _ro(*arrays):
@@ -65,8 +63,9 @@ def _contained(dlo, dhi, glo, ghi) -> bool:
 
 
 @functools.lru_cache(maxsize=8192)
-def choose(src: tuple, dst: tuple) -> Choice:
-    """Best candidate for moving a parameter from placement ``src`` to ``dst`` (elements, not bytes)."""
+def candidates(src: tuple, dst: tuple) -> tuple[Candidate, ...]:
+    """Every valid way of moving a parameter from placement ``src`` to ``dst`` (elements, not bytes);
+    the first is p2p (or slice), always valid."""
     smesh, sspec, stage, view = src
     world = smesh.size
     sb, db = geo.blocks(*src), geo.blocks(*dst)
@@ -119,9 +118,39 @@ def choose(src: tuple, dst: tuple) -> Choice:
 
     for c in cands:
         _ro(c.recv, c.sent, c.tmp)
-    best = min(cands, key=lambda c: c.cost)
+    return tuple(cands)
+
+
+def cost(recv: np.ndarray, sent: np.ndarray, kind: str) -> tuple[int, int, int]:
+    return (int(np.maximum(recv, sent).max(initial=0)), int(recv.max(initial=0)), PREFERENCE[kind])
+
+
+@dataclass(frozen=True)
+class FamilyChoice:
+    key: tuple[str, tuple[str, ...]]  # chosen strategy (kind, axes), kind in p2p|all_gather|broadcast
+    alt: tuple[str, tuple[str, ...]] | None  # cheapest all-gather-based strategy, when p2p won
+    costs: tuple  # ((key, cost), ...) of every strategy valid for the family
+
+
+def choose_family(members) -> FamilyChoice:
+    """``members``: ``[(candidates of one placement pair, bytes per element summed over its params)]``.
+    Returns the strategy with the least summed cost (see the module docstring)."""
+    valid = None
+    for cands, _ in members:
+        keys = {c.key for c in cands}
+        valid = keys if valid is None else valid & keys
+    costs = {}
+    for key in sorted(valid):
+        recv = sum(next(c for c in cands if c.key == key).recv * w for cands, w in members)
+        sent = sum(next(c for c in cands if c.key == key).sent * w for cands, w in members)
+        costs[key] = cost(recv, sent, key[0])
+    best = min(costs, key=costs.get)
     alt = None
-    if best.kind == "p2p":
-        gathers = [c for c in cands if c.kind in ("all_gather", "broadcast")]
-        alt = min(gathers, key=lambda c: c.cost) if gathers else None
-    return Choice(best, alt)
+    if best[0] == "p2p":
+        gathers = [k for k in costs if k[0] != "p2p"]
+        alt = min(gathers, key=costs.get) if gathers else None
+    return FamilyChoice(best, alt, tuple(costs.items()))
+
+
+def pick(cands: tuple[Candidate, ...], key) -> Candidate:
+    return next(c for c in cands if c.key == key)
