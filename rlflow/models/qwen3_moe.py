@@ -78,7 +78,7 @@ def _linear(params: Params, name: str, x: Tensor) -> Tensor:
 QKV_W, QKV_B, QK_NORM = "qkv_proj.weight", "qkv_proj.bias", "qk_norm.weight"
 
 
-def _fused_attention_weights(params: Params, cfg: ModelConfig, p: str) -> tuple[Tensor, Tensor | None, Tensor | None]:
+def fused_attention_weights(params: Params, cfg: ModelConfig, p: str) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """q/k/v projections stacked [(H + 2K) d, D] (one matmul), and q_norm/k_norm as one [(H + K), d] weight."""
     w = params.get(p + QKV_W)
     if w is None:
@@ -99,7 +99,7 @@ def fuse_for_inference(params: Params, cfg: ModelConfig) -> Params:
     out = dict(params)
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}.self_attn."
-        w, b, n = _fused_attention_weights(params, cfg, p)
+        w, b, n = fused_attention_weights(params, cfg, p)
         out[p + QKV_W] = w
         if b is not None:
             out[p + QKV_B] = b
@@ -108,11 +108,11 @@ def fuse_for_inference(params: Params, cfg: ModelConfig) -> Params:
     return out
 
 
-def _attention_block(params: Params, cfg: ModelConfig, p: str, x_BTD: Tensor, cos: Tensor, sin: Tensor,
+def attention_block(params: Params, cfg: ModelConfig, p: str, x_BTD: Tensor, cos: Tensor, sin: Tensor,
                      mask: Tensor | None, cache: KVCache | None, layer: int, cache_slots=None) -> Tensor:
     B, T, _ = x_BTD.shape
     H, K, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    w, bias, norm = _fused_attention_weights(params, cfg, p)
+    w, bias, norm = fused_attention_weights(params, cfg, p)
     qkv = F.linear(x_BTD, w, bias).view(B, T, H + 2 * K, d).transpose(1, 2)  # [B, H+2K, T, d]
     qk, v = qkv[:, :H + K], qkv[:, H + K:]
     if norm is not None:
@@ -128,7 +128,7 @@ def _attention_block(params: Params, cfg: ModelConfig, p: str, x_BTD: Tensor, co
     return F.linear(o.transpose(1, 2).reshape(B, T, H * d), params[p + "o_proj.weight"])
 
 
-def _mlp_block(params: Params, cfg: ModelConfig, p: str, layer: int, x_BTD: Tensor,
+def mlp_block(params: Params, cfg: ModelConfig, p: str, layer: int, x_BTD: Tensor,
                valid_BT: Tensor | None, with_aux: bool) -> tuple[Tensor, Tensor]:
     if not cfg.is_moe_layer(layer):
         h = F.silu(_linear(params, p + "gate_proj", x_BTD)) * _linear(params, p + "up_proj", x_BTD)
@@ -147,12 +147,12 @@ def _mlp_block(params: Params, cfg: ModelConfig, p: str, layer: int, x_BTD: Tens
     return y.view(B, T, D), aux
 
 
-def _layer(params, cfg, i, h, cos, sin, mask, cache, cache_slots, valid_BT, with_aux):
+def decoder_layer(params, cfg, i, h, cos, sin, mask, cache, cache_slots, valid_BT, with_aux):
     p = f"model.layers.{i}."
-    h = h + _attention_block(params, cfg, p + "self_attn.",
+    h = h + attention_block(params, cfg, p + "self_attn.",
                              rmsnorm(h, params[p + "input_layernorm.weight"], cfg.rms_norm_eps),
                              cos, sin, mask, cache, i, cache_slots)
-    m, aux = _mlp_block(params, cfg, p + "mlp.", i,
+    m, aux = mlp_block(params, cfg, p + "mlp.", i,
                         rmsnorm(h, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps), valid_BT, with_aux)
     return h + m, aux
 
@@ -191,9 +191,9 @@ def forward(params: Params, cfg: ModelConfig, ids_BT: Tensor, positions_BT: Tens
     for i in range(cfg.num_hidden_layers):
         args = (params, cfg, i, h, cos, sin, mask, cache, cache_slots, valid_BT, with_aux)
         if remat and torch.is_grad_enabled():
-            h, aux = checkpoint(_layer, *args, use_reentrant=False)
+            h, aux = checkpoint(decoder_layer, *args, use_reentrant=False)
         else:
-            h, aux = _layer(*args)
+            h, aux = decoder_layer(*args)
         if cfg.is_moe_layer(i):
             aux_total = aux_total + aux
             n_moe += 1
