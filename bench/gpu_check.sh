@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One-call GPU check for a lent accelerator (e.g. one H200): CUDA tests, then both benchmarks at both
+# sizes, every figure into one file. Meant to finish well under 10 minutes.
+#   bash bench/gpu_check.sh [OUT_DIR]      (OUT_DIR defaults to $OUT, else ./gpu_out)
+# Uses the machine's python3 (torch with CUDA, transformers, hypothesis); no Ray, no network there.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:-${OUT:-gpu_out}}
+mkdir -p "$OUT_DIR"
+PY=${PYTHON:-python3}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export RLFLOW_DEVICE=cuda
+LOG="$OUT_DIR/gpu_check.log"
+FIG="$OUT_DIR/gpu_figures.jsonl"
+: > "$FIG"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$LOG"
+$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$LOG"
+
+run() {  # run NAME TIMEOUT CMD...: log everything, keep the JSON last line as a figure
+  local name=$1 t=$2; shift 2
+  echo "=== $name: $*" | tee -a "$LOG"
+  local start=$SECONDS
+  timeout "$t" "$@" > "$OUT_DIR/$name.out" 2>&1
+  local rc=$?
+  tail -n 30 "$OUT_DIR/$name.out" >> "$LOG"
+  echo "=== $name rc=$rc in $((SECONDS - start))s" | tee -a "$LOG"
+  local last
+  last=$(tail -n 1 "$OUT_DIR/$name.out")
+  if [[ $last == \{* ]]; then echo "{\"name\": \"$name\", \"rc\": $rc, \"result\": $last}" >> "$FIG"; fi
+}
+
+run cuda_tests 240 $PY -m pytest -q -m cuda -p no:cacheprovider tests
+run rollout_tiny 90 $PY bench/rollout_vs_hf.py --device cuda --batch 256 --new-tokens 128
+run rollout_0p5b 150 $PY bench/rollout_vs_hf.py --device cuda --dtype bfloat16 --preset qwen3-moe-0.5b --batch 256 --new-tokens 128 --repeats 2
+run e2e_tiny 90 $PY bench/e2e_vs_trl.py --device cuda
+run e2e_0p5b 180 $PY bench/e2e_vs_trl.py --device cuda --preset qwen3-moe-0.5b --max-new-tokens 256
+echo "figures: $FIG" | tee -a "$LOG"
