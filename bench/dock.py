@@ -104,7 +104,8 @@ def run_config(name: str, dock, workers, shape: Shape, args) -> dict:
         traffic = dock.traffic()
         per = {p: v["bytes_in"] + v["bytes_out"] for p, v in traffic.items()}
         res = {"name": name, "wall_s": wall, "worker_busy_s": max(busy), "per_process": per,
-               "busiest": max(per, key=per.get), "busiest_bytes": max(per.values()), "total_bytes": sum(per.values())}
+               "busiest": max(per, key=per.get), "busiest_bytes": max(per.values()), "total_bytes": sum(per.values()),
+               "controller_bytes": max([v for p, v in per.items() if p.startswith("controller")], default=0)}
         if best is None or wall < best["wall_s"]:
             best = res
     dock.clear()
@@ -150,13 +151,16 @@ def main() -> None:
           f"tokens, response ~{args.response_len} tokens (uniform in [L/2, 3L/2]), columns {list(GRPO_COLUMNS.names)}, "
           f"{args.workers} worker actors, micro-batch {args.micro_batch}, Ray on {args.num_cpus} CPUs, one node")
     print("busiest_bytes = max over dock processes (warehouses + controllers, or the centralized store) of bytes in + "
-          "out per iteration, measured as serialized payload sizes; wall_s = one iteration, all puts and gets "
-          "(best of --iters); model = rlflow.dock.cost; error = |measured - model| / model\n")
-    print(f"{'config':<13}{'busiest MB':>11}{'model MB':>10}{'error':>8}{'total MB':>10}{'wall s':>8}  busiest process")
+          "out per iteration, measured as serialized payload sizes; total = all dock processes; ctrl = busiest "
+          "controller; wall_s = one iteration, all puts and gets (best of --iters); model = rlflow.dock.cost; "
+          "error = |measured - model| / model\n")
+    print(f"{'config':<13}{'busiest MB':>11}{'model MB':>10}{'error':>8}{'total MB':>10}{'ctrl MB':>9}{'wall s':>8}"
+          "  busiest process")
     for r in results:
         r["error"] = abs(r["busiest_bytes"] - r["model"]) / r["model"]
         print(f"{r['name']:<13}{r['busiest_bytes'] / 2**20:>11.1f}{r['model'] / 2**20:>10.1f}{r['error']:>8.2%}"
-              f"{r['total_bytes'] / 2**20:>10.1f}{r['wall_s']:>8.2f}  {r['busiest']}")
+              f"{r['total_bytes'] / 2**20:>10.1f}{r['controller_bytes'] / 2**20:>9.2f}{r['wall_s']:>8.2f}"
+              f"  {r['busiest']}")
     central, top = results[0], results[-1]
     ratio = central["busiest_bytes"] / top["busiest_bytes"]
     wall_ratio = central["wall_s"] / top["wall_s"]
@@ -177,7 +181,8 @@ def main() -> None:
         "shape": {"prompts": args.prompts, "group_size": args.group_size, "prompt_len": args.prompt_len,
                   "response_len": args.response_len, "workers": args.workers, "micro_batch": args.micro_batch},
         "configs": {r["name"]: {"busiest_bytes": r["busiest_bytes"], "model": r["model"],
-                                "wall_s": round(r["wall_s"], 3), "total_bytes": r["total_bytes"]} for r in results},
+                                "wall_s": round(r["wall_s"], 3), "total_bytes": r["total_bytes"],
+                                "controller_bytes": r["controller_bytes"]} for r in results},
         "projection": {p["devices"]: round(p["ratio"], 2) for p in proj}}))
 
 
