@@ -167,6 +167,7 @@ def test_bad_unknown_column(dock):
 def test_bad_unknown_consumer(dock):
     put_prompts(dock, [0, 1])
     _unchanged(dock, lambda: dock.get("critic", ["prompt_ids"], 1), ValueError, "unknown consumer 'critic'")
+    _unchanged(dock, lambda: dock.pending("critic"), ValueError, "unknown consumer 'critic'")
 
 
 def test_bad_dtype(dock):

@@ -120,6 +120,7 @@ class CentralizedBuffer(_Client):
         self.transport.call(self.store, "clear")
 
     def pending(self, consumer: str, columns=None) -> tuple[int, int]:
+        self._check_get(consumer, columns or self.schema.names[:1], 1, False, 1)
         return self.transport.call(self.store, "pending", consumer, columns)
 
     def traffic(self) -> dict[str, dict[str, int]]:

@@ -274,7 +274,12 @@ class Dock(_Client):
         return np.asarray(local, dtype=np.int32)[(idx // self.group_size) % len(local)]
 
     def put(self, indices, columns: Mapping[str, object], *, warehouse: int | None = None) -> None:
-        """Write ``columns`` (name -> values, one per index) for rows ``indices``; each cell once."""
+        """Write ``columns`` (name -> values, one per index) for rows ``indices``; each cell once.
+
+        Values: a sequence of 1-D tensors for a var column, ``[k]`` for a scalar, ``[k, L]`` for a fixed
+        column. ``warehouse``: where rows put for the first time go (default: the producer's node,
+        round-robin over groups); a row already placed stays where it is.
+        """
         idx, wire = self._encode(indices, columns)
         pref = self._preferred(idx, warehouse)
         if len(idx) == 0:
@@ -324,6 +329,7 @@ class Dock(_Client):
 
     def pending(self, consumer: str, columns=None) -> tuple[int, int]:
         """(rows ``consumer`` has not consumed, of those the ones ready in ``columns``)."""
+        self._check_get(consumer, columns or self.schema.names[:1], 1, False, 1)
         return self.transport.call(self.controllers[consumer], "pending", columns)
 
     def traffic(self) -> dict[str, dict[str, int]]:
