@@ -54,11 +54,10 @@ def moe_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_E2FD: Tensor
 def _moe_dense(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
     E, F2, D = gate_up_E2FD.shape
     N = x_ND.shape[0]
-    h = F.linear(x_ND, gate_up_E2FD.reshape(E * F2, D)).view(N, E, F2).transpose(0, 1)  # [E, N, 2F]
-    g, u = h.chunk(2, dim=-1)
-    y = torch.bmm(F.silu(g) * u, down_EDF.transpose(1, 2))  # [E, N, D]
+    g, u = F.linear(x_ND, gate_up_E2FD.reshape(E * F2, D)).view(N, E, F2).chunk(2, dim=-1)  # [N, E, F]
     w_NE = torch.zeros(N, E, dtype=w_NK.dtype, device=w_NK.device).scatter_(1, idx_NK, w_NK)
-    return torch.einsum("end,ne->nd", y, w_NE)
+    a_NEF = F.silu(g) * u * w_NE[:, :, None]  # routing weight 0 for experts a token does not use
+    return torch.bmm(a_NEF.transpose(0, 1), down_EDF.transpose(1, 2)).sum(0)  # [E, N, D] summed over E
 
 
 def _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
