@@ -1,0 +1,110 @@
+"""Data parallelism: gradient all-reduce, and reduce-scatter where the optimizer state is sharded.
+
+Who holds what: the batch is split over ``("dp", "ep")`` (rank r takes slice
+``mesh.data_parallel_index(r)`` of ``dp * ep``). A parameter's gradient is summed over the batch axes
+its spec does not name: dense parameters over ``("dp", "ep")`` (MoE parallel folding), expert
+parameters (sharded over ``ep``) over ``dp`` only; the expert all-to-all already summed the gradients
+of the tokens of every ep rank.
+
+Normalization: rlflow's losses take the normalizers of the whole mini-batch (``n_tokens``, ``n_seqs``
+of ``grpo.policy_loss``), as gradient accumulation in ``stages.update`` does; each data-parallel rank's
+loss is then its share of the full-batch loss, and the full-batch gradient is the *sum* over ranks
+(``average=False``, the default). ``average=True`` divides by the group size: the DDP convention, for
+losses that are a per-rank mean over equal shares of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rlflow.parallel.collectives import _reduce_scatter_single
+from rlflow.sharding.layout import Layout
+from rlflow.sharding.mesh import BATCH_AXES
+
+
+def reduce_axes(layout: Layout, name: str) -> tuple[str, ...]:
+    """The batch axes (size > 1) over which ``name``'s gradient is summed: those its spec does not name."""
+    spec_axes = set(layout[name].spec.axes)
+    return tuple(a for a in BATCH_AXES if a not in spec_axes and getattr(layout.mesh, a) > 1)
+
+
+def make_groups(layout: Layout) -> None:
+    """Create the data-parallel process groups in one fixed order. ``dist.new_group`` is collective over
+    the world, and ranks on different pp stages hold different parameters (hence different buckets),
+    so the groups are made up front, by every rank, before any bucket is reduced."""
+    for axes in (BATCH_AXES, ("dp",), ("ep",)):
+        if layout.mesh.axis_size(axes) > 1:
+            layout.mesh.group(axes)
+
+
+def _buckets(grads: dict[str, Tensor], layout: Layout) -> dict[tuple[str, ...], list[str]]:
+    make_groups(layout)
+    out: dict[tuple[str, ...], list[str]] = {}
+    for n in grads:
+        out.setdefault(reduce_axes(layout, n), []).append(n)
+    return out
+
+
+def all_reduce_grads(grads: dict[str, Tensor], layout: Layout, *, average: bool = False) -> dict[str, Tensor]:
+    """Sum (or average) this rank's gradients over their data-parallel groups: one flat buffer and one
+    all-reduce per group of parameters sharing the same axes. Every rank calls it with the gradients
+    of the parameters it holds; returns new tensors."""
+    out = dict(grads)
+    for axes, names in _buckets(grads, layout).items():
+        if not axes:
+            continue
+        flat = torch.cat([grads[n].reshape(-1) for n in names])
+        dist.all_reduce(flat, group=layout.mesh.group(axes))
+        if average:
+            flat /= layout.mesh.axis_size(axes)
+        pos = 0
+        for n in names:
+            k = grads[n].numel()
+            out[n] = flat[pos:pos + k].view_as(grads[n])
+            pos += k
+    return out
+
+
+@dataclass(frozen=True)
+class GradShard:
+    """This rank's part of a flat gradient bucket after reduce-scatter (ZeRO-style sharded optimizer):
+    elements [start, start + len(flat)) of the bucket ``names`` flattened in order and zero-padded to a
+    multiple of the group size."""
+
+    axes: tuple[str, ...]
+    names: tuple[str, ...]
+    numels: tuple[int, ...]
+    start: int
+    flat: Tensor
+
+
+def reduce_scatter_grads(grads: dict[str, Tensor], layout: Layout, *, average: bool = False
+                         ) -> list[GradShard]:
+    """Like ``all_reduce_grads`` but each rank of a data-parallel group keeps only chunk
+    ``mesh.index(axes, rank)`` of the summed bucket (half the bytes of an all-reduce). Buckets with no
+    axis to reduce over are returned whole (start 0)."""
+    mesh, rank = layout.mesh, dist.get_rank()
+    out = []
+    for axes, names in _buckets(grads, layout).items():
+        flat = torch.cat([grads[n].reshape(-1) for n in names])
+        numels = tuple(grads[n].numel() for n in names)
+        if not axes:
+            out.append(GradShard(axes, tuple(names), numels, 0, flat))
+            continue
+        k = mesh.axis_size(axes)
+        pad = -flat.numel() % k
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        shard = flat.new_empty(flat.numel() // k)
+        _reduce_scatter_single(shard, flat, group=mesh.group(axes))
+        if average:
+            shard /= k
+        out.append(GradShard(axes, tuple(names), numels, mesh.index(axes, rank) * shard.numel(), shard))
+    return out
+
+
+__all__ = ["make_groups", "reduce_axes", "all_reduce_grads", "GradShard", "reduce_scatter_grads"]

@@ -1,0 +1,101 @@
+"""Tensor parallelism (Megatron): column- and row-parallel linears, vocab-parallel embedding and
+vocab-parallel log-probs / entropy. ``group`` is the calling rank's ``tp`` process group (None: tp = 1).
+
+Legend: N tokens, C a chunk of tokens, D model dim, V vocab, Vl = V / tp the local vocab, Fo/Fi output /
+input features, Fl = F / tp.
+
+Who holds what (spec over the weight's logical view, see rlflow/models/sharding.py): tp rank i holds rows
+[i Fo/tp, (i+1) Fo/tp) of a column-parallel weight ``P("tp", None)``, columns [i Fi/tp, (i+1) Fi/tp) of a
+row-parallel weight ``P(None, "tp")``, vocab rows [i V/tp, (i+1) V/tp) of the embedding and of the head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from rlflow.ops import token_logprobs
+from rlflow.parallel.collectives import all_reduce_max, copy_to, group_rank, group_size, reduce_from
+
+
+def column_linear(x_ND: Tensor, w_FlD: Tensor, b_Fl: Tensor | None, group) -> Tensor:
+    """x replicated -> y sharded(-1): ``copy_to(x) W_local^T + b_local``. The gradient of x is
+    all-reduced over tp (each rank holds only its output columns' part of it)."""
+    return F.linear(copy_to(x_ND, group), w_FlD, b_Fl)
+
+
+def row_linear(x_NFl: Tensor, w_DFl: Tensor, b_D: Tensor | None, group) -> Tensor:
+    """x sharded(-1) -> y replicated: ``reduce_from(x_local W_local^T) + b`` (bias added once, after
+    the sum)."""
+    y = reduce_from(F.linear(x_NFl, w_DFl), group)
+    return y if b_D is None else y + b_D
+
+
+def vocab_start(vocab: int, group) -> int:
+    """First vocab row this tp rank holds (``vocab`` is the full size)."""
+    return group_rank(group) * (vocab // group_size(group))
+
+
+def vocab_embedding(ids: Tensor, w_VlD: Tensor, vocab: int, group) -> Tensor:
+    """ids replicated -> embeddings replicated [..., D]. Each rank looks up the ids in its vocab range
+    (zeros elsewhere), then ``reduce_from`` sums: one rank contributes each row. Backward: the full
+    gradient reaches every rank; each rank's weight gradient has only its own rows."""
+    if group_size(group) == 1:
+        return F.embedding(ids, w_VlD)
+    lo = vocab_start(vocab, group)
+    own = (ids >= lo) & (ids < lo + w_VlD.shape[0])
+    h = F.embedding((ids - lo).clamp(0, w_VlD.shape[0] - 1), w_VlD) * own[..., None].to(w_VlD.dtype)
+    return reduce_from(h, group)
+
+
+def _chunk(h_CD: Tensor, w_VlD: Tensor, t_C: Tensor, lo: int, temperature: float, with_entropy: bool, group):
+    z = F.linear(h_CD, w_VlD).float()  # local logits [C, Vl]
+    if temperature != 1.0:
+        z = z / temperature
+    m = all_reduce_max(z.max(-1).values, group)  # global max (a constant: log-softmax ignores it)
+    z = z - m[:, None]
+    e = z.exp()
+    s = reduce_from(e.sum(-1), group)  # sum over the full vocab of exp(z)
+    lse = s.log()
+    own = (t_C >= lo) & (t_C < lo + w_VlD.shape[0])
+    zt = z.gather(-1, (t_C - lo).clamp(0, w_VlD.shape[0] - 1)[:, None])[:, 0]
+    lp = reduce_from(torch.where(own, zt, torch.zeros_like(zt)), group) - lse
+    if not with_entropy:
+        return lp, torch.zeros_like(lp)
+    # H = -sum p log p = lse - sum_v p_v z_v,  p_v = e_v / s
+    ez = reduce_from((e * z).sum(-1), group)
+    return lp, lse - ez / s
+
+
+def vocab_logprobs(hidden_ND: Tensor, w_VlD: Tensor, targets_N: Tensor, vocab: int, group, *,
+                   temperature: float = 1.0, chunk: int = 2048, with_entropy: bool = False
+                   ) -> tuple[Tensor, Tensor | None]:
+    """log softmax(h W^T / temperature)[target] and the entropy, the head's vocab dim sharded over tp,
+    never gathering the full vocab: local max -> all-reduce max; local sum of exp -> all-reduce sum; the
+    target's logit from the rank owning it -> all-reduce sum; entropy from the all-reduced sum of
+    ``exp(z) z``. hidden and targets replicated -> log-probs and entropies replicated [N] (float32).
+
+    Chunked over tokens like ``rlflow.ops.token_logprobs``: each chunk's [C, Vl] logits are recomputed
+    in the backward (the recomputation repeats the chunk's collectives, in the same order on every rank).
+    With tp = 1 it is ``token_logprobs``."""
+    if group_size(group) == 1:
+        return token_logprobs(hidden_ND, w_VlD, targets_N, temperature=temperature, chunk=chunk,
+                              with_entropy=with_entropy)
+    lo = vocab_start(vocab, group)
+    h = copy_to(hidden_ND, group)  # once: the hidden gradient is all-reduced in one piece
+    grad = torch.is_grad_enabled() and (h.requires_grad or w_VlD.requires_grad)
+    lps, ents = [], []
+    for s in range(0, h.shape[0], chunk):
+        args = (h[s:s + chunk], w_VlD, targets_N[s:s + chunk], lo, temperature, with_entropy, group)
+        lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args)
+        lps.append(lp)
+        ents.append(ent)
+    if not lps:
+        z = hidden_ND.new_zeros(0, dtype=torch.float32)
+        return z, (z if with_entropy else None)
+    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+
+__all__ = ["column_linear", "row_linear", "vocab_start", "vocab_embedding", "vocab_logprobs"]

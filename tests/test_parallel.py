@@ -1,0 +1,165 @@
+"""Model execution in a layout (rlflow.parallel) on real gloo processes: the tiny Qwen3-MoE's GRPO loss
+(clipped surrogate + entropy bonus + router aux loss) and its gradients, gathered from every rank's
+shards, equal one process's within 1e-5 in float32, for TP, EP, PP, DP and combinations of three axes.
+
+One group of processes per world size runs all of that size's cases (process start dominates). The
+reference runs in the test process with ``stages.response_logprobs`` and ``grpo.policy_loss`` on the same
+row partition (data slice x micro-batch): the router aux loss is a mean over each micro-batch's tokens,
+so it only matches when the reference sees the same micro-batches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlflow.algos import grpo, stages
+from rlflow.batch import TrainBatch, pad
+from rlflow.models import qwen3_moe as qm
+from rlflow.models.config import get_config
+from rlflow.sharding.dist import spawn
+
+CFG = get_config("qwen3-moe-tiny")  # 4 heads, 2 kv heads, 8 experts (top 2), 4 layers, vocab 32
+GCFG = grpo.GRPOConfig(group_size=2, entropy_coef=0.01)
+AUX = 0.1  # router aux coefficient
+B = 8
+TOL = 1e-5
+
+pytestmark = pytest.mark.slow
+
+# (name, mesh sizes, rule overrides, micro-batches per data rank, schedule, remat)
+CASES = {
+    2: [
+        ("tp2", dict(tp=2), {}, 1, "1f1b", False),
+        ("ep2", dict(ep=2), {}, 2, "1f1b", False),
+        ("pp2-1f1b", dict(pp=2), {}, 4, "1f1b", False),
+        ("pp2-gpipe", dict(pp=2), {}, 3, "gpipe", False),
+        ("dp2", dict(dp=2), {}, 2, "1f1b", False),
+        ("tp2-remat", dict(tp=2), {}, 2, "1f1b", True),
+    ],
+    4: [
+        ("tp4-kv-replicated", dict(tp=4), {"kv_heads": None}, 1, "1f1b", False),
+        ("ep4", dict(ep=4), {}, 1, "1f1b", False),
+        ("pp4-1f1b", dict(pp=4), {}, 4, "1f1b", False),
+        ("dp4", dict(dp=4), {}, 1, "1f1b", False),
+        ("dp2-ep2", dict(dp=2, ep=2), {}, 1, "1f1b", False),
+        ("pp2-tp2", dict(pp=2, tp=2), {}, 2, "1f1b", False),
+        ("ep2-tp2", dict(ep=2, tp=2), {}, 1, "1f1b", False),
+    ],
+    8: [
+        ("pp2-ep2-tp2", dict(pp=2, ep=2, tp=2), {}, 2, "1f1b", False),
+        ("pp2-dp2-tp2", dict(pp=2, dp=2, tp=2), {}, 2, "gpipe", False),
+        ("dp2-ep2-tp2", dict(dp=2, ep=2, tp=2), {}, 1, "1f1b", False),
+    ],
+}
+
+
+def make_batch(seed: int = 0) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, CFG.vocab_size, (int(n),), generator=g) for n in torch.randint(2, 7, (B,), generator=g)]
+    resps = [torch.randint(3, CFG.vocab_size, (int(n),), generator=g) for n in torch.randint(1, 9, (B,), generator=g)]
+    p_ids, p_mask = pad(prompts, 0, left=True)
+    r_ids, r_mask = pad(resps, 0)
+    idx = torch.arange(B)
+    base = dict(prompt_ids_BTp=p_ids, prompt_mask_BTp=p_mask, index_B=idx, group_B=idx // 2, response_ids_BTr=r_ids,
+                response_mask_BTr=r_mask, sample_logprobs_BTr=torch.zeros(r_ids.shape), rewards_B=torch.zeros(B))
+    params = params_full()
+    lp, _, _ = stages.response_logprobs(params, CFG, TrainBatch(**base, advantages_B=torch.zeros(B),
+                                                               old_logprobs_BTr=torch.zeros(r_ids.shape)))
+    old = (lp + 0.2 * torch.randn(lp.shape, generator=g)) * r_mask  # ratios on both sides of the clip
+    return TrainBatch(**base, advantages_B=torch.randn(B, generator=g), old_logprobs_BTr=old.detach())
+
+
+def params_full() -> qm.Params:
+    return qm.init_params(CFG, seed=1, std=0.2)
+
+
+def partition(n_data: int, n_micro: int) -> list[list[torch.Tensor]]:
+    """Rows of data rank d, micro-batch m: contiguous slices of the batch."""
+    per = B // n_data
+    return [list(torch.arange(d * per, (d + 1) * per).chunk(n_micro)) for d in range(n_data)]
+
+
+def loss_fn(n_tokens: float):
+    def f(lp, ent, mb):
+        return grpo.policy_loss(lp, mb.old_logprobs_BTr, mb.advantages_B, mb.response_mask_BTr, GCFG,
+                                entropy_BT=ent, n_tokens=n_tokens)[0]
+    return f
+
+
+def reference(batch: TrainBatch, n_data: int, n_micro: int):
+    """Loss and gradients of one process over the same row partition."""
+    full = params_full()
+    leaves = {k: v.requires_grad_(True) for k, v in full.items()}
+    f = loss_fn(float(batch.response_mask_BTr.sum()))
+    total = 0.0
+    for rows_d in partition(n_data, n_micro):
+        for rows in rows_d:
+            mb = batch.select(rows)
+            lp, ent, aux = stages.response_logprobs(leaves, CFG, mb, with_entropy=True)
+            loss = f(lp, ent, mb) + AUX * aux * (mb.size / B)
+            loss.backward()
+            total += float(loss.detach())
+    return total, {k: v.grad for k, v in leaves.items()}
+
+
+def worker(rank: int, world: int, cases: list, batch: TrainBatch) -> dict:
+    from rlflow.models import sharding as msh
+    from rlflow.parallel import dp, model
+    from rlflow.sharding.mesh import Mesh
+
+    out = {}
+    f = loss_fn(float(batch.response_mask_BTr.sum()))
+    for name, sizes, rules, n_micro, sched, remat in cases:
+        mesh = Mesh(**sizes)
+        layout = msh.layout(CFG, mesh, rules, dtype=torch.float32)
+        ctx = model.context(layout, CFG)
+        local = {n: t.requires_grad_(True) for n, t in model.shard_params(params_full(), layout, rank).items()}
+        rows = partition(mesh.data_parallel_size, n_micro)[mesh.data_parallel_index(rank)]
+        mbs = [batch.select(r) for r in rows]
+        loss, grads = model.forward_backward(local, ctx, mbs, f, aux_weights=[AUX * mb.size / B for mb in mbs],
+                                             schedule=sched, with_entropy=True, remat=remat)
+        reduced = dp.all_reduce_grads(grads, layout)
+        res = {"loss": float(model.total_loss(loss, ctx)), "grads": reduced}
+        if mesh.data_parallel_size > 1:  # sharded optimizer state: reduce-scatter gives slices of the same sums
+            res["rs"] = [(s.names, s.start, s.flat) for s in dp.reduce_scatter_grads(grads, layout)]
+        out[name] = res
+    return out
+
+
+def _check(world: int):
+    from rlflow.models import sharding as msh
+    from rlflow.sharding.execute import full_from_shards, shard_tensor
+    from rlflow.sharding.mesh import Mesh
+
+    batch = make_batch()
+    results = spawn(worker, world, CASES[world], batch, backend="gloo")
+    refs, report, fails = {}, [], []
+    for name, sizes, rules, n_micro, _, _ in CASES[world]:
+        mesh = Mesh(**sizes)
+        layout = msh.layout(CFG, mesh, rules, dtype=torch.float32)
+        key = (mesh.data_parallel_size, n_micro)
+        if key not in refs:
+            refs[key] = reference(batch, *key)
+        ref_loss, ref_grads = refs[key]
+        got = full_from_shards([r[name]["grads"] for r in results], layout)
+        dl = max(abs(r[name]["loss"] - ref_loss) for r in results)
+        dg = max(float((got[k] - ref_grads[k]).abs().max()) for k in ref_grads)
+        report.append(f"{name}: loss {ref_loss:.6f} |dloss| {dl:.2e} max|dgrad| {dg:.2e}")
+        if dl > TOL or dg > TOL:
+            fails.append(report[-1])
+        for r, res in enumerate(results):
+            for names, start, flat in res[name].get("rs", ()):
+                want = torch.cat([shard_tensor(ref_grads[n], layout, n, r).reshape(-1) for n in names])
+                want = torch.cat([want, want.new_zeros(flat.numel())])[start:start + flat.numel()]
+                d = float((flat - want).abs().max())
+                if d > TOL:
+                    fails.append(f"{name}: reduce-scattered grads on rank {r} differ by {d:.2e}")
+    print("\n".join(report))
+    assert not fails, "\n".join(fails)
+    assert all(float(g.abs().max()) > 0 for g in refs[next(iter(refs))][1].values()), "a gradient is all zero"
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_layouts_match_one_process(world):
+    _check(world)
