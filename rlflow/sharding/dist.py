@@ -2,9 +2,11 @@
 
 ``execute(plan, shards, state)`` runs on every rank (gloo on CPU, nccl on CUDA, hccl on NPU): the same
 per-rank packing as the simulated executor (``rlflow.sharding.execute``), with real collectives:
-``all_gather_into_tensor`` over the all-gathered source axes, ``broadcast`` along ``pp``,
-``all_to_all_single`` over the ranks taking part, ``batch_isend_irecv`` for one-way flows. On an
-accelerator, swaps go to pinned host memory.
+``all_gather_single`` (in place; ``all_gather_into_tensor`` before torch 2.13) over the all-gathered
+source axes, ``broadcast`` along ``pp``, ``all_to_all_single`` over the ranks taking part,
+``batch_isend_irecv`` for one-way flows. Each bucket packs into one send buffer and receives into one
+buffer, so the temporary memory is what the ledger counts. On an accelerator, swaps go to pinned host
+memory.
 
 ``new_groups(partition)`` creates (once, cached) the process groups of a partition of the ranks;
 every rank must call it with the same partitions in the same order, as ``dist.new_group`` requires.
@@ -26,6 +28,8 @@ from rlflow.sharding import execute as ex
 from rlflow.sharding.plan import COLLECTIVES, Bucket, Plan
 
 _GROUPS: dict[tuple, object] = {}
+# torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single; the project allows >= 2.4.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _key(ranks) -> tuple:
@@ -89,7 +93,7 @@ def _gather(plan: Plan, b: Bucket, rank: int, shards: dict, device):
     i = grp.index(rank)
     ex.pack(plan.src, mine, shards, rank, device, out=out[i * n:(i + 1) * n])
     if len(grp) > 1:  # in place: the input is this rank's slot of the output
-        dist.all_gather_into_tensor(out, out[i * n:(i + 1) * n], group=group(grp))
+        _all_gather_single(out, out[i * n:(i + 1) * n], group=group(grp))
     return segs, out
 
 
@@ -141,6 +145,18 @@ def _collective(plan: Plan, b: Bucket, rank: int, shards: dict, device) -> list:
     return [(recv[p], bufs[p]) for p in sorted(bufs)]
 
 
+def _slice(plan: Plan, b: Bucket, rank: int, shards: dict, received: list, device) -> dict:
+    """Allocate this rank's destination shards of bucket ``b`` and fill them (a function, so that no
+    local name keeps a buffer alive after ``free tmp``)."""
+    out = ex.alloc_dst(plan, b, rank, device)
+    if out:
+        if b.kind in ("slice", "all_to_all", "send_recv"):
+            ex.copy_local(plan, ex.p2p_segs(plan, b, rank)[2], shards, out, rank)
+        for segs, buf in received:
+            ex.unpack(plan.src, plan.dst, segs, buf, out, rank)
+    return ex.finish_dst(plan, out, rank)
+
+
 def execute(plan: Plan, shards: dict, state: ex.TrainState | None = None, *, device=None,
             on_step=None) -> dict:
     """Run ``plan`` on this rank; returns its destination shards (see ``execute.simulate``).
@@ -163,13 +179,7 @@ def execute(plan: Plan, shards: dict, state: ex.TrainState | None = None, *, dev
         if step.op in COLLECTIVES:
             tmp[b.index] = _collective(plan, b, rank, shards, device)
         elif step.op == "slice":
-            out = ex.alloc_dst(plan, b, rank, device)
-            if out:
-                if b.kind in ("slice", "all_to_all", "send_recv"):
-                    ex.copy_local(plan, ex.p2p_segs(plan, b, rank)[2], shards, out, rank)
-                for segs, buf in tmp.get(b.index, ()):
-                    ex.unpack(plan.src, plan.dst, segs, buf, out, rank)
-            outs.update(ex.finish_dst(plan, out, rank))
+            outs.update(_slice(plan, b, rank, shards, tmp.get(b.index, ()), device))
         elif step.op == "free" and step.what == "tmp":
             tmp.pop(b.index, None)
         else:

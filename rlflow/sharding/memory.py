@@ -97,10 +97,11 @@ def ledger(plan: Plan, state: StateBytes = StateBytes(), *, naive: bool = False)
         b = plan.buckets[s.bucket] if s.bucket is not None else None
         if s.op in COLLECTIVES:
             d[TMP] = b.tmp
-        elif s.op == "slice":
+        elif s.op == "slice":  # the collective has returned: only what it keeps is still there
             d[ROLLOUT] = b.dst_bytes
+            d[TMP] = -(b.tmp - b.keep) if b.kind != "slice" else 0
         elif s.op == "free" and s.what == "tmp":
-            d[TMP] = -b.tmp
+            d[TMP] = -b.keep
         elif s.op == "free" and s.what == "rollout":
             d[ROLLOUT] = -start[ROLLOUT]
         elif s.op == "swap_out":

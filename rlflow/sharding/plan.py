@@ -39,7 +39,8 @@ class Bucket:
     group: tuple[int, ...]  # all_to_all / send_recv: the ranks taking part
     recv: np.ndarray  # [world] bytes received
     sent: np.ndarray  # [world] bytes sent
-    tmp: np.ndarray  # [world] bytes of temporary buffer
+    tmp: np.ndarray  # [world] bytes of temporary buffers during the collective
+    keep: np.ndarray  # [world] bytes of them held until ``free tmp`` (p2p frees its send buffer at once)
     src_bytes: np.ndarray  # [world] bytes of source shards of these params
     dst_bytes: np.ndarray  # [world] bytes of destination shards
     alt: str = ""  # the all-gather-based alternative not taken
@@ -196,12 +197,13 @@ def plan(src: Layout, dst: Layout, *, swap: bool = False,
             b = None
         if b is None:
             b = open_[key] = dict(key=key, params=[], recv=0, sent=0, tmp=np.zeros(world, np.int64),
-                                  src=np.zeros(world, np.int64), dst=np.zeros(world, np.int64),
+                                  keep=np.zeros(world, np.int64), src=np.zeros(world, np.int64), dst=np.zeros(world, np.int64),
                                   alt=set(), alt_recv=np.zeros(world, np.int64))
         b["params"].append(name)
         b["recv"] = b["recv"] + c.recv * isz
         b["sent"] = b["sent"] + c.sent * isz
         b["tmp"] = b["tmp"] + tmp
+        b["keep"] = b["keep"] + c.keep * isz
         b["src"] = b["src"] + np.where(pp_src == p.stage, p.local_bytes(src.mesh), 0)
         b["dst"] = b["dst"] + np.where(pp_dst == q.stage, q.local_bytes(dst.mesh), 0)
         b["alt"].add(alt.label if alt else "")
@@ -238,11 +240,11 @@ def _finish(index: int, b: dict, src: Layout, dst: Layout) -> Bucket:
         kind = "all_to_all" if both and len(group) > 2 else "send_recv"
     alts = sorted(a for a in b["alt"] if a)
     alt = "+".join(alts) if alts and "" not in b["alt"] else ""
-    arrays = [recv, sent, b["tmp"], b["src"], b["dst"], b["alt_recv"]]
+    arrays = [recv, sent, b["tmp"], b["keep"], b["src"], b["dst"], b["alt_recv"]]
     for a in arrays:
         a.setflags(write=False)
     return Bucket(index=index, kind=kind, params=tuple(b["params"]), axes=axes, stage=stage, group=group,
-                  recv=recv, sent=sent, tmp=b["tmp"], src_bytes=b["src"], dst_bytes=b["dst"], alt=alt,
+                  recv=recv, sent=sent, tmp=b["tmp"], keep=b["keep"], src_bytes=b["src"], dst_bytes=b["dst"], alt=alt,
                   alt_recv=b["alt_recv"] if alt else None)
 
 

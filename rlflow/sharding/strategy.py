@@ -41,7 +41,8 @@ class Candidate:
     stage: int  # source stage
     recv: np.ndarray  # [world] elements received
     sent: np.ndarray  # [world] elements sent
-    tmp: np.ndarray  # [world] elements of temporary buffers
+    tmp: np.ndarray  # [world] elements of temporary buffers during the collective
+    keep: np.ndarray  # [world] elements of them still held after it (p2p frees its send buffer)
 
     @property
     def key(self) -> tuple[str, tuple[str, ...]]:
@@ -78,7 +79,7 @@ def candidates(src: tuple, dst: tuple) -> tuple[Candidate, ...]:
     recv, sent = t.recv_numel(), t.send_numel()
     kind = "p2p" if t.remote.any() else "slice"
     tmp = recv + sent if kind == "p2p" else np.zeros(world, dtype=np.int64)
-    cands.append(Candidate(kind, (), stage, recv, sent, tmp))
+    cands.append(Candidate(kind, (), stage, recv, sent, tmp, recv if kind == "p2p" else tmp))
 
     rows = sb.row_of[db.ranks]
     axes_options = geo.gather_axes_candidates(smesh, sspec)
@@ -92,7 +93,7 @@ def candidates(src: tuple, dst: tuple) -> tuple[Candidate, ...]:
             move[sb.ranks] = (m - 1) * local
             buf = np.zeros(world, dtype=np.int64)
             buf[sb.ranks] = m * local
-            cands.append(Candidate("all_gather", axes, stage, move, move.copy(), buf))
+            cands.append(Candidate("all_gather", axes, stage, move, move.copy(), buf, buf))
 
     if smesh.pp > 1:
         per_stage = world // smesh.pp
@@ -114,10 +115,10 @@ def candidates(src: tuple, dst: tuple) -> tuple[Candidate, ...]:
             sent = np.where(pos < smesh.pp - 1, payload, 0).astype(np.int64)
             sent = sent + np.where(is_root, (m - 1) * local, 0)
             tmp = np.full(world, payload, dtype=np.int64)
-            cands.append(Candidate("broadcast", axes, stage, recv, sent, tmp))
+            cands.append(Candidate("broadcast", axes, stage, recv, sent, tmp, tmp))
 
     for c in cands:
-        _ro(c.recv, c.sent, c.tmp)
+        _ro(c.recv, c.sent, c.tmp, c.keep)
     return tuple(cands)
 
 
