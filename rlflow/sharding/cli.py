@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                     "master + 2 moments: 12)")
     ap.add_argument("--steps", type=int, default=12, help="how many steps to list (all: -1)")
     ap.add_argument("--layouts", action="store_true", help="print both layouts, layers folded")
+    ap.add_argument("--ledger-rank", type=int, default=None, help="print this rank's ledger, step by step")
     a = ap.parse_args(argv)
 
     t0 = time.perf_counter()
@@ -87,16 +88,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rollout weights per rank: {_stats(dst.bytes_per_rank())}")
     print(f"peak per rank, allgather-swap: {_stats(swap.peak)}")
     print(f"peak per rank, naive:          {_stats(naive.peak)}")
+    after = swap.total[3:].max(axis=0) if len(swap.labels) > 3 else swap.total[-1]
+    print(f"peak once grads and optimizer state are out, allgather-swap: {_stats(after)}")
+    print(f"left on the device for rollout, allgather-swap: {_stats(swap.total[-1])}; naive: "
+          f"{_stats(naive.total[-1])}")
     w = int(swap.peak.argmax())
     parts = ", ".join(f"{c} {fmt_bytes(v)}" for c, v in swap.at_peak(w).items())
     nparts = ", ".join(f"{c} {fmt_bytes(v)}" for c, v in naive.at_peak(w).items())
     print(f"rank {w} at its allgather-swap peak ({swap.labels[swap.peak_step[w]]}): {parts}")
     print(f"rank {w} at its naive peak ({naive.labels[naive.peak_step[w]]}): {nparts}")
+    if a.ledger_rank is not None:
+        print(f"ledger of rank {a.ledger_rank} (allgather-swap):")
+        print(swap.table(a.ledger_rank))
     print(f"planned in {secs:.2f} s")
     out = {"model": a.model, "world": a.world, "src": str(src.mesh), "dst": str(dst.mesh),
            "buckets": len(p.buckets), "steps": len(p.steps), "plan_seconds": round(secs, 3),
            "peak_bytes_max": int(swap.peak.max()), "naive_peak_bytes_max": int(naive.peak.max()),
-           "bytes_moved_max": int(recv.max()), "categories": list(CATEGORIES),
+           "bytes_moved_max": int(recv.max()), "end_bytes_max": int(swap.total[-1].max()),
+           "naive_end_bytes_max": int(naive.total[-1].max()), "categories": list(CATEGORIES),
            "peak_bytes_per_rank": swap.peak.tolist(), "naive_peak_bytes_per_rank": naive.peak.tolist(),
            "bytes_moved_per_rank": recv.tolist(), "bytes_sent_per_rank": sent.tolist()}
     print(json.dumps(out, separators=(",", ":")))

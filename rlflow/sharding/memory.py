@@ -110,7 +110,7 @@ def ledger(plan: Plan, state: StateBytes = StateBytes(), *, naive: bool = False)
             d[cat[s.what]] = full[s.what]
         else:
             raise ValueError(f"ledger: unknown step {s}")
-        labels.append(f"{s.op} {s.what} " + (f"b{s.bucket}" if s.bucket is not None else "all"))
+        labels.append(" ".join(filter(None, (s.op, s.what, f"b{s.bucket}" if s.bucket is not None else "all"))))
         deltas.append(d)
     seq = np.concatenate([start[None], np.asarray(deltas, dtype=np.int64).reshape(-1, len(CATEGORIES), world)])
     return Ledger(labels=tuple(labels), bytes=np.cumsum(seq, axis=0))
