@@ -72,7 +72,8 @@ def cases(draw, max_world: int = 8, world: int | None = None, same_mesh: bool = 
     for i in range(draw(st.integers(1, 4))):
         ndim = draw(st.integers(1, 3))
         ss, ds = draw(specs(sm, ndim, mesh_order)), draw(specs(dm, ndim, mesh_order))
-        view = tuple(math.lcm(a, b) * draw(st.integers(1, 3)) for a, b in zip(ss.divisors(sm), ds.divisors(dm)))
+        view = tuple(math.lcm(a, b) * draw(st.integers(1, 3))
+                     for a, b in zip(ss.divisors(sm), ds.divisors(dm)))
         if ndim >= 2 and draw(st.booleans()):  # a stored dim made of two view dims (like heads*head_dim)
             shape, merge = (view[0] * view[1],) + view[2:], (2,) + (1,) * (ndim - 2)
         else:

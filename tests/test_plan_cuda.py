@@ -58,7 +58,9 @@ def worker(rank: int, world: int) -> dict:
             torch.cuda.reset_peak_memory_stats()
             back = execute(swap_back(fwd), rollout, st)
             torch.cuda.synchronize()
-            out["swap_back"] = (torch.cuda.max_memory_allocated() - base, int(ledger(swap_back(fwd)).peak[rank]))
+            out["swap_back"] = (torch.cuda.max_memory_allocated() - base,
+                                int(ledger(swap_back(fwd)).peak[rank]))
+            assert back.keys() == {p.name for p in src.params if p.stage == pp}
             del back
         del rollout, shards, st
         torch.cuda.empty_cache()

@@ -189,7 +189,8 @@ def worker(rank: int, world: int, drawn: list, oracle: list) -> dict:
                                          mesh_dim_names=("dp", "ep", "tp"))
         dm = meshes[m.shape]
         full = case.full()
-        ours = execute(plan(case.src, case.dst, bucket_bytes=case.bucket_bytes), dict(shard(full, case.src)[rank]))
+        p = plan(case.src, case.dst, bucket_bytes=case.bucket_bytes)
+        ours = execute(p, dict(shard(full, case.src)[rank]))
         for prm in case.src.params:
             q = case.dst[prm.name]
             d = distribute_tensor(full[prm.name].reshape(prm.view), dm, _placements(prm.spec, m))

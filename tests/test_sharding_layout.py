@@ -98,9 +98,11 @@ def test_layout_errors_name_the_param_and_the_value():
         layout("qwen3-moe-tiny", Mesh(pp=2), {"vocab": "pp"})
     rules = dict(RULES)
     del rules["router"]
-    with pytest.raises(ValueError, match="param model.layers.0.mlp.gate.weight: no rule for logical dim 'router'"):
+    with pytest.raises(ValueError, match="param model.layers.0.mlp.gate.weight: no rule for logical "
+                                         "dim 'router'"):
         Layout.build(Mesh(), logical_params("qwen3-moe-tiny"), rules)
-    with pytest.raises(ValueError, match="param model.layers.0.mlp.mystery.weight: no row of the sharding table"):
+    with pytest.raises(ValueError, match="param model.layers.0.mlp.mystery.weight: no row of the "
+                                         "sharding table"):
         _logical("model.layers.0.mlp.mystery.weight", (4, 4), (), {})
     with pytest.raises(ValueError, match="param w: stage 2 is outside pp=2"):
         Layout(Mesh(pp=2), (ParamLayout(name="w", shape=(4,), dtype=torch.float32, spec=P(None), stage=2),))
@@ -115,7 +117,7 @@ def test_deepseek_r1_671b_shapes():
     cfg = deepseek.PRESETS["deepseek-r1-671b"]
     shapes = model_shapes("deepseek-r1-671b")
     assert 670.5e9 < deepseek.num_params(cfg) < 671.5e9
-    assert shapes["model.embed_tokens.weight"] == (129280, 7168) and shapes["lm_head.weight"] == (129280, 7168)
+    assert shapes["model.embed_tokens.weight"] == shapes["lm_head.weight"] == (129280, 7168)
     a = "model.layers.5.self_attn."
     assert shapes[a + "q_a_proj.weight"] == (1536, 7168)
     assert shapes[a + "q_a_layernorm.weight"] == (1536,)

@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--dtype {a.dtype!r}: expected one of {sorted(DTYPES_BY_NAME)}")
     dtype = DTYPES_BY_NAME[a.dtype]
     try:
-        src = layout(a.model, Mesh.parse(a.src, a.world), parse_rules(a.src_rules), dtype=dtype, name="train")
-        dst = layout(a.model, Mesh.parse(a.dst, a.world), parse_rules(a.dst_rules), dtype=dtype, name="rollout")
+        src = layout(a.model, Mesh.parse(a.src, a.world), parse_rules(a.src_rules), dtype=dtype,
+                     name="train")
+        dst = layout(a.model, Mesh.parse(a.dst, a.world), parse_rules(a.dst_rules), dtype=dtype,
+                     name="rollout")
     except (ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

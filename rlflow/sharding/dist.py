@@ -163,7 +163,8 @@ def execute(plan: Plan, shards: dict, state: ex.TrainState | None = None, *, dev
     ``on_step(i)`` is called after step ``i`` (e.g. to read the allocator's counters)."""
     rank = dist.get_rank()
     if dist.get_world_size() != plan.world:
-        raise ValueError(f"plan is over {plan.world} ranks, torch.distributed world is {dist.get_world_size()}")
+        raise ValueError(f"plan is over {plan.world} ranks, torch.distributed world is "
+                         f"{dist.get_world_size()}")
     state = state if state is not None else ex.TrainState()
     if device is None:
         device = next((t.device for t in shards.values()), None)

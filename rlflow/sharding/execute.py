@@ -85,7 +85,7 @@ def pack(layout: Layout, segs: Segs, shards: dict, rank: int, device, out: torch
     buf = torch.empty(total, dtype=torch.uint8, device=device) if out is None else out
     for (name, box), off in zip(segs, offs):
         lo = geo.blocks(*geo.placement(layout, name)).box_of(rank)
-        src = _view(shards[name], layout, name)[tuple(slice(a - l0, b - l0) for (a, b), (l0, _) in zip(box, lo))]
+        src = _view(shards[name], layout, name)[_rel(box, lo)]
         n = geo.box_numel(box) * _itemsize(layout, name)
         buf[off:off + n].view(src.dtype).view(src.shape).copy_(src)
     return buf
@@ -96,11 +96,16 @@ def copy_local(plan: Plan, segs: Segs, shards: dict, out: dict, rank: int) -> No
     for name, box in segs:
         slo = geo.blocks(*geo.placement(plan.src, name)).box_of(rank)
         dlo = geo.blocks(*geo.placement(plan.dst, name)).box_of(rank)
-        src = _view(shards[name], plan.src, name)[tuple(slice(a - l0, b - l0) for (a, b), (l0, _) in zip(box, slo))]
-        out[name][tuple(slice(a - d0, b - d0) for (a, b), (d0, _) in zip(box, dlo))] = src
+        out[name][_rel(box, dlo)] = _view(shards[name], plan.src, name)[_rel(box, slo)]
 
 
-def unpack(layout_src: Layout, layout_dst: Layout, segs: Segs, buf: torch.Tensor, out: dict, rank: int) -> None:
+def _rel(box: geo.Box, origin: geo.Box) -> tuple[slice, ...]:
+    """Index of ``box`` inside a tensor that holds the box ``origin``."""
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))
+
+
+def unpack(layout_src: Layout, layout_dst: Layout, segs: Segs, buf: torch.Tensor, out: dict,
+           rank: int) -> None:
     """Copy what ``out``'s destination boxes need from the segments of ``buf``."""
     offs, _ = offsets(layout_src, segs)
     for (name, box), off in zip(segs, offs):
@@ -113,8 +118,7 @@ def unpack(layout_src: Layout, layout_dst: Layout, segs: Segs, buf: torch.Tensor
         dt = out[name].dtype
         n = geo.box_numel(box) * dt.itemsize
         seg = buf[off:off + n].view(dt).view(tuple(hi - lo for lo, hi in box))
-        seg = seg[tuple(slice(a - b0, b - b0) for (a, b), (b0, _) in zip(inter, box))]
-        out[name][tuple(slice(a - d0, b - d0) for (a, b), (d0, _) in zip(inter, dbox))] = seg
+        out[name][_rel(inter, dbox)] = seg[_rel(inter, box)]
 
 
 # ---- what each rank does for a bucket ----

@@ -110,9 +110,11 @@ def ledger(plan: Plan, state: StateBytes = StateBytes(), *, naive: bool = False)
             d[cat[s.what]] = full[s.what]
         else:
             raise ValueError(f"ledger: unknown step {s}")
-        labels.append(" ".join(filter(None, (s.op, s.what, f"b{s.bucket}" if s.bucket is not None else "all"))))
+        target = f"b{s.bucket}" if s.bucket is not None else "all"
+        labels.append(" ".join(filter(None, (s.op, s.what, target))))
         deltas.append(d)
-    seq = np.concatenate([start[None], np.asarray(deltas, dtype=np.int64).reshape(-1, len(CATEGORIES), world)])
+    deltas = np.asarray(deltas, dtype=np.int64).reshape(-1, len(CATEGORIES), world)
+    seq = np.concatenate([start[None], deltas])
     return Ledger(labels=tuple(labels), bytes=np.cumsum(seq, axis=0))
 
 

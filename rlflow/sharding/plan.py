@@ -17,12 +17,13 @@ Run ``python -m rlflow.sharding.plan --help`` for the command line.
 
 from __future__ import annotations
 
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from rlflow.sharding import geometry as geo
-from rlflow.sharding.layout import Layout, fmt_bytes
+from rlflow.sharding.layout import _LAYER, Layout, fmt_bytes
 from rlflow.sharding.strategy import candidates, choose_family, pick
 
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -111,9 +112,6 @@ class Plan:
 
     def summary(self) -> str:
         """Steps grouped by collective, and one line per parameter family with its strategy."""
-        from collections import Counter, defaultdict
-
-        from rlflow.sharding.layout import _LAYER
         lines = [self.header()]
         ops = Counter(s.op + (" " + s.what if s.what else "") for s in self.steps)
         lines.append("  steps: " + ", ".join(f"{n} {op}" for op, n in ops.items()))
@@ -196,9 +194,8 @@ def plan(src: Layout, dst: Layout, *, swap: bool = False,
             done.append(open_.pop(key))
             b = None
         if b is None:
-            b = open_[key] = dict(key=key, params=[], recv=0, sent=0, tmp=np.zeros(world, np.int64),
-                                  keep=np.zeros(world, np.int64), src=np.zeros(world, np.int64), dst=np.zeros(world, np.int64),
-                                  alt=set(), alt_recv=np.zeros(world, np.int64))
+            zeros = {k: np.zeros(world, np.int64) for k in ("tmp", "keep", "src", "dst", "alt_recv")}
+            b = open_[key] = dict(key=key, params=[], recv=0, sent=0, alt=set(), **zeros)
         b["params"].append(name)
         b["recv"] = b["recv"] + c.recv * isz
         b["sent"] = b["sent"] + c.sent * isz
@@ -244,7 +241,8 @@ def _finish(index: int, b: dict, src: Layout, dst: Layout) -> Bucket:
     for a in arrays:
         a.setflags(write=False)
     return Bucket(index=index, kind=kind, params=tuple(b["params"]), axes=axes, stage=stage, group=group,
-                  recv=recv, sent=sent, tmp=b["tmp"], keep=b["keep"], src_bytes=b["src"], dst_bytes=b["dst"], alt=alt,
+                  recv=recv, sent=sent, tmp=b["tmp"], keep=b["keep"], src_bytes=b["src"],
+                  dst_bytes=b["dst"], alt=alt,
                   alt_recv=b["alt_recv"] if alt else None)
 
 

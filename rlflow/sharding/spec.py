@@ -11,8 +11,6 @@ tensor. Splits are even: a dim must divide by the product of its axes' sizes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from rlflow.sharding.mesh import AXES, Mesh
