@@ -27,31 +27,38 @@ TOL = 1e-5
 
 pytestmark = pytest.mark.slow
 
-# (name, mesh sizes, rule overrides, micro-batches per data rank, schedule, remat)
+# (name, mesh sizes, rule overrides, micro-batches per data rank, schedule, remat, config overrides)
+DENSE_BIAS = dict(mlp_only_layers=(1,), attention_bias=True)  # a dense MLP layer, Qwen2's q/k/v biases
 CASES = {
     2: [
-        ("tp2", dict(tp=2), {}, 1, "1f1b", False),
-        ("ep2", dict(ep=2), {}, 2, "1f1b", False),
-        ("pp2-1f1b", dict(pp=2), {}, 4, "1f1b", False),
-        ("pp2-gpipe", dict(pp=2), {}, 3, "gpipe", False),
-        ("dp2", dict(dp=2), {}, 2, "1f1b", False),
-        ("tp2-remat", dict(tp=2), {}, 2, "1f1b", True),
+        ("tp2", dict(tp=2), {}, 1, "1f1b", False, {}),
+        ("ep2", dict(ep=2), {}, 2, "1f1b", False, {}),
+        ("pp2-1f1b", dict(pp=2), {}, 4, "1f1b", False, {}),
+        ("pp2-gpipe", dict(pp=2), {}, 3, "gpipe", False, {}),
+        ("dp2", dict(dp=2), {}, 2, "1f1b", False, {}),
+        ("tp2-remat", dict(tp=2), {}, 2, "1f1b", True, {}),
+        ("tp2-dense-bias", dict(tp=2), {}, 1, "1f1b", False, DENSE_BIAS),
     ],
     4: [
-        ("tp4-kv-replicated", dict(tp=4), {"kv_heads": None}, 1, "1f1b", False),
-        ("ep4", dict(ep=4), {}, 1, "1f1b", False),
-        ("pp4-1f1b", dict(pp=4), {}, 4, "1f1b", False),
-        ("dp4", dict(dp=4), {}, 1, "1f1b", False),
-        ("dp2-ep2", dict(dp=2, ep=2), {}, 1, "1f1b", False),
-        ("pp2-tp2", dict(pp=2, tp=2), {}, 2, "1f1b", False),
-        ("ep2-tp2", dict(ep=2, tp=2), {}, 1, "1f1b", False),
+        ("tp4-kv-replicated", dict(tp=4), {"kv_heads": None}, 1, "1f1b", False, {}),
+        ("ep4", dict(ep=4), {}, 1, "1f1b", False, {}),
+        ("pp4-1f1b", dict(pp=4), {}, 4, "1f1b", False, {}),
+        ("dp4", dict(dp=4), {}, 1, "1f1b", False, {}),
+        ("dp2-ep2", dict(dp=2, ep=2), {}, 1, "1f1b", False, {}),
+        ("pp2-tp2", dict(pp=2, tp=2), {}, 2, "1f1b", False, {}),
+        ("ep2-tp2", dict(ep=2, tp=2), {}, 1, "1f1b", False, {}),
     ],
     8: [
-        ("pp2-ep2-tp2", dict(pp=2, ep=2, tp=2), {}, 2, "1f1b", False),
-        ("pp2-dp2-tp2", dict(pp=2, dp=2, tp=2), {}, 2, "gpipe", False),
-        ("dp2-ep2-tp2", dict(dp=2, ep=2, tp=2), {}, 1, "1f1b", False),
+        ("pp2-ep2-tp2", dict(pp=2, ep=2, tp=2), {}, 2, "1f1b", False, {}),
+        ("pp2-dp2-tp2", dict(pp=2, dp=2, tp=2), {}, 2, "gpipe", False, {}),
+        ("pp2-ep2-tp2-dense-bias", dict(pp=2, ep=2, tp=2), {}, 1, "1f1b", False, DENSE_BIAS),
+        ("dp2-ep2-tp2", dict(dp=2, ep=2, tp=2), {}, 1, "1f1b", False, {}),
     ],
 }
+
+
+def config(kw: dict):
+    return CFG.replace(**kw)
 
 
 def make_batch(seed: int = 0) -> TrainBatch:
@@ -70,8 +77,10 @@ def make_batch(seed: int = 0) -> TrainBatch:
     return TrainBatch(**base, advantages_B=torch.randn(B, generator=g), old_logprobs_BTr=old.detach())
 
 
-def params_full() -> qm.Params:
-    return qm.init_params(CFG, seed=1, std=0.2)
+def params_full(cfg=CFG) -> qm.Params:
+    p = qm.init_params(cfg, seed=1, std=0.2)
+    g = torch.Generator().manual_seed(2)
+    return {k: (torch.randn(v.shape, generator=g) * 0.2 if k.endswith(".bias") else v) for k, v in p.items()}
 
 
 def partition(n_data: int, n_micro: int) -> list[list[torch.Tensor]]:
@@ -87,16 +96,16 @@ def loss_fn(n_tokens: float):
     return f
 
 
-def reference(batch: TrainBatch, n_data: int, n_micro: int):
+def reference(batch: TrainBatch, n_data: int, n_micro: int, cfg=CFG):
     """Loss and gradients of one process over the same row partition."""
-    full = params_full()
+    full = params_full(cfg)
     leaves = {k: v.requires_grad_(True) for k, v in full.items()}
     f = loss_fn(float(batch.response_mask_BTr.sum()))
     total = 0.0
     for rows_d in partition(n_data, n_micro):
         for rows in rows_d:
             mb = batch.select(rows)
-            lp, ent, aux = stages.response_logprobs(leaves, CFG, mb, with_entropy=True)
+            lp, ent, aux = stages.response_logprobs(leaves, cfg, mb, with_entropy=True)
             loss = f(lp, ent, mb) + AUX * aux * (mb.size / B)
             loss.backward()
             total += float(loss.detach())
@@ -110,21 +119,57 @@ def worker(rank: int, world: int, cases: list, batch: TrainBatch) -> dict:
 
     out = {}
     f = loss_fn(float(batch.response_mask_BTr.sum()))
-    for name, sizes, rules, n_micro, sched, remat in cases:
+    for name, sizes, rules, n_micro, sched, remat, cfg_kw in cases:
+        cfg = config(cfg_kw)
         mesh = Mesh(**sizes)
-        layout = msh.layout(CFG, mesh, rules, dtype=torch.float32)
-        ctx = model.context(layout, CFG)
-        local = {n: t.requires_grad_(True) for n, t in model.shard_params(params_full(), layout, rank).items()}
+        layout = msh.layout(cfg, mesh, rules, dtype=torch.float32)
+        ctx = model.context(layout, cfg)
+        local = {n: t.requires_grad_(True) for n, t in model.shard_params(params_full(cfg), layout, rank).items()}
         rows = partition(mesh.data_parallel_size, n_micro)[mesh.data_parallel_index(rank)]
         mbs = [batch.select(r) for r in rows]
         loss, grads = model.forward_backward(local, ctx, mbs, f, aux_weights=[AUX * mb.size / B for mb in mbs],
                                              schedule=sched, with_entropy=True, remat=remat)
         reduced = dp.all_reduce_grads(grads, layout)
-        res = {"loss": float(model.total_loss(loss, ctx)), "grads": reduced}
+        res = {"loss": float(model.total_loss(loss, ctx)), "grads": reduced,
+               "norm": float(dp.grad_norm(reduced, layout)), "rows": rows}
+        with torch.no_grad():
+            fwd = model.forward_only({n: t.detach() for n, t in local.items()}, ctx, mbs, with_entropy=True)
+        res["logprobs"] = [(lp, ent) for lp, ent in fwd]
         if mesh.data_parallel_size > 1:  # sharded optimizer state: reduce-scatter gives slices of the same sums
             res["rs"] = [(s.names, s.start, s.flat) for s in dp.reduce_scatter_grads(grads, layout)]
         out[name] = res
+    if world == 2:
+        out["collectives"] = collectives_check(rank)
     return out
+
+
+def collectives_check(rank: int) -> dict[str, float]:
+    """all_gather / reduce_scatter / all_to_all forward and backward on 2 ranks against the values they
+    must give (losses summed over ranks: each rank's loss is its own term)."""
+    from rlflow.parallel import collectives as C
+    import torch.distributed as dist
+    g = dist.group.WORLD
+    X = torch.arange(12.).view(4, 3)
+    W = [torch.linspace(-1, 1, 12).view(4, 3) * (r + 1) for r in range(2)]  # rank r's loss weights
+    err = {}
+    x = X[2 * rank:2 * rank + 2].clone().requires_grad_(True)  # sharded(0)
+    y = C.all_gather(x, 0, g)
+    (y * W[rank]).sum().backward()
+    want_grad = (W[0] + W[1])[2 * rank:2 * rank + 2]  # both ranks' losses use the gathered rows
+    err["all_gather"] = max(float((y.detach() - X).abs().max()), float((x.grad - want_grad).abs().max()))
+    x = (X * (rank + 1)).requires_grad_(True)  # partial: the value is 3 X
+    y = C.reduce_scatter(x.transpose(0, 1), 1, g).transpose(0, 1)  # along dim 1 of the transposed view
+    (y * W[rank][2 * rank:2 * rank + 2]).sum().backward()
+    err["reduce_scatter"] = max(float((y.detach() - 3 * X[2 * rank:2 * rank + 2]).abs().max()),
+                                float((x.grad - torch.cat([W[0][:2], W[1][2:]])).abs().max()))
+    ins = [[1, 3], [2, 0]][rank]  # rank 0 sends 1 row to itself, 3 to rank 1; rank 1 sends 2 to rank 0
+    outs = [[1, 2], [3, 0]][rank]
+    x = (torch.arange(4.)[:sum(ins), None] + 10 * rank).repeat(1, 3).requires_grad_(True)
+    y = C.all_to_all(x, outs, ins, g)
+    want = [torch.tensor([0., 10., 11.]), torch.tensor([1., 2., 3.])][rank]
+    (0.5 * y.square()).sum().backward()  # d/dy = y, so each row's gradient comes back to its sender as itself
+    err["all_to_all"] = max(float((y.detach()[:, 0] - want).abs().max()), float((x.grad - x.detach()).abs().max()))
+    return err
 
 
 def _check(world: int):
@@ -135,18 +180,29 @@ def _check(world: int):
     batch = make_batch()
     results = spawn(worker, world, CASES[world], batch, backend="gloo")
     refs, report, fails = {}, [], []
-    for name, sizes, rules, n_micro, _, _ in CASES[world]:
+    for name, sizes, rules, n_micro, _, _, cfg_kw in CASES[world]:
+        cfg = config(cfg_kw)
         mesh = Mesh(**sizes)
-        layout = msh.layout(CFG, mesh, rules, dtype=torch.float32)
-        key = (mesh.data_parallel_size, n_micro)
+        layout = msh.layout(cfg, mesh, rules, dtype=torch.float32)
+        key = (mesh.data_parallel_size, n_micro, tuple(sorted(cfg_kw.items())))
         if key not in refs:
-            refs[key] = reference(batch, *key)
+            refs[key] = reference(batch, *key[:2], cfg)
         ref_loss, ref_grads = refs[key]
         got = full_from_shards([r[name]["grads"] for r in results], layout)
         dl = max(abs(r[name]["loss"] - ref_loss) for r in results)
         dg = max(float((got[k] - ref_grads[k]).abs().max()) for k in ref_grads)
-        report.append(f"{name}: loss {ref_loss:.6f} |dloss| {dl:.2e} max|dgrad| {dg:.2e}")
-        if dl > TOL or dg > TOL:
+        ref_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()])))
+        dn = max(abs(r[name]["norm"] - ref_norm) for r in results)
+        dlp = 0.0
+        for r, res in enumerate(results):
+            for rows, (lp, ent) in zip(res[name]["rows"], res[name]["logprobs"]):
+                with torch.no_grad():
+                    rlp, rent, _ = stages.response_logprobs(params_full(cfg), cfg, batch.select(rows),
+                                                            with_entropy=True)
+                dlp = max(dlp, float((lp - rlp).abs().max()), float((ent - rent).abs().max()))
+        report.append(f"{name}: loss {ref_loss:.6f} |dloss| {dl:.2e} max|dgrad| {dg:.2e} grad norm {ref_norm:.4f} "
+                      f"|dnorm| {dn:.2e} forward-only max|dlogp|,|dent| {dlp:.2e}")
+        if max(dl, dg, dn / max(1.0, ref_norm), dlp) > TOL:  # the norm: relative (a sum of ~1e5 squares)
             fails.append(report[-1])
         for r, res in enumerate(results):
             for names, start, flat in res[name].get("rs", ()):
@@ -155,6 +211,12 @@ def _check(world: int):
                 d = float((flat - want).abs().max())
                 if d > TOL:
                     fails.append(f"{name}: reduce-scattered grads on rank {r} differ by {d:.2e}")
+    if world == 2:
+        for r, res in enumerate(results):
+            for k, e in res["collectives"].items():
+                report.append(f"{k} rank {r}: max|d| {e:.1e}")
+                if e > 0:
+                    fails.append(report[-1])
     print("\n".join(report))
     assert not fails, "\n".join(fails)
     assert all(float(g.abs().max()) > 0 for g in refs[next(iter(refs))][1].values()), "a gradient is all zero"

@@ -69,6 +69,29 @@ def all_reduce_grads(grads: dict[str, Tensor], layout: Layout, *, average: bool 
     return out
 
 
+def grad_norm(grads: dict[str, Tensor], layout: Layout) -> Tensor:
+    """Global L2 norm of the full gradient, on every rank, from this rank's *reduced* gradients (after
+    ``all_reduce_grads``): each shard is counted once, by the replica at coordinate 0 along every axis
+    (dp, ep, tp) its spec does not name; a float32 scalar all-reduced over the world. The norm
+    ``optim.clip_by_global_norm`` would compute on the gathered gradients."""
+    c = layout.mesh.coords(dist.get_rank())
+    s = torch.zeros((), dtype=torch.float32, device=next(iter(grads.values())).device if grads else None)
+    for n, g in grads.items():
+        named = set(layout[n].spec.axes)
+        if all(c[a] == 0 for a in ("dp", "ep", "tp") if a not in named):
+            s = s + g.float().square().sum()
+    if dist.get_world_size() > 1:
+        dist.all_reduce(s)
+    return s.sqrt()
+
+
+def clip_grads(grads: dict[str, Tensor], layout: Layout, max_norm: float) -> tuple[dict[str, Tensor], Tensor]:
+    """``optim.clip_by_global_norm`` on sharded, reduced gradients: (scaled grads, norm before clipping)."""
+    norm = grad_norm(grads, layout)
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return {k: g * scale for k, g in grads.items()}, norm
+
+
 @dataclass(frozen=True)
 class GradShard:
     """This rank's part of a flat gradient bucket after reduce-scatter (ZeRO-style sharded optimizer):
@@ -107,4 +130,5 @@ def reduce_scatter_grads(grads: dict[str, Tensor], layout: Layout, *, average: b
     return out
 
 
-__all__ = ["make_groups", "reduce_axes", "all_reduce_grads", "GradShard", "reduce_scatter_grads"]
+__all__ = ["make_groups", "reduce_axes", "all_reduce_grads", "grad_norm", "clip_grads", "GradShard",
+           "reduce_scatter_grads"]

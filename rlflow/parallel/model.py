@@ -279,6 +279,34 @@ def response_logprobs(params, ctx: Ctx, batch, *, temperature: float = 1.0, with
     return out.logprobs, out.entropy, out.aux_sum / max(n_moe, 1)
 
 
+def _recv_shape(ctx: Ctx, micro_batches: list):
+    def shape(m: int):
+        mb = micro_batches[m]
+        return (mb.size, mb.prompt_ids_BTp.shape[1] + mb.response_ids_BTr.shape[1] - 1, ctx.cfg.hidden_size)
+    return shape
+
+
+def _pipe_kw(ctx: Ctx, params, micro_batches) -> dict:
+    t = next(iter(params.values()))
+    return dict(stage=ctx.stage, n_stages=ctx.n_stages, prev_rank=ctx.peer(ctx.stage - 1),
+                next_rank=ctx.peer(ctx.stage + 1), recv_shape=_recv_shape(ctx, micro_batches), dtype=t.dtype,
+                device=t.device)
+
+
+def forward_only(params, ctx: Ctx, micro_batches: list, *, temperature: float = 1.0, with_entropy: bool = False
+                 ) -> list[tuple[Tensor, Tensor | None]]:
+    """Log-probs (and entropies) of every micro-batch without gradients, through the pipeline: on the
+    last stage a list of ``(logprobs_BTr, entropy_BTr)``, elsewhere an empty list (the old_logprob and
+    ref_logprob stages)."""
+    last = ctx.stage == ctx.n_stages - 1
+
+    def fwd(m: int, x):
+        out = stage_forward(params, ctx, micro_batches[m], x, temperature=temperature, with_entropy=with_entropy)
+        return (out.logprobs, out.entropy) if last else out.h
+
+    return pp.run_forward(fwd, len(micro_batches), **_pipe_kw(ctx, params, micro_batches))
+
+
 def forward_backward(params, ctx: Ctx, micro_batches: list, loss_fn: Callable, *,
                      aux_weights: list[float] | None = None, schedule: str = "1f1b", temperature: float = 1.0,
                      with_entropy: bool = False, remat: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
@@ -306,15 +334,7 @@ def forward_backward(params, ctx: Ctx, micro_batches: list, loss_fn: Callable, *
             return loss_fn(out.logprobs, out.entropy, micro_batches[m]), extra
         return out.h, extra
 
-    def recv_shape(m: int):
-        mb = micro_batches[m]
-        return (mb.size, mb.prompt_ids_BTp.shape[1] + mb.response_ids_BTr.shape[1] - 1, cfg.hidden_size)
-
-    dtype = next(iter(params.values())).dtype
-    device = next(iter(params.values())).device
-    total = pp.run(fwd, len(micro_batches), stage=ctx.stage, n_stages=ctx.n_stages, prev_rank=ctx.peer(ctx.stage - 1),
-                   next_rank=ctx.peer(ctx.stage + 1), recv_shape=recv_shape, dtype=dtype, device=device,
-                   kind=schedule)
+    total = pp.run(fwd, len(micro_batches), kind=schedule, **_pipe_kw(ctx, params, micro_batches))
     grads = {n: (t.grad if t.grad is not None else torch.zeros_like(t)) for n, t in params.items()}
     return total, grads
 
@@ -329,4 +349,4 @@ def total_loss(local: Tensor, ctx: Ctx) -> Tensor:
 
 
 __all__ = ["ALLOWED", "Ctx", "StageOut", "check_layout", "context", "decoder_layer", "effective", "forward_backward",
-           "inputs", "response_logprobs", "shard_params", "stage_forward", "total_loss"]
+           "forward_only", "inputs", "response_logprobs", "shard_params", "stage_forward", "total_loss"]

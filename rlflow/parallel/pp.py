@@ -111,4 +111,28 @@ def run(forward: Callable[[int, Tensor | None], tuple[Tensor, Tensor | None]], n
     return total
 
 
-__all__ = ["SCHEDULES", "layers_of_stage", "schedule", "run"]
+@torch.no_grad()
+def run_forward(forward: Callable[[int, Tensor | None], Tensor], n_micro: int, *, stage: int, n_stages: int,
+                prev_rank: int | None, next_rank: int | None, recv_shape: Callable[[int], tuple],
+                dtype: torch.dtype, device) -> list:
+    """Forward only (log-probs of the old / reference policy): micro-batches flow through the stages in
+    order, no gradients kept. ``forward(m, x)`` as in ``run``; returns the last stage's outputs in
+    micro-batch order (an empty list on the other stages)."""
+    outs, sends = [], []
+    for m in range(n_micro):
+        x = None
+        if stage > 0:
+            x = torch.empty(recv_shape(m), dtype=dtype, device=device)
+            dist.recv(x, src=prev_rank)
+        out = forward(m, x)
+        if stage < n_stages - 1:
+            h = out.contiguous()
+            sends.append((dist.isend(h, dst=next_rank), h))
+        else:
+            outs.append(out)
+    for w, _ in sends:
+        w.wait()
+    return outs
+
+
+__all__ = ["SCHEDULES", "layers_of_stage", "schedule", "run", "run_forward"]
