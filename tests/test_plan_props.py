@@ -4,13 +4,18 @@ is the identity; allgather-swap and its way back restore the train state; the le
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_plan_cases import cases
+from test_plan_cases import cases, meshes, specs
 
 from rlflow.sharding.execute import TrainState, shard, simulate
+from rlflow.sharding.layout import Layout, ParamLayout
 from rlflow.sharding.memory import CATEGORIES, StateBytes, ledger
 from rlflow.sharding.plan import allgather_swap, plan, swap_back
 
@@ -93,3 +98,30 @@ def test_ledger_accounts(case, state):
             assert (b.recv <= b.dst_bytes).all()
         if b.alt:
             assert b.recv.max() <= b.alt_recv.max()
+
+
+@settings(max_examples=150)
+@given(st.data())
+def test_impossible_layouts_fail_with_the_reason(data):
+    """A dim that does not divide by its axes is refused naming the param, the dim, its size and the
+    axes; a valid layout plans, and a destination with another shape is refused naming the param."""
+    mesh = data.draw(st.integers(1, 8).flatmap(meshes))
+    ndim = data.draw(st.integers(1, 3))
+    spec = data.draw(specs(mesh, ndim))
+    shape = tuple(data.draw(st.integers(1, 24)) for _ in range(ndim))
+    p = ParamLayout(name="layers.0.w", shape=shape, dtype=torch.float32, spec=spec)
+    bad = [d for d, (n, k) in enumerate(zip(shape, spec.divisors(mesh))) if n % k]
+    if bad:
+        d = bad[0]
+        by = "*".join(f"{a}={getattr(mesh, a)}" for a in spec.dim_axes(spec[d]))
+        msg = f"{spec!r} on param layers.0.w: dim {d} of size {shape[d]} does not divide by {by}"
+        with pytest.raises(ValueError, match=re.escape(msg) + "$"):
+            Layout(mesh, (p,))
+        return
+    lay = Layout(mesh, (p,))
+    assert plan(lay, lay).bytes_received().sum() == 0
+    other = dataclasses.replace(p, shape=shape[:-1] + (shape[-1] * 2,), view=None, merge=None,
+                                spec=spec)
+    if not any(n % k for n, k in zip(other.shape, spec.divisors(mesh))):
+        with pytest.raises(ValueError, match=r"param layers.0.w: src is torch.float32 \("):
+            plan(lay, Layout(mesh, (other,)))
