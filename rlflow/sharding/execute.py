@@ -226,9 +226,8 @@ def simulate(plan: Plan, shards: list[dict], states: list[TrainState] | None = N
             for r in range(world):
                 out = alloc_dst(plan, b, r, device)
                 if out:
-                    _, _, local = p2p_segs(plan, b, r) if b.kind in ("slice", "all_to_all", "send_recv") \
-                        else ({}, {}, [])
-                    copy_local(plan, local, shards[r], out, r)
+                    if b.kind in ("slice", "all_to_all", "send_recv"):
+                        copy_local(plan, p2p_segs(plan, b, r)[2], shards[r], out, r)
                     for segs, buf in tmp[r].get(b.index, ()):
                         unpack(plan.src, plan.dst, segs, buf, out, r)
                 outs[r].update(finish_dst(plan, out, r))
