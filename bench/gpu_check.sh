@@ -33,5 +33,5 @@ run cuda_tests 240 $PY -m pytest -q -m cuda -p no:cacheprovider tests
 run rollout_tiny 90 $PY bench/rollout_vs_hf.py --device cuda --batch 256 --new-tokens 128
 run rollout_0p5b 150 $PY bench/rollout_vs_hf.py --device cuda --dtype bfloat16 --preset qwen3-moe-0.5b --batch 256 --new-tokens 128 --repeats 2
 run e2e_tiny 90 $PY bench/e2e_vs_trl.py --device cuda
-run e2e_0p5b 180 $PY bench/e2e_vs_trl.py --device cuda --preset qwen3-moe-0.5b --max-new-tokens 256
+run e2e_0p5b 180 $PY bench/e2e_vs_trl.py --device cuda --dtype bfloat16 --preset qwen3-moe-0.5b --max-new-tokens 256 --warmup 1 --steps 3
 echo "figures: $FIG" | tee -a "$LOG"
