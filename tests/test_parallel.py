@@ -38,6 +38,9 @@ CASES = {
         ("dp2", dict(dp=2), {}, 2, "1f1b", False, {}),
         ("tp2-remat", dict(tp=2), {}, 2, "1f1b", True, {}),
         ("tp2-dense-bias", dict(tp=2), {}, 1, "1f1b", False, DENSE_BIAS),
+        # replicated variants: all experts on every ep rank (summed over dp x ep); whole vocab and experts on tp
+        ("ep2-experts-replicated", dict(ep=2), {"experts": None}, 1, "1f1b", False, {}),
+        ("tp2-vocab-experts-replicated", dict(tp=2), {"vocab": None, "expert_mlp": None}, 1, "1f1b", False, {}),
     ],
     4: [
         ("tp4-kv-replicated", dict(tp=4), {"kv_heads": None}, 1, "1f1b", False, {}),
