@@ -129,7 +129,12 @@ def attention_block(params: Params, cfg: ModelConfig, p: str, x_BTD: Tensor, cos
 
 
 def mlp_block(params: Params, cfg: ModelConfig, p: str, layer: int, x_BTD: Tensor,
-               valid_BT: Tensor | None, with_aux: bool) -> tuple[Tensor, Tensor]:
+               valid_BT: Tensor | None, with_aux: bool, experts=None) -> tuple[Tensor, Tensor]:
+    """Dense SwiGLU MLP, or the MoE block: padding tokens dropped, softmax top-k routing, experts.
+
+    ``experts(x_ND, w_NK, idx_NK) -> y_ND`` computes the routed experts; the default is
+    ``ops.moe_experts`` on this params dict (the parallel executors pass an expert-parallel one).
+    """
     if not cfg.is_moe_layer(layer):
         h = F.silu(_linear(params, p + "gate_proj", x_BTD)) * _linear(params, p + "up_proj", x_BTD)
         return _linear(params, p + "down_proj", h), x_BTD.new_zeros((), dtype=torch.float32)
@@ -141,7 +146,10 @@ def mlp_block(params: Params, cfg: ModelConfig, p: str, layer: int, x_BTD: Tenso
         x_ND = x_ND[sel]
     w_NK, idx_NK, aux = route(x_ND, params[p + "gate.weight"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
                               with_aux=with_aux)
-    y = moe_experts(x_ND, w_NK, idx_NK, params[p + "experts.gate_up_proj"], params[p + "experts.down_proj"])
+    if experts is None:
+        y = moe_experts(x_ND, w_NK, idx_NK, params[p + "experts.gate_up_proj"], params[p + "experts.down_proj"])
+    else:
+        y = experts(x_ND, w_NK, idx_NK)
     if sel is not None:
         y = x_BTD.new_zeros(B * T, D).index_copy(0, sel, y)
     return y.view(B, T, D), aux

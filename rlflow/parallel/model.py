@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlflow.models import qwen3_moe as qm
 from rlflow.models.config import ModelConfig
-from rlflow.ops import causal_padding_mask, rmsnorm, rope_cos_sin, route
+from rlflow.ops import causal_padding_mask, rmsnorm, rope_cos_sin
 from rlflow.parallel import dp, ep, pp, tp
 from rlflow.parallel.collectives import copy_to, reduce_from
 from rlflow.sharding.execute import shard_tensor
@@ -189,21 +189,15 @@ def _mlp(params, ctx: Ctx, i: int, x_BTD: Tensor, valid_BT: Tensor | None):
         g = ctx.tp if _on(lay, p + "gate_proj.weight", 0, "tp") else None
         y, aux = qm.mlp_block(params, cfg, p, i, copy_to(x_BTD, g), valid_BT, False)
         return reduce_from(y, g), aux
-    B, T, D = x_BTD.shape
-    x_ND = x_BTD.reshape(B * T, D)
-    sel = None
-    if valid_BT is not None and T > 1 and not bool(valid_BT.all()):
-        sel = valid_BT.reshape(-1).nonzero()[:, 0]  # as mlp_block: padding is neither routed nor computed
-        x_ND = x_ND[sel]
-    w_NK, idx_NK, aux = route(x_ND, params[p + "gate.weight"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
     gt = ctx.tp if _on(lay, p + "experts.gate_up_proj", 2, "tp") else None
     ge = ctx.ep if _on(lay, p + "experts.gate_up_proj", 0, "ep") else None
-    y = ep.moe(copy_to(x_ND, gt), copy_to(w_NK, gt), idx_NK, params[p + "experts.gate_up_proj"],
-               params[p + "experts.down_proj"], cfg.num_experts, ge)
-    y = reduce_from(y, gt)
-    if sel is not None:
-        y = x_BTD.new_zeros(B * T, D).index_copy(0, sel, y)
-    return y.view(B, T, D), aux
+
+    def experts(x_ND, w_NK, idx_NK):
+        y = ep.moe(copy_to(x_ND, gt), copy_to(w_NK, gt), idx_NK, params[p + "experts.gate_up_proj"],
+                   params[p + "experts.down_proj"], cfg.num_experts, ge)
+        return reduce_from(y, gt)
+
+    return qm.mlp_block(params, cfg, p, i, x_BTD, valid_BT, True, experts=experts)
 
 
 def decoder_layer(params, ctx: Ctx, i: int, h, cos, sin, mask, valid_BT):
