@@ -1,0 +1,354 @@
+"""End-to-end GRPO step throughput: the recipe's workload run by rlflow and by TRL's `GRPOTrainer`, same run.
+
+Both systems get the same model (the recipe's preset, a Qwen3-MoE; TRL loads rlflow's initial weights
+saved with `rlflow.models.hf.save` into transformers' `Qwen3MoeForCausalLM`), the same prompts (the built-in
+task, same seed, same order), the same group size, the same fixed response length (EOS never ends a
+response: rlflow gets an EOS id that cannot be sampled, TRL `min_new_tokens = max_new_tokens`), the same
+batch arrangement (one AdamW step per GRPO step over prompts x group samples; same micro-batch), the same
+loss (token-mean / TRL "dapo", clip 0.2 / 0.28, no KL and no reference model, no router aux loss) and the
+same optimizer (AdamW, constant LR, betas 0.9/0.99, grad-norm clip 1.0). Gradient checkpointing and mixed
+precision are off on both.
+
+The two systems alternate step by step (A B B A ...) so that noise from a shared machine falls on both.
+Each timed step is one call of `rlflow.runtime.loop.train(steps=1)` (timed around the call, device
+synchronized) and one `GRPOTrainer.train()` over one step's prompts (timed from `on_step_begin` to
+`on_step_end`). The figure is the paper's Eq. (5), per system, on the median step time.
+
+    python bench/e2e_vs_trl.py                                   # CPU, qwen3-moe-tiny, 32 new tokens
+    python bench/e2e_vs_trl.py --device cuda --preset qwen3-moe-0.5b --max-new-tokens 256
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.util
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _use_rlflow_from(src: str) -> dict:
+    """Import rlflow (and later the recipe) from ``src``; returns where from, and its git commit if any."""
+    if src not in sys.path:
+        sys.path.insert(0, src)
+    import subprocess
+    info = {"src": src, "commit": None, "dirty": None}
+    try:
+        info["commit"] = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True, check=True).stdout.strip()
+        st = subprocess.run(["git", "-C", src, "status", "--porcelain", "--", "rlflow", "recipes"],
+                            capture_output=True, text=True, check=True).stdout
+        info["dirty"] = bool(st.strip())
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return info
+
+
+def _load_recipe(src: str):
+    path = os.path.join(src, "recipes", "grpo_qwen3_moe.py")
+    spec = importlib.util.spec_from_file_location("grpo_qwen3_moe_recipe", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look the module up while the file executes
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+class _ClampedDecode:
+    """The recipe's CharTokenizer, decoding ids beyond its 32-entry vocabulary to nothing (as the
+    transformers tokenizer does). Only used when the preset's vocab is larger than the tokenizer's, where
+    CharTokenizer.decode raises IndexError on a sampled id >= 32."""
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def decode(self, ids):
+        return self._tok.decode([i for i in ids if i < self._tok.vocab_size])
+
+
+def char_tokenizer_for_transformers(tok):
+    """A `PreTrainedTokenizerFast` with exactly rlflow's CharTokenizer ids: one token per character,
+    <pad>/<bos>/<eos> = 0/1/2 as special tokens, BOS prepended (as rlflow's prompt_batch does)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(tok.vocab)}
+    t = Tokenizer(models.WordLevel(vocab=vocab, unk_token=tok.vocab[tok.pad_id]))
+    t.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    t.decoder = decoders.Fuse()
+    bos = tok.vocab[tok.bos_id]
+    t.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.bos_id)])
+    out = PreTrainedTokenizerFast(tokenizer_object=t, pad_token=tok.vocab[tok.pad_id], bos_token=bos,
+                                  eos_token=tok.vocab[tok.eos_id], padding_side="left")
+    probe = "max:381920="
+    assert out(text=[probe])["input_ids"][0] == [tok.bos_id] + tok.encode(probe), "tokenizer ids differ"
+    assert out.decode([1, 5, 2, 0, 7], skip_special_tokens=True) == tok.decode([1, 5, 2, 0, 7])
+    return out
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen3-moe-tiny", help="model preset (rlflow.models.config)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="both systems run here")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="parameter dtype on both sides (no autocast on either)")
+    ap.add_argument("--task", default="max_digit", help="built-in prompt task")
+    ap.add_argument("--prompts-per-step", type=int, default=16)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="fixed response length (no early EOS)")
+    ap.add_argument("--micro-batch-size", type=int, default=None,
+                    help="samples per forward/backward on both sides (default: the whole step's batch)")
+    ap.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (constant)")
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up steps per system (not timed)")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per system (even: each order A-B / B-A "
+                    "equally often)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--rlflow-src", default=ROOT,
+                    help="directory to import rlflow and the recipe from (default: this checkout; e.g. a "
+                         "`git archive` snapshot of a commit)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    src = _use_rlflow_from(os.path.abspath(a.rlflow_src))
+    import rlflow
+    from rlflow.data import PromptSource, prompt_batch
+    from rlflow.models import hf, qwen3_moe
+    from rlflow.runtime import loop
+    if not os.path.abspath(rlflow.__file__).startswith(src["src"] + os.sep):
+        raise SystemExit(f"rlflow imported from {rlflow.__file__}, not from --rlflow-src {src['src']}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch.cuda.is_available() is False")
+    os.environ["RLFLOW_DEVICE"] = a.device  # the recipe's build() places params through rlflow.device
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    warnings.filterwarnings("ignore")
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import PrinterCallback, Qwen3MoeForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("trl").setLevel(logging.ERROR)
+    logging.getLogger("accelerate").setLevel(logging.ERROR)
+
+    P, G, T = a.prompts_per_step, a.group_size, a.max_new_tokens
+    B = P * G
+    micro = a.micro_batch_size or B
+    if B % micro:
+        raise SystemExit(f"--micro-batch-size {micro} does not divide the step's batch {B}")
+    n_total = a.warmup + a.steps
+
+    # ---- rlflow: the recipe's build(), with a fixed response length and a constant LR ----
+    recipe = _load_recipe(src["src"])
+    r = recipe.Recipe(preset=a.preset, task=a.task, prompts_per_step=P, group_size=G, max_new_tokens=T,
+                      micro_batch_size=micro, lr=a.lr, warmup_lr_steps=0, seed=a.seed, dtype=a.dtype, steps=1)
+    torch.manual_seed(a.seed)
+    cfg, params, tok, source, reward_fn, lcfg, dev = recipe.build(r)
+    lcfg = dataclasses.replace(lcfg, sampling=dataclasses.replace(lcfg.sampling, eos_id=-1))  # never sampled
+    rl_tok = _ClampedDecode(tok) if cfg.vocab_size > tok.vocab_size else tok
+    n_params = sum(p.numel() for p in params.values())
+
+    # ---- TRL: the same initial weights, tokenizer ids, prompts, reward ----
+    tmp = tempfile.TemporaryDirectory(prefix="e2e_vs_trl_")
+    ckpt = os.path.join(tmp.name, "init")
+    hf.save(ckpt, cfg, params)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
+    model = Qwen3MoeForCausalLM.from_pretrained(ckpt, dtype=dtype).to(dev)
+    hf_tok = char_tokenizer_for_transformers(tok)
+    examples = PromptSource(task=a.task, seed=a.seed).take(P * n_total)  # the stream rlflow's source yields
+
+    # same initial weights: logits of the first step's prompts from both implementations
+    pb = prompt_batch(examples[:P], tok).to(dev)
+    with torch.no_grad():
+        pos = qwen3_moe.positions_from_valid(pb.prompt_mask_BTp)
+        h, _, _ = qwen3_moe.forward(params, cfg, pb.prompt_ids_BTp, pos, valid_BT=pb.prompt_mask_BTp)
+        ours = qwen3_moe.logits(params, cfg, h)
+        theirs = model(input_ids=pb.prompt_ids_BTp, attention_mask=pb.prompt_mask_BTp.long(),
+                       position_ids=pos).logits
+        init_diff = float((ours - theirs.to(ours.dtype))[pb.prompt_mask_BTp].abs().max())
+    if dtype == torch.float32 and init_diff > 1e-3:  # bf16 rounding differs by op order: reported, not checked
+        raise SystemExit(f"initial weights differ: max |logits diff| = {init_diff:.3g}")
+
+    def exact_match(completions, answer, **_):
+        return [float(reward_fn(c, ans)) for c, ans in zip(completions, answer)]
+
+    targs = GRPOConfig(
+        output_dir=os.path.join(tmp.name, "trl"), seed=a.seed,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=B // micro,  # one optimizer step / step
+        num_generations=G, max_completion_length=T, num_iterations=1, beta=0.0,
+        generation_kwargs={"min_new_tokens": T},  # EOS cannot be sampled before T tokens: fixed length
+        temperature=1.0, top_p=1.0, top_k=0,
+        loss_type="dapo", epsilon=0.2, epsilon_high=0.28, scale_rewards="group", mask_truncated_completions=False,
+        router_aux_loss_coef=0.0,
+        learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+        adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
+        gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=(a.device == "cpu"),
+        num_train_epochs=1, shuffle_dataset=False, dataloader_num_workers=0,
+        report_to="none", save_strategy="no", eval_strategy="no", logging_strategy="no",
+        disable_tqdm=True, log_completions=False,
+    )
+
+    def step_dataset(i):
+        ex = examples[i * P:(i + 1) * P]
+        return Dataset.from_dict({"prompt": [e.prompt for e in ex], "answer": [e.answer for e in ex]})
+
+    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=targs, train_dataset=step_dataset(0),
+                          processing_class=hf_tok)
+
+    class StepClock(TrainerCallback):
+        """Wall time of each optimizer step: on_step_begin -> on_step_end (device synchronized)."""
+
+        def __init__(self):
+            self.times, self.t0 = [], None
+
+        def on_step_begin(self, args, state, control, **kw):
+            _sync(dev)
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            _sync(dev)
+            self.times.append(time.perf_counter() - self.t0)
+
+    clock = StepClock()
+    trainer.add_callback(clock)
+    trainer.remove_callback(PrinterCallback)  # train() would print its metrics dict
+    trl_tokens, trl_gen_time = [], []
+    orig_generate, orig_single = trainer._generate, trainer._generate_single_turn
+
+    def counted_generate(prompts):  # counts tokens: unpadded prompt ids + completion ids, as rlflow's masks
+        out = orig_generate(prompts)
+        prompt_ids, completion_ids = out[0], out[1]
+        trl_tokens.append((sum(len(p) for p in prompt_ids), sum(len(c) for c in completion_ids)))
+        return out
+
+    def timed_single_turn(*args, **kw):  # the generation itself (model.generate), for the rollout split
+        _sync(dev)
+        t = time.perf_counter()
+        out = orig_single(*args, **kw)
+        _sync(dev)
+        trl_gen_time.append(time.perf_counter() - t)
+        return out
+
+    trainer._generate, trainer._generate_single_turn = counted_generate, timed_single_turn
+
+    rows = {"rlflow": [], "trl": []}
+
+    def run_rlflow(i):
+        nonlocal params
+        _sync(dev)
+        t = time.perf_counter()
+        params, _, hist = loop.train(params, cfg, rl_tok, source, reward_fn,
+                                     dataclasses.replace(lcfg, seed=a.seed + i), device=dev)
+        _sync(dev)
+        wall = time.perf_counter() - t
+        m = hist[0]
+        rows["rlflow"].append(dict(step=i, wall_s=wall, loop_step_s=m["step_time_s"],
+                                   rollout_s=m["rollout_time_s"], prompt_tokens=m["prompt_tokens"],
+                                   response_tokens=m["response_tokens"], reward=m["reward_mean"]))
+
+    def run_trl(i):
+        n_before = len(clock.times)
+        trainer.train_dataset = step_dataset(i)
+        trainer.train()
+        if len(clock.times) != n_before + 1 or trainer.state.global_step != 1:
+            raise RuntimeError(f"TRL did {len(clock.times) - n_before} steps for one step's prompts")
+        p_tok, c_tok = trl_tokens[-1]
+        rows["trl"].append(dict(step=i, wall_s=clock.times[-1], rollout_s=trl_gen_time[-1], prompt_tokens=p_tok,
+                                response_tokens=c_tok))
+
+    print(f"model: {a.preset} ({cfg.model_type}, {n_params / 1e6:.2f}M params, {cfg.num_experts} experts "
+          f"top-{cfg.num_experts_per_tok}, {a.dtype}) on {dev}; initial logits max |rlflow - transformers| = "
+          f"{init_diff:.2e}")
+    print(f"workload: task {a.task}, {P} prompts x {G} samples = {B} per step, {T} new tokens per sample (fixed), "
+          f"micro-batch {micro} ({B // micro} per optimizer step), 1 AdamW step per GRPO step, lr {a.lr}, no KL, "
+          f"{a.warmup} warm-up + {a.steps} timed steps per system, alternating A B B A")
+    print(f"rlflow from {src['src']} (commit {src['commit']}{', uncommitted changes' if src['dirty'] else ''})")
+    print(f"TRL {trl.__version__} GRPOTrainer (transformers {transformers.__version__}, "
+          f"experts_implementation={getattr(model.config, '_experts_implementation', None)}, "
+          f"attn={model.config._attn_implementation}); torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(loop.TPS_DEFINITION + ", devices = 1; per system: tokens of a step / median step wall time")
+    sys.stdout.flush()
+
+    for i in range(n_total):
+        order = (run_rlflow, run_trl) if i % 2 == 0 else (run_trl, run_rlflow)
+        for f in order:
+            f(i)
+        tag = "warm-up" if i < a.warmup else "timed"
+        print(f"  step {i} ({tag}): rlflow {rows['rlflow'][-1]['wall_s']:.3f}s  TRL {rows['trl'][-1]['wall_s']:.3f}s")
+        sys.stdout.flush()
+
+    res = {}
+    for name, rs in rows.items():
+        timed = rs[a.warmup:]
+        toks = {(x["prompt_tokens"], x["response_tokens"]) for x in timed}
+        if len(toks) != 1:
+            raise RuntimeError(f"{name}: tokens per step vary across steps: {sorted(toks)}")
+        (pt, rt), = toks
+        step_s = statistics.median(x["wall_s"] for x in timed)
+        roll_s = statistics.median(x["rollout_s"] for x in timed)
+        loop_s = statistics.median(x.get("loop_step_s", x["wall_s"]) for x in timed)
+        res[name] = dict(prompt_tokens=pt, response_tokens=rt, step_s=step_s, rollout_s=roll_s, loop_step_s=loop_s,
+                         rest_s=step_s - roll_s, tps=(pt + rt) / step_s, rollout_tps=(pt + rt) / roll_s,
+                         step_times_s=[round(x["wall_s"], 4) for x in timed])
+    if (res["rlflow"]["prompt_tokens"], res["rlflow"]["response_tokens"]) != \
+            (res["trl"]["prompt_tokens"], res["trl"]["response_tokens"]):
+        raise RuntimeError(f"systems processed different tokens: rlflow {res['rlflow']}, trl {res['trl']}")
+    ratio = res["rlflow"]["tps"] / res["trl"]["tps"]
+
+    print(f"\n{'system':<8} {'tokens/step':>12} {'step s':>8} {'TPS':>9} {'rollout s':>10} {'rest s':>8} "
+          f"{'rollout %':>9}")
+    for name in ("rlflow", "trl"):
+        x = res[name]
+        print(f"{name:<8} {x['prompt_tokens'] + x['response_tokens']:>12} {x['step_s']:>8.3f} {x['tps']:>9.0f} "
+              f"{x['rollout_s']:>10.3f} {x['rest_s']:>8.3f} {100 * x['rollout_s'] / x['step_s']:>8.0f}%")
+    print(f"ratio rlflow / TRL TPS = {ratio:.2f}x   (rollout: rlflow loop's generate(); TRL model.generate in "
+          f"_generate_single_turn; rest: scoring, advantages, log-prob forward+backward, AdamW)")
+
+    out = dict(
+        rlflow_tps=round(res["rlflow"]["tps"], 1), trl_tps=round(res["trl"]["tps"], 1), ratio=round(ratio, 3),
+        rlflow_step_s=round(res["rlflow"]["step_s"], 4), trl_step_s=round(res["trl"]["step_s"], 4),
+        rlflow_rollout_s=round(res["rlflow"]["rollout_s"], 4), trl_rollout_s=round(res["trl"]["rollout_s"], 4),
+        rlflow_loop_step_s=round(res["rlflow"]["loop_step_s"], 4),  # loop.train's own step_time_s (Eq. 5 timer)
+        rlflow_step_times_s=res["rlflow"]["step_times_s"], trl_step_times_s=res["trl"]["step_times_s"],
+        tokens_per_step=res["rlflow"]["prompt_tokens"] + res["rlflow"]["response_tokens"],
+        workload=dict(preset=a.preset, params_m=round(n_params / 1e6, 3), dtype=a.dtype, task=a.task,
+                      prompts_per_step=P, group_size=G, samples_per_step=B, max_new_tokens=T, fixed_length=True,
+                      micro_batch_size=micro, optimizer_steps_per_step=1, lr=a.lr, kl=0.0, warmup_steps=a.warmup,
+                      timed_steps=a.steps, seed=a.seed),
+        torch_threads=torch.get_num_threads(), device=str(dev),
+        machine=f"{platform.machine()} {os.cpu_count()} CPUs" if dev.type == "cpu" else torch.cuda.get_device_name(dev),
+        versions=dict(torch=torch.__version__, transformers=transformers.__version__, trl=trl.__version__),
+        rlflow=src, init_logits_max_abs_diff=init_diff, date=datetime.date.today().isoformat(),
+    )
+    tmp.cleanup()
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
