@@ -26,6 +26,32 @@ from rlflow.rollout import SamplingConfig, generate
 from rlflow.tokenizer import CharTokenizer
 
 DEFINITION = "tokens/s = rows x new tokens / wall time of one generate call (prefill included); median of repeats"
+BOUND_DEFINITION = ("decode bound: per decode step, bytes read = all weights except the embedding table + the KV "
+                    "cache at the mean length; bound tokens/s = rows / (bytes read / copy bandwidth), copy bandwidth "
+                    "= bytes of a large device-to-device tensor copy / its time")
+
+
+def copy_bandwidth(dev, nbytes=256 * 2**20, repeats=5) -> float:
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=dev).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(dev)
+        t = time.perf_counter()
+        dst.copy_(src)
+        _sync(dev)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def decode_bytes_per_step(params, cfg, rows: int, mean_len: float) -> float:
+    w = sum(t.numel() * t.element_size() for k, t in params.items() if k != "model.embed_tokens.weight")
+    if cfg.tie_word_embeddings:
+        w += params["model.embed_tokens.weight"].numel() * params["model.embed_tokens.weight"].element_size()
+    elt = params["model.embed_tokens.weight"].element_size()
+    kv = 2 * cfg.num_hidden_layers * rows * cfg.num_key_value_heads * cfg.head_dim * mean_len * elt
+    return w + kv
 
 
 def _sync(dev):
@@ -87,13 +113,21 @@ def main(argv=None):
             _sync(dev)
             times[name].append(time.perf_counter() - t)
     tps = {k: a.batch * a.new_tokens / statistics.median(v) for k, v in times.items()}
+    bw = copy_bandwidth(dev)
+    step_bytes = decode_bytes_per_step(params, cfg, a.batch, ids.shape[1] + a.new_tokens / 2)
+    bound = a.batch / (step_bytes / bw)
     print(DEFINITION)
+    print(BOUND_DEFINITION)
     print(f"model {a.preset} ({sum(p.numel() for p in params.values()) / 1e6:.1f}M params) on {dev} {a.dtype}; "
           f"batch {a.batch} (group {a.group_size}), prompt {ids.shape[1]} tokens, {a.new_tokens} new tokens")
     for k in tps:
-        print(f"  {k:13s} {tps[k]:12.0f} tokens/s   (median {statistics.median(times[k]):.3f} s)")
+        print(f"  {k:13s} {tps[k]:12.0f} tokens/s   (median {statistics.median(times[k]):.3f} s)  "
+              f"{tps[k] / bound:.1%} of the bandwidth bound")
+    print(f"  bound         {bound:12.0f} tokens/s   ({step_bytes / 2**20:.1f} MiB per decode step, copy bandwidth "
+          f"{bw / 1e9:.1f} GB/s)")
     res = {"rlflow_tokens_per_s": tps["rlflow"], "hf_tokens_per_s": tps["transformers"],
-           "ratio": tps["rlflow"] / tps["transformers"], "batch": a.batch, "new_tokens": a.new_tokens,
+           "ratio": tps["rlflow"] / tps["transformers"], "bound_tokens_per_s": bound,
+           "rlflow_fraction_of_bound": tps["rlflow"] / bound, "copy_bandwidth_GBps": bw / 1e9, "batch": a.batch, "new_tokens": a.new_tokens,
            "preset": a.preset, "device": str(dev), "dtype": a.dtype, "torch_threads": torch.get_num_threads()}
     print(json.dumps(res))
     return res
