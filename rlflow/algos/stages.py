@@ -37,14 +37,15 @@ def _trim(batch: RolloutBatch) -> RolloutBatch:
 
 
 def response_logprobs(params: model.Params, cfg: ModelConfig, batch: RolloutBatch, *, temperature: float = 1.0,
-                      with_entropy: bool = False, remat: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
+                      with_entropy: bool = False, remat: bool = False,
+                      with_aux: bool = True) -> tuple[Tensor, Tensor | None, Tensor]:
     """log pi(response token | prefix) [B, Tr] (0 on padding), the entropy [B, Tr] if asked, and the router
     aux loss. The sequence is prompt (left-padded) + response (right-padded); hidden state t predicts t+1."""
     Tp = batch.prompt_ids_BTp.shape[1]
     ids = torch.cat([batch.prompt_ids_BTp, batch.response_ids_BTr], 1)
     valid = torch.cat([batch.prompt_mask_BTp, batch.response_mask_BTr], 1)
     h, aux, _ = model.forward(params, cfg, ids[:, :-1], model.positions_from_valid(valid)[:, :-1],
-                              valid_BT=valid[:, :-1], remat=remat)
+                              valid_BT=valid[:, :-1], remat=remat, with_aux=with_aux)
     m = batch.response_mask_BTr
     h_resp = h[:, Tp - 1:]  # predicts response tokens 0..Tr-1
     lp_N, ent_N = token_logprobs(h_resp[m], model.lm_head(params, cfg), batch.response_ids_BTr[m],
@@ -62,7 +63,7 @@ def batched_logprobs(params, cfg: ModelConfig, batch: RolloutBatch, *, micro_bat
     for s in range(0, batch.size, micro_batch_size):
         rows = torch.arange(s, min(s + micro_batch_size, batch.size))
         mb = _trim(batch.select(rows))
-        lp, _, _ = response_logprobs(params, cfg, mb, temperature=temperature)
+        lp, _, _ = response_logprobs(params, cfg, mb, temperature=temperature, with_aux=False)
         out[rows, :lp.shape[1]] = lp
     return out
 
@@ -123,23 +124,26 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
         for s in range(0, batch.size, ucfg.mini_batch_size):
             mini = perm[s:s + ucfg.mini_batch_size]
             n_tokens = float(batch.response_mask_BTr[mini].sum())
-            grads = [torch.zeros_like(p) for p in leaves]
+            grads: list[Tensor | None] = [None] * len(leaves)
             for rows in micro_batches(batch, mini, ucfg):
                 mb = _trim(batch.select(rows))
                 lp, ent, aux = response_logprobs(live, cfg, mb, temperature=gcfg.temperature,
-                                                 with_entropy=bool(gcfg.entropy_coef), remat=ucfg.remat)
+                                                 with_entropy=bool(gcfg.entropy_coef), remat=ucfg.remat,
+                                                 with_aux=bool(ucfg.router_aux_coef))
                 old = lp.detach() if old_is_current else mb.old_logprobs_BTr
                 loss, met = grpo.policy_loss(lp, old, mb.advantages_B, mb.response_mask_BTr, gcfg,
                                              ref_logp_BT=mb.ref_logprobs_BTr, entropy_BT=ent, n_tokens=n_tokens,
                                              n_seqs=len(mini), max_len=Tr)
                 if ucfg.router_aux_coef:
                     loss = loss + ucfg.router_aux_coef * aux * (mb.size / len(mini))
-                for p, gr in zip(grads, torch.autograd.grad(loss, leaves, allow_unused=True)):
+                for j, gr in enumerate(torch.autograd.grad(loss, leaves, allow_unused=True)):
                     if gr is not None:
-                        p.add_(gr)
+                        grads[j] = gr if grads[j] is None else grads[j].add_(gr)
                 for k, v in {**met, "loss": loss.detach(), "router_aux": aux.detach()}.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * mb.size / len(mini)
-            gdict, norm = optim.clip_by_global_norm(dict(zip(names, grads)), ucfg.max_grad_norm)
+            gdict, norm = optim.clip_by_global_norm(
+                {k: torch.zeros_like(p) if gr is None else gr for k, p, gr in zip(names, leaves, grads)},
+                ucfg.max_grad_norm)
             with torch.no_grad():
                 _, opt_state = optim.step(live, gdict, opt_state, ocfg, lr=lr)
             sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(norm)

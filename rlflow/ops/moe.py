@@ -68,12 +68,10 @@ def _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
     tok = order // K
     xs = x_ND[tok]  # [N*K, D], grouped by expert
     counts = torch.bincount(flat, minlength=E).tolist()
-    outs, start = [], 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        g, u = F.linear(xs[start:start + c], gate_up_E2FD[e]).chunk(2, dim=-1)
-        outs.append(F.linear(F.silu(g) * u, down_EDF[e]))
-        start += c
+    outs = []
+    for e, xe in enumerate(torch.split(xs, counts)):  # split, not slices: its backward is one cat
+        if counts[e]:
+            g, u = F.linear(xe, gate_up_E2FD[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(g) * u, down_EDF[e]))
     ys = torch.cat(outs) * w_NK.reshape(-1)[order, None]
     return torch.zeros_like(x_ND).index_add_(0, tok, ys)
