@@ -29,7 +29,10 @@ class CharTokenizer:
         return [self._ids[c] for c in text]
 
     def decode(self, ids: list[int]) -> str:
-        return "".join(self.vocab[i] for i in ids if i >= len(self.SPECIALS))
+        """Specials and ids outside the vocabulary (a model with a larger vocab can sample them) are
+        dropped, as transformers' tokenizers drop unknown ids."""
+        n = len(self.vocab)
+        return "".join(self.vocab[i] for i in ids if len(self.SPECIALS) <= i < n)
 
 
 class HFTokenizer:

@@ -1,0 +1,46 @@
+import json
+
+import pytest
+import torch
+
+from rlflow.data import PromptSource, load_jsonl, prompt_batch
+from rlflow.tokenizer import CharTokenizer
+
+
+def test_char_tokenizer_roundtrip_and_errors():
+    tok = CharTokenizer()
+    assert tok.vocab_size == 32
+    ids = tok.encode("max:381920=")
+    assert tok.decode(ids + [tok.eos_id, 40, 31999]) == "max:381920="  # specials and out-of-vocab ids dropped
+    with pytest.raises(ValueError, match=r"\['Z'\]"):
+        tok.encode("maxZ")
+
+
+def test_prompt_batch_left_pads_with_bos_and_indices():
+    tok = CharTokenizer()
+    ex = PromptSource(task="max_digit", seed=1).take(3)
+    b = prompt_batch(ex, tok, first_index=10)
+    assert b.prompt_ids_BTp[:, -1].eq(tok.encode("=")[0]).all()
+    assert b.prompt_mask_BTp.all()  # max_digit prompts have one length
+    assert torch.equal(b.index_B, torch.tensor([10, 11, 12]))
+    assert b.answers == tuple(e.answer for e in ex)
+    assert all(e.answer == max(e.prompt[4:10]) for e in ex)
+
+
+def test_prompt_source_is_seeded_and_datasets_cycle(tmp_path):
+    assert PromptSource(task="sum_mod10", seed=3).take(5) == PromptSource(task="sum_mod10", seed=3).take(5)
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) for i in range(3)) + "\n")
+    ex = load_jsonl(str(f))
+    src = PromptSource(examples=ex, seed=0)
+    seen = src.take(6)
+    assert sorted(e.prompt for e in seen[:3]) == ["q0", "q1", "q2"] == sorted(e.prompt for e in seen[3:])
+
+
+def test_load_jsonl_errors_name_line_and_keys(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt": "a", "answer": "1"}\n{"text": "b"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: needs keys 'prompt'.*got \['text'\]"):
+        load_jsonl(str(f))
+    with pytest.raises(ValueError, match="unknown task 'nope'"):
+        PromptSource(task="nope")
