@@ -114,15 +114,20 @@ def attention_block(params: Params, cfg: ModelConfig, p: str, x_BTD: Tensor, cos
     H, K, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     w, bias, norm = fused_attention_weights(params, cfg, p)
     qkv = F.linear(x_BTD, w, bias).view(B, T, H + 2 * K, d).transpose(1, 2)  # [B, H+2K, T, d]
-    qk, v = qkv[:, :H + K], qkv[:, H + K:]
+    qk, v = qkv.split([H + K, K], dim=1)  # split, not slices: the backward is one cat, not zero-fills
     if norm is not None:
         qk = rmsnorm(qk, norm[:, None], cfg.rms_norm_eps)  # per-head weights over [B, H+K, T, d]
     qk = apply_rope(qk, cos, sin)
-    q, k = qk[:, :H], qk[:, H:]
+    q, k = qk.split([H, K], dim=1)
     if cache is not None:
         rows, cols, span = cache_slots
-        cache.k[layer][rows, :, cols] = k.transpose(1, 2)  # [B, T, K, d] at each row's own columns
-        cache.v[layer][rows, :, cols] = v.transpose(1, 2)
+        if T == 1:  # decode: one column per row
+            at = cols.view(B, 1, 1, 1).expand(B, K, 1, d)
+            cache.k[layer].scatter_(2, at, k)
+            cache.v[layer].scatter_(2, at, v)
+        else:
+            cache.k[layer][rows, :, cols] = k.transpose(1, 2)  # [B, T, K, d] at each row's own columns
+            cache.v[layer][rows, :, cols] = v.transpose(1, 2)
         k, v = cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]
     o = attention(q, k, v, mask, is_causal=True)  # [B, H, T, d]
     return F.linear(o.transpose(1, 2).reshape(B, T, H * d), params[p + "o_proj.weight"])
