@@ -102,13 +102,15 @@ def micro_batches(batch: RolloutBatch, rows: Tensor, ucfg: UpdateConfig) -> list
 
 def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch, cfg: ModelConfig,
            gcfg: grpo.GRPOConfig, ucfg: UpdateConfig, ocfg: optim.AdamWConfig, *, seed: int = 0,
-           lr: float | None = None, old_is_current: bool = False
+           lr: float | None = None, old_is_current: bool = False, max_len: int | None = None
            ) -> tuple[model.Params, optim.AdamWState, dict[str, float]]:
     """``gcfg.epochs`` passes over the batch in shuffled mini-batches; one AdamW step per mini-batch with
     gradients accumulated over micro-batches (normalizers of the whole mini-batch, so accumulation is exact).
 
     ``old_is_current``: the batch was sampled by exactly these params and this call makes one optimizer
-    step, so the ratio's denominator is the current log-prob detached (exact; saves a forward pass)."""
+    step, so the ratio's denominator is the current log-prob detached (exact; saves a forward pass).
+    ``max_len``: the response-length constant of ``seq-mean-token-sum-norm`` (the generation budget;
+    default: the batch's padded response length)."""
     if old_is_current and (gcfg.epochs != 1 or ucfg.mini_batch_size < batch.size):
         raise ValueError(f"update: old_is_current needs exactly one optimizer step, but epochs={gcfg.epochs} and "
                          f"mini_batch_size={ucfg.mini_batch_size} (batch {batch.size}) give several")
@@ -116,7 +118,7 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
     names = list(params)
     leaves = [params[k].detach().requires_grad_(True) for k in names]
     live = dict(zip(names, leaves))
-    Tr = batch.response_ids_BTr.shape[1]
+    Tr = max_len or batch.response_ids_BTr.shape[1]
     sums: dict[str, float] = {}
     n_mb = 0
     for _ in range(gcfg.epochs):

@@ -14,10 +14,10 @@ import torch
 
 from rlflow import optim
 from rlflow.algos import grpo, stages
-from rlflow.batch import TrainBatch, extend
 from rlflow.data import PromptSource, prompt_batch
 from rlflow.models.config import ModelConfig
 from rlflow.rollout import SamplingConfig, generate
+from rlflow.runtime.flow import DockFlow, MemoryFlow, train_batch
 
 TPS_DEFINITION = ("TPS = (prompt tokens + response tokens of all samples in the step) / "
                   "(devices x step wall time)   [MindSpeed RL, Eq. 5]")
@@ -64,8 +64,14 @@ def validate_sizes(*, steps: int, prompts_per_step: int, group_size: int, mini_b
 
 
 def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, lcfg: LoopConfig, *,
-          on_step: Callable[[dict], None] | None = None, device: torch.device | str = "cpu"):
-    """Run ``lcfg.steps`` GRPO steps; returns (params, opt_state, list of per-step metrics)."""
+          on_step: Callable[[dict], None] | None = None, device: torch.device | str = "cpu",
+          dock=None):
+    """Run ``lcfg.steps`` GRPO steps; returns (params, opt_state, list of per-step metrics).
+
+    ``dock``: a transfer dock (``rlflow.dock.Dock``) that every stage's rows go through
+    (``runtime/flow.py``); None hands batches from stage to stage in memory.
+    """
+    flow = MemoryFlow() if dock is None else DockFlow(dock)
     gcfg = lcfg.grpo
     opt_state = optim.init(params)
     ref_params = {k: v.detach().clone() for k, v in params.items()} if gcfg.kl_coef else None
@@ -78,22 +84,31 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         examples = source.take(lcfg.prompts_per_step)
         prompts = prompt_batch(examples, tokenizer, first_index=step * lcfg.prompts_per_step,
                                max_prompt_len=lcfg.max_prompt_len).to(device)
-        rollout = generate(params, cfg, prompts, lcfg.sampling, group_size=gcfg.group_size,
-                           seed=lcfg.seed * 1_000_003 + step)
+        rollout = generate(params, cfg, flow.begin(prompts, gcfg.group_size), lcfg.sampling,
+                           group_size=gcfg.group_size, seed=lcfg.seed * 1_000_003 + step)
+        flow.put_rollout(rollout)
         t_roll = time.perf_counter()
-        rewards = stages.score(rollout, tokenizer, reward_fn).to(device)
-        adv = grpo.group_advantages(rewards, rollout.group_B, scale=gcfg.scale_rewards)
+        rows, _ = flow.get("score", [])
+        flow.put(rows, rewards=stages.score(rows, tokenizer, reward_fn).to(device))
+        rows, c = flow.get("advantage", ["rewards"])
+        flow.put(rows, advantages=grpo.group_advantages(c["rewards"], rows.group_B, scale=gcfg.scale_rewards))
         # With one optimizer step per batch the policy that sampled is the policy being updated, so the
         # ratio's denominator is the current log-prob, detached (update() does that); otherwise recompute.
-        old = None if single_update else stages.batched_logprobs(
-            params, cfg, rollout, micro_batch_size=lcfg.micro_batch_size, temperature=gcfg.temperature)
-        ref = None if ref_params is None else stages.batched_logprobs(
-            ref_params, cfg, rollout, micro_batch_size=lcfg.micro_batch_size, temperature=gcfg.temperature)
-        batch = extend(rollout, TrainBatch, rewards_B=rewards, advantages_B=adv,
-                       old_logprobs_BTr=rollout.sample_logprobs_BTr if old is None else old, ref_logprobs_BTr=ref)
+        cols = ["rewards", "advantages"]
+        for consumer, col, weights in (("old_logprob", "old_logprobs", None if single_update else params),
+                                       ("ref_logprob", "ref_logprobs", ref_params)):
+            if weights is not None:
+                rows, _ = flow.get(consumer, [])
+                flow.put(rows, **{col: stages.batched_logprobs(weights, cfg, rows, micro_batch_size=lcfg.micro_batch_size,
+                                                               temperature=gcfg.temperature)})
+                cols.append(col)
+        rows, c = flow.get("update", cols)
+        batch = train_batch(rows, c)
+        rewards = batch.rewards_B
         lr = lcfg.optim.lr * min(1.0, (step + 1) / lcfg.warmup_lr_steps) if lcfg.warmup_lr_steps else None
         params, opt_state, upd = stages.update(params, opt_state, batch, cfg, gcfg, ucfg, lcfg.optim,
-                                               seed=lcfg.seed + step, lr=lr, old_is_current=single_update)
+                                               seed=lcfg.seed + step, lr=lr, old_is_current=single_update,
+                                               max_len=lcfg.sampling.max_new_tokens)
         t1 = time.perf_counter()
         n_prompt = int(rollout.prompt_mask_BTp.sum())
         n_resp = int(rollout.response_mask_BTr.sum())
