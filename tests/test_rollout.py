@@ -82,3 +82,13 @@ def test_continuous_batching_matches_full_batch():
         assert torch.equal(cb.response_mask_BTr, full.response_mask_BTr), max_batch
         assert torch.equal(cb.response_ids_BTr, full.response_ids_BTr), max_batch
         torch.testing.assert_close(cb.sample_logprobs_BTr, full.sample_logprobs_BTr, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_refuses_to_write_past_max_len():
+    params = _params()
+    cache = model.KVCache.allocate(CFG, 1, 4, dtype=torch.float32, device="cpu")
+    ids = torch.tensor([[5, 6, 7]])
+    model.forward(params, CFG, ids, torch.arange(3)[None], cache=cache)
+    model.forward(params, CFG, ids[:, :1], torch.tensor([[3]]), cache=cache)  # fills the 4th column
+    with pytest.raises(RuntimeError, match="KVCache overflow"):
+        model.forward(params, CFG, ids[:, :1], torch.tensor([[4]]), cache=cache)

@@ -43,6 +43,8 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.kl_estimator={self.kl_estimator!r}: expected one of {KL_ESTIMATORS}")
         if self.loss_agg not in LOSS_AGGS:
             raise ValueError(f"GRPOConfig.loss_agg={self.loss_agg!r}: expected one of {LOSS_AGGS}")
+        if not self.temperature > 0:
+            raise ValueError(f"GRPOConfig.temperature must be > 0 (log-probs divide by it), got {self.temperature}")
         if self.epochs < 1:
             raise ValueError(f"GRPOConfig.epochs must be >= 1, got {self.epochs}")
 

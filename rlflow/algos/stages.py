@@ -82,19 +82,21 @@ class UpdateConfig:
 
 def micro_batches(batch: RolloutBatch, rows: Tensor, ucfg: UpdateConfig) -> list[Tensor]:
     """Split ``rows`` of a mini-batch into micro-batches: fixed size, or by token budget (rows sorted by
-    length so each micro-batch pads little; padded tokens = rows x longest row <= budget, one row at least)."""
+    length so each micro-batch pads little; its padded tokens, rows x (longest prompt + longest
+    response), stay within the budget, one row at least)."""
     if ucfg.max_tokens_per_micro_batch is None:
         return [rows[u:u + ucfg.micro_batch_size] for u in range(0, len(rows), ucfg.micro_batch_size)]
     rows = rows.cpu()
-    lens = (batch.prompt_mask_BTp.sum(-1) + batch.response_mask_BTr.sum(-1)).cpu()[rows]
-    order = rows[torch.argsort(lens, descending=True, stable=True)]
-    out, cur, longest = [], [], 0
-    for r, n in zip(order.tolist(), lens.sort(descending=True, stable=True).values.tolist()):
-        longest = max(longest, n)
-        if cur and longest * (len(cur) + 1) > ucfg.max_tokens_per_micro_batch:
+    lp = batch.prompt_mask_BTp.sum(-1).cpu()[rows]
+    lr = batch.response_mask_BTr.sum(-1).cpu()[rows]
+    perm = torch.argsort(lp + lr, descending=True, stable=True)
+    out, cur, mp, mr = [], [], 0, 0  # a micro-batch pads to its longest prompt + longest response
+    for r, p, q in zip(rows[perm].tolist(), lp[perm].tolist(), lr[perm].tolist()):
+        if cur and (max(mp, p) + max(mr, q)) * (len(cur) + 1) > ucfg.max_tokens_per_micro_batch:
             out.append(torch.tensor(cur))
-            cur, longest = [], n
+            cur, mp, mr = [], 0, 0
         cur.append(r)
+        mp, mr = max(mp, p), max(mr, q)
     if cur:
         out.append(torch.tensor(cur))
     return out
@@ -141,7 +143,10 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
                 for j, gr in enumerate(torch.autograd.grad(loss, leaves, allow_unused=True)):
                     if gr is not None:
                         grads[j] = gr if grads[j] is None else grads[j].add_(gr)
-                for k, v in {**met, "loss": loss.detach(), "router_aux": aux.detach()}.items():
+                # the loss already carries the mini-batch normalizers: its micro-batch parts add up;
+                # per-token means (clip_frac, kl, ...) are weighted by the micro-batch's share of rows
+                sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+                for k, v in {**met, "router_aux": aux.detach()}.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * mb.size / len(mini)
             gdict, norm = optim.clip_by_global_norm(
                 {k: torch.zeros_like(p) if gr is None else gr for k, p, gr in zip(names, leaves, grads)},

@@ -78,7 +78,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, d: dict) -> "ModelConfig":
         mt = d.get("model_type", "qwen3_moe")
-        if mt not in ("qwen3_moe", "qwen3", "qwen2", "qwen2_moe"):
+        if mt not in ("qwen3_moe", "qwen3", "qwen2"):
             raise ValueError(f"config.json model_type={mt!r} is not supported (qwen2, qwen3, qwen3_moe)")
         rope = d.get("rope_parameters") or {}
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))

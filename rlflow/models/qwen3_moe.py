@@ -196,7 +196,8 @@ def forward(params: Params, cfg: ModelConfig, ids_BT: Tensor, positions_BT: Tens
             raise ValueError(f"KVCache overflow: {T} tokens > max_len {cache.max_len}")
         cols = cache.lengths_B[:, None] + torch.arange(T, device=ids_BT.device)  # [B, T]
         mask = (torch.arange(span, device=ids_BT.device) <= cols[:, :, None])[:, None]  # [B, 1, T, span]
-        cache_slots = (torch.arange(B, device=ids_BT.device)[:, None], cols.clamp_max(cache.max_len - 1), span)
+        torch._assert_async((cols[:, -1] < cache.max_len).all(), "KVCache overflow: a row would write past max_len")
+        cache_slots = (torch.arange(B, device=ids_BT.device)[:, None], cols, span)
     else:
         mask = None if valid_BT is None else causal_padding_mask(valid_BT, 0, T)
     aux_total = h.new_zeros((), dtype=torch.float32)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor; the project allows torch >= 2.4.
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor; the project allows torch >= 2.5.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

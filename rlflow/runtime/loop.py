@@ -44,6 +44,11 @@ class LoopConfig:
         return self.prompts_per_step * self.grpo.group_size
 
     def __post_init__(self):
+        if self.sampling.temperature != self.grpo.temperature:
+            raise ValueError(f"sampling.temperature={self.sampling.temperature} differs from grpo.temperature="
+                             f"{self.grpo.temperature}: the loss would score samples under another distribution")
+        if self.warmup_lr_steps < 0 or self.devices < 1:
+            raise ValueError(f"warmup_lr_steps={self.warmup_lr_steps} must be >= 0 and devices={self.devices} >= 1")
         validate_sizes(steps=self.steps, prompts_per_step=self.prompts_per_step, group_size=self.grpo.group_size,
                        mini_batch_size=self.mini_batch_size, micro_batch_size=self.micro_batch_size)
 
