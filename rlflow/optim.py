@@ -2,7 +2,9 @@
 
 Like a JAX optimizer with donated buffers, the update writes into ``params`` and the moment buffers in
 place (no second copy of the model) and returns them. Weight decay is decoupled (Loshchilov & Hutter)
-and skips 1-D parameters (norms, biases).
+and skips 1-D parameters (norms, biases). Parameters below float32 (bf16, fp16) get a float32 master
+copy in the state: the update is applied to the master and rounded into the parameter, so steps
+smaller than the parameter's precision are not lost.
 
     m = b1 m + (1 - b1) g ;  v = b2 v + (1 - b2) g^2
     p = p - lr * ( m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps) + wd * p )
@@ -11,7 +13,7 @@ and skips 1-D parameters (norms, biases).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -36,14 +38,13 @@ class AdamWState:
     step: int
     m: dict[str, Tensor]  # first moment, float32
     v: dict[str, Tensor]  # second moment, float32
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in list(self.m.values()) + list(self.v.values()))
+    master: dict[str, Tensor] = field(default_factory=dict)  # float32 copies of low-precision params
 
 
 def init(params: dict[str, Tensor]) -> AdamWState:
     return AdamWState(step=0, m={k: torch.zeros_like(p, dtype=torch.float32) for k, p in params.items()},
-                      v={k: torch.zeros_like(p, dtype=torch.float32) for k, p in params.items()})
+                      v={k: torch.zeros_like(p, dtype=torch.float32) for k, p in params.items()},
+                      master={k: p.detach().float().clone() for k, p in params.items() if p.dtype != torch.float32})
 
 
 def global_norm(grads: dict[str, Tensor]) -> Tensor:
@@ -66,7 +67,7 @@ def step(params: dict[str, Tensor], grads: dict[str, Tensor], state: AdamWState,
     lr = cfg.lr if lr is None else lr
     b1, b2 = cfg.betas
     t = state.step + 1
-    p = [params[k] for k in keys]
+    p = [state.master.get(k, params[k]) for k in keys]  # float32 (the master where there is one)
     g = [grads[k].float() for k in keys]
     m = [state.m[k] for k in keys]
     v = [state.v[k] for k in keys]
@@ -82,6 +83,8 @@ def step(params: dict[str, Tensor], grads: dict[str, Tensor], state: AdamWState,
         if cfg.weight_decay:
             decay = [x for x in p if x.dim() > 1]
             torch._foreach_mul_(decay, 1 - lr * cfg.weight_decay)
-        for x, u in zip(p, upd):
-            x.sub_(u.to(x.dtype))
-    return params, AdamWState(step=t, m=state.m, v=state.v)
+        torch._foreach_sub_(p, upd)
+        for k in keys:
+            if k in state.master:
+                params[k].copy_(state.master[k])
+    return params, AdamWState(step=t, m=state.m, v=state.v, master=state.master)

@@ -142,6 +142,7 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
                     loss = loss + ucfg.router_aux_coef * aux * (mb.size / len(mini))
                 for j, gr in enumerate(torch.autograd.grad(loss, leaves, allow_unused=True)):
                     if gr is not None:
+                        gr = gr.float()  # accumulate in float32 whatever the parameter dtype
                         grads[j] = gr if grads[j] is None else grads[j].add_(gr)
                 # the loss already carries the mini-batch normalizers: its micro-batch parts add up;
                 # per-token means (clip_frac, kl, ...) are weighted by the micro-batch's share of rows
