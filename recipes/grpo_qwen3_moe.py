@@ -59,7 +59,9 @@ class Recipe:
     temperature: float = _f(1.0, "sampling temperature")
     top_p: float = _f(1.0, "nucleus sampling")
     seed: int = _f(0, "seed for init, prompts and sampling")
-    dtype: str = _f("float32", "parameter dtype: float32 or bfloat16")
+    dtype: str = _f("float32", "parameter dtype: float32 or bfloat16 (AdamW keeps float32 masters)")
+    dock: int = _f(0, "route every stage's rows through an in-process transfer dock with this many "
+                      "warehouses (0: stages hand batches over in memory)")
     out: str | None = _f(None, "directory for metrics.jsonl, reward.png and the final checkpoint")
 
 
@@ -154,7 +156,11 @@ def main(argv=None) -> list[dict]:
                             refresh=False)
             bar.update(1)
 
-    params, _, history = loop.train(params, cfg, tok, source, reward_fn, lcfg, on_step=on_step, device=dev)
+    dock = None
+    if r.dock:
+        from rlflow.dock import Dock
+        dock = Dock.local(capacity=lcfg.global_batch, warehouses=r.dock, group_size=r.group_size)
+    params, _, history = loop.train(params, cfg, tok, source, reward_fn, lcfg, on_step=on_step, device=dev, dock=dock)
     if bar is not None:
         bar.close()
     wall = time.perf_counter() - t0
@@ -163,6 +169,9 @@ def main(argv=None) -> list[dict]:
     tps = sum(m["prompt_tokens"] + m["response_tokens"] for m in history) / sum(m["step_time_s"] for m in history)
     print(f"done: {len(history)} steps in {wall:.1f}s; mean reward first 10 steps {first:.3f} -> last 10 "
           f"{last:.3f} (+{last - first:.3f}); mean TPS {tps:.0f}")
+    if dock is not None:
+        busiest = max(v["bytes_in"] + v["bytes_out"] for v in dock.traffic().values())
+        print(f"transfer dock: {r.dock} warehouses, busiest dock process moved {busiest / 2**20:.1f} MiB in all")
     if r.out:
         metrics_f.close()
         plot_rewards(history, os.path.join(r.out, "reward.png"))

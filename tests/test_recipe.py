@@ -28,6 +28,14 @@ def test_recipe_two_steps_writes_metrics_plot_and_checkpoint(tmp_path):
     assert (out / "checkpoint" / "config.json").exists()
 
 
+def test_recipe_through_the_dock(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--steps", "2",
+           "--prompts-per-step", "4", "--group-size", "4", "--dock", "2"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "transfer dock: 2 warehouses" in res.stdout
+
+
 def test_recipe_help_lists_the_flags():
     res = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--help"],
                          capture_output=True, text=True, timeout=120)
