@@ -72,21 +72,6 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-class _ClampedDecode:
-    """The recipe's CharTokenizer, decoding ids beyond its 32-entry vocabulary to nothing (as the
-    transformers tokenizer does). Only used when the preset's vocab is larger than the tokenizer's, where
-    CharTokenizer.decode raises IndexError on a sampled id >= 32."""
-
-    def __init__(self, tok):
-        self._tok = tok
-
-    def __getattr__(self, name):
-        return getattr(self._tok, name)
-
-    def decode(self, ids):
-        return self._tok.decode([i for i in ids if i < self._tok.vocab_size])
-
-
 def char_tokenizer_for_transformers(tok):
     """A `PreTrainedTokenizerFast` with exactly rlflow's CharTokenizer ids: one token per character,
     <pad>/<bos>/<eos> = 0/1/2 as special tokens, BOS prepended (as rlflow's prompt_batch does)."""
@@ -170,7 +155,6 @@ def main(argv=None) -> dict:
     torch.manual_seed(a.seed)
     cfg, params, tok, source, reward_fn, lcfg, dev = recipe.build(r)
     lcfg = dataclasses.replace(lcfg, sampling=dataclasses.replace(lcfg.sampling, eos_id=-1))  # never sampled
-    rl_tok = _ClampedDecode(tok) if cfg.vocab_size > tok.vocab_size else tok
     n_params = sum(p.numel() for p in params.values())
 
     # ---- TRL: the same initial weights, tokenizer ids, prompts, reward ----
@@ -262,7 +246,7 @@ def main(argv=None) -> dict:
         nonlocal params
         _sync(dev)
         t = time.perf_counter()
-        params, _, hist = loop.train(params, cfg, rl_tok, source, reward_fn,
+        params, _, hist = loop.train(params, cfg, tok, source, reward_fn,
                                      dataclasses.replace(lcfg, seed=a.seed + i), device=dev)
         _sync(dev)
         wall = time.perf_counter() - t

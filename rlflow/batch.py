@@ -142,7 +142,7 @@ def extend(batch: PromptBatch, cls: type, **fields) -> PromptBatch:
     return cls(**{**base, **fields})
 
 
-# ---- padding and packing ----
+# ---- padding ----
 def pad(seqs: Sequence[Tensor], pad_value: int | float = 0, *, left: bool = False,
         length: int | None = None) -> tuple[Tensor, Tensor]:
     """Stack 1-D tensors into [B, T] (T = longest, or ``length``); returns (padded, mask)."""
@@ -164,11 +164,3 @@ def pad(seqs: Sequence[Tensor], pad_value: int | float = 0, *, left: bool = Fals
 def unpad(x_BT: Tensor, mask_BT: Tensor) -> list[Tensor]:
     """The rows of a padded tensor without their padding."""
     return [x_BT[i][mask_BT[i]] for i in range(x_BT.shape[0])]
-
-
-def pack(seqs: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    """Concatenate 1-D tensors; returns (flat [N], cu_seqlens [B+1] int32), flash-attention style."""
-    lens = torch.tensor([len(s) for s in seqs], dtype=torch.int32)
-    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lens, 0)
-    return (torch.cat(list(seqs)) if seqs else torch.empty(0, dtype=torch.long)), cu

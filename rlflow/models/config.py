@@ -14,7 +14,8 @@ disk keep one tensor per expert (``mlp.experts.{e}.gate_proj.weight``) and ``mod
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +44,6 @@ class ModelConfig:
     model_type: str = "qwen3_moe"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -166,14 +166,13 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def count(shapes: dict[str, tuple[int, ...]]) -> int:
+    """Number of elements in a shape table (any model family's ``param_shapes``)."""
+    return sum(math.prod(s) for s in shapes.values())
+
+
 def num_params(cfg: ModelConfig) -> int:
-    n = 0
-    for s in param_shapes(cfg).values():
-        k = 1
-        for d in s:
-            k *= d
-        n += k
-    return n
+    return count(param_shapes(cfg))
 
 
 # ---- named configs: the paper's models and the small ones the recipe and tests use ----

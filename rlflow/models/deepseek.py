@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlflow.models.config import count
+
 
 @dataclass(frozen=True, kw_only=True)
 class DeepseekConfig:
@@ -91,13 +93,7 @@ def param_shapes(cfg: DeepseekConfig) -> dict[str, tuple[int, ...]]:
 
 
 def num_params(cfg: DeepseekConfig) -> int:
-    n = 0
-    for s in param_shapes(cfg).values():
-        k = 1
-        for d in s:
-            k *= d
-        n += k
-    return n
+    return count(param_shapes(cfg))
 
 
 PRESETS: dict[str, DeepseekConfig] = {

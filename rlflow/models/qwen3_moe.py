@@ -66,9 +66,6 @@ class KVCache:
     def max_len(self) -> int:
         return self.k[0].shape[2]
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
 
 def _linear(params: Params, name: str, x: Tensor) -> Tensor:
     return F.linear(x, params[name + ".weight"], params.get(name + ".bias"))
@@ -230,19 +227,3 @@ def logits(params: Params, cfg: ModelConfig, hidden: Tensor) -> Tensor:
 def positions_from_valid(valid_BT: Tensor) -> Tensor:
     """Rotary positions for left-padded rows: 0 at each row's first real token."""
     return (valid_BT.long().cumsum(-1) - 1).clamp_min(0)
-
-
-def flops_per_token(cfg: ModelConfig) -> float:
-    """Forward matmul FLOPs per token (2 x active parameters in matmuls), attention scores excluded."""
-    D, d = cfg.hidden_size, cfg.head_dim
-    attn = 2 * D * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
-    total = 0.0
-    for i in range(cfg.num_hidden_layers):
-        if cfg.is_moe_layer(i):
-            mlp = 2 * 3 * D * cfg.moe_intermediate_size * cfg.num_experts_per_tok + 2 * D * cfg.num_experts
-        else:
-            mlp = 2 * 3 * D * cfg.intermediate_size
-        total += attn + mlp
-    return total + 2 * D * cfg.vocab_size
-
-
