@@ -47,8 +47,9 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
 
     A response ends at EOS (included in the mask) or after ``max_new_tokens``. At most ``max_batch``
     rows decode at once (default: all); when a row finishes, its slot is refilled with the next waiting
-    row (continuous batching). Prompts are prefilled once per prompt and their KV copied to the G
-    samples. Reproducible: the same params, prompts, config, seed and max_batch give the same tokens.
+    row (continuous batching). Each admission prefills its prompts once and copies their KV to their
+    samples (a prompt whose G rows are admitted in two refills is prefilled twice). Reproducible: the
+    same params, prompts, config, seed and max_batch give the same tokens.
     """
     dev = prompts.prompt_ids_BTp.device
     P, Tp = prompts.prompt_ids_BTp.shape
@@ -105,6 +106,7 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
         if bool(done.any()):
             slot_row[done] = -1
             cache.lengths_B[done] = 0
+            cache.bound = int(cache.lengths_B.max())  # this step syncs anyway: tighten the attention span
             if admitted < B:
                 admit(torch.nonzero(slot_row < 0)[:, 0])
             elif not bool(cont.any()):

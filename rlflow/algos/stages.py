@@ -108,6 +108,7 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
            ) -> tuple[model.Params, optim.AdamWState, dict[str, float]]:
     """``gcfg.epochs`` passes over the batch in shuffled mini-batches; one AdamW step per mini-batch with
     gradients accumulated over micro-batches (normalizers of the whole mini-batch, so accumulation is exact).
+    ``params`` and ``opt_state`` are donated, as with JAX's donated buffers: updated in place and returned.
 
     ``old_is_current``: the batch was sampled by exactly these params and this call makes one optimizer
     step, so the ratio's denominator is the current log-prob detached (exact; saves a forward pass).

@@ -26,11 +26,20 @@ def _chunk(h_CD: Tensor, w_VD: Tensor, t_C: Tensor, temperature: float, with_ent
 def token_logprobs(hidden_ND: Tensor, weight_VD: Tensor, targets_N: Tensor, *, temperature: float = 1.0,
                    chunk: int = 2048, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
     """log softmax(h W^T / temperature)[target] per token, and the entropy of that distribution."""
+    return chunked(_chunk, hidden_ND, weight_VD, targets_N, temperature, with_entropy, chunk=chunk,
+                   with_entropy=with_entropy)
+
+
+def chunked(fn, hidden_ND: Tensor, weight_VD: Tensor, targets_N: Tensor, *extra, chunk: int,
+            with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """Run ``fn(h_CD, w, t_C, *extra) -> (logprobs_C, entropy_C)`` over chunks of C tokens, each chunk
+    recomputed in the backward instead of keeping its [C, V] logits (the vocab-parallel version passes
+    its own ``fn``)."""
     lps, ents = [], []
     grad = torch.is_grad_enabled() and (hidden_ND.requires_grad or weight_VD.requires_grad)
     for s in range(0, hidden_ND.shape[0], chunk):
-        args = (hidden_ND[s:s + chunk], weight_VD, targets_N[s:s + chunk], temperature, with_entropy)
-        lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args)
+        args = (hidden_ND[s:s + chunk], weight_VD, targets_N[s:s + chunk], *extra)
+        lp, ent = checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args)
         lps.append(lp)
         ents.append(ent)
     if not lps:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from rlflow.ops import token_logprobs
+from rlflow.ops.logprobs import chunked
 from rlflow.parallel.collectives import all_reduce_max, copy_to, group_rank, group_size, reduce_from
 
 
@@ -85,17 +85,8 @@ def vocab_logprobs(hidden_ND: Tensor, w_VlD: Tensor, targets_N: Tensor, vocab: i
                               with_entropy=with_entropy)
     lo = vocab_start(vocab, group)
     h = copy_to(hidden_ND, group)  # once: the hidden gradient is all-reduced in one piece
-    grad = torch.is_grad_enabled() and (h.requires_grad or w_VlD.requires_grad)
-    lps, ents = [], []
-    for s in range(0, h.shape[0], chunk):
-        args = (h[s:s + chunk], w_VlD, targets_N[s:s + chunk], lo, temperature, with_entropy, group)
-        lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args)
-        lps.append(lp)
-        ents.append(ent)
-    if not lps:
-        z = hidden_ND.new_zeros(0, dtype=torch.float32)
-        return z, (z if with_entropy else None)
-    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+    return chunked(_chunk, h, w_VlD, targets_N, lo, temperature, with_entropy, group, chunk=chunk,
+                   with_entropy=with_entropy)
 
 
 __all__ = ["column_linear", "row_linear", "vocab_start", "vocab_embedding", "vocab_logprobs"]
