@@ -14,6 +14,7 @@ from torch import Tensor
 from rlflow import optim
 from rlflow.algos import grpo
 from rlflow.batch import RolloutBatch, TrainBatch, unpad
+from rlflow.models import prefix
 from rlflow.models import qwen3_moe as model
 from rlflow.models.config import ModelConfig
 from rlflow.ops import token_logprobs
@@ -40,19 +41,56 @@ def response_logprobs(params: model.Params, cfg: ModelConfig, batch: RolloutBatc
                       with_entropy: bool = False, remat: bool = False,
                       with_aux: bool = True) -> tuple[Tensor, Tensor | None, Tensor]:
     """log pi(response token | prefix) [B, Tr] (0 on padding), the entropy [B, Tr] if asked, and the router
-    aux loss. The sequence is prompt (left-padded) + response (right-padded); hidden state t predicts t+1."""
+    aux loss. The sequence is prompt (left-padded) + response (right-padded); hidden state t predicts t+1.
+
+    Rows that share a prompt (same group id and prompt tokens) run it once (``models/prefix.py``),
+    unless the router aux loss or remat is asked for; the result is the same either way."""
+    shared = None if (with_aux or remat) else _prompt_groups(batch)
+    if shared is not None:
+        order, first, counts = shared
+        b = batch.select(order)
+        last, h_r = prefix.forward(params, cfg, b.prompt_ids_BTp[first], b.prompt_mask_BTp[first], counts,
+                                   b.response_ids_BTr[:, :-1], b.response_mask_BTr[:, :-1])
+        h_resp = torch.cat([last[:, None], h_r], 1)  # predicts response tokens 0..Tr-1
+        aux = h_r.new_zeros((), dtype=torch.float32)
+        lp, ent = _token_logprobs(params, cfg, b, h_resp, temperature, with_entropy)
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(len(order), device=order.device)
+        return lp[inv], (None if ent is None else ent[inv]), aux
     Tp = batch.prompt_ids_BTp.shape[1]
     ids = torch.cat([batch.prompt_ids_BTp, batch.response_ids_BTr], 1)
     valid = torch.cat([batch.prompt_mask_BTp, batch.response_mask_BTr], 1)
     h, aux, _ = model.forward(params, cfg, ids[:, :-1], model.positions_from_valid(valid)[:, :-1],
                               valid_BT=valid[:, :-1], remat=remat, with_aux=with_aux)
+    lp, ent = _token_logprobs(params, cfg, batch, h[:, Tp - 1:], temperature, with_entropy)  # h[Tp-1] predicts token 0
+    return lp, ent, aux
+
+
+def _prompt_groups(batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor] | None:
+    """(row order grouping rows by prompt, first row of each group in that order, group sizes), or None
+    when no two rows share a prompt (or groups' rows differ in prompt tokens, or responses are 1 token)."""
+    if batch.response_ids_BTr.shape[1] < 2:
+        return None
+    order = torch.argsort(batch.group_B, stable=True)
+    _, counts = torch.unique_consecutive(batch.group_B[order], return_counts=True)
+    if len(counts) == batch.size:
+        return None
+    first = counts.cumsum(0) - counts
+    ids = batch.prompt_ids_BTp[order]
+    same = (ids == ids[first].repeat_interleave(counts, 0)) | ~batch.prompt_mask_BTp[order]
+    if not bool(same.all()) or not torch.equal(batch.prompt_mask_BTp[order],
+                                               batch.prompt_mask_BTp[order][first].repeat_interleave(counts, 0)):
+        return None
+    return order, first, counts
+
+
+def _token_logprobs(params, cfg, batch, h_resp, temperature, with_entropy):
     m = batch.response_mask_BTr
-    h_resp = h[:, Tp - 1:]  # predicts response tokens 0..Tr-1
     lp_N, ent_N = token_logprobs(h_resp[m], model.lm_head(params, cfg), batch.response_ids_BTr[m],
                                  temperature=temperature, with_entropy=with_entropy)
-    lp = torch.zeros(m.shape, dtype=torch.float32, device=h.device).masked_scatter(m, lp_N)
+    lp = torch.zeros(m.shape, dtype=torch.float32, device=h_resp.device).masked_scatter(m, lp_N)
     ent = None if ent_N is None else torch.zeros_like(lp).masked_scatter(m, ent_N)
-    return lp, ent, aux
+    return lp, ent
 
 
 @torch.no_grad()

@@ -106,7 +106,10 @@ def fuse_for_inference(params: Params, cfg: ModelConfig) -> Params:
 
 
 def attention_block(params: Params, cfg: ModelConfig, p: str, x_BTD: Tensor, cos: Tensor, sin: Tensor,
-                     mask: Tensor | None, cache: KVCache | None, layer: int, cache_slots=None) -> Tensor:
+                     mask: Tensor | None, cache: KVCache | None, layer: int, cache_slots=None, *,
+                     prefix_kv: tuple[Tensor, Tensor] | None = None, kv_out: list | None = None) -> Tensor:
+    """Self-attention of x's tokens. ``prefix_kv``: keys/values [B, K, S0, d] of earlier tokens that x's
+    queries also see (a shared prompt, see ``models/prefix.py``); ``kv_out``: receives this call's (k, v)."""
     B, T, _ = x_BTD.shape
     H, K, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     w, bias, norm = fused_attention_weights(params, cfg, p)
@@ -126,6 +129,10 @@ def attention_block(params: Params, cfg: ModelConfig, p: str, x_BTD: Tensor, cos
             cache.k[layer][rows, :, cols] = k.transpose(1, 2)  # [B, T, K, d] at each row's own columns
             cache.v[layer][rows, :, cols] = v.transpose(1, 2)
         k, v = cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]
+    if kv_out is not None:
+        kv_out.append((k, v))
+    if prefix_kv is not None:
+        k, v = torch.cat([prefix_kv[0], k], 2), torch.cat([prefix_kv[1], v], 2)
     o = attention(q, k, v, mask, is_causal=True)  # [B, H, T, d]
     return F.linear(o.transpose(1, 2).reshape(B, T, H * d), params[p + "o_proj.weight"])
 

@@ -1,0 +1,53 @@
+"""The shared-prompt training forward gives the plain forward's log-probs, entropies and gradients."""
+
+import torch
+
+from rlflow.algos import stages
+from rlflow.batch import PromptBatch, pad
+from rlflow.models import qwen3_moe as model
+from rlflow.models.config import get_config
+from rlflow.rollout import SamplingConfig, generate
+
+
+def _rollout(cfg, seed=0, P=3, G=4):
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(3, cfg.vocab_size, (int(n),), generator=g) for n in torch.randint(2, 9, (P,), generator=g)]
+    ids, mask = pad(seqs, 0, left=True)
+    idx = torch.arange(P)
+    prompts = PromptBatch(prompt_ids_BTp=ids, prompt_mask_BTp=mask, index_B=idx, group_B=idx)
+    params = model.init_params(cfg, seed=seed, std=0.2)
+    ro = generate(params, cfg, prompts, SamplingConfig(max_new_tokens=7, eos_id=5), group_size=G, seed=seed)
+    return params, ro.select(torch.randperm(ro.size, generator=g))  # groups not adjacent
+
+
+def _grads(params, cfg, batch, **kw):
+    leaves = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    lp, ent, _ = stages.response_logprobs(leaves, cfg, batch, with_entropy=True, **kw)
+    m = batch.response_mask_BTr
+    w = torch.linspace(0.5, 1.5, m.numel()).view(m.shape)  # a loss that weights every token differently
+    loss = (lp * w * m).sum() + 0.1 * (ent * m).sum()
+    return lp, ent, dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+
+
+def test_shared_prompt_forward_equals_plain_forward():
+    moe = get_config("qwen3-moe-tiny")
+    dense_qwen2 = moe.replace(model_type="qwen2", num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
+                              attention_bias=True, qk_norm=False)
+    for cfg in (moe, dense_qwen2):
+        params, batch = _rollout(cfg)
+        assert stages._prompt_groups(batch) is not None
+        lp_s, ent_s, g_s = _grads(params, cfg, batch, with_aux=False)  # shared path
+        lp_p, ent_p, g_p = _grads(params, cfg, batch, with_aux=False, remat=True)  # plain path (remat)
+        m = batch.response_mask_BTr
+        torch.testing.assert_close(lp_s[m], lp_p[m], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(ent_s[m], ent_p[m], atol=2e-5, rtol=1e-5)
+        assert (lp_s[~m] == 0).all()
+        for k in g_p:
+            torch.testing.assert_close(g_s[k], g_p[k], atol=2e-5, rtol=1e-4)
+
+
+def test_rows_with_different_prompts_in_one_group_use_the_plain_forward():
+    cfg = get_config("qwen3-moe-tiny")
+    _, batch = _rollout(cfg, seed=1)
+    bad = batch.replace(group_B=torch.zeros_like(batch.group_B))  # one "group" over different prompts
+    assert stages._prompt_groups(bad) is None
