@@ -60,8 +60,6 @@ def test_load_transformers_checkpoint_same_logits(kind, tmp_path):
     diff = (out - ref)[valid].abs().max().item()
     assert diff <= TOL, f"{kind}: max |logits - transformers| = {diff}"
     assert torch.isfinite(out).all()
-    if cfg.is_moe:
-        assert aux.item() > 0
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2"])

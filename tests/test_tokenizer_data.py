@@ -18,13 +18,16 @@ def test_char_tokenizer_roundtrip_and_errors():
 
 def test_prompt_batch_left_pads_with_bos_and_indices():
     tok = CharTokenizer()
-    ex = PromptSource(task="max_digit", seed=1).take(3)
+    ex = PromptSource(task="max_digit", seed=1).take(2) + PromptSource(task="sum_mod10", seed=1).take(1)
     b = prompt_batch(ex, tok, first_index=10)
-    assert b.prompt_ids_BTp[:, -1].eq(tok.encode("=")[0]).all()
-    assert b.prompt_mask_BTp.all()  # max_digit prompts have one length
+    assert b.prompt_ids_BTp[:, -1].eq(tok.encode("=")[0]).all()  # left padding: prompts end together
+    lens = [1 + len(e.prompt) for e in ex]  # BOS + characters
+    assert b.prompt_mask_BTp.sum(-1).tolist() == lens and lens[2] < lens[0]
+    assert not b.prompt_mask_BTp[2, 0] and (b.prompt_ids_BTp[2][~b.prompt_mask_BTp[2]] == tok.pad_id).all()
+    assert b.prompt_ids_BTp[2][b.prompt_mask_BTp[2]][0] == tok.bos_id
     assert torch.equal(b.index_B, torch.tensor([10, 11, 12]))
     assert b.answers == tuple(e.answer for e in ex)
-    assert all(e.answer == max(e.prompt[4:10]) for e in ex)
+    assert all(e.answer == max(e.prompt[4:10]) for e in ex[:2])
 
 
 def test_prompt_source_is_seeded_and_datasets_cycle(tmp_path):
