@@ -63,9 +63,9 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
     plen_P = mask_r.sum(-1)
 
     cache = model.KVCache.allocate(cfg, slots, Tp + Tn, dtype=dtype, device=dev)
-    out_ids = torch.full((B, Tn), scfg.pad_id, dtype=torch.long, device=dev)
-    out_lp = torch.zeros((B, Tn), dtype=torch.float32, device=dev)
-    out_mask = torch.zeros((B, Tn), dtype=torch.bool, device=dev)
+    out_ids = torch.full((B + 1, Tn), scfg.pad_id, dtype=torch.long, device=dev)  # row B: a spare for free slots
+    out_lp = torch.zeros((B + 1, Tn), dtype=torch.float32, device=dev)
+    out_mask = torch.zeros((B + 1, Tn), dtype=torch.bool, device=dev)
     slot_row = torch.full((slots,), -1, dtype=torch.long, device=dev)  # output row held by each slot
     n_gen = torch.zeros(slots, dtype=torch.long, device=dev)
     next_logits = torch.zeros((slots, cfg.vocab_size), dtype=torch.float32, device=dev)
@@ -96,10 +96,10 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
         tok, lp = sample(next_logits, temperature=scfg.temperature, top_k=scfg.top_k, top_p=scfg.top_p,
                          generator=gen)
         active = slot_row >= 0
-        r, t = slot_row[active], n_gen[active]
-        out_ids[r, t] = tok[active]
-        out_lp[r, t] = lp[active]
-        out_mask[r, t] = True
+        r, t = torch.where(active, slot_row, B), n_gen.clamp_max(Tn - 1)  # free slots write to a spare row B
+        out_ids[r, t] = tok
+        out_lp[r, t] = lp
+        out_mask[r, t] = active
         n_gen += active.long()
         done = active & ((tok == scfg.eos_id) | (n_gen >= Tn))
         cont = active & ~done
@@ -116,5 +116,5 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
                                     cache=cache, with_aux=False)
         new_logits = model.logits(params, cfg, h[:, -1]).float()
         next_logits = torch.where(cont[:, None], new_logits, next_logits)
-    return extend(prompts.repeat(G), RolloutBatch, response_ids_BTr=out_ids, response_mask_BTr=out_mask,
-                  sample_logprobs_BTr=out_lp)
+    return extend(prompts.repeat(G), RolloutBatch, response_ids_BTr=out_ids[:B], response_mask_BTr=out_mask[:B],
+                  sample_logprobs_BTr=out_lp[:B])
