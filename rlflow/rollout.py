@@ -92,6 +92,7 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
         admitted += n
 
     admit(torch.arange(slots, device=dev))
+    all_decode = True
     while True:
         tok, lp = sample(next_logits, temperature=scfg.temperature, top_k=scfg.top_k, top_p=scfg.top_p,
                          generator=gen)
@@ -102,8 +103,8 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
         out_mask[r, t] = active
         n_gen += active.long()
         done = active & ((tok == scfg.eos_id) | (n_gen >= Tn))
-        cont = active & ~done
         if bool(done.any()):
+            cont = active & ~done
             slot_row[done] = -1
             cache.lengths_B[done] = 0
             cache.bound = int(cache.lengths_B.max())  # this step syncs anyway: tighten the attention span
@@ -111,10 +112,16 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
                 admit(torch.nonzero(slot_row < 0)[:, 0])
             elif not bool(cont.any()):
                 break
-        feed = torch.where(cont, tok, scfg.pad_id)[:, None]
-        h, _, cache = model.forward(params, cfg, feed, cache.lengths_B[:, None].clone(), valid_BT=cont[:, None],
-                                    cache=cache, with_aux=False)
-        new_logits = model.logits(params, cfg, h[:, -1]).float()
-        next_logits = torch.where(cont[:, None], new_logits, next_logits)
+            all_decode = False  # some slots are free or were just refilled: mask them this step
+        if all_decode:  # every slot decodes its sampled token (the common case until rows finish)
+            h, _, cache = model.forward(params, cfg, tok[:, None], cache.lengths_B[:, None], cache=cache,
+                                        with_aux=False)
+            next_logits = model.logits(params, cfg, h[:, -1]).float()
+        else:
+            cont = active & ~done  # (rows refilled this step are not active in it: they start next step)
+            h, _, cache = model.forward(params, cfg, torch.where(cont, tok, scfg.pad_id)[:, None],
+                                        cache.lengths_B[:, None], valid_BT=cont[:, None], cache=cache, with_aux=False)
+            next_logits = torch.where(cont[:, None], model.logits(params, cfg, h[:, -1]).float(), next_logits)
+            all_decode = bool(cont.all())
     return extend(prompts.repeat(G), RolloutBatch, response_ids_BTr=out_ids[:B], response_mask_BTr=out_mask[:B],
                   sample_logprobs_BTr=out_lp[:B])

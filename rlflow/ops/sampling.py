@@ -18,7 +18,8 @@ def sample(logits_BV: Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p
     if temperature == 0.0:
         tok = logits.argmax(-1)
         return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]
-    logits = logits / temperature
+    if temperature != 1.0:
+        logits = logits / temperature
     logp_full = torch.log_softmax(logits, -1)
     masked = logits
     if top_k and top_k < logits.shape[-1]:
@@ -30,6 +31,7 @@ def sample(logits_BV: Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p
         drop = cum - torch.softmax(srt, -1) > top_p  # keep the smallest prefix with mass >= top_p
         srt = srt.masked_fill(drop, float("-inf"))
         masked = torch.full_like(masked, float("-inf")).scatter(-1, order, srt)
-    probs = torch.softmax(masked, -1)
+    # multinomial takes unnormalized weights: without truncation, exp(log-probs) is the distribution
+    probs = logp_full.exp() if masked is logits else torch.softmax(masked, -1)
     tok = torch.multinomial(probs, 1, generator=generator)[:, 0]
     return tok, logp_full.gather(-1, tok[:, None])[:, 0]
