@@ -152,7 +152,7 @@ def mlp_block(params: Params, cfg: ModelConfig, p: str, layer: int, x_BTD: Tenso
     sel = None
     if valid_BT is not None and T > 1 and not bool(valid_BT.all()):
         sel = valid_BT.reshape(-1).nonzero()[:, 0]  # padding tokens are neither routed nor computed
-        x_ND = x_ND[sel]
+        x_ND = x_ND.index_select(0, sel)
     w_NK, idx_NK, aux = route(x_ND, params[p + "gate.weight"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
                               with_aux=with_aux)
     if experts is None:

@@ -66,12 +66,12 @@ def _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
     flat = idx_NK.reshape(-1)
     order = torch.argsort(flat, stable=True)
     tok = order // K
-    xs = x_ND[tok]  # [N*K, D], grouped by expert
+    xs = x_ND.index_select(0, tok)  # [N*K, D], grouped by expert (backward: index_add, not index_put)
     counts = torch.bincount(flat, minlength=E).tolist()
     outs = []
     for e, xe in enumerate(torch.split(xs, counts)):  # split, not slices: its backward is one cat
         if counts[e]:
             g, u = F.linear(xe, gate_up_E2FD[e]).chunk(2, dim=-1)
             outs.append(F.linear(F.silu(g) * u, down_EDF[e]))
-    ys = torch.cat(outs) * w_NK.reshape(-1)[order, None]
+    ys = torch.cat(outs) * w_NK.reshape(-1).index_select(0, order)[:, None]
     return torch.zeros_like(x_ND).index_add_(0, tok, ys)
