@@ -85,11 +85,16 @@ def _prompt_groups(batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor] | None:
 
 
 def _token_logprobs(params, cfg, batch, h_resp, temperature, with_entropy):
+    """Log-probs (and entropies) [B, Tr] of the response tokens from the states that predict them, computed
+    on the real tokens only (index_select / index_copy: cheap backward) and 0 on padding."""
     m = batch.response_mask_BTr
-    lp_N, ent_N = token_logprobs(h_resp[m], model.lm_head(params, cfg), batch.response_ids_BTr[m],
+    at = m.reshape(-1).nonzero()[:, 0]
+    h = h_resp.reshape(-1, h_resp.shape[-1]).index_select(0, at)
+    lp_N, ent_N = token_logprobs(h, model.lm_head(params, cfg), batch.response_ids_BTr.reshape(-1).index_select(0, at),
                                  temperature=temperature, with_entropy=with_entropy)
-    lp = torch.zeros(m.shape, dtype=torch.float32, device=h_resp.device).masked_scatter(m, lp_N)
-    ent = None if ent_N is None else torch.zeros_like(lp).masked_scatter(m, ent_N)
+    zeros = torch.zeros(m.numel(), dtype=torch.float32, device=h_resp.device)
+    lp = zeros.index_copy(0, at, lp_N).view(m.shape)
+    ent = None if ent_N is None else zeros.index_copy(0, at, ent_N).view(m.shape)
     return lp, ent
 
 
