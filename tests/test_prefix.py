@@ -1,9 +1,9 @@
 """The shared-prompt training forward gives the plain forward's log-probs, entropies and gradients."""
 
 import torch
+from helpers import random_prompts
 
 from rlflow.algos import stages
-from rlflow.batch import PromptBatch, pad
 from rlflow.models import qwen3_moe as model
 from rlflow.models.config import get_config
 from rlflow.rollout import SamplingConfig, generate
@@ -11,10 +11,7 @@ from rlflow.rollout import SamplingConfig, generate
 
 def _rollout(cfg, seed=0, P=3, G=4):
     g = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(3, cfg.vocab_size, (int(n),), generator=g) for n in torch.randint(2, 9, (P,), generator=g)]
-    ids, mask = pad(seqs, 0, left=True)
-    idx = torch.arange(P)
-    prompts = PromptBatch(prompt_ids_BTp=ids, prompt_mask_BTp=mask, index_B=idx, group_B=idx)
+    prompts = random_prompts(cfg.vocab_size, P, g)
     params = model.init_params(cfg, seed=seed, std=0.2)
     ro = generate(params, cfg, prompts, SamplingConfig(max_new_tokens=7, eos_id=5), group_size=G, seed=seed)
     return params, ro.select(torch.randperm(ro.size, generator=g))  # groups not adjacent

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from helpers import random_prompts
 
 from rlflow.algos import stages
-from rlflow.batch import pad, PromptBatch
 from rlflow.models import qwen3_moe as model
 from rlflow.models.config import get_config
 from rlflow.rollout import SamplingConfig, generate
@@ -13,11 +13,7 @@ CFG = get_config("qwen3-moe-tiny")
 
 
 def _prompts(seed=0, P=4):
-    g = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(3, CFG.vocab_size, (int(n),), generator=g) for n in torch.randint(2, 9, (P,), generator=g)]
-    ids, mask = pad(seqs, 0, left=True)
-    idx = torch.arange(P)
-    return PromptBatch(prompt_ids_BTp=ids, prompt_mask_BTp=mask, index_B=idx, group_B=idx, answers=("x",) * P)
+    return random_prompts(CFG.vocab_size, P, torch.Generator().manual_seed(seed), answers=True)
 
 
 def _params(seed=0):

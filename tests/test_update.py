@@ -2,11 +2,12 @@
 
 import pytest
 import torch
+from helpers import random_prompts
 
 from rlflow import optim
 from rlflow.algos import stages
 from rlflow.algos.grpo import GRPOConfig, group_advantages
-from rlflow.batch import PromptBatch, TrainBatch, extend, pad
+from rlflow.batch import TrainBatch, extend
 from rlflow.models import qwen3_moe as model
 from rlflow.models.config import get_config
 from rlflow.rollout import SamplingConfig, generate
@@ -16,10 +17,7 @@ CFG = get_config("qwen3-moe-tiny")
 
 def _batch(seed=0, P=4, G=4):
     g = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(3, CFG.vocab_size, (int(n),), generator=g) for n in torch.randint(2, 9, (P,), generator=g)]
-    ids, mask = pad(seqs, 0, left=True)
-    idx = torch.arange(P)
-    prompts = PromptBatch(prompt_ids_BTp=ids, prompt_mask_BTp=mask, index_B=idx, group_B=idx)
+    prompts = random_prompts(CFG.vocab_size, P, g)
     params = model.init_params(CFG, seed=seed, std=0.2)
     ro = generate(params, CFG, prompts, SamplingConfig(max_new_tokens=10, eos_id=5), group_size=G, seed=seed)
     r = torch.rand(ro.size, generator=g)
