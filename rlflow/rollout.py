@@ -54,6 +54,11 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
     dev = prompts.prompt_ids_BTp.device
     P, Tp = prompts.prompt_ids_BTp.shape
     G, Tn = group_size, scfg.max_new_tokens
+    if G < 1 or (max_batch is not None and max_batch < 1):
+        raise ValueError(f"generate: group_size={group_size} and max_batch={max_batch} must be >= 1")
+    empty = (~prompts.prompt_mask_BTp.any(-1)).nonzero()[:, 0].tolist()
+    if empty:
+        raise ValueError(f"generate: prompts at rows {empty[:8]} have no tokens")
     B = P * G
     slots = min(B, max_batch or B)
     dtype = params["model.embed_tokens.weight"].dtype

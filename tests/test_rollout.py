@@ -88,3 +88,13 @@ def test_kv_cache_refuses_to_write_past_max_len():
     model.forward(params, CFG, ids[:, :1], torch.tensor([[3]]), cache=cache)  # fills the 4th column
     with pytest.raises(RuntimeError, match="KVCache overflow"):
         model.forward(params, CFG, ids[:, :1], torch.tensor([[4]]), cache=cache)
+
+
+def test_generate_rejects_empty_prompts_and_bad_sizes():
+    params, prompts = _params(), _prompts()
+    scfg = SamplingConfig(max_new_tokens=2, eos_id=2)
+    empty = prompts.replace(prompt_mask_BTp=prompts.prompt_mask_BTp.clone().index_fill_(0, torch.tensor([1]), False))
+    with pytest.raises(ValueError, match=r"rows \[1\] have no tokens"):
+        generate(params, CFG, empty, scfg)
+    with pytest.raises(ValueError, match="max_batch=0"):
+        generate(params, CFG, prompts, scfg, max_batch=0)
