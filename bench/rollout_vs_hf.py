@@ -69,6 +69,8 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile", action="store_true",
+                    help="rlflow's decode step through torch.compile (static shapes; compile time excluded)")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
@@ -86,7 +88,7 @@ def main(argv=None):
     scfg = SamplingConfig(max_new_tokens=a.new_tokens, eos_id=-1, pad_id=tok.pad_id, temperature=1.0)
 
     def run_rlflow(seed):
-        out = generate(params, cfg, prompts, scfg, group_size=a.group_size, seed=seed)
+        out = generate(params, cfg, prompts, scfg, group_size=a.group_size, seed=seed, compile_decode=a.compile)
         assert int(out.response_mask_BTr.sum()) == a.batch * a.new_tokens
         return out
 
@@ -118,6 +120,7 @@ def main(argv=None):
     bound = a.batch / (step_bytes / bw)
     print(DEFINITION)
     print(BOUND_DEFINITION)
+    print(f"rlflow decode step: {'torch.compile (static shapes)' if a.compile else 'eager'}")
     print(f"model {a.preset} ({sum(p.numel() for p in params.values()) / 1e6:.1f}M params) on {dev} {a.dtype}; "
           f"batch {a.batch} (group {a.group_size}), prompt {ids.shape[1]} tokens, {a.new_tokens} new tokens")
     for k in tps:
@@ -128,7 +131,7 @@ def main(argv=None):
     res = {"rlflow_tokens_per_s": tps["rlflow"], "hf_tokens_per_s": tps["transformers"],
            "ratio": tps["rlflow"] / tps["transformers"], "bound_tokens_per_s": bound,
            "rlflow_fraction_of_bound": tps["rlflow"] / bound, "copy_bandwidth_GBps": bw / 1e9, "batch": a.batch, "new_tokens": a.new_tokens,
-           "preset": a.preset, "device": str(dev), "dtype": a.dtype, "torch_threads": torch.get_num_threads()}
+           "preset": a.preset, "compile": a.compile, "device": str(dev), "dtype": a.dtype, "torch_threads": torch.get_num_threads()}
     print(json.dumps(res))
     return res
 

@@ -40,9 +40,29 @@ def right_align(ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> tuple[torch.Tens
     return ids_BT.gather(1, order), mask_BT.gather(1, order)
 
 
+def _decode_step(params, cfg, tok_B1, pos_B1, valid_B1, cache):
+    """One decode token for every slot: writes its KV, advances the lengths, returns float32 logits [B, V]."""
+    h, _, cache = model.forward(params, cfg, tok_B1, pos_B1, valid_BT=valid_B1, cache=cache, with_aux=False)
+    return model.logits(params, cfg, h[:, -1]).float()
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled_step(device: torch.device):
+    """``_decode_step`` through torch.compile with static shapes (one graph per batch, cache length and
+    model), and CUDA graphs on CUDA ("reduce-overhead"). Compiling takes tens of seconds on a CPU; the
+    CUDA path has not been run here (no GPU was available)."""
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    if device.type not in _COMPILED:
+        _COMPILED[device.type] = torch.compile(_decode_step, dynamic=False, mode=mode)
+    return _COMPILED[device.type]
+
+
 @torch.no_grad()
 def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg: SamplingConfig, *,
-             group_size: int = 1, seed: int = 0, max_batch: int | None = None) -> RolloutBatch:
+             group_size: int = 1, seed: int = 0, max_batch: int | None = None,
+             compile_decode: bool = False) -> RolloutBatch:
     """Sample ``group_size`` responses per prompt. Rows of one prompt are adjacent and share its group id.
 
     A response ends at EOS (included in the mask) or after ``max_new_tokens``. At most ``max_batch``
@@ -50,6 +70,9 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
     row (continuous batching). Each admission prefills its prompts once and copies their KV to their
     samples (a prompt whose G rows are admitted in two refills is prefilled twice). Reproducible: the
     same params, prompts, config, seed and max_batch give the same tokens.
+
+    ``compile_decode``: run the decode step compiled with static shapes (attention spans the whole
+    cache, masked), for launch-bound small models; the first call per shape pays the compilation.
     """
     dev = prompts.prompt_ids_BTp.device
     P, Tp = prompts.prompt_ids_BTp.shape
@@ -118,7 +141,13 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
             elif not bool(cont.any()):
                 break
             all_decode = False  # some slots are free or were just refilled: mask them this step
-        if all_decode:  # every slot decodes its sampled token (the common case until rows finish)
+        if compile_decode:  # one static graph: every slot, masked, attention over the whole cache
+            cont = active & ~done
+            cache.bound = cache.max_len - 1
+            new = _compiled_step(dev)(params, cfg, torch.where(cont, tok, scfg.pad_id)[:, None],
+                                      cache.lengths_B[:, None].clone(), cont[:, None], cache)
+            next_logits = torch.where(cont[:, None], new, next_logits)
+        elif all_decode:  # every slot decodes its sampled token (the common case until rows finish)
             h, _, cache = model.forward(params, cfg, tok[:, None], cache.lengths_B[:, None], cache=cache,
                                         with_aux=False)
             next_logits = model.logits(params, cfg, h[:, -1]).float()

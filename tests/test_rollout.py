@@ -98,3 +98,14 @@ def test_generate_rejects_empty_prompts_and_bad_sizes():
         generate(params, CFG, empty, scfg)
     with pytest.raises(ValueError, match="max_batch=0"):
         generate(params, CFG, prompts, scfg, max_batch=0)
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_gives_the_eager_tokens():
+    """torch.compile of the decode step (static shapes, whole-cache masked attention) changes no token."""
+    params, prompts = _params(4), _prompts(4)
+    scfg = SamplingConfig(max_new_tokens=6, eos_id=-1, temperature=0.0)
+    eager = generate(params, CFG, prompts, scfg, group_size=2)
+    compiled = generate(params, CFG, prompts, scfg, group_size=2, compile_decode=True)
+    assert torch.equal(compiled.response_ids_BTr, eager.response_ids_BTr)
+    torch.testing.assert_close(compiled.sample_logprobs_BTr, eager.sample_logprobs_BTr, atol=1e-4, rtol=1e-4)
