@@ -60,8 +60,11 @@ class Recipe:
     top_p: float = _f(1.0, "nucleus sampling")
     seed: int = _f(0, "seed for init, prompts and sampling")
     dtype: str = _f("float32", "parameter dtype: float32 or bfloat16 (AdamW keeps float32 masters)")
-    dock: int = _f(0, "route every stage's rows through an in-process transfer dock with this many "
-                      "warehouses (0: stages hand batches over in memory)")
+    dock: int = _f(0, "route every stage's rows through a transfer dock with this many warehouses "
+                      "(0: stages hand batches over in memory)")
+    dock_backend: str = _f("local", "transfer dock backend: local (threads) or ray (warehouses and controllers "
+                                    "as Ray actors, spread over the cluster's nodes)")
+    ray_address: str | None = _f(None, "Ray cluster to join (e.g. auto); default: start a local Ray")
     out: str | None = _f(None, "directory for metrics.jsonl, reward.png and the final checkpoint")
 
 
@@ -103,6 +106,26 @@ def build(r: Recipe):
                                 temperature=r.temperature, top_p=r.top_p),
         max_prompt_len=r.max_prompt_len, warmup_lr_steps=r.warmup_lr_steps, seed=r.seed)
     return cfg, params, tok, source, reward_fn, lcfg, dev
+
+
+def make_dock(r: Recipe, capacity: int):
+    """The transfer dock the stages exchange rows through, or None (in memory)."""
+    if not r.dock:
+        return None
+    if r.dock_backend == "local":
+        from rlflow.dock import Dock
+        return Dock.local(capacity=capacity, warehouses=r.dock, group_size=r.group_size)
+    if r.dock_backend != "ray":
+        raise ValueError(f"--dock-backend {r.dock_backend!r}: expected local or ray")
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("--dock-backend ray needs Ray: pip install 'rlflow[ray]'") from None
+    from rlflow.dock.ray_backend import ray_dock
+    if not ray.is_initialized():
+        ray.init(address=r.ray_address, include_dashboard=False, log_to_driver=False,
+                 **({} if r.ray_address else {"num_cpus": os.cpu_count()}))
+    return ray_dock(capacity=capacity, warehouses=r.dock, group_size=r.group_size)
 
 
 def plot_rewards(history: list[dict], path: str) -> None:
@@ -156,10 +179,7 @@ def main(argv=None) -> list[dict]:
                             refresh=False)
             bar.update(1)
 
-    dock = None
-    if r.dock:
-        from rlflow.dock import Dock
-        dock = Dock.local(capacity=lcfg.global_batch, warehouses=r.dock, group_size=r.group_size)
+    dock = make_dock(r, lcfg.global_batch)
     params, _, history = loop.train(params, cfg, tok, source, reward_fn, lcfg, on_step=on_step, device=dev, dock=dock)
     if bar is not None:
         bar.close()
@@ -171,7 +191,8 @@ def main(argv=None) -> list[dict]:
           f"{last:.3f} (+{last - first:.3f}); mean TPS {tps:.0f}")
     if dock is not None:
         busiest = max(v["bytes_in"] + v["bytes_out"] for v in dock.traffic().values())
-        print(f"transfer dock: {r.dock} warehouses, busiest dock process moved {busiest / 2**20:.1f} MiB in all")
+        print(f"transfer dock ({r.dock_backend}): {r.dock} warehouses, busiest dock process moved "
+              f"{busiest / 2**20:.1f} MiB in all")
     if r.out:
         metrics_f.close()
         plot_rewards(history, os.path.join(r.out, "reward.png"))

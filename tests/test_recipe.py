@@ -33,7 +33,18 @@ def test_recipe_through_the_dock(tmp_path):
            "--prompts-per-step", "4", "--group-size", "4", "--dock", "2"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "transfer dock: 2 warehouses" in res.stdout
+    assert "transfer dock (local): 2 warehouses" in res.stdout
+
+
+@pytest.mark.slow
+def test_recipe_through_the_ray_dock(tmp_path):
+    pytest.importorskip("ray")
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--steps", "2",
+           "--prompts-per-step", "4", "--group-size", "4", "--dock", "2", "--dock-backend", "ray"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "transfer dock (ray): 2 warehouses" in res.stdout
+    assert "done: 2 steps" in res.stdout
 
 
 def test_recipe_help_lists_the_flags():
