@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -196,7 +197,11 @@ def main(argv=None) -> list[dict]:
     if r.out:
         metrics_f.close()
         plot_rewards(history, os.path.join(r.out, "reward.png"))
-        hf.save(os.path.join(r.out, "checkpoint"), cfg, params)
+        ckpt = os.path.join(r.out, "checkpoint")
+        hf.save(ckpt, cfg, params)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):  # loadable as-is
+            if r.model and os.path.exists(os.path.join(r.model, name)):
+                shutil.copy(os.path.join(r.model, name), ckpt)
         print(f"wrote {r.out}/metrics.jsonl, {r.out}/reward.png, {r.out}/checkpoint/")
     return history
 

@@ -1,0 +1,44 @@
+"""The recipe's user path with flags: a Hugging Face checkpoint directory (transformers' own
+save_pretrained, with a tokenizer.json) and a JSONL dataset scored by the math verifier."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_recipe_with_hf_checkpoint_and_jsonl_dataset(tmp_path):
+    from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    vocab = {t: i for i, t in enumerate(["<|endoftext|>", "<|im_end|>", *"0123456789+-=#?", "what", "is"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="removed")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    model_dir = tmp_path / "model"
+    cfg = Qwen3MoeConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=4, num_experts_per_tok=2, eos_token_id=vocab["<|im_end|>"])
+    Qwen3MoeForCausalLM(cfg).save_pretrained(model_dir)
+    fast.save_pretrained(model_dir)
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps({"question": f"what is {a} + {b} = ?", "answer": f"#### {a + b}"}) + "\n"
+                            for a, b in [(1, 2), (3, 4), (2, 2), (5, 1)]))
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--model", str(model_dir),
+           "--dataset", str(data), "--steps", "2", "--prompts-per-step", "2", "--group-size", "4",
+           "--max-new-tokens", "4", "--kl-coef", "0.01", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "task: " + str(data) in res.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all("kl" in r and 0.0 <= r["reward_mean"] <= 1.0 for r in rows)
+    assert (out / "checkpoint" / "model.safetensors").exists() and (out / "checkpoint" / "tokenizer.json").exists()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    AutoModelForCausalLM.from_pretrained(out / "checkpoint")  # the trained checkpoint loads in transformers
+    assert AutoTokenizer.from_pretrained(out / "checkpoint").eos_token == "<|im_end|>"
