@@ -66,6 +66,8 @@ class Recipe:
     dock_backend: str = _f("local", "transfer dock backend: local (threads) or ray (warehouses and controllers "
                                     "as Ray actors, spread over the cluster's nodes)")
     ray_address: str | None = _f(None, "Ray cluster to join (e.g. auto); default: start a local Ray")
+    nproc: int = _f(1, "data-parallel processes on this machine (torch.distributed: gloo on CPU, nccl on CUDA); "
+                       "each runs its share of the prompts and gradients are summed")
     out: str | None = _f(None, "directory for metrics.jsonl, reward.png and the final checkpoint")
 
 
@@ -79,8 +81,8 @@ def parse_args(argv=None) -> Recipe:
     return Recipe(**vars(p.parse_args(argv)))
 
 
-def build(r: Recipe):
-    dev = rl_device.device()
+def build(r: Recipe, rank: int = 0):
+    dev = rl_device.device(rank)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[r.dtype]
     if r.model:
         cfg, params = hf.load(r.model, dtype=dtype, device=dev)
@@ -152,23 +154,43 @@ def plot_rewards(history: list[dict], path: str) -> None:
 
 def main(argv=None) -> list[dict]:
     r = parse_args(argv)
+    if r.nproc > 1:
+        if r.dock and r.dock_backend == "ray":
+            raise ValueError("--nproc > 1 with --dock-backend ray is not supported yet: use --dock-backend local")
+        from rlflow.sharding.dist import spawn
+        return spawn(run, r.nproc, r)[0]  # torch.distributed: gloo on CPU, nccl on CUDA, hccl on NPU
+    return run(0, 1, r)
+
+
+def run(rank: int, world: int, r: Recipe) -> list[dict]:
+    """The recipe on one rank of ``world`` data-parallel ranks (rank 0 prints and writes the outputs)."""
     torch.manual_seed(r.seed)
-    cfg, params, tok, source, reward_fn, lcfg, dev = build(r)
+    cfg, params, tok, source, reward_fn, lcfg, dev = build(r, rank)
+    dp_layout = None
+    if world > 1:
+        from rlflow.models.sharding import layout
+        from rlflow.sharding import Mesh
+        dp_layout = layout(cfg, Mesh(dp=world), dtype=next(iter(params.values())).dtype)
+    lead = rank == 0
+    say = print if lead else (lambda *a, **k: None)
     n = sum(p.numel() for p in params.values())
-    print(f"model: {r.model or r.preset} ({cfg.model_type}, {n / 1e6:.2f}M params, "
-          f"{cfg.num_experts} experts top-{cfg.num_experts_per_tok}) on {dev}; task: {r.dataset or r.task}")
-    print(f"sizes: {r.prompts_per_step} prompts x {r.group_size} samples = {lcfg.global_batch} per step, "
-          f"mini-batch {lcfg.mini_batch_size}, micro-batch {lcfg.micro_batch_size}")
-    print(loop.TPS_DEFINITION)
+    say(f"model: {r.model or r.preset} ({cfg.model_type}, {n / 1e6:.2f}M params, "
+        f"{cfg.num_experts} experts top-{cfg.num_experts_per_tok}) on {dev} x {world}; task: {r.dataset or r.task}")
+    say(f"sizes: {r.prompts_per_step} prompts x {r.group_size} samples = {lcfg.global_batch} per step, "
+        f"mini-batch {lcfg.mini_batch_size}, micro-batch {lcfg.micro_batch_size}"
+        + (f", over {world} data-parallel ranks" if world > 1 else ""))
+    say(loop.TPS_DEFINITION)
     metrics_f = None
-    if r.out:
+    if r.out and lead:
         os.makedirs(r.out, exist_ok=True)
         metrics_f = open(os.path.join(r.out, "metrics.jsonl"), "w")
-    try:
-        from tqdm import tqdm
-        bar = tqdm(total=r.steps, unit="step", file=sys.stdout, mininterval=0.5, dynamic_ncols=True)
-    except ImportError:
-        bar = None
+    bar = None
+    if lead:
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=r.steps, unit="step", file=sys.stdout, mininterval=0.5, dynamic_ncols=True)
+        except ImportError:
+            pass
     t0 = time.perf_counter()
 
     def on_step(m):
@@ -181,20 +203,21 @@ def main(argv=None) -> list[dict]:
             bar.update(1)
 
     dock = make_dock(r, lcfg.global_batch)
-    params, _, history = loop.train(params, cfg, tok, source, reward_fn, lcfg, on_step=on_step, device=dev, dock=dock)
+    params, _, history = loop.train(params, cfg, tok, source, reward_fn, lcfg, on_step=on_step, device=dev,
+                                    dock=dock, dp_layout=dp_layout)
     if bar is not None:
         bar.close()
     wall = time.perf_counter() - t0
     first = sum(m["reward_mean"] for m in history[:10]) / len(history[:10])
     last = sum(m["reward_mean"] for m in history[-10:]) / len(history[-10:])
     tps = sum(m["prompt_tokens"] + m["response_tokens"] for m in history) / sum(m["step_time_s"] for m in history)
-    print(f"done: {len(history)} steps in {wall:.1f}s; mean reward first 10 steps {first:.3f} -> last 10 "
-          f"{last:.3f} (+{last - first:.3f}); mean TPS {tps:.0f}")
+    say(f"done: {len(history)} steps in {wall:.1f}s; mean reward first 10 steps {first:.3f} -> last 10 "
+        f"{last:.3f} (+{last - first:.3f}); mean TPS {tps / world:.0f}")
     if dock is not None:
         busiest = max(v["bytes_in"] + v["bytes_out"] for v in dock.traffic().values())
-        print(f"transfer dock ({r.dock_backend}): {r.dock} warehouses, busiest dock process moved "
-              f"{busiest / 2**20:.1f} MiB in all")
-    if r.out:
+        say(f"transfer dock ({r.dock_backend}): {r.dock} warehouses, busiest dock process moved "
+            f"{busiest / 2**20:.1f} MiB in all")
+    if r.out and lead:
         metrics_f.close()
         plot_rewards(history, os.path.join(r.out, "reward.png"))
         ckpt = os.path.join(r.out, "checkpoint")
@@ -202,7 +225,7 @@ def main(argv=None) -> list[dict]:
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):  # loadable as-is
             if r.model and os.path.exists(os.path.join(r.model, name)):
                 shutil.copy(os.path.join(r.model, name), ckpt)
-        print(f"wrote {r.out}/metrics.jsonl, {r.out}/reward.png, {r.out}/checkpoint/")
+        say(f"wrote {r.out}/metrics.jsonl, {r.out}/reward.png, {r.out}/checkpoint/")
     return history
 
 

@@ -66,3 +66,15 @@ def test_recipe_help_lists_the_flags():
 def test_sizes_validated_with_numbers(kw, msg):
     with pytest.raises(ValueError, match=msg):
         validate_sizes(steps=1, **kw)
+
+
+@pytest.mark.slow
+def test_recipe_data_parallel_two_processes(tmp_path):
+    out = tmp_path / "dp"
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--steps", "2",
+           "--prompts-per-step", "4", "--group-size", "4", "--nproc", "2", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "over 2 data-parallel ranks" in res.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["prompt_tokens"] for r in rows] == [4 * 4 * 12] * 2  # global token counts (both ranks' rows)

@@ -15,6 +15,7 @@ from rlflow import optim
 from rlflow.algos import grpo
 from rlflow.batch import RolloutBatch, TrainBatch, unpad
 from rlflow.models import prefix
+from rlflow.parallel import dp
 from rlflow.models import qwen3_moe as model
 from rlflow.models.config import ModelConfig
 from rlflow.ops import token_logprobs
@@ -121,6 +122,10 @@ class UpdateConfig:
     # instead of micro_batch_size samples. None: fixed micro_batch_size.
     max_tokens_per_micro_batch: int | None = None
     remat: bool = False  # recompute layer activations in the backward (long sequences)
+    # Data parallelism: the layout whose ("dp", "ep") ranks each hold a share of the batch. The loss takes
+    # the normalizers of the whole (all-rank) mini-batch and gradients are summed over those ranks, so
+    # the step equals the one-process step on the whole batch. None: one rank. Parameters replicated.
+    dp_layout: object = None
 
 
 def micro_batches(batch: RolloutBatch, rows: Tensor, ucfg: UpdateConfig) -> list[Tensor]:
@@ -172,6 +177,9 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
         for s in range(0, batch.size, ucfg.mini_batch_size):
             mini = perm[s:s + ucfg.mini_batch_size]
             n_tokens = float(batch.response_mask_BTr[mini].sum())
+            n_seqs = len(mini)
+            if ucfg.dp_layout is not None:
+                n_tokens, n_seqs = dp.batch_total(n_tokens, ucfg.dp_layout), dp.batch_total(n_seqs, ucfg.dp_layout)
             grads: list[Tensor | None] = [None] * len(leaves)
             for rows in micro_batches(batch, mini, ucfg):
                 mb = _trim(batch.select(rows))
@@ -181,9 +189,9 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
                 old = lp.detach() if old_is_current else mb.old_logprobs_BTr
                 loss, met = grpo.policy_loss(lp, old, mb.advantages_B, mb.response_mask_BTr, gcfg,
                                              ref_logp_BT=mb.ref_logprobs_BTr, entropy_BT=ent, n_tokens=n_tokens,
-                                             n_seqs=len(mini), max_len=Tr)
+                                             n_seqs=n_seqs, max_len=Tr)
                 if ucfg.router_aux_coef:
-                    loss = loss + ucfg.router_aux_coef * aux * (mb.size / len(mini))
+                    loss = loss + ucfg.router_aux_coef * aux * (mb.size / n_seqs)
                 for j, gr in enumerate(torch.autograd.grad(loss, leaves, allow_unused=True)):
                     if gr is not None:
                         gr = gr.float()  # accumulate in float32 whatever the parameter dtype
@@ -193,13 +201,17 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
                 sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
                 for k, v in {**met, "router_aux": aux.detach()}.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * mb.size / len(mini)
-            gdict, norm = optim.clip_by_global_norm(
-                {k: torch.zeros_like(p) if gr is None else gr for k, p, gr in zip(names, leaves, grads)},
-                ucfg.max_grad_norm)
+            gdict = {k: torch.zeros_like(p, dtype=torch.float32) if gr is None else gr
+                     for k, p, gr in zip(names, leaves, grads)}
+            if ucfg.dp_layout is not None:
+                gdict = dp.all_reduce_grads(gdict, ucfg.dp_layout)  # sum of the ranks' shares
+            gdict, norm = optim.clip_by_global_norm(gdict, ucfg.max_grad_norm)
             with torch.no_grad():
                 _, opt_state = optim.step(live, gdict, opt_state, ocfg, lr=lr)
             sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(norm)
             n_mb += 1
+    if ucfg.dp_layout is not None:
+        sums["loss"] = dp.batch_total(sums.get("loss", 0.0), ucfg.dp_layout)  # the ranks' shares add up
     new_params = {k: p.detach() for k, p in live.items()}
     metrics = {k: v / max(n_mb, 1) for k, v in sums.items()}
     metrics = {k: (v if math.isfinite(v) else float("nan")) for k, v in metrics.items()}

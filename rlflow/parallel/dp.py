@@ -69,6 +69,16 @@ def all_reduce_grads(grads: dict[str, Tensor], layout: Layout, *, average: bool 
     return out
 
 
+def batch_total(x: float, layout: Layout) -> float:
+    """Sum of a per-rank count over the ranks that split the batch (``("dp", "ep")``): the normalizers of
+    a loss whose batch is spread over data-parallel ranks."""
+    if layout.mesh.axis_size(BATCH_AXES) == 1:
+        return x
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, group=layout.mesh.group(BATCH_AXES))
+    return float(t[0])
+
+
 def grad_norm(grads: dict[str, Tensor], layout: Layout) -> Tensor:
     """Global L2 norm of the full gradient, on every rank, from this rank's *reduced* gradients (after
     ``all_reduce_grads``): each shard is counted once, by the replica at coordinate 0 along every axis

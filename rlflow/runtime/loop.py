@@ -37,7 +37,6 @@ class LoopConfig:
     max_prompt_len: int | None = None
     warmup_lr_steps: int = 0  # linear LR warm-up over this many steps
     seed: int = 0
-    devices: int = 1
 
     @property
     def global_batch(self) -> int:
@@ -47,8 +46,8 @@ class LoopConfig:
         if self.sampling.temperature != self.grpo.temperature:
             raise ValueError(f"sampling.temperature={self.sampling.temperature} differs from grpo.temperature="
                              f"{self.grpo.temperature}: the loss would score samples under another distribution")
-        if self.warmup_lr_steps < 0 or self.devices < 1:
-            raise ValueError(f"warmup_lr_steps={self.warmup_lr_steps} must be >= 0 and devices={self.devices} >= 1")
+        if self.warmup_lr_steps < 0:
+            raise ValueError(f"warmup_lr_steps={self.warmup_lr_steps} must be >= 0")
         validate_sizes(steps=self.steps, prompts_per_step=self.prompts_per_step, group_size=self.grpo.group_size,
                        mini_batch_size=self.mini_batch_size, micro_batch_size=self.micro_batch_size)
 
@@ -70,27 +69,39 @@ def validate_sizes(*, steps: int, prompts_per_step: int, group_size: int, mini_b
 
 def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, lcfg: LoopConfig, *,
           on_step: Callable[[dict], None] | None = None, device: torch.device | str = "cpu",
-          dock=None):
+          dock=None, dp_layout=None):
     """Run ``lcfg.steps`` GRPO steps; returns (params, opt_state, list of per-step metrics).
 
     ``dock``: a transfer dock (``rlflow.dock.Dock``) that every stage's rows go through
     (``runtime/flow.py``); None hands batches from stage to stage in memory.
+    ``dp_layout``: data parallelism over torch.distributed (a ``Layout`` on a ``Mesh(dp=N)``): every rank
+    runs the stages on its share of the step's prompts (the sizes in ``lcfg`` are global) and the
+    update sums gradients over the ranks, so all ranks keep identical parameters. Metrics are global.
     """
     flow = MemoryFlow() if dock is None else DockFlow(dock)
     gcfg = lcfg.grpo
+    world, rank = 1, 0
+    if dp_layout is not None:
+        world, rank = dp_layout.mesh.axis_size(("dp", "ep")), torch.distributed.get_rank()
+        for name, v in dict(prompts_per_step=lcfg.prompts_per_step, mini_batch_size=lcfg.mini_batch_size,
+                            micro_batch_size=lcfg.micro_batch_size).items():
+            if v % world:
+                raise ValueError(f"{name} {v} is not divisible by the {world} data-parallel ranks")
+    P = lcfg.prompts_per_step // world  # this rank's prompts
     opt_state = optim.init(params)
     ref_params = {k: v.detach().clone() for k, v in params.items()} if gcfg.kl_coef else None
-    ucfg = stages.UpdateConfig(mini_batch_size=lcfg.mini_batch_size, micro_batch_size=lcfg.micro_batch_size,
-                               max_grad_norm=lcfg.max_grad_norm, router_aux_coef=lcfg.router_aux_coef)
+    ucfg = stages.UpdateConfig(mini_batch_size=lcfg.mini_batch_size // world,
+                               micro_batch_size=lcfg.micro_batch_size // world, max_grad_norm=lcfg.max_grad_norm,
+                               router_aux_coef=lcfg.router_aux_coef, dp_layout=dp_layout)
     single_update = gcfg.epochs == 1 and lcfg.mini_batch_size == lcfg.global_batch
     history = []
     for step in range(lcfg.steps):
         t0 = time.perf_counter()
-        examples = source.take(lcfg.prompts_per_step)
-        prompts = prompt_batch(examples, tokenizer, first_index=step * lcfg.prompts_per_step,
+        examples = source.take(lcfg.prompts_per_step)[rank * P:(rank + 1) * P]  # same stream on every rank
+        prompts = prompt_batch(examples, tokenizer, first_index=step * lcfg.prompts_per_step + rank * P,
                                max_prompt_len=lcfg.max_prompt_len).to(device)
         rollout = generate(params, cfg, flow.begin(prompts, gcfg.group_size), lcfg.sampling,
-                           group_size=gcfg.group_size, seed=lcfg.seed * 1_000_003 + step)
+                           group_size=gcfg.group_size, seed=(lcfg.seed * 1_000_003 + step) * world + rank)
         flow.put_rollout(rollout)
         t_roll = time.perf_counter()
         rows, _ = flow.get("score", [])
@@ -115,13 +126,22 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
                                                seed=lcfg.seed + step, lr=lr, old_is_current=single_update,
                                                max_len=lcfg.sampling.max_new_tokens)
         t1 = time.perf_counter()
-        n_prompt = int(rollout.prompt_mask_BTp.sum())
-        n_resp = int(rollout.response_mask_BTr.sum())
+        n_prompt, n_resp = int(rollout.prompt_mask_BTp.sum()), int(rollout.response_mask_BTr.sum())
+        r_sum, r_sq = float(rewards.sum()), float((rewards ** 2).sum())
+        if dp_layout is not None:  # global figures: sums over the ranks, slowest rank's wall time
+            tot = torch.tensor([n_prompt, n_resp, r_sum, r_sq, t1 - t0], dtype=torch.float64)
+            torch.distributed.all_reduce(tot[:4])
+            wall_t = tot[4:].clone()
+            torch.distributed.all_reduce(wall_t, op=torch.distributed.ReduceOp.MAX)
+            n_prompt, n_resp, r_sum, r_sq = int(tot[0]), int(tot[1]), float(tot[2]), float(tot[3])
+            t1 = t0 + float(wall_t[0])
         wall = t1 - t0
-        m = {"step": step, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-             "tps": (n_prompt + n_resp) / (lcfg.devices * wall), "step_time_s": wall,
+        n = rollout.size * world
+        mean = r_sum / n
+        m = {"step": step, "reward_mean": mean, "reward_std": max(r_sq / n - mean * mean, 0.0) ** 0.5 * (n / max(n - 1, 1)) ** 0.5,
+             "tps": (n_prompt + n_resp) / (world * wall), "step_time_s": wall,  # one device per rank
              "rollout_time_s": t_roll - t0, "update_time_s": t1 - t_roll,
-             "response_len_mean": n_resp / rollout.size, "prompt_tokens": n_prompt, "response_tokens": n_resp,
+             "response_len_mean": n_resp / n, "prompt_tokens": n_prompt, "response_tokens": n_resp,
              **{k: v for k, v in upd.items()}}
         history.append(m)
         if on_step is not None:
