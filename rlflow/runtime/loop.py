@@ -129,16 +129,17 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         n_prompt, n_resp = int(rollout.prompt_mask_BTp.sum()), int(rollout.response_mask_BTr.sum())
         r_sum, r_sq = float(rewards.sum()), float((rewards ** 2).sum())
         if dp_layout is not None:  # global figures: sums over the ranks, slowest rank's wall time
-            tot = torch.tensor([n_prompt, n_resp, r_sum, r_sq, t1 - t0], dtype=torch.float64)
-            torch.distributed.all_reduce(tot[:4])
-            wall_t = tot[4:].clone()
-            torch.distributed.all_reduce(wall_t, op=torch.distributed.ReduceOp.MAX)
+            tot = torch.tensor([n_prompt, n_resp, r_sum, r_sq], dtype=torch.float64)
+            slowest = torch.tensor([t1 - t0], dtype=torch.float64)
+            torch.distributed.all_reduce(tot)
+            torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
             n_prompt, n_resp, r_sum, r_sq = int(tot[0]), int(tot[1]), float(tot[2]), float(tot[3])
-            t1 = t0 + float(wall_t[0])
+            t1 = t0 + float(slowest[0])
         wall = t1 - t0
         n = rollout.size * world
         mean = r_sum / n
-        m = {"step": step, "reward_mean": mean, "reward_std": max(r_sq / n - mean * mean, 0.0) ** 0.5 * (n / max(n - 1, 1)) ** 0.5,
+        std = (max(r_sq / n - mean * mean, 0.0) * n / max(n - 1, 1)) ** 0.5  # unbiased, as torch.std
+        m = {"step": step, "reward_mean": mean, "reward_std": std,
              "tps": (n_prompt + n_resp) / (world * wall), "step_time_s": wall,  # one device per rank
              "rollout_time_s": t_roll - t0, "update_time_s": t1 - t_roll,
              "response_len_mean": n_resp / n, "prompt_tokens": n_prompt, "response_tokens": n_resp,
