@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlflow.models.config import ModelConfig
-from rlflow.models.qwen3_moe import Params, attention_block, mlp_block, positions_from_valid
+from rlflow.models.qwen3_moe import Params, attention_block, mlp_block, positions_from_valid, real_tokens
 from rlflow.ops import causal_padding_mask, rmsnorm, rope_cos_sin
 
 
@@ -36,6 +36,7 @@ def forward(params: Params, cfg: ModelConfig, prompt_ids_PT: Tensor, prompt_vali
     cos_r, sin_r = rope_cos_sin(pos_r, cfg.head_dim, cfg.rope_theta, dtype)
     mask_p = causal_padding_mask(prompt_valid_PT, 0, Tp)
     mask_r = causal_padding_mask(torch.cat([rep(prompt_valid_PT), resp_valid_BR], 1), Tp, R)  # prompt, then causal
+    real_p, real_r = (real_tokens(prompt_valid_PT), real_tokens(resp_valid_BR)) if cfg.is_moe else (None, None)
     for i in range(cfg.num_hidden_layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         norm_in = params[f"model.layers.{i}.input_layernorm.weight"]
@@ -46,7 +47,7 @@ def forward(params: Params, cfg: ModelConfig, prompt_ids_PT: Tensor, prompt_vali
         k_p, v_p = kv[0]
         h_r = h_r + attention_block(params, cfg, a, rmsnorm(h_r, norm_in, eps), cos_r, sin_r, mask_r, None, i,
                                     prefix_kv=(rep(k_p), rep(v_p)))
-        h_p = h_p + mlp_block(params, cfg, m, i, rmsnorm(h_p, norm_post, eps), prompt_valid_PT, False)[0]
-        h_r = h_r + mlp_block(params, cfg, m, i, rmsnorm(h_r, norm_post, eps), resp_valid_BR, False)[0]
+        h_p = h_p + mlp_block(params, cfg, m, i, rmsnorm(h_p, norm_post, eps), real_p, False)[0]
+        h_r = h_r + mlp_block(params, cfg, m, i, rmsnorm(h_r, norm_post, eps), real_r, False)[0]
     final = params["model.norm.weight"]
     return rep(rmsnorm(h_p[:, -1], final, eps)), rmsnorm(h_r, final, eps)

@@ -137,9 +137,18 @@ def attention_block(params: Params, cfg: ModelConfig, p: str, x_BTD: Tensor, cos
     return F.linear(o.transpose(1, 2).reshape(B, T, H * d), params[p + "o_proj.weight"])
 
 
+def real_tokens(valid_BT: Tensor | None) -> Tensor | None:
+    """Flat indices of the real (unpadded) tokens of [B, T], or None when there is no padding to drop
+    (no mask, one token per row, or all valid). Computed once per forward: it syncs with the host."""
+    if valid_BT is None or valid_BT.shape[1] == 1 or bool(valid_BT.all()):
+        return None
+    return valid_BT.reshape(-1).nonzero()[:, 0]
+
+
 def mlp_block(params: Params, cfg: ModelConfig, p: str, layer: int, x_BTD: Tensor,
-               valid_BT: Tensor | None, with_aux: bool, experts=None) -> tuple[Tensor, Tensor]:
-    """Dense SwiGLU MLP, or the MoE block: padding tokens dropped, softmax top-k routing, experts.
+               real_N: Tensor | None, with_aux: bool, experts=None) -> tuple[Tensor, Tensor]:
+    """Dense SwiGLU MLP, or the MoE block: padding tokens dropped (``real_N``: ``real_tokens(valid)``),
+    softmax top-k routing, experts.
 
     ``experts(x_ND, w_NK, idx_NK) -> y_ND`` computes the routed experts; the default is
     ``ops.moe_experts`` on this params dict (the parallel executors pass an expert-parallel one).
@@ -149,9 +158,8 @@ def mlp_block(params: Params, cfg: ModelConfig, p: str, layer: int, x_BTD: Tenso
         return _linear(params, p + "down_proj", h), x_BTD.new_zeros((), dtype=torch.float32)
     B, T, D = x_BTD.shape
     x_ND = x_BTD.reshape(B * T, D)
-    sel = None
-    if valid_BT is not None and T > 1 and not bool(valid_BT.all()):
-        sel = valid_BT.reshape(-1).nonzero()[:, 0]  # padding tokens are neither routed nor computed
+    sel = real_N
+    if sel is not None:  # padding tokens are neither routed nor computed
         x_ND = x_ND.index_select(0, sel)
     w_NK, idx_NK, aux = route(x_ND, params[p + "gate.weight"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
                               with_aux=with_aux)
@@ -164,13 +172,13 @@ def mlp_block(params: Params, cfg: ModelConfig, p: str, layer: int, x_BTD: Tenso
     return y.view(B, T, D), aux
 
 
-def decoder_layer(params, cfg, i, h, cos, sin, mask, cache, cache_slots, valid_BT, with_aux):
+def decoder_layer(params, cfg, i, h, cos, sin, mask, cache, cache_slots, real_N, with_aux):
     p = f"model.layers.{i}."
     h = h + attention_block(params, cfg, p + "self_attn.",
                              rmsnorm(h, params[p + "input_layernorm.weight"], cfg.rms_norm_eps),
                              cos, sin, mask, cache, i, cache_slots)
     m, aux = mlp_block(params, cfg, p + "mlp.", i,
-                        rmsnorm(h, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps), valid_BT, with_aux)
+                        rmsnorm(h, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps), real_N, with_aux)
     return h + m, aux
 
 
@@ -206,8 +214,9 @@ def forward(params: Params, cfg: ModelConfig, ids_BT: Tensor, positions_BT: Tens
         mask = None if valid_BT is None else causal_padding_mask(valid_BT, 0, T)
     aux_total = h.new_zeros((), dtype=torch.float32)
     n_moe = 0
+    real_N = real_tokens(valid_BT) if cfg.is_moe else None
     for i in range(cfg.num_hidden_layers):
-        args = (params, cfg, i, h, cos, sin, mask, cache, cache_slots, valid_BT, with_aux)
+        args = (params, cfg, i, h, cos, sin, mask, cache, cache_slots, real_N, with_aux)
         if remat and torch.is_grad_enabled():
             h, aux = checkpoint(decoder_layer, *args, use_reentrant=False)
         else:

@@ -182,12 +182,12 @@ def _attention(params, ctx: Ctx, i: int, x, cos, sin, mask):
     return reduce_from(qm.attention_block(loc, lcfg, p, copy_to(x, g), cos, sin, mask, None, i), g)
 
 
-def _mlp(params, ctx: Ctx, i: int, x_BTD: Tensor, valid_BT: Tensor | None):
+def _mlp(params, ctx: Ctx, i: int, x_BTD: Tensor, real_N: Tensor | None):
     cfg, lay = ctx.cfg, ctx.layout
     p = f"model.layers.{i}.mlp."
     if not cfg.is_moe_layer(i):
         g = ctx.tp if _on(lay, p + "gate_proj.weight", 0, "tp") else None
-        y, aux = qm.mlp_block(params, cfg, p, i, copy_to(x_BTD, g), valid_BT, False)
+        y, aux = qm.mlp_block(params, cfg, p, i, copy_to(x_BTD, g), real_N, False)
         return reduce_from(y, g), aux
     gt = ctx.tp if _on(lay, p + "experts.gate_up_proj", 2, "tp") else None
     ge = ctx.ep if _on(lay, p + "experts.gate_up_proj", 0, "ep") else None
@@ -197,16 +197,16 @@ def _mlp(params, ctx: Ctx, i: int, x_BTD: Tensor, valid_BT: Tensor | None):
                    params[p + "experts.down_proj"], cfg.num_experts, ge)
         return reduce_from(y, gt)
 
-    return qm.mlp_block(params, cfg, p, i, x_BTD, valid_BT, True, experts=experts)
+    return qm.mlp_block(params, cfg, p, i, x_BTD, real_N, True, experts=experts)
 
 
-def decoder_layer(params, ctx: Ctx, i: int, h, cos, sin, mask, valid_BT):
+def decoder_layer(params, ctx: Ctx, i: int, h, cos, sin, mask, real_N):
     """``qwen3_moe.decoder_layer`` on this rank's shards (same residual structure)."""
     cfg, p = ctx.cfg, f"model.layers.{i}."
     h = h + _attention(params, ctx, i, rmsnorm(h, params[p + "input_layernorm.weight"], cfg.rms_norm_eps),
                        cos, sin, mask)
     m, aux = _mlp(params, ctx, i, rmsnorm(h, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps),
-                  valid_BT)
+                  real_N)
     return h + m, aux
 
 
@@ -242,8 +242,9 @@ def stage_forward(params, ctx: Ctx, batch, h_in: Tensor | None = None, *, temper
     cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, dtype)
     mask = causal_padding_mask(valid, 0, ids.shape[1])
     aux = h.new_zeros((), dtype=torch.float32)
+    real_N = qm.real_tokens(valid) if cfg.is_moe else None
     for i in ctx.layers:
-        args = (params, ctx, i, h, cos, sin, mask, valid)
+        args = (params, ctx, i, h, cos, sin, mask, real_N)
         h, a = checkpoint(decoder_layer, *args, use_reentrant=False) if remat and torch.is_grad_enabled() \
             else decoder_layer(*args)
         if cfg.is_moe_layer(i):
