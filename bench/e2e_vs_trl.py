@@ -109,6 +109,8 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=8, help="timed steps per system (even: each order A-B / B-A "
                     "equally often)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile", action="store_true",
+                    help="rlflow's decode step through torch.compile (the warm-up steps absorb compilation)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--rlflow-src", default=ROOT,
                     help="directory to import rlflow and the recipe from (default: this checkout; e.g. a "
@@ -151,7 +153,8 @@ def main(argv=None) -> dict:
     # ---- rlflow: the recipe's build(), with a fixed response length and a constant LR ----
     recipe = _load_recipe(src["src"])
     r = recipe.Recipe(preset=a.preset, task=a.task, prompts_per_step=P, group_size=G, max_new_tokens=T,
-                      micro_batch_size=micro, lr=a.lr, warmup_lr_steps=0, seed=a.seed, dtype=a.dtype, steps=1)
+                      micro_batch_size=micro, lr=a.lr, warmup_lr_steps=0, seed=a.seed, dtype=a.dtype, steps=1,
+                      compile_decode=a.compile)
     torch.manual_seed(a.seed)
     cfg, params, tok, source, reward_fn, lcfg, dev = recipe.build(r)
     lcfg = dataclasses.replace(lcfg, sampling=dataclasses.replace(lcfg.sampling, eos_id=-1))  # never sampled
@@ -322,6 +325,7 @@ def main(argv=None) -> dict:
         tokens_per_step=res["rlflow"]["prompt_tokens"] + res["rlflow"]["response_tokens"],
         workload=dict(preset=a.preset, params_m=round(n_params / 1e6, 3), dtype=a.dtype, task=a.task,
                       prompts_per_step=P, group_size=G, samples_per_step=B, max_new_tokens=T, fixed_length=True,
+                      rlflow_compile_decode=a.compile,
                       micro_batch_size=micro, optimizer_steps_per_step=1, lr=a.lr, kl=0.0, warmup_steps=a.warmup,
                       timed_steps=a.steps, seed=a.seed),
         torch_threads=torch.get_num_threads(), device=str(dev),

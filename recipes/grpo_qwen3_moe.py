@@ -66,6 +66,8 @@ class Recipe:
     dock_backend: str = _f("local", "transfer dock backend: local (threads) or ray (warehouses and controllers "
                                     "as Ray actors, spread over the cluster's nodes)")
     ray_address: str | None = _f(None, "Ray cluster to join (e.g. auto); default: start a local Ray")
+    compile_decode: bool = _f(False, "compile the rollout's decode step with torch.compile (static shapes; "
+                                     "pays off on long runs with fixed shapes, CUDA graphs on CUDA)")
     nproc: int = _f(1, "data-parallel processes on this machine (torch.distributed: gloo on CPU, nccl on CUDA); "
                        "each runs its share of the prompts and gradients are summed")
     out: str | None = _f(None, "directory for metrics.jsonl, reward.png and the final checkpoint")
@@ -74,10 +76,13 @@ class Recipe:
 def parse_args(argv=None) -> Recipe:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(Recipe):
+        flag, help = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: {f.default})"
+        if str(f.type) == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
+            continue
         typ = {"int | None": int, "str | None": str, "float | None": float}.get(str(f.type), None) or \
             {"int": int, "float": float, "str": str}[str(f.type)]
-        p.add_argument("--" + f.name.replace("_", "-"), type=typ, default=f.default,
-                       help=f"{f.metadata['help']} (default: {f.default})")
+        p.add_argument(flag, type=typ, default=f.default, help=help)
     return Recipe(**vars(p.parse_args(argv)))
 
 
@@ -107,7 +112,8 @@ def build(r: Recipe, rank: int = 0):
         optim=optim.AdamWConfig(lr=r.lr, betas=(0.9, 0.99)),
         sampling=SamplingConfig(max_new_tokens=r.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
                                 temperature=r.temperature, top_p=r.top_p),
-        max_prompt_len=r.max_prompt_len, warmup_lr_steps=r.warmup_lr_steps, seed=r.seed)
+        max_prompt_len=r.max_prompt_len, warmup_lr_steps=r.warmup_lr_steps, seed=r.seed,
+        compile_decode=r.compile_decode)
     return cfg, params, tok, source, reward_fn, lcfg, dev
 
 

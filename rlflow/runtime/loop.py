@@ -36,6 +36,7 @@ class LoopConfig:
     router_aux_coef: float = 0.0
     max_prompt_len: int | None = None
     warmup_lr_steps: int = 0  # linear LR warm-up over this many steps
+    compile_decode: bool = False  # rollout's decode step through torch.compile (see rollout.generate)
     seed: int = 0
 
     @property
@@ -101,7 +102,8 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         prompts = prompt_batch(examples, tokenizer, first_index=step * lcfg.prompts_per_step + rank * P,
                                max_prompt_len=lcfg.max_prompt_len).to(device)
         rollout = generate(params, cfg, flow.begin(prompts, gcfg.group_size), lcfg.sampling,
-                           group_size=gcfg.group_size, seed=(lcfg.seed * 1_000_003 + step) * world + rank)
+                           group_size=gcfg.group_size, seed=(lcfg.seed * 1_000_003 + step) * world + rank,
+                           compile_decode=lcfg.compile_decode)
         flow.put_rollout(rollout)
         t_roll = time.perf_counter()
         rows, _ = flow.get("score", [])
