@@ -6,5 +6,5 @@
     ep.py           MoE with experts over ep: all-to-all dispatch, local experts, all-to-all combine
     pp.py           layers per stage, GPipe and 1F1B schedules with activation / gradient send-recv
     dp.py           gradient all-reduce, and reduce-scatter for a sharded optimizer state
-    model.py        Qwen3-MoE in a layout: context, shard_params, stage_forward, forward_backward
+    model.py        Qwen3-MoE in a layout: context, shard_params, pp_stage_forward, forward_backward
 """

@@ -114,15 +114,15 @@ class Ctx:
     layers: tuple[int, ...]
 
     @property
-    def stage(self) -> int:
+    def pp_stage(self) -> int:
         return self.coords["pp"]
 
     @property
-    def n_stages(self) -> int:
+    def pp_stages(self) -> int:
         return self.layout.mesh.pp
 
     def peer(self, stage: int) -> int | None:
-        if not 0 <= stage < self.n_stages:
+        if not 0 <= stage < self.pp_stages:
             return None
         return self.layout.mesh.rank(**{**self.coords, "pp": stage})
 
@@ -210,9 +210,9 @@ def decoder_layer(params, ctx: Ctx, i: int, h, cos, sin, mask, real_N):
     return h + m, aux
 
 
-# ---- one stage on one micro-batch ----
+# ---- one pp stage on one micro-batch ----
 @dataclass(frozen=True)
-class StageOut:
+class PPStageOut:
     h: Tensor | None = None  # [B, T, D] hidden states to send (not the last stage)
     logprobs: Tensor | None = None  # [B, Tr] (last stage), 0 on padding
     entropy: Tensor | None = None  # [B, Tr] (last stage, if asked)
@@ -226,14 +226,14 @@ def inputs(batch):
     return ids[:, :-1], qm.positions_from_valid(valid)[:, :-1], valid[:, :-1]
 
 
-def stage_forward(params, ctx: Ctx, batch, h_in: Tensor | None = None, *, temperature: float = 1.0,
-                  with_entropy: bool = False, remat: bool = False) -> StageOut:
+def pp_stage_forward(params, ctx: Ctx, batch, h_in: Tensor | None = None, *, temperature: float = 1.0,
+                  with_entropy: bool = False, remat: bool = False) -> PPStageOut:
     """This rank's stage of ``stages.response_logprobs`` on ``batch`` (every stage gets the batch; stage
     0 embeds the ids, later stages start from ``h_in``; the last stage returns the log-probs)."""
     cfg, lay = ctx.cfg, ctx.layout
     ids, pos, valid = inputs(batch)
     dtype = next(iter(params.values())).dtype
-    if ctx.stage == 0:
+    if ctx.pp_stage == 0:
         w = params["model.embed_tokens.weight"]
         g = ctx.tp if _on(lay, "model.embed_tokens.weight", 0, "tp") else None
         h = tp.vocab_embedding(ids, w, cfg.vocab_size, g)
@@ -249,8 +249,8 @@ def stage_forward(params, ctx: Ctx, batch, h_in: Tensor | None = None, *, temper
             else decoder_layer(*args)
         if cfg.is_moe_layer(i):
             aux = aux + a
-    if ctx.stage < ctx.n_stages - 1:
-        return StageOut(h=h, aux_sum=aux)
+    if ctx.pp_stage < ctx.pp_stages - 1:
+        return PPStageOut(h=h, aux_sum=aux)
     h = rmsnorm(h, params["model.norm.weight"], cfg.rms_norm_eps)
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     g = ctx.tp if _on(lay, head, 0, "tp") else None
@@ -260,16 +260,16 @@ def stage_forward(params, ctx: Ctx, batch, h_in: Tensor | None = None, *, temper
                                     temperature=temperature, with_entropy=with_entropy)
     lp = torch.zeros(m.shape, dtype=torch.float32, device=h.device).masked_scatter(m, lp_N)
     ent = None if ent_N is None else torch.zeros_like(lp).masked_scatter(m, ent_N)
-    return StageOut(logprobs=lp, entropy=ent, aux_sum=aux)
+    return PPStageOut(logprobs=lp, entropy=ent, aux_sum=aux)
 
 
 def response_logprobs(params, ctx: Ctx, batch, *, temperature: float = 1.0, with_entropy: bool = False,
                       remat: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
     """``stages.response_logprobs`` in a layout without pp: (log-probs, entropy, router aux mean)."""
-    if ctx.n_stages != 1:
-        raise ValueError(f"response_logprobs runs one stage; {ctx.layout.mesh} has pp={ctx.n_stages} "
+    if ctx.pp_stages != 1:
+        raise ValueError(f"response_logprobs runs one stage; {ctx.layout.mesh} has pp={ctx.pp_stages} "
                          "(use forward_backward's pipeline)")
-    out = stage_forward(params, ctx, batch, temperature=temperature, with_entropy=with_entropy, remat=remat)
+    out = pp_stage_forward(params, ctx, batch, temperature=temperature, with_entropy=with_entropy, remat=remat)
     n_moe = sum(ctx.cfg.is_moe_layer(i) for i in range(ctx.cfg.num_hidden_layers))
     return out.logprobs, out.entropy, out.aux_sum / max(n_moe, 1)
 
@@ -283,8 +283,8 @@ def _recv_shape(ctx: Ctx, micro_batches: list):
 
 def _pipe_kw(ctx: Ctx, params, micro_batches) -> dict:
     t = next(iter(params.values()))
-    return dict(stage=ctx.stage, n_stages=ctx.n_stages, prev_rank=ctx.peer(ctx.stage - 1),
-                next_rank=ctx.peer(ctx.stage + 1), recv_shape=_recv_shape(ctx, micro_batches), dtype=t.dtype,
+    return dict(stage=ctx.pp_stage, n_stages=ctx.pp_stages, prev_rank=ctx.peer(ctx.pp_stage - 1),
+                next_rank=ctx.peer(ctx.pp_stage + 1), recv_shape=_recv_shape(ctx, micro_batches), dtype=t.dtype,
                 device=t.device)
 
 
@@ -293,10 +293,10 @@ def forward_only(params, ctx: Ctx, micro_batches: list, *, temperature: float = 
     """Log-probs (and entropies) of every micro-batch without gradients, through the pipeline: on the
     last stage a list of ``(logprobs_BTr, entropy_BTr)``, elsewhere an empty list (the old_logprob and
     ref_logprob stages)."""
-    last = ctx.stage == ctx.n_stages - 1
+    last = ctx.pp_stage == ctx.pp_stages - 1
 
     def fwd(m: int, x):
-        out = stage_forward(params, ctx, micro_batches[m], x, temperature=temperature, with_entropy=with_entropy)
+        out = pp_stage_forward(params, ctx, micro_batches[m], x, temperature=temperature, with_entropy=with_entropy)
         return (out.logprobs, out.entropy) if last else out.h
 
     return pp.run_forward(fwd, len(micro_batches), **_pipe_kw(ctx, params, micro_batches))
@@ -317,10 +317,10 @@ def forward_backward(params, ctx: Ctx, micro_batches: list, loss_fn: Callable, *
     for t in params.values():
         t.grad = None
     n_moe = max(sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)), 1)
-    last = ctx.stage == ctx.n_stages - 1
+    last = ctx.pp_stage == ctx.pp_stages - 1
 
     def fwd(m: int, x):
-        out = stage_forward(params, ctx, micro_batches[m], x, temperature=temperature, with_entropy=with_entropy,
+        out = pp_stage_forward(params, ctx, micro_batches[m], x, temperature=temperature, with_entropy=with_entropy,
                             remat=remat)
         extra = None
         if aux_weights is not None and aux_weights[m]:
@@ -343,5 +343,5 @@ def total_loss(local: Tensor, ctx: Ctx) -> Tensor:
     return out
 
 
-__all__ = ["ALLOWED", "Ctx", "StageOut", "check_layout", "context", "decoder_layer", "effective", "forward_backward",
-           "forward_only", "inputs", "response_logprobs", "shard_params", "stage_forward", "total_loss"]
+__all__ = ["ALLOWED", "Ctx", "PPStageOut", "check_layout", "context", "decoder_layer", "effective", "forward_backward",
+           "forward_only", "inputs", "response_logprobs", "shard_params", "pp_stage_forward", "total_loss"]
