@@ -26,9 +26,10 @@ from rlflow.rollout import SamplingConfig, generate
 from rlflow.tokenizer import CharTokenizer
 
 DEFINITION = "tokens/s = rows x new tokens / wall time of one generate call (prefill included); median of repeats"
-BOUND_DEFINITION = ("decode bound: per decode step, bytes read = all weights except the embedding table + the KV "
-                    "cache at the mean length; bound tokens/s = rows / (bytes read / copy bandwidth), copy bandwidth "
-                    "= bytes of a large device-to-device tensor copy / its time")
+BOUND_DEFINITION = ("decode bound: per decode step, bytes read = all weights except the embedding table, experts "
+                    "counted only as far as the step's tokens can reach them (E (1 - (1 - K/E)^rows) of E per layer, "
+                    "uniform routing) + the KV cache at the mean length; bound tokens/s = rows / (bytes read / copy "
+                    "bandwidth), copy bandwidth = bytes of a large device-to-device tensor copy / its time")
 
 
 def copy_bandwidth(dev, nbytes=256 * 2**20, repeats=5) -> float:
@@ -46,7 +47,10 @@ def copy_bandwidth(dev, nbytes=256 * 2**20, repeats=5) -> float:
 
 
 def decode_bytes_per_step(params, cfg, rows: int, mean_len: float) -> float:
-    w = sum(t.numel() * t.element_size() for k, t in params.items() if k != "model.embed_tokens.weight")
+    E, K = cfg.num_experts, cfg.num_experts_per_tok
+    reached = 1.0 - (1.0 - K / E) ** rows if E else 1.0  # expected share of a layer's experts the rows use
+    w = sum(t.numel() * t.element_size() * (reached if ".experts." in k else 1.0)
+            for k, t in params.items() if k != "model.embed_tokens.weight")
     if cfg.tie_word_embeddings:
         w += params["model.embed_tokens.weight"].numel() * params["model.embed_tokens.weight"].element_size()
     elt = params["model.embed_tokens.weight"].element_size()

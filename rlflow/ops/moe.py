@@ -33,20 +33,25 @@ def route(x_ND: Tensor, gate_ED: Tensor, top_k: int, norm_topk_prob: bool, *,
     return w_NK.to(x_ND.dtype), idx_NK, aux
 
 
-# At most this many tokens (decode steps), every expert runs on every token in a few large kernels and
-# the top-k weights (zero elsewhere) combine them: E/K times the FLOPs of routing, but the same weight
-# bytes once N*K >= E (decode is bound by reading weights) and no host sync or per-expert launches.
+# Few tokens (decode) on small experts: every expert runs on every token in a few large kernels and the
+# top-k weights (zero elsewhere) combine them. E/K times the FLOPs of routing, but no host sync and no
+# per-expert launches, which is what bounds a decode step of small experts. Only when N*K >= E (all
+# experts are read anyway) and a layer's experts are small; otherwise experts run on their own tokens.
 DENSE_MAX_TOKENS = 256
+DENSE_MAX_EXPERT_BYTES = 16 * 2**20
 
 
 def moe_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_E2FD: Tensor, down_EDF: Tensor) -> Tensor:
     """sum_k w_nk * down_e(silu(gate_e x_n) * up_e x_n) with e = idx_nk.
 
-    Many tokens: the N*K (token, slot) pairs are sorted by expert so each expert runs one matmul over a
-    contiguous block of its tokens (no loop over tokens). Few tokens (decode, N <= DENSE_MAX_TOKENS):
-    all experts on all tokens, weighted by the sparse routing weights.
+    Many tokens, or large experts: the N*K (token, slot) pairs are sorted by expert so each expert runs
+    one matmul over a contiguous block of its tokens (no loop over tokens). Few tokens on small experts
+    (see DENSE_MAX_TOKENS): all experts on all tokens, weighted by the sparse routing weights.
     """
-    if idx_NK.shape[0] <= DENSE_MAX_TOKENS:
+    N, K = idx_NK.shape
+    E = gate_up_E2FD.shape[0]
+    expert_bytes = (gate_up_E2FD.numel() + down_EDF.numel()) * gate_up_E2FD.element_size()
+    if N <= DENSE_MAX_TOKENS and N * K >= E and expert_bytes <= DENSE_MAX_EXPERT_BYTES:
         return _moe_dense(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
     return _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
 
