@@ -141,21 +141,16 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
             elif not bool(cont.any()):
                 break
             all_decode = False  # some slots are free or were just refilled: mask them this step
-        if compile_decode:  # one static graph: every slot, masked, attention over the whole cache
+        if all_decode and not compile_decode:  # every slot decodes its sampled token (until rows finish)
+            next_logits = _decode_step(params, cfg, tok[:, None], cache.lengths_B[:, None], None, cache)
+        else:  # masked: rows refilled this step are not active in it, they start next step
             cont = active & ~done
-            cache.bound = cache.max_len - 1
-            new = _compiled_step(dev)(params, cfg, torch.where(cont, tok, scfg.pad_id)[:, None],
-                                      cache.lengths_B[:, None].clone(), cont[:, None], cache)
+            step = _decode_step
+            if compile_decode:  # one static graph: every slot, masked, attention over the whole cache
+                step, cache.bound = _compiled_step(dev), cache.max_len - 1
+            new = step(params, cfg, torch.where(cont, tok, scfg.pad_id)[:, None], cache.lengths_B[:, None].clone(),
+                       cont[:, None], cache)
             next_logits = torch.where(cont[:, None], new, next_logits)
-        elif all_decode:  # every slot decodes its sampled token (the common case until rows finish)
-            h, _, cache = model.forward(params, cfg, tok[:, None], cache.lengths_B[:, None], cache=cache,
-                                        with_aux=False)
-            next_logits = model.logits(params, cfg, h[:, -1]).float()
-        else:
-            cont = active & ~done  # (rows refilled this step are not active in it: they start next step)
-            h, _, cache = model.forward(params, cfg, torch.where(cont, tok, scfg.pad_id)[:, None],
-                                        cache.lengths_B[:, None], valid_BT=cont[:, None], cache=cache, with_aux=False)
-            next_logits = torch.where(cont[:, None], model.logits(params, cfg, h[:, -1]).float(), next_logits)
             all_decode = bool(cont.all())
     return extend(prompts.repeat(G), RolloutBatch, response_ids_BTr=out_ids[:B], response_mask_BTr=out_mask[:B],
                   sample_logprobs_BTr=out_lp[:B])

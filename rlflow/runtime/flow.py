@@ -64,9 +64,7 @@ class DockFlow:
                            answers=tuple(self.answers[i] for i in g.tolist())).to(self.device)
 
     def put_rollout(self, rollout: RolloutBatch) -> None:
-        m = rollout.response_mask_BTr.cpu()
-        self.dock.put(rollout.index_B.cpu(), {"response_ids": unpad(rollout.response_ids_BTr.cpu(), m),
-                                              "sample_logprobs": unpad(rollout.sample_logprobs_BTr.cpu(), m)})
+        self.put(rollout, response_ids=rollout.response_ids_BTr, sample_logprobs=rollout.sample_logprobs_BTr)
 
     def put(self, rows: RolloutBatch, **cols: Tensor) -> None:
         m = rows.response_mask_BTr.cpu()
