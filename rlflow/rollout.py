@@ -13,7 +13,7 @@ import torch
 from rlflow.batch import PromptBatch, RolloutBatch, extend
 from rlflow.models import qwen3_moe as model
 from rlflow.models.config import ModelConfig
-from rlflow.ops import sample
+from rlflow.ops import exponential_noise, sample
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,23 +40,44 @@ def right_align(ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> tuple[torch.Tens
     return ids_BT.gather(1, order), mask_BT.gather(1, order)
 
 
-def _decode_step(params, cfg, tok_B1, pos_B1, valid_B1, cache):
-    """One decode token for every slot: writes its KV, advances the lengths, returns float32 logits [B, V]."""
-    h, _, cache = model.forward(params, cfg, tok_B1, pos_B1, valid_BT=valid_B1, cache=cache, with_aux=False)
-    return model.logits(params, cfg, h[:, -1]).float()
+def _decode_step(params, cfg, scfg, tok_B, valid_B, noise_BV, cache):
+    """One decode token for every slot: feeds ``tok_B`` (writing its KV and advancing the lengths of
+    ``valid_B``'s slots; None: all), then samples the next token. Returns (tokens_B, logprobs_B)."""
+    h, _, cache = model.forward(params, cfg, tok_B[:, None], cache.lengths_B[:, None].clone(),
+                                valid_BT=None if valid_B is None else valid_B[:, None], cache=cache, with_aux=False)
+    return sample(model.logits(params, cfg, h[:, -1]), temperature=scfg.temperature, top_k=scfg.top_k,
+                  top_p=scfg.top_p, noise_BV=noise_BV)
 
 
 _COMPILED: dict[str, object] = {}
 
 
 def _compiled_step(device: torch.device):
-    """``_decode_step`` through torch.compile with static shapes (one graph per batch, cache length and
-    model), and CUDA graphs on CUDA ("reduce-overhead"). Compiling takes tens of seconds on a CPU; the
-    CUDA path has not been run here (no GPU was available)."""
-    mode = "reduce-overhead" if device.type == "cuda" else None
+    """``_decode_step`` (forward + sampling) through torch.compile with static shapes (one graph per
+    batch, cache length, model and sampling config), and CUDA graphs on CUDA ("reduce-overhead").
+    Compiling takes tens of seconds on a CPU; the CUDA path has not been run here (no GPU was available)."""
     if device.type not in _COMPILED:
-        _COMPILED[device.type] = torch.compile(_decode_step, dynamic=False, mode=mode)
+        # CPU: the graph's wrapper in C++ (one call per step instead of ~60 Python-dispatched kernels)
+        how = dict(mode="reduce-overhead") if device.type == "cuda" else dict(options={"cpp_wrapper": True})
+        _COMPILED[device.type] = torch.compile(_decode_step, dynamic=False, **how)
     return _COMPILED[device.type]
+
+
+class _Noise:
+    """Exp(1) sampling noise [rows, V] per call, drawn from the seeded generator ``chunk`` steps at a time
+    (one kernel per chunk instead of one per token). None when sampling is greedy."""
+
+    def __init__(self, gen: torch.Generator, rows: int, vocab: int, device, greedy: bool, chunk: int = 32):
+        self.gen, self.shape, self.device, self.greedy, self.chunk = gen, (rows, vocab), device, greedy, chunk
+        self.buf, self.i = None, chunk
+
+    def next(self) -> torch.Tensor | None:
+        if self.greedy:
+            return None
+        if self.i == self.chunk:
+            self.buf, self.i = exponential_noise((self.chunk, *self.shape), generator=self.gen, device=self.device), 0
+        self.i += 1
+        return self.buf[self.i - 1]
 
 
 @torch.no_grad()
@@ -96,7 +117,10 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
     out_mask = torch.zeros((B + 1, Tn), dtype=torch.bool, device=dev)
     slot_row = torch.full((slots,), -1, dtype=torch.long, device=dev)  # output row held by each slot
     n_gen = torch.zeros(slots, dtype=torch.long, device=dev)
-    next_logits = torch.zeros((slots, cfg.vocab_size), dtype=torch.float32, device=dev)
+    tok_S = torch.zeros(slots, dtype=torch.long, device=dev)  # each slot's sampled token, not yet written
+    lp_S = torch.zeros(slots, dtype=torch.float32, device=dev)
+    noise = _Noise(gen, slots, cfg.vocab_size, dev, greedy=scfg.temperature == 0)
+    sampling = dict(temperature=scfg.temperature, top_k=scfg.top_k, top_p=scfg.top_p)
     admitted = 0  # rows are admitted in order
 
     def admit(free_slots: torch.Tensor) -> None:
@@ -107,30 +131,30 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
         tmp = model.KVCache.allocate(cfg, p1 - p0, Tp, dtype=dtype, device=dev)
         pos = torch.arange(Tp, device=dev).expand(p1 - p0, Tp)
         h, _, _ = model.forward(params, cfg, ids_r[p0:p1], pos, valid_BT=mask_r[p0:p1], cache=tmp, with_aux=False)
-        last = model.logits(params, cfg, h[torch.arange(p1 - p0, device=dev), plen_P[p0:p1] - 1]).float()
+        last = model.logits(params, cfg, h[torch.arange(p1 - p0, device=dev), plen_P[p0:p1] - 1])
         src = rows // G - p0  # prefix sharing: each prompt's KV goes to all its sampled rows
         for layer in range(cfg.num_hidden_layers):
             cache.k[layer][sl, :, :Tp] = tmp.k[layer][src]
             cache.v[layer][sl, :, :Tp] = tmp.v[layer][src]
         cache.lengths_B[sl] = plen_P[p0:p1][src]
         cache.bound = max(cache.bound, Tp)
-        next_logits[sl] = last[src]
+        nz = noise.next()
+        tok_S[sl], lp_S[sl] = sample(last[src], noise_BV=None if nz is None else nz[:n], **sampling)
         slot_row[sl] = rows
         n_gen[sl] = 0
         admitted += n
 
     admit(torch.arange(slots, device=dev))
+    step = _compiled_step(dev) if compile_decode else _decode_step
     all_decode = True
     while True:
-        tok, lp = sample(next_logits, temperature=scfg.temperature, top_k=scfg.top_k, top_p=scfg.top_p,
-                         generator=gen)
         active = slot_row >= 0
         r, t = torch.where(active, slot_row, B), n_gen.clamp_max(Tn - 1)  # free slots write to a spare row B
-        out_ids[r, t] = tok
-        out_lp[r, t] = lp
+        out_ids[r, t] = tok_S
+        out_lp[r, t] = lp_S
         out_mask[r, t] = active
         n_gen += active.long()
-        done = active & ((tok == scfg.eos_id) | (n_gen >= Tn))
+        done = active & ((tok_S == scfg.eos_id) | (n_gen >= Tn))
         if bool(done.any()):
             cont = active & ~done
             slot_row[done] = -1
@@ -142,15 +166,13 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
                 break
             all_decode = False  # some slots are free or were just refilled: mask them this step
         if all_decode and not compile_decode:  # every slot decodes its sampled token (until rows finish)
-            next_logits = _decode_step(params, cfg, tok[:, None], cache.lengths_B[:, None], None, cache)
-        else:  # masked: rows refilled this step are not active in it, they start next step
+            tok_S, lp_S = step(params, cfg, scfg, tok_S, None, noise.next(), cache)
+        else:  # masked: refilled slots keep the token sampled from their prompt and join next step
             cont = active & ~done
-            step = _decode_step
             if compile_decode:  # one static graph: every slot, masked, attention over the whole cache
-                step, cache.bound = _compiled_step(dev), cache.max_len - 1
-            new = step(params, cfg, torch.where(cont, tok, scfg.pad_id)[:, None], cache.lengths_B[:, None].clone(),
-                       cont[:, None], cache)
-            next_logits = torch.where(cont[:, None], new, next_logits)
+                cache.bound = cache.max_len - 1
+            new_tok, new_lp = step(params, cfg, scfg, torch.where(cont, tok_S, scfg.pad_id), cont, noise.next(), cache)
+            tok_S, lp_S = torch.where(cont, new_tok, tok_S), torch.where(cont, new_lp, lp_S)
             all_decode = bool(cont.all())
     return extend(prompts.repeat(G), RolloutBatch, response_ids_BTr=out_ids[:B], response_mask_BTr=out_mask[:B],
                   sample_logprobs_BTr=out_lp[:B])

@@ -120,14 +120,9 @@ def attention_block(params: Params, cfg: ModelConfig, p: str, x_BTD: Tensor, cos
     qk = apply_rope(qk, cos, sin)
     q, k = qk.split([H, K], dim=1)
     if cache is not None:
-        rows, cols, span = cache_slots
-        if T == 1:  # decode: one column per row
-            at = cols.view(B, 1, 1, 1).expand(B, K, 1, d)
-            cache.k[layer].scatter_(2, at, k)
-            cache.v[layer].scatter_(2, at, v)
-        else:
-            cache.k[layer][rows, :, cols] = k.transpose(1, 2)  # [B, T, K, d] at each row's own columns
-            cache.v[layer][rows, :, cols] = v.transpose(1, 2)
+        rows, cols, span = cache_slots  # index_put_ (not scatter_): torch.compile keeps it in place
+        cache.k[layer][rows, :, cols] = k.transpose(1, 2)  # [B, T, K, d] at each row's own columns
+        cache.v[layer][rows, :, cols] = v.transpose(1, 2)
         k, v = cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]
     if kv_out is not None:
         kv_out.append((k, v))

@@ -6,7 +6,7 @@ from rlflow.ops.logprobs import token_logprobs
 from rlflow.ops.moe import moe_experts, route
 from rlflow.ops.norm import rmsnorm
 from rlflow.ops.rope import apply_rope, rope_cos_sin
-from rlflow.ops.sampling import sample
+from rlflow.ops.sampling import exponential_noise, sample
 
 __all__ = ["attention", "causal_padding_mask", "token_logprobs", "moe_experts", "route", "rmsnorm",
-           "apply_rope", "rope_cos_sin", "sample"]
+           "apply_rope", "rope_cos_sin", "exponential_noise", "sample"]

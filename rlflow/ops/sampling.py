@@ -1,16 +1,28 @@
 """Token sampling with temperature, top-k and top-p, reproducible under a torch.Generator.
 
 Legend: B batch, V vocab.
+
+Sampling is an exponential race: with E_v ~ Exp(1) independent, argmax_v p_v / E_v is distributed as p
+(P(v wins) = p_v / sum p). The noise is an input, so one step is a pure function of (logits, noise): the
+rollout engine draws noise for many steps in one call and the compiled decode step samples in-graph,
+with no host sync and the same tokens as the eager step.
 """
 
 import torch
 from torch import Tensor
 
 
-def sample(logits_BV: Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
-    """Returns (tokens_B, logprobs_B). temperature == 0 is greedy.
+def exponential_noise(shape: tuple[int, ...], *, generator: torch.Generator | None = None,
+                      device: torch.device | str = "cpu") -> Tensor:
+    """Exp(1) noise for ``sample`` (float32)."""
+    return torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=generator)
 
+
+def sample(logits_BV: Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+           noise_BV: Tensor | None = None, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Returns (tokens_B, logprobs_B). temperature == 0 is greedy (no noise used).
+
+    ``noise_BV``: Exp(1) noise (``exponential_noise``); drawn from ``generator`` when not given.
     The log-prob is that of the chosen token under softmax(logits / temperature), the distribution the
     policy loss recomputes (top-k / top-p only restrict which tokens may be drawn).
     """
@@ -21,17 +33,17 @@ def sample(logits_BV: Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p
     if temperature != 1.0:
         logits = logits / temperature
     logp_full = torch.log_softmax(logits, -1)
-    masked = logits
+    masked = logp_full
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(masked, top_k, dim=-1).values[:, -1:]
         masked = masked.masked_fill(masked < kth, float("-inf"))
     if top_p < 1.0:
         srt, order = torch.sort(masked, descending=True, dim=-1)
-        cum = torch.softmax(srt, -1).cumsum(-1)
-        drop = cum - torch.softmax(srt, -1) > top_p  # keep the smallest prefix with mass >= top_p
-        srt = srt.masked_fill(drop, float("-inf"))
-        masked = torch.full_like(masked, float("-inf")).scatter(-1, order, srt)
-    # multinomial takes unnormalized weights: without truncation, exp(log-probs) is the distribution
-    probs = logp_full.exp() if masked is logits else torch.softmax(masked, -1)
-    tok = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        p = torch.softmax(srt, -1)
+        drop = p.cumsum(-1) - p > top_p  # keep the smallest prefix with mass >= top_p
+        masked = masked.scatter(-1, order, srt.masked_fill(drop, float("-inf")))
+    if noise_BV is None:
+        noise_BV = exponential_noise(tuple(logits.shape), generator=generator, device=logits.device)
+    # argmax p / E = argmax log p - log E; truncation only needs the unnormalized masked log-probs
+    tok = (masked - noise_BV.log()).argmax(-1)
     return tok, logp_full.gather(-1, tok[:, None])[:, 0]
