@@ -45,7 +45,8 @@ def moe_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_E2FD: Tensor
     """sum_k w_nk * down_e(silu(gate_e x_n) * up_e x_n) with e = idx_nk.
 
     Many tokens, or large experts: the N*K (token, slot) pairs are sorted by expert so each expert runs
-    one matmul over a contiguous block of its tokens (no loop over tokens). Few tokens on small experts
+    one matmul over a contiguous block of its tokens (one grouped GEMM for all experts where torch has
+    it, see ``_grouped_mm_ok``; else a loop over experts). Few tokens on small experts
     (see DENSE_MAX_TOKENS): all experts on all tokens, weighted by the sparse routing weights.
     """
     N, K = idx_NK.shape
@@ -65,6 +66,15 @@ def _moe_dense(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
     return torch.bmm(a_NEF.transpose(0, 1), down_EDF.transpose(1, 2)).sum(0)  # [E, N, D] summed over E
 
 
+def _grouped_mm_ok(x: Tensor, down_EDF: Tensor) -> bool:
+    """torch's grouped GEMM (jagged groups by device-side offsets) where it has been measured: the CPU,
+    with rows of D and F elements a multiple of 16 bytes (its kernel's constraint). CUDA has it for
+    bfloat16 on SM >= 80, untested here (no GPU was available), so CUDA takes the loop."""
+    _, D, Fd = down_EDF.shape
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and (D * x.element_size()) % 16 == 0 and (Fd * x.element_size()) % 16 == 0)
+
+
 def _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
     N, K = idx_NK.shape
     E = gate_up_E2FD.shape[0]
@@ -72,11 +82,18 @@ def _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
     order = torch.argsort(flat, stable=True)
     tok = order // K
     xs = x_ND.index_select(0, tok)  # [N*K, D], grouped by expert (backward: index_add, not index_put)
-    counts = torch.bincount(flat, minlength=E).tolist()
-    outs = []
-    for e, xe in enumerate(torch.split(xs, counts)):  # split, not slices: its backward is one cat
-        if counts[e]:
-            g, u = F.linear(xe, gate_up_E2FD[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(g) * u, down_EDF[e]))
-    ys = torch.cat(outs) * w_NK.reshape(-1).index_select(0, order)[:, None]
+    counts = torch.bincount(flat, minlength=E)
+    if _grouped_mm_ok(x_ND, down_EDF):  # one kernel per projection over all experts, no host sync
+        offs = counts.cumsum(0).to(torch.int32)
+        g, u = F.grouped_mm(xs, gate_up_E2FD.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        ys = F.grouped_mm(F.silu(g) * u, down_EDF.transpose(1, 2), offs=offs)
+    else:
+        counts = counts.tolist()
+        outs = []
+        for e, xe in enumerate(torch.split(xs, counts)):  # split, not slices: its backward is one cat
+            if counts[e]:
+                g, u = F.linear(xe, gate_up_E2FD[e]).chunk(2, dim=-1)
+                outs.append(F.linear(F.silu(g) * u, down_EDF[e]))
+        ys = torch.cat(outs)
+    ys = ys * w_NK.reshape(-1).index_select(0, order)[:, None]
     return torch.zeros_like(x_ND).index_add_(0, tok, ys)
