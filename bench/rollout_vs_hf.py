@@ -109,8 +109,12 @@ def main(argv=None):
         return out
 
     times = {"rlflow": [], "transformers": []}
+    first = {}
     for name, fn in (("rlflow", run_rlflow), ("transformers", run_hf)):
-        fn(0)  # warm-up
+        t = time.perf_counter()
+        fn(0)  # warm-up (with --compile: rlflow's compilation)
+        _sync(dev)
+        first[name] = time.perf_counter() - t
     for r in range(a.repeats):  # alternate to share the machine's noise
         for name, fn in (("rlflow", run_rlflow), ("transformers", run_hf)):
             _sync(dev)
@@ -130,11 +134,14 @@ def main(argv=None):
     for k in tps:
         print(f"  {k:13s} {tps[k]:12.0f} tokens/s   (median {statistics.median(times[k]):.3f} s)  "
               f"{tps[k] / bound:.1%} of the bandwidth bound")
+    print(f"  first call (warm-up, not timed): rlflow {first['rlflow']:.1f} s, transformers {first['transformers']:.1f} s"
+          + ("  (rlflow's includes compiling the decode step)" if a.compile else ""))
     print(f"  bound         {bound:12.0f} tokens/s   ({step_bytes / 2**20:.1f} MiB per decode step, copy bandwidth "
           f"{bw / 1e9:.1f} GB/s)")
     res = {"rlflow_tokens_per_s": tps["rlflow"], "hf_tokens_per_s": tps["transformers"],
            "ratio": tps["rlflow"] / tps["transformers"], "bound_tokens_per_s": bound,
-           "rlflow_fraction_of_bound": tps["rlflow"] / bound, "copy_bandwidth_GBps": bw / 1e9, "batch": a.batch, "new_tokens": a.new_tokens,
+           "rlflow_fraction_of_bound": tps["rlflow"] / bound, "copy_bandwidth_GBps": bw / 1e9,
+           "first_call_s": first, "batch": a.batch, "new_tokens": a.new_tokens,
            "preset": a.preset, "compile": a.compile, "device": str(dev), "dtype": a.dtype, "torch_threads": torch.get_num_threads()}
     print(json.dumps(res))
     return res

@@ -102,10 +102,16 @@ def test_generate_rejects_empty_prompts_and_bad_sizes():
 
 @pytest.mark.slow
 def test_compiled_decode_step_gives_the_eager_tokens():
-    """torch.compile of the decode step (static shapes, whole-cache masked attention) changes no token."""
-    params, prompts = _params(4), _prompts(4)
-    scfg = SamplingConfig(max_new_tokens=6, eos_id=-1, temperature=0.0)
-    eager = generate(params, CFG, prompts, scfg, group_size=2)
-    compiled = generate(params, CFG, prompts, scfg, group_size=2, compile_decode=True)
+    """torch.compile of the decode step (static shapes, whole-cache masked attention, in-graph sampling)
+    changes no token: sampled, with rows ending at EOS and slots refilled (continuous batching)."""
+    params, prompts = _params(4), _prompts(4, P=5)
+    free = generate(params, CFG, prompts, SamplingConfig(max_new_tokens=8, eos_id=-1), group_size=2, seed=3)
+    eos = int(free.response_ids_BTr[:, 2].mode().values)  # a token sampled early by some rows: rows end unevenly
+    scfg = SamplingConfig(max_new_tokens=8, eos_id=eos)
+    eager = generate(params, CFG, prompts, scfg, group_size=2, seed=3, max_batch=4)
+    lens = eager.response_mask_BTr.sum(-1)
+    assert lens.min() < lens.max(), "test needs rows of different lengths"
+    compiled = generate(params, CFG, prompts, scfg, group_size=2, seed=3, max_batch=4, compile_decode=True)
+    assert torch.equal(compiled.response_mask_BTr, eager.response_mask_BTr)
     assert torch.equal(compiled.response_ids_BTr, eager.response_ids_BTr)
     torch.testing.assert_close(compiled.sample_logprobs_BTr, eager.sample_logprobs_BTr, atol=1e-4, rtol=1e-4)
