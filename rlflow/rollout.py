@@ -64,12 +64,15 @@ def _compiled_step(device: torch.device):
 
 
 class _Noise:
-    """Exp(1) sampling noise [rows, V] per call, drawn from the seeded generator ``chunk`` steps at a time
-    (one kernel per chunk instead of one per token). None when sampling is greedy."""
+    """Exp(1) sampling noise [rows, V] per call, drawn from the seeded generator several steps at a time
+    (one kernel per chunk instead of one per token): up to 32 steps within ``budget`` bytes, at least one
+    (a large vocabulary gets one step per draw, the size of the step's logits). None when greedy."""
 
-    def __init__(self, gen: torch.Generator, rows: int, vocab: int, device, greedy: bool, chunk: int = 32):
-        self.gen, self.shape, self.device, self.greedy, self.chunk = gen, (rows, vocab), device, greedy, chunk
-        self.buf, self.i = None, chunk
+    def __init__(self, gen: torch.Generator, rows: int, vocab: int, device, greedy: bool,
+                 budget: int = 16 * 2**20):
+        self.chunk = max(1, min(32, budget // (4 * rows * vocab)))
+        self.gen, self.shape, self.device, self.greedy = gen, (rows, vocab), device, greedy
+        self.buf, self.i = None, self.chunk
 
     def next(self) -> torch.Tensor | None:
         if self.greedy:
