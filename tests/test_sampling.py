@@ -49,3 +49,12 @@ def test_a_step_is_a_pure_function_of_logits_and_noise():
     assert not torch.equal(a[0], other[0])
     greedy, _ = sample(logits, temperature=0.0, noise_BV=noise)
     assert torch.equal(greedy, logits.argmax(-1))
+
+
+def test_a_zero_noise_draw_never_picks_a_token_outside_top_k():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    noise = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # token 3 has the smallest possible noise, but top_k=2
+    tok, _ = sample(logits, top_k=2, noise_BV=noise)
+    assert tok.item() == 0
+    tok, _ = sample(logits, noise_BV=noise)  # untruncated, the zero draw wins, as the race says
+    assert tok.item() == 3
