@@ -245,12 +245,15 @@ def main(argv=None) -> dict:
 
     rows = {"rlflow": [], "trl": []}
 
+    opt_state = None  # carried across steps, as TRL's Trainer keeps its optimizer across train() calls
+
     def run_rlflow(i):
-        nonlocal params
+        nonlocal params, opt_state
         _sync(dev)
         t = time.perf_counter()
-        params, _, hist = loop.train(params, cfg, tok, source, reward_fn,
-                                     dataclasses.replace(lcfg, seed=a.seed + i), device=dev)
+        params, opt_state, hist = loop.train(params, cfg, tok, source, reward_fn,
+                                             dataclasses.replace(lcfg, seed=a.seed + i), device=dev,
+                                             opt_state=opt_state)
         _sync(dev)
         wall = time.perf_counter() - t
         m = hist[0]

@@ -48,43 +48,50 @@ def init(params: dict[str, Tensor]) -> AdamWState:
 
 
 def global_norm(grads: dict[str, Tensor]) -> Tensor:
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads.values()]))
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([g.float() for g in grads.values()])))
 
 
 def clip_by_global_norm(grads: dict[str, Tensor], max_norm: float) -> tuple[dict[str, Tensor], Tensor]:
-    """Scale grads so their global L2 norm is at most max_norm; returns (grads, norm before clipping)."""
+    """Scale grads in place so their global L2 norm is at most max_norm; returns (grads, norm before
+    clipping). In place: a copy of every gradient would be one more model-sized buffer."""
     norm = global_norm(grads)
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    return {k: g * scale for k, g in grads.items()}, norm
+    torch._foreach_mul_(list(grads.values()), scale)
+    return grads, norm
 
 
 def step(params: dict[str, Tensor], grads: dict[str, Tensor], state: AdamWState, cfg: AdamWConfig,
          *, lr: float | None = None) -> tuple[dict[str, Tensor], AdamWState]:
-    """One AdamW step over the parameters that have a gradient (the others are left as they are)."""
+    """One AdamW step over the parameters that have a gradient (the others are left as they are).
+
+    torch's fused AdamW kernel (``torch._fused_adamw_``, the one ``torch.optim.AdamW(fused=True)`` runs)
+    updates the float32 weights (the master where there is one) and both moments in one pass, in place,
+    with no model-sized temporaries; matrices and 1-D parameters go in two calls (decay or not)."""
     keys = [k for k in params if k in grads and grads[k] is not None]
     if not keys:
         return params, state
     lr = cfg.lr if lr is None else lr
     b1, b2 = cfg.betas
     t = state.step + 1
-    p = [state.master.get(k, params[k]) for k in keys]  # float32 (the master where there is one)
-    g = [grads[k].float() for k in keys]
-    m = [state.m[k] for k in keys]
-    v = [state.v[k] for k in keys]
     with torch.no_grad():
-        torch._foreach_lerp_(m, g, 1 - b1)
-        torch._foreach_mul_(v, b2)
-        torch._foreach_addcmul_(v, g, g, value=1 - b2)
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, math.sqrt(1 - b2 ** t))
-        torch._foreach_add_(denom, cfg.eps)
-        upd = torch._foreach_div(m, denom)
-        torch._foreach_mul_(upd, lr / (1 - b1 ** t))
-        if cfg.weight_decay:
-            decay = [x for x in p if x.dim() > 1]
-            torch._foreach_mul_(decay, 1 - lr * cfg.weight_decay)
-        torch._foreach_sub_(p, upd)
-        for k in keys:
-            if k in state.master:
-                params[k].copy_(state.master[k])
+        for decay in (True, False):
+            ks = [k for k in keys if (params[k].dim() > 1) == decay]
+            if not ks:
+                continue
+            p = [state.master.get(k, params[k]) for k in ks]  # float32 (the master where there is one)
+            g = [_like(grads[k].float(), x) for k, x in zip(ks, p)]
+            steps = [torch.tensor(float(t), device=x.device) for x in p[:1]] * len(p)  # read-only, shared
+            torch._fused_adamw_(p, g, [state.m[k] for k in ks], [state.v[k] for k in ks], [], steps, lr=lr,
+                                beta1=b1, beta2=b2, weight_decay=cfg.weight_decay if decay else 0.0, eps=cfg.eps,
+                                amsgrad=False, maximize=False)
+        low = [k for k in keys if k in state.master]
+        if low:
+            torch._foreach_copy_([params[k] for k in low], [state.master[k] for k in low])
     return params, AdamWState(step=t, m=state.m, v=state.v, master=state.master)
+
+
+def _like(g: Tensor, p: Tensor) -> Tensor:
+    """g in p's memory layout. The fused kernel walks the tensors as flat buffers: on torch 2.13's CPU a
+    gradient whose strides differ from the weight's (grouped GEMM's weight gradients are transposed)
+    silently updates the wrong elements, ``torch.optim.AdamW(fused=True)`` included."""
+    return g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)

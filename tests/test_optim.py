@@ -29,8 +29,11 @@ def test_clip_by_global_norm():
     clipped, norm = optim.clip_by_global_norm(g, 1.0)
     assert abs(norm.item() - 5.0) < 1e-6
     assert abs(optim.global_norm(clipped).item() - 1.0) < 1e-5
-    same, _ = optim.clip_by_global_norm(g, 10.0)
-    assert torch.equal(same["a"], g["a"])
+    assert clipped["a"] is g["a"]  # in place: no second copy of the gradients
+    torch.testing.assert_close(g["a"], torch.tensor([0.6, 0.0]), rtol=0, atol=1e-6)
+    before = g["a"].clone()
+    _, norm = optim.clip_by_global_norm(g, 10.0)  # below the bound: unchanged
+    assert abs(norm.item() - 1.0) < 1e-5 and torch.equal(g["a"], before)
 
 
 def test_bf16_params_keep_a_float32_master_so_small_steps_are_not_lost():
@@ -50,3 +53,16 @@ def test_bf16_params_keep_a_float32_master_so_small_steps_are_not_lost():
     assert torch.equal(low["w"], ref["w"].to(torch.bfloat16))  # the param is the master rounded
     # 10 steps of 1e-6 on weights ~0.02 are below bf16's resolution for most entries: only the master moves
     assert (s_low.master["w"] != start.float()).float().mean() > 0.99
+
+
+def test_a_gradient_with_other_strides_gives_the_same_step():
+    """The fused kernel reads tensors as flat buffers; a transposed-layout gradient (grouped GEMM's weight
+    gradients are) must be laid out like its weight first."""
+    torch.manual_seed(2)
+    w = torch.randn(8, 64, 32)
+    g = torch.randn(8, 32, 64).transpose(1, 2)  # [8, 64, 32] with strides (2048, 1, 64)
+    a, b = {"w": w.clone()}, {"w": w.clone()}
+    cfg = optim.AdamWConfig(lr=1e-2)
+    optim.step(a, {"w": g}, optim.init(a), cfg)
+    optim.step(b, {"w": g.contiguous()}, optim.init(b), cfg)
+    torch.testing.assert_close(a["w"], b["w"], rtol=0, atol=0)

@@ -96,10 +96,12 @@ def grad_norm(grads: dict[str, Tensor], layout: Layout) -> Tensor:
 
 
 def clip_grads(grads: dict[str, Tensor], layout: Layout, max_norm: float) -> tuple[dict[str, Tensor], Tensor]:
-    """``optim.clip_by_global_norm`` on sharded, reduced gradients: (scaled grads, norm before clipping)."""
+    """``optim.clip_by_global_norm`` on sharded, reduced gradients: (grads scaled in place, norm before
+    clipping)."""
     norm = grad_norm(grads, layout)
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    return {k: g * scale for k, g in grads.items()}, norm
+    torch._foreach_mul_(list(grads.values()), scale)
+    return grads, norm
 
 
 @dataclass(frozen=True)

@@ -70,11 +70,13 @@ def validate_sizes(*, steps: int, prompts_per_step: int, group_size: int, mini_b
 
 def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, lcfg: LoopConfig, *,
           on_step: Callable[[dict], None] | None = None, device: torch.device | str = "cpu",
-          dock=None, dp_layout=None):
+          dock=None, dp_layout=None, opt_state: optim.AdamWState | None = None):
     """Run ``lcfg.steps`` GRPO steps; returns (params, opt_state, list of per-step metrics).
 
     ``dock``: a transfer dock (``rlflow.dock.Dock``) that every stage's rows go through
     (``runtime/flow.py``); None hands batches from stage to stage in memory.
+    ``opt_state``: the optimizer state to continue from (what an earlier call returned); None starts
+    fresh (zero moments).
     ``dp_layout``: data parallelism over torch.distributed (a ``Layout`` on a ``Mesh(dp=N)``): every rank
     runs the stages on its share of the step's prompts (the sizes in ``lcfg`` are global) and the
     update sums gradients over the ranks, so all ranks keep identical parameters. Metrics are global.
@@ -89,7 +91,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
             if v % world:
                 raise ValueError(f"{name} {v} is not divisible by the {world} data-parallel ranks")
     P = lcfg.prompts_per_step // world  # this rank's prompts
-    opt_state = optim.init(params)
+    opt_state = optim.init(params) if opt_state is None else opt_state
     ref_params = {k: v.detach().clone() for k, v in params.items()} if gcfg.kl_coef else None
     ucfg = stages.UpdateConfig(mini_batch_size=lcfg.mini_batch_size // world,
                                micro_batch_size=lcfg.micro_batch_size // world, max_grad_norm=lcfg.max_grad_norm,
