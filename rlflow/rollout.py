@@ -65,12 +65,13 @@ def _compiled_step(device: torch.device):
 
 class _Noise:
     """Exp(1) sampling noise [rows, V] per call, drawn from the seeded generator several steps at a time
-    (one kernel per chunk instead of one per token): up to 32 steps within ``budget`` bytes, at least one
-    (a large vocabulary gets one step per draw, the size of the step's logits). None when greedy."""
+    (one kernel per chunk instead of one per token): up to 32 steps, no more than ``steps`` (the calls
+    expected), within ``budget`` bytes, at least one (a large vocabulary gets one step per draw, the size
+    of the step's logits). None when greedy."""
 
-    def __init__(self, gen: torch.Generator, rows: int, vocab: int, device, greedy: bool,
+    def __init__(self, gen: torch.Generator, rows: int, vocab: int, device, greedy: bool, steps: int,
                  budget: int = 16 * 2**20):
-        self.chunk = max(1, min(32, budget // (4 * rows * vocab)))
+        self.chunk = max(1, min(32, steps, budget // (4 * rows * vocab)))
         self.gen, self.shape, self.device, self.greedy = gen, (rows, vocab), device, greedy
         self.buf, self.i = None, self.chunk
 
@@ -122,7 +123,7 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
     n_gen = torch.zeros(slots, dtype=torch.long, device=dev)
     tok_S = torch.zeros(slots, dtype=torch.long, device=dev)  # each slot's sampled token, not yet written
     lp_S = torch.zeros(slots, dtype=torch.float32, device=dev)
-    noise = _Noise(gen, slots, cfg.vocab_size, dev, greedy=scfg.temperature == 0)
+    noise = _Noise(gen, slots, cfg.vocab_size, dev, greedy=scfg.temperature == 0, steps=Tn)  # Tn per admission
     sampling = dict(temperature=scfg.temperature, top_k=scfg.top_k, top_p=scfg.top_p)
     admitted = 0  # rows are admitted in order
 
