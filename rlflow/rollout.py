@@ -155,6 +155,10 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
         n_gen[sl] = 0
         admitted += n
 
+    if compile_decode and dev.type == "cuda":  # NOT RUN HERE (no GPU was available): CUDA graph trees skip a
+        # graph whose inputs it mutates unless their addresses are static; the cache is, for this call
+        for t in (*cache.k, *cache.v, cache.lengths_B):
+            torch._dynamo.mark_static_address(t, guard=False)
     admit(torch.arange(slots, device=dev))
     step = _compiled_step(dev) if compile_decode else _decode_step
     all_decode = True
