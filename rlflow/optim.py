@@ -12,7 +12,6 @@ smaller than the parameter's precision are not lost.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
