@@ -40,13 +40,38 @@ def right_align(ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> tuple[torch.Tens
     return ids_BT.gather(1, order), mask_BT.gather(1, order)
 
 
-def _decode_step(params, cfg, scfg, tok_B, valid_B, noise_BV, cache):
-    """One decode token for every slot: feeds ``tok_B`` (writing its KV and advancing the lengths of
-    ``valid_B``'s slots; None: all), then samples the next token. Returns (tokens_B, logprobs_B)."""
-    h, _, cache = model.forward(params, cfg, tok_B[:, None], cache.lengths_B[:, None].clone(),
-                                valid_BT=None if valid_B is None else valid_B[:, None], cache=cache, with_aux=False)
-    return sample(model.logits(params, cfg, h[:, -1]), temperature=scfg.temperature, top_k=scfg.top_k,
-                  top_p=scfg.top_p, noise_BV=noise_BV)
+def _decode_step(params, cfg, scfg, tok_S, valid_S, noise_SV, cache, out):
+    """One decode token for every slot: feeds ``tok_S`` (writing its KV and advancing the lengths of
+    ``valid_S``'s slots; None: all), samples the next token and records it (``_record``). Returns
+    (tokens_S, done_S)."""
+    h, _, cache = model.forward(params, cfg, tok_S[:, None], cache.lengths_B[:, None].clone(),
+                                valid_BT=None if valid_S is None else valid_S[:, None], cache=cache, with_aux=False)
+    tok, lp = sample(model.logits(params, cfg, h[:, -1]), temperature=scfg.temperature, top_k=scfg.top_k,
+                     top_p=scfg.top_p, noise_BV=noise_SV)
+    return tok, _record(scfg, out, tok, lp, out.slot_row >= 0)
+
+
+@dataclass
+class _Out:
+    """The responses being written: ids / log-probs / mask [B + 1, Tn] (row B: a spare that free slots
+    write to), the output row each slot holds (-1: free) and the tokens each has generated."""
+    ids: torch.Tensor
+    lp: torch.Tensor
+    mask: torch.Tensor
+    slot_row: torch.Tensor
+    n_gen: torch.Tensor
+
+
+def _record(scfg, out: _Out, tok_S, lp_S, where_S):
+    """Write the slots' new tokens (where ``where_S``) at their rows' next column; returns which slots
+    finished (EOS or ``max_new_tokens``)."""
+    spare, Tn = out.ids.shape[0] - 1, out.ids.shape[1]
+    r, t = torch.where(where_S, out.slot_row, spare), out.n_gen.clamp_max(Tn - 1)
+    out.ids[r, t] = tok_S
+    out.lp[r, t] = lp_S
+    out.mask[r, t] = where_S
+    out.n_gen += where_S.long()
+    return where_S & ((tok_S == scfg.eos_id) | (out.n_gen >= Tn))
 
 
 _COMPILED: dict[str, object] = {}
@@ -123,19 +148,19 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
     plen_P = mask_r.sum(-1)
 
     cache = model.KVCache.allocate(cfg, slots, Tp + Tn, dtype=dtype, device=dev)
-    out_ids = torch.full((B + 1, Tn), scfg.pad_id, dtype=torch.long, device=dev)  # row B: a spare for free slots
-    out_lp = torch.zeros((B + 1, Tn), dtype=torch.float32, device=dev)
-    out_mask = torch.zeros((B + 1, Tn), dtype=torch.bool, device=dev)
-    slot_row = torch.full((slots,), -1, dtype=torch.long, device=dev)  # output row held by each slot
-    n_gen = torch.zeros(slots, dtype=torch.long, device=dev)
-    tok_S = torch.zeros(slots, dtype=torch.long, device=dev)  # each slot's sampled token, not yet written
-    lp_S = torch.zeros(slots, dtype=torch.float32, device=dev)
+    out = _Out(ids=torch.full((B + 1, Tn), scfg.pad_id, dtype=torch.long, device=dev),
+               lp=torch.zeros((B + 1, Tn), dtype=torch.float32, device=dev),
+               mask=torch.zeros((B + 1, Tn), dtype=torch.bool, device=dev),
+               slot_row=torch.full((slots,), -1, dtype=torch.long, device=dev),
+               n_gen=torch.zeros(slots, dtype=torch.long, device=dev))
+    tok_S = torch.zeros(slots, dtype=torch.long, device=dev)  # each slot's last token, fed next step
     noise = _Noise(gen, slots, cfg.vocab_size, dev, greedy=scfg.temperature == 0, steps=Tn)  # Tn per admission
     sampling = dict(temperature=scfg.temperature, top_k=scfg.top_k, top_p=scfg.top_p)
     admitted = 0  # rows are admitted in order
 
-    def admit(free_slots: torch.Tensor) -> None:
-        nonlocal admitted
+    def admit(free_slots: torch.Tensor) -> torch.Tensor:
+        """Prefill the next rows into free slots and record their first tokens; returns done_S."""
+        nonlocal admitted, tok_S
         n = min(len(free_slots), B - admitted)
         sl, rows = free_slots[:n], torch.arange(admitted, admitted + n, device=dev)
         p0, p1 = admitted // G, (admitted + n - 1) // G + 1  # prompts these rows sample from
@@ -150,43 +175,33 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
         cache.lengths_B[sl] = plen_P[p0:p1][src]
         cache.bound = max(cache.bound, Tp)
         nz = noise.next()
-        tok_S[sl], lp_S[sl] = sample(last[src], noise_BV=None if nz is None else nz[:n], **sampling)
-        slot_row[sl] = rows
-        n_gen[sl] = 0
+        t_n, lp_n = sample(last[src], noise_BV=None if nz is None else nz[:n], **sampling)
+        out.slot_row[sl] = rows
+        out.n_gen[sl] = 0
+        new = torch.zeros(slots, dtype=torch.bool, device=dev)
+        new[sl] = True
+        tok_S = tok_S.index_put((sl,), t_n)
         admitted += n
+        return _record(scfg, out, tok_S, torch.zeros(slots, device=dev).index_put((sl,), lp_n), new)
 
     if compile_decode and dev.type == "cuda":  # NOT RUN HERE (no GPU was available): CUDA graph trees skip a
         # graph whose inputs it mutates unless their addresses are static; the cache is, for this call
-        for t in (*cache.k, *cache.v, cache.lengths_B):
+        for t in (*cache.k, *cache.v, cache.lengths_B, out.ids, out.lp, out.mask, out.n_gen):
             torch._dynamo.mark_static_address(t, guard=False)
-    admit(torch.arange(slots, device=dev))
     step = _compiled_step(dev) if compile_decode else _decode_step
-    all_decode = True
+    done = admit(torch.arange(slots, device=dev))
+    masked = compile_decode  # one static graph: every slot, masked, attention over the whole cache
     while True:
-        active = slot_row >= 0
-        r, t = torch.where(active, slot_row, B), n_gen.clamp_max(Tn - 1)  # free slots write to a spare row B
-        out_ids[r, t] = tok_S
-        out_lp[r, t] = lp_S
-        out_mask[r, t] = active
-        n_gen += active.long()
-        done = active & ((tok_S == scfg.eos_id) | (n_gen >= Tn))
-        if bool(done.any()):
-            cont = active & ~done
-            slot_row[done] = -1
+        while bool(done.any()):  # free finished slots and refill them (an admitted row may end at once)
+            out.slot_row[done] = -1
             cache.lengths_B[done] = 0
-            cache.bound = int(cache.lengths_B.max())  # this step syncs anyway: tighten the attention span
-            if admitted < B:
-                admit(torch.nonzero(slot_row < 0)[:, 0])
-            elif not bool(cont.any()):
-                break
-            all_decode = False  # some slots are free or were just refilled: mask them this step
-        if all_decode and not compile_decode:  # every slot decodes its sampled token (until rows finish)
-            tok_S, lp_S = step(params, cfg, scfg, tok_S, None, noise.next(), cache)
-        else:  # masked: refilled slots keep the token sampled from their prompt and join next step
-            cont = active & ~done
-            if compile_decode:  # one static graph: every slot, masked, attention over the whole cache
-                cache.bound = cache.max_len - 1
-            new_tok, new_lp = step(params, cfg, scfg, torch.where(cont, tok_S, scfg.pad_id), cont, noise.next(), cache)
-            tok_S, lp_S = torch.where(cont, new_tok, tok_S), torch.where(cont, new_lp, lp_S)
-            all_decode = bool(cont.all())
-    return out_ids[:B], out_mask[:B], out_lp[:B]
+            done = admit(torch.nonzero(out.slot_row < 0)[:, 0]) if admitted < B else done & False
+            active = out.slot_row >= 0
+            if not bool(active.any()):
+                return out.ids[:B], out.mask[:B], out.lp[:B]
+            masked = compile_decode or not bool(active.all())
+            if not compile_decode:
+                cache.bound = int(cache.lengths_B.max())  # this step syncs anyway: tighten the attention span
+        if compile_decode:
+            cache.bound = cache.max_len - 1
+        tok_S, done = step(params, cfg, scfg, tok_S, (out.slot_row >= 0) if masked else None, noise.next(), cache, out)
