@@ -7,7 +7,7 @@ from helpers import random_prompts
 from rlflow.algos import stages
 from rlflow.models import qwen3_moe as model
 from rlflow.models.config import get_config
-from rlflow.rollout import SamplingConfig, generate
+from rlflow.rollout import SamplingConfig, _bucketed, generate
 
 CFG = get_config("qwen3-moe-tiny")
 
@@ -115,3 +115,16 @@ def test_compiled_decode_step_gives_the_eager_tokens():
     assert torch.equal(compiled.response_mask_BTr, eager.response_mask_BTr)
     assert torch.equal(compiled.response_ids_BTr, eager.response_ids_BTr)
     torch.testing.assert_close(compiled.sample_logprobs_BTr, eager.sample_logprobs_BTr, atol=1e-4, rtol=1e-4)
+    # padding being padding, longer padded prompts sample the same tokens; two lengths whose caches
+    # round up to the same bucket share one compiled graph (no recompilation)
+    def padded(n):
+        return prompts.replace(prompt_ids_BTp=torch.nn.functional.pad(prompts.prompt_ids_BTp, (n, 0)),
+                               prompt_mask_BTp=torch.nn.functional.pad(prompts.prompt_mask_BTp, (n, 0)))
+    Tp, Tn = prompts.prompt_ids_BTp.shape[1], scfg.max_new_tokens
+    assert _bucketed(Tp + 2 + Tn) == _bucketed(Tp + 6 + Tn)
+    first = generate(params, CFG, padded(2), scfg, group_size=2, seed=3, max_batch=4, compile_decode=True)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    again = generate(params, CFG, padded(6), scfg, group_size=2, seed=3, max_batch=4, compile_decode=True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert torch.equal(first.response_ids_BTr, compiled.response_ids_BTr)
+    assert torch.equal(again.response_ids_BTr, compiled.response_ids_BTr)
