@@ -112,9 +112,12 @@ def main(argv=None):
     first = {}
     for name, fn in (("rlflow", run_rlflow), ("transformers", run_hf)):
         t = time.perf_counter()
-        fn(0)  # warm-up (with --compile: rlflow's compilation)
+        warm = fn(0)  # warm-up (with --compile: rlflow's compilation)
         _sync(dev)
         first[name] = time.perf_counter() - t
+        if name == "rlflow" and a.compile:  # the compiled step against the eager one, same seed
+            eager = generate(params, cfg, prompts, scfg, group_size=a.group_size, seed=0)
+            same = float((eager.response_ids_BTr == warm.response_ids_BTr).float().mean())
     for r in range(a.repeats):  # alternate to share the machine's noise
         for name, fn in (("rlflow", run_rlflow), ("transformers", run_hf)):
             _sync(dev)
@@ -136,12 +139,14 @@ def main(argv=None):
               f"{tps[k] / bound:.1%} of the bandwidth bound")
     print(f"  first call (warm-up, not timed): rlflow {first['rlflow']:.1f} s, transformers {first['transformers']:.1f} s"
           + ("  (rlflow's includes compiling the decode step)" if a.compile else ""))
+    if a.compile:
+        print(f"  compiled decode step vs eager, same seed: {same:.2%} of the tokens equal")
     print(f"  bound         {bound:12.0f} tokens/s   ({step_bytes / 2**20:.1f} MiB per decode step, copy bandwidth "
           f"{bw / 1e9:.1f} GB/s)")
     res = {"rlflow_tokens_per_s": tps["rlflow"], "hf_tokens_per_s": tps["transformers"],
            "ratio": tps["rlflow"] / tps["transformers"], "bound_tokens_per_s": bound,
            "rlflow_fraction_of_bound": tps["rlflow"] / bound, "copy_bandwidth_GBps": bw / 1e9,
-           "first_call_s": first, "batch": a.batch, "new_tokens": a.new_tokens,
+           "first_call_s": first, "compiled_equals_eager_tokens": same if a.compile else None, "batch": a.batch, "new_tokens": a.new_tokens,
            "preset": a.preset, "compile": a.compile, "device": str(dev), "dtype": a.dtype, "torch_threads": torch.get_num_threads()}
     print(json.dumps(res))
     return res

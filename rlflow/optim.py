@@ -55,8 +55,13 @@ def clip_by_global_norm(grads: dict[str, Tensor], max_norm: float) -> tuple[dict
     clipping). In place: a copy of every gradient would be one more model-sized buffer."""
     norm = global_norm(grads)
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    torch._foreach_mul_(list(grads.values()), scale)
+    torch._foreach_mul_(distinct(grads.values()), scale)
     return grads, norm
+
+
+def distinct(tensors) -> list[Tensor]:
+    """The tensors, each object once: an in-place scaling must not reach a tensor twice."""
+    return list({id(t): t for t in tensors}.values())
 
 
 def step(params: dict[str, Tensor], grads: dict[str, Tensor], state: AdamWState, cfg: AdamWConfig,

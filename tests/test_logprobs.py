@@ -11,6 +11,8 @@ from rlflow.ops import logprobs as L
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_chunked_logprobs_and_entropy_equal_the_full_softmax(keep_bytes, temperature, monkeypatch):
     monkeypatch.setattr(L, "KEEP_LOGITS_BYTES", keep_bytes)
+    recomputed, checkpoint = [], L.checkpoint
+    monkeypatch.setattr(L, "checkpoint", lambda fn, *a, **k: recomputed.append(1) or checkpoint(fn, *a, **k))
     g = torch.Generator().manual_seed(0)
     N, D, V = 37, 8, 11
     h = torch.randn(N, D, generator=g, requires_grad=True)
@@ -26,3 +28,4 @@ def test_chunked_logprobs_and_entropy_equal_the_full_softmax(keep_bytes, tempera
     want = torch.autograd.grad((ref_lp * c1 + ref_ent * c2).sum(), (h, w))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+    assert len(recomputed) == (8 if keep_bytes == 0 else 0)  # ceil(37 / 5) chunks, each recomputed, or none

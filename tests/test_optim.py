@@ -66,3 +66,11 @@ def test_a_gradient_with_other_strides_gives_the_same_step():
     optim.step(a, {"w": g}, optim.init(a), cfg)
     optim.step(b, {"w": g.contiguous()}, optim.init(b), cfg)
     torch.testing.assert_close(a["w"], b["w"], rtol=0, atol=0)
+
+
+def test_clipping_scales_a_gradient_shared_by_two_entries_once():
+    x = torch.tensor([3.0, 4.0])
+    g = {"a": x, "b": x}  # e.g. tied weights handing back one gradient tensor twice
+    _, norm = optim.clip_by_global_norm(g, 1.0)
+    torch.testing.assert_close(norm, torch.tensor(50.0 ** 0.5))
+    torch.testing.assert_close(x, torch.tensor([3.0, 4.0]) / 50.0 ** 0.5, rtol=1e-5, atol=1e-6)

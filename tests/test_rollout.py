@@ -80,6 +80,37 @@ def test_continuous_batching_matches_full_batch():
         torch.testing.assert_close(cb.sample_logprobs_BTr, full.sample_logprobs_BTr, atol=1e-5, rtol=1e-5)
 
 
+def test_one_token_responses_and_eos_as_the_first_token_with_refills():
+    params, prompts = _params(6), _prompts(6, P=6)
+    one = generate(params, CFG, prompts, SamplingConfig(max_new_tokens=1, eos_id=-1), group_size=3, max_batch=4)
+    assert one.response_mask_BTr.shape == (18, 1) and one.response_mask_BTr.all()
+    # an EOS that many rows sample first: those rows end at once and their slots are refilled
+    first = generate(params, CFG, prompts, SamplingConfig(max_new_tokens=1, eos_id=-1), group_size=3, seed=1)
+    eos = int(first.response_ids_BTr[:, 0].mode().values)
+    scfg = SamplingConfig(max_new_tokens=6, eos_id=eos)
+    full = generate(params, CFG, prompts, scfg, group_size=3, seed=1)
+    assert (full.response_mask_BTr.sum(-1) == 1).any(), "test needs rows that end at their first token"
+    for mb in (1, 4):
+        cb = generate(params, CFG, prompts, scfg, group_size=3, seed=1, max_batch=mb)
+        lens = cb.response_mask_BTr.sum(-1)
+        assert (lens >= 1).all() and (lens <= 6).all()
+        for b in range(cb.size):  # EOS only as the last token, padding after it
+            L = int(lens[b])
+            assert cb.response_mask_BTr[b, :L].all() and not cb.response_mask_BTr[b, L:].any()
+            assert (cb.response_ids_BTr[b, :L - 1] != eos).all()
+            assert L == 6 or cb.response_ids_BTr[b, L - 1] == eos
+
+
+def test_every_step_draws_fresh_noise():
+    """With a flat distribution (zero output weights: uniform logits) a row's tokens vary along the
+    response; noise reused across steps would repeat one token per row."""
+    params = dict(_params(7))
+    params["lm_head.weight"] = torch.zeros_like(params["lm_head.weight"])
+    out = generate(params, CFG, _prompts(7), SamplingConfig(max_new_tokens=12, eos_id=-1), group_size=2)
+    per_row_distinct = torch.tensor([len(set(r.tolist())) for r in out.response_ids_BTr])
+    assert (per_row_distinct > 4).all(), per_row_distinct
+
+
 def test_kv_cache_refuses_to_write_past_max_len():
     params = _params()
     cache = model.KVCache.allocate(CFG, 1, 4, dtype=torch.float32, device="cpu")

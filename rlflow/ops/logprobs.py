@@ -30,8 +30,9 @@ def token_logprobs(hidden_ND: Tensor, weight_VD: Tensor, targets_N: Tensor, *, t
                    with_entropy=with_entropy)
 
 
-# Logits (float32) that autograd may keep for the backward instead of recomputing them: below this,
-# recomputation costs more than the memory it saves (a 32-token vocabulary's logits are tiny).
+# What autograd may keep for the backward instead of recomputing it chunk by chunk: the float32
+# log-softmax of the [N, V] logits and its exp (8 bytes per entry). Below this, recomputation costs
+# more than the memory it saves (a 32-token vocabulary's logits are tiny).
 KEEP_LOGITS_BYTES = 64 * 2**20
 
 
@@ -42,7 +43,7 @@ def chunked(fn, hidden_ND: Tensor, weight_VD: Tensor, targets_N: Tensor, *extra,
     in ``KEEP_LOGITS_BYTES`` (the vocab-parallel version passes its own ``fn``)."""
     lps, ents = [], []
     grad = (torch.is_grad_enabled() and (hidden_ND.requires_grad or weight_VD.requires_grad)
-            and hidden_ND.shape[0] * weight_VD.shape[0] * 4 > KEEP_LOGITS_BYTES)
+            and hidden_ND.shape[0] * weight_VD.shape[0] * 8 > KEEP_LOGITS_BYTES)
     for s in range(0, hidden_ND.shape[0], chunk):
         args = (hidden_ND[s:s + chunk], weight_VD, targets_N[s:s + chunk], *extra)
         lp, ent = checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args)

@@ -71,7 +71,8 @@ def _grouped_mm_ok(x: Tensor, down_EDF: Tensor) -> bool:
     with rows of D and F elements a multiple of 16 bytes (its kernel's constraint). CUDA has it for
     bfloat16 on SM >= 80, untested here (no GPU was available), so CUDA takes the loop."""
     _, D, Fd = down_EDF.shape
-    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return (hasattr(F, "grouped_mm") and x.device.type == "cpu"  # public from torch 2.10
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and (D * x.element_size()) % 16 == 0 and (Fd * x.element_size()) % 16 == 0)
 
 

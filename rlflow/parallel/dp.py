@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlflow import optim
 from rlflow.parallel.collectives import _reduce_scatter_single
 from rlflow.sharding.layout import Layout
 from rlflow.sharding.mesh import BATCH_AXES
@@ -100,7 +101,7 @@ def clip_grads(grads: dict[str, Tensor], layout: Layout, max_norm: float) -> tup
     clipping)."""
     norm = grad_norm(grads, layout)
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    torch._foreach_mul_(list(grads.values()), scale)
+    torch._foreach_mul_(optim.distinct(grads.values()), scale)
     return grads, norm
 
 

@@ -76,7 +76,8 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
     ``dock``: a transfer dock (``rlflow.dock.Dock``) that every stage's rows go through
     (``runtime/flow.py``); None hands batches from stage to stage in memory.
     ``opt_state``: the optimizer state to continue from (what an earlier call returned); None starts
-    fresh (zero moments).
+    fresh (zero moments). The LR warm-up (``lcfg.warmup_lr_steps``) counts the optimizer steps already
+    in it, so a continued run does not warm up again.
     ``dp_layout``: data parallelism over torch.distributed (a ``Layout`` on a ``Mesh(dp=N)``): every rank
     runs the stages on its share of the step's prompts (the sizes in ``lcfg`` are global) and the
     update sums gradients over the ranks, so all ranks keep identical parameters. Metrics are global.
@@ -92,6 +93,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
                 raise ValueError(f"{name} {v} is not divisible by the {world} data-parallel ranks")
     P = lcfg.prompts_per_step // world  # this rank's prompts
     opt_state = optim.init(params) if opt_state is None else opt_state
+    start = opt_state.step  # one optimizer step per GRPO step when warming up (the recipe's case)
     ref_params = {k: v.detach().clone() for k, v in params.items()} if gcfg.kl_coef else None
     ucfg = stages.UpdateConfig(mini_batch_size=lcfg.mini_batch_size // world,
                                micro_batch_size=lcfg.micro_batch_size // world, max_grad_norm=lcfg.max_grad_norm,
@@ -125,7 +127,8 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         rows, c = flow.get("update", cols)
         batch = train_batch(rows, c)
         rewards = batch.rewards_B
-        lr = lcfg.optim.lr * min(1.0, (step + 1) / lcfg.warmup_lr_steps) if lcfg.warmup_lr_steps else None
+        done_steps = step + start  # GRPO steps before this one, counting an earlier call's
+        lr = lcfg.optim.lr * min(1.0, (done_steps + 1) / lcfg.warmup_lr_steps) if lcfg.warmup_lr_steps else None
         params, opt_state, upd = stages.update(params, opt_state, batch, cfg, gcfg, ucfg, lcfg.optim,
                                                seed=lcfg.seed + step, lr=lr, old_is_current=single_update,
                                                max_len=lcfg.sampling.max_new_tokens)
