@@ -1,6 +1,8 @@
 """The GRPO loop trains identically whether its stages hand batches over in memory or through a
 transfer dock (in-process here; the Ray dock has the same client)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -45,3 +47,23 @@ def test_dock_flow_trains_like_memory_flow(gkw):
         torch.testing.assert_close(p_dock[k], p_mem[k], rtol=1e-5, atol=1e-6)
     t = d.traffic()
     assert sum(v["bytes_in"] for k, v in t.items() if k.startswith("warehouse")) > 0  # rows went through it
+
+
+def test_a_continued_run_keeps_its_optimizer_state_and_lr_warm_up():
+    """Two calls of 2 steps, the second given the first's optimizer state: the step count carries over
+    and the LR warm-up continues where it was instead of starting again."""
+    tok = CharTokenizer()
+    cfg = get_config("qwen3-moe-tiny").replace(eos_token_id=tok.eos_id)
+    lcfg = loop.LoopConfig(steps=4, prompts_per_step=4, grpo=GRPOConfig(group_size=4), mini_batch_size=16,
+                           micro_batch_size=16, optim=optim.AdamWConfig(lr=3e-3), warmup_lr_steps=4,
+                           sampling=SamplingConfig(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id))
+    reward = lambda resp, ans: len(resp) / 4  # noqa: E731
+    _, _, h = loop.train(qwen3_moe.init_params(cfg, seed=0), cfg, tok, PromptSource(task="sum_mod10", seed=1),
+                         reward, lcfg)
+    src = PromptSource(task="sum_mod10", seed=1)
+    two = dataclasses.replace(lcfg, steps=2)
+    half, st, h1 = loop.train(qwen3_moe.init_params(cfg, seed=0), cfg, tok, src, reward, two)
+    half, st, h2 = loop.train(half, cfg, tok, src, reward, two, opt_state=st)
+    assert st.step == 4
+    assert [m["lr"] for m in h] == pytest.approx([3e-3 * k / 4 for k in (1, 2, 3, 4)])
+    assert [m["lr"] for m in h1 + h2] == pytest.approx([m["lr"] for m in h])

@@ -148,7 +148,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         std = (max(r_sq / n - mean * mean, 0.0) * n / max(n - 1, 1)) ** 0.5  # unbiased, as torch.std
         m = {"step": step, "reward_mean": mean, "reward_std": std,
              "tps": (n_prompt + n_resp) / (world * wall), "step_time_s": wall,  # one device per rank
-             "rollout_time_s": t_roll - t0, "update_time_s": t1 - t_roll,
+             "rollout_time_s": t_roll - t0, "update_time_s": t1 - t_roll, "lr": lcfg.optim.lr if lr is None else lr,
              "response_len_mean": n_resp / n, "prompt_tokens": n_prompt, "response_tokens": n_resp,
              **{k: v for k, v in upd.items()}}
         history.append(m)
