@@ -50,18 +50,16 @@ def global_norm(grads: dict[str, Tensor]) -> Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([g.float() for g in grads.values()])))
 
 
-def clip_by_global_norm(grads: dict[str, Tensor], max_norm: float) -> tuple[dict[str, Tensor], Tensor]:
+def clip_by_global_norm(grads: dict[str, Tensor], max_norm: float, *,
+                        norm: Tensor | None = None) -> tuple[dict[str, Tensor], Tensor]:
     """Scale grads in place so their global L2 norm is at most max_norm; returns (grads, norm before
-    clipping). In place: a copy of every gradient would be one more model-sized buffer."""
-    norm = global_norm(grads)
+    clipping). In place: a copy of every gradient would be one more model-sized buffer. ``norm``: the
+    global norm when the caller computes it otherwise (sharded gradients, ``parallel/dp.py``)."""
+    norm = global_norm(grads) if norm is None else norm
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    torch._foreach_mul_(distinct(grads.values()), scale)
+    distinct = list({id(t): t for t in grads.values()}.values())  # a shared tensor is scaled once
+    torch._foreach_mul_(distinct, scale)
     return grads, norm
-
-
-def distinct(tensors) -> list[Tensor]:
-    """The tensors, each object once: an in-place scaling must not reach a tensor twice."""
-    return list({id(t): t for t in tensors}.values())
 
 
 def step(params: dict[str, Tensor], grads: dict[str, Tensor], state: AdamWState, cfg: AdamWConfig,

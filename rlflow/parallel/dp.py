@@ -99,10 +99,7 @@ def grad_norm(grads: dict[str, Tensor], layout: Layout) -> Tensor:
 def clip_grads(grads: dict[str, Tensor], layout: Layout, max_norm: float) -> tuple[dict[str, Tensor], Tensor]:
     """``optim.clip_by_global_norm`` on sharded, reduced gradients: (grads scaled in place, norm before
     clipping)."""
-    norm = grad_norm(grads, layout)
-    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    torch._foreach_mul_(optim.distinct(grads.values()), scale)
-    return grads, norm
+    return optim.clip_by_global_norm(grads, max_norm, norm=grad_norm(grads, layout))
 
 
 @dataclass(frozen=True)
