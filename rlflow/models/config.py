@@ -151,19 +151,29 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             out[p + "self_attn.k_norm.weight"] = (hd,)
         out[p + "post_attention_layernorm.weight"] = (D,)
         if cfg.is_moe_layer(i):
-            E, F = cfg.num_experts, cfg.moe_intermediate_size
-            out[p + "mlp.gate.weight"] = (E, D)
-            out[p + "mlp.experts.gate_up_proj"] = (E, 2 * F, D)
-            out[p + "mlp.experts.down_proj"] = (E, D, F)
+            out[p + "mlp.gate.weight"] = (cfg.num_experts, D)
+            out.update(expert_shapes(p + "mlp.", cfg.num_experts, cfg.moe_intermediate_size, D))
         else:
-            F = cfg.intermediate_size
-            out[p + "mlp.gate_proj.weight"] = (F, D)
-            out[p + "mlp.up_proj.weight"] = (F, D)
-            out[p + "mlp.down_proj.weight"] = (D, F)
-    out["model.norm.weight"] = (D,)
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (cfg.vocab_size, D)
+            out.update(swiglu_shapes(p + "mlp.", cfg.intermediate_size, D))
+    out.update(head_shapes(cfg.vocab_size, D, cfg.tie_word_embeddings))
     return out
+
+
+# Shape tables shared by the model families (``models/deepseek.py`` too), in forward order.
+
+def swiglu_shapes(prefix: str, F: int, D: int) -> dict[str, tuple[int, ...]]:
+    """A SwiGLU MLP of width F: gate, up, down projections."""
+    return {prefix + "gate_proj.weight": (F, D), prefix + "up_proj.weight": (F, D), prefix + "down_proj.weight": (D, F)}
+
+
+def expert_shapes(prefix: str, E: int, F: int, D: int) -> dict[str, tuple[int, ...]]:
+    """E routed SwiGLU experts of width F, stacked (gate and up fused)."""
+    return {prefix + "experts.gate_up_proj": (E, 2 * F, D), prefix + "experts.down_proj": (E, D, F)}
+
+
+def head_shapes(vocab_size: int, D: int, tied: bool) -> dict[str, tuple[int, ...]]:
+    """The final norm and, unless tied to the embedding, the output projection."""
+    return {"model.norm.weight": (D,), **({} if tied else {"lm_head.weight": (vocab_size, D)})}
 
 
 def count(shapes: dict[str, tuple[int, ...]]) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlflow.models.config import count
+from rlflow.models.config import count, expert_shapes, head_shapes, swiglu_shapes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,22 +73,13 @@ def param_shapes(cfg: DeepseekConfig) -> dict[str, tuple[int, ...]]:
         m = p + "mlp."
         if cfg.is_moe_layer(i):
             E, F = cfg.n_routed_experts, cfg.moe_intermediate_size
-            S = F * cfg.n_shared_experts
             out[m + "gate.weight"] = (E, D)
             out[m + "gate.e_score_correction_bias"] = (E,)
-            out[m + "experts.gate_up_proj"] = (E, 2 * F, D)
-            out[m + "experts.down_proj"] = (E, D, F)
-            out[m + "shared_experts.gate_proj.weight"] = (S, D)
-            out[m + "shared_experts.up_proj.weight"] = (S, D)
-            out[m + "shared_experts.down_proj.weight"] = (D, S)
+            out.update(expert_shapes(m, E, F, D))
+            out.update(swiglu_shapes(m + "shared_experts.", F * cfg.n_shared_experts, D))
         else:
-            F = cfg.intermediate_size
-            out[m + "gate_proj.weight"] = (F, D)
-            out[m + "up_proj.weight"] = (F, D)
-            out[m + "down_proj.weight"] = (D, F)
-    out["model.norm.weight"] = (D,)
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (cfg.vocab_size, D)
+            out.update(swiglu_shapes(m, cfg.intermediate_size, D))
+    out.update(head_shapes(cfg.vocab_size, D, cfg.tie_word_embeddings))
     return out
 
 

@@ -96,17 +96,19 @@ class Transfers:
 
     @functools.cached_property
     def by_recv(self) -> dict[int, list[int]]:
-        out: dict[int, list[int]] = {}
-        for k, r in enumerate(self.recv.tolist()):
-            out.setdefault(r, []).append(k)
-        return out
+        return _positions_by_value(self.recv)
 
     @functools.cached_property
     def by_send(self) -> dict[int, list[int]]:
-        out: dict[int, list[int]] = {}
-        for k, s in enumerate(self.send.tolist()):
-            out.setdefault(s, []).append(k)
-        return out
+        return _positions_by_value(self.send)
+
+
+def _positions_by_value(ranks: np.ndarray) -> dict[int, list[int]]:
+    """rank -> the positions (transfer indices) where it appears, in order."""
+    out: dict[int, list[int]] = {}
+    for k, r in enumerate(ranks.tolist()):
+        out.setdefault(r, []).append(k)
+    return out
 
 
 @functools.lru_cache(maxsize=8192)
