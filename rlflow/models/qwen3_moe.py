@@ -105,31 +105,34 @@ def fuse_for_inference(params: Params, cfg: ModelConfig) -> Params:
     return out
 
 
-def attention_block(params: Params, cfg: ModelConfig, p: str, x_BTD: Tensor, cos: Tensor, sin: Tensor,
-                     mask: Tensor | None, cache: KVCache | None, layer: int, cache_slots=None, *,
-                     prefix_kv: tuple[Tensor, Tensor] | None = None, kv_out: list | None = None) -> Tensor:
-    """Self-attention of x's tokens. ``prefix_kv``: keys/values [B, K, S0, d] of earlier tokens that x's
-    queries also see (a shared prompt, see ``models/prefix.py``); ``kv_out``: receives this call's (k, v)."""
-    B, T, _ = x_BTD.shape
+def qkv_heads(params: Params, cfg: ModelConfig, p: str, x_TD: Tensor, cos_Td: Tensor, sin_Td: Tensor
+              ) -> tuple[Tensor, Tensor, Tensor]:
+    """q [..., T, H, d], k and v [..., T, K, d] of x's tokens, token-major (any leading dims: [B, T, D] or
+    packed [N, D]); q and k per-head normed (Qwen3) and rotated by cos/sin [..., T, d]."""
     H, K, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     w, bias, norm = fused_attention_weights(params, cfg, p)
-    qkv = F.linear(x_BTD, w, bias).view(B, T, H + 2 * K, d).transpose(1, 2)  # [B, H+2K, T, d]
-    qk, v = qkv.split([H + K, K], dim=1)  # split, not slices: the backward is one cat, not zero-fills
+    qkv = F.linear(x_TD, w, bias).unflatten(-1, (H + 2 * K, d))
+    qk, v = qkv.split([H + K, K], dim=-2)  # split, not slices: the backward is one cat, not zero-fills
     if norm is not None:
-        qk = rmsnorm(qk, norm[:, None], cfg.rms_norm_eps)  # per-head weights over [B, H+K, T, d]
-    qk = apply_rope(qk, cos, sin)
-    q, k = qk.split([H, K], dim=1)
+        qk = rmsnorm(qk, norm, cfg.rms_norm_eps)  # per-head weights [H+K, d]
+    q, k = apply_rope(qk, cos_Td, sin_Td).split([H, K], dim=-2)
+    return q, k, v
+
+
+def attention_block(params: Params, cfg: ModelConfig, p: str, x_BTD: Tensor, cos: Tensor, sin: Tensor,
+                     mask: Tensor | None, cache: KVCache | None, layer: int, cache_slots=None) -> Tensor:
+    """Self-attention of x's tokens (and, with a cache, of the cached ones before them)."""
+    B, T, _ = x_BTD.shape
+    q, k, v = qkv_heads(params, cfg, p, x_BTD, cos, sin)  # [B, T, heads, d]
     if cache is not None:
         rows, cols, span = cache_slots  # index_put_ (not scatter_): torch.compile keeps it in place
-        cache.k[layer][rows, :, cols] = k.transpose(1, 2)  # [B, T, K, d] at each row's own columns
-        cache.v[layer][rows, :, cols] = v.transpose(1, 2)
+        cache.k[layer][rows, :, cols] = k  # [B, T, K, d] at each row's own columns
+        cache.v[layer][rows, :, cols] = v
         k, v = cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]
-    if kv_out is not None:
-        kv_out.append((k, v))
-    if prefix_kv is not None:
-        k, v = torch.cat([prefix_kv[0], k], 2), torch.cat([prefix_kv[1], v], 2)
-    o = attention(q, k, v, mask, is_causal=True)  # [B, H, T, d]
-    return F.linear(o.transpose(1, 2).reshape(B, T, H * d), params[p + "o_proj.weight"])
+    else:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    o = attention(q.transpose(1, 2), k, v, mask, is_causal=True)  # [B, H, T, d]
+    return F.linear(o.transpose(1, 2).flatten(2), params[p + "o_proj.weight"])
 
 
 def real_tokens(valid_BT: Tensor | None) -> Tensor | None:

@@ -1,6 +1,6 @@
 """Rotary position embeddings (the "rotate half" form used by Qwen / Llama).
 
-Legend: B batch, T tokens, H heads, d head dim.
+Legend: B batch, T tokens, H heads, d head dim; ... any leading dims.
 """
 
 import torch
@@ -17,6 +17,8 @@ def rope_cos_sin(positions_BT: Tensor, head_dim: int, theta: float, dtype: torch
     return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
 
 
-def apply_rope(x_BHTd: Tensor, cos_BTd: Tensor, sin_BTd: Tensor) -> Tensor:
-    """x cos + rotate_half(x) sin, with rotate_half(x) = [-x2, x1] = roll(x, d/2) * [-1, 1] (sign in sin)."""
-    return x_BHTd * cos_BTd[:, None] + x_BHTd.roll(x_BHTd.shape[-1] // 2, -1) * sin_BTd[:, None]
+def apply_rope(x_THd: Tensor, cos_Td: Tensor, sin_Td: Tensor) -> Tensor:
+    """x cos + rotate_half(x) sin, with rotate_half(x) = [-x2, x1] = roll(x, d/2) * [-1, 1] (sign in sin).
+    Token-major: x is [..., T, heads, d] and cos/sin [..., T, d] (the same angles for every head)."""
+    cos, sin = cos_Td.unsqueeze(-2), sin_Td.unsqueeze(-2)
+    return x_THd * cos + x_THd.roll(x_THd.shape[-1] // 2, -1) * sin
