@@ -157,6 +157,10 @@ def main(argv=None) -> dict:
                       compile_decode=a.compile)
     torch.manual_seed(a.seed)
     cfg, params, tok, source, reward_fn, lcfg, dev = recipe.build(r)
+    # build() tunes the host allocator on CPU (rlflow.device.keep_host_memory); process-wide, so TRL, run in
+    # this process, gets it too
+    from rlflow import device as rl_device
+    host_memory_kept = dev.type == "cpu" and rl_device.keep_host_memory()
     lcfg = dataclasses.replace(lcfg, sampling=dataclasses.replace(lcfg.sampling, eos_id=-1))  # never sampled
     n_params = sum(p.numel() for p in params.values())
 
@@ -331,7 +335,7 @@ def main(argv=None) -> dict:
                       rlflow_compile_decode=a.compile,
                       micro_batch_size=micro, optimizer_steps_per_step=1, lr=a.lr, kl=0.0, warmup_steps=a.warmup,
                       timed_steps=a.steps, seed=a.seed),
-        torch_threads=torch.get_num_threads(), device=str(dev),
+        torch_threads=torch.get_num_threads(), device=str(dev), host_memory_kept=host_memory_kept,
         machine=f"{platform.machine()} {os.cpu_count()} CPUs" if dev.type == "cpu" else torch.cuda.get_device_name(dev),
         versions=dict(torch=torch.__version__, transformers=transformers.__version__, trl=trl.__version__),
         rlflow=src, init_logits_max_abs_diff=init_diff, date=datetime.date.today().isoformat(),

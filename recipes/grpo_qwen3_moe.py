@@ -88,6 +88,8 @@ def parse_args(argv=None) -> Recipe:
 
 def build(r: Recipe, rank: int = 0):
     dev = rl_device.device(rank)
+    if dev.type == "cpu":
+        rl_device.keep_host_memory()  # activations reuse freed memory instead of fresh pages every step
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[r.dtype]
     if r.model:
         cfg, params = hf.load(r.model, dtype=dtype, device=dev)

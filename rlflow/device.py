@@ -2,12 +2,15 @@
 
 ``RLFLOW_DEVICE`` overrides (``cpu``, ``cuda``, ``npu``). ``backend()`` is the matching collective
 backend: hccl on NPU, nccl on CUDA, gloo on CPU. Ops choose fused kernels through ``kind()`` only.
+``keep_host_memory()`` is the CPU's counterpart of a caching allocator (see there).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+import sys
 
 import torch
 
@@ -57,3 +60,31 @@ def synchronize() -> None:
         torch.cuda.synchronize()
     elif k == "npu":
         torch.npu.synchronize()
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
+
+
+@functools.lru_cache(maxsize=None)
+def keep_host_memory() -> bool:
+    """Make glibc's malloc keep freed memory in the process instead of returning it to the OS; returns
+    whether it applied (glibc on Linux only). Process-wide, idempotent.
+
+    By default glibc serves blocks above an adaptive threshold (128 KiB to 32 MiB) with mmap and unmaps
+    them on free, and trims the heap top, so a training step's activations come back every step as fresh
+    pages that the kernel faults in and zeroes. On the e2e bench workload (qwen3-moe-tiny, 128 samples x
+    44 tokens) that was 17k minor page faults (68 MB) per GRPO step and 11% of the update's time. With
+    mmap only above 32 MiB (glibc's maximum), no trimming and a 64 MiB top pad, freed blocks are
+    reused: about 5 faults per step. Blocks above 32 MiB are still mapped per allocation.
+    CUDA and NPU memory has its own caching allocator; this only concerns host tensors."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl, ...)
+        return False
+    return all(mallopt(param, value) == 1 for param, value in (
+        (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 64 * 2**20)))
