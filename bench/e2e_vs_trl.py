@@ -158,9 +158,10 @@ def main(argv=None) -> dict:
     torch.manual_seed(a.seed)
     cfg, params, tok, source, reward_fn, lcfg, dev = recipe.build(r)
     # build() tunes the host allocator on CPU (rlflow.device.keep_host_memory); process-wide, so TRL, run in
-    # this process, gets it too
+    # this process, gets it too. Recorded as build() left it (None: an rlflow snapshot without it).
     from rlflow import device as rl_device
-    host_memory_kept = dev.type == "cpu" and rl_device.keep_host_memory()
+    kept = getattr(rl_device, "keep_host_memory", None)
+    host_memory_kept = None if kept is None or dev.type != "cpu" else kept()
     lcfg = dataclasses.replace(lcfg, sampling=dataclasses.replace(lcfg.sampling, eos_id=-1))  # never sampled
     n_params = sum(p.numel() for p in params.values())
 

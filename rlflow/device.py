@@ -64,27 +64,34 @@ def synchronize() -> None:
 
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-_MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
+_MMAP_THRESHOLD = 32 * 2**20  # HEAP_MAX_SIZE / 2 on 64-bit: the most any 64-bit glibc accepts
 
 
 @functools.lru_cache(maxsize=None)
 def keep_host_memory() -> bool:
     """Make glibc's malloc keep freed memory in the process instead of returning it to the OS; returns
-    whether it applied (glibc on Linux only). Process-wide, idempotent.
+    whether it applied (glibc's own malloc on Linux only: False on other systems, other C libraries, or
+    with another allocator preloaded). Process-wide, idempotent.
 
     By default glibc serves blocks above an adaptive threshold (128 KiB to 32 MiB) with mmap and unmaps
     them on free, and trims the heap top, so a training step's activations come back every step as fresh
     pages that the kernel faults in and zeroes. On the e2e bench workload (qwen3-moe-tiny, 128 samples x
     44 tokens) that was 17k minor page faults (68 MB) per GRPO step and 11% of the update's time. With
-    mmap only above 32 MiB (glibc's maximum), no trimming and a 64 MiB top pad, freed blocks are
-    reused: about 5 faults per step. Blocks above 32 MiB are still mapped per allocation.
+    mmap only above 32 MiB, no trimming and a 64 MiB top pad, freed blocks are reused: about 5 faults
+    per step. Blocks above 32 MiB are still mapped per allocation.
     CUDA and NPU memory has its own caching allocator; this only concerns host tensors."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
+        if not hasattr(libc, "gnu_get_libc_version"):  # glibc only (musl and gcompat have no such symbol)
+            return False
         mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, ...)
+        process = ctypes.CDLL(None)  # the malloc this process calls: not glibc's with jemalloc/tcmalloc preloaded
+        if ctypes.cast(process.malloc, ctypes.c_void_p).value != ctypes.cast(libc.malloc, ctypes.c_void_p).value:
+            return False
+    except (OSError, AttributeError):
         return False
-    return all(mallopt(param, value) == 1 for param, value in (
-        (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 64 * 2**20)))
+    done = [mallopt(param, value) == 1 for param, value in (
+        (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 64 * 2**20))]
+    return all(done)

@@ -5,13 +5,12 @@ import sys
 
 import pytest
 
-from rlflow import device
-
 STEP = """
 import resource, sys, torch
 from rlflow import device
-if sys.argv[1] == "keep":
-    assert device.keep_host_memory()
+if sys.argv[1] == "keep" and not device.keep_host_memory():
+    print("unavailable")
+    sys.exit()
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 def step():  # a training step's activations: many 1 MiB tensors alive together, all freed at its end
@@ -25,16 +24,19 @@ print((faults() - f0) / 10)
 """
 
 
-def _faults_per_step(mode: str) -> float:
+def _faults_per_step(mode: str) -> str:
+    """Run in a fresh process: the settings are process-wide and must not leak into the test session."""
     out = subprocess.run([sys.executable, "-c", STEP, mode], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    return out.stdout.strip().splitlines()[-1]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only")
 def test_keep_host_memory_stops_refaulting_freed_activations():
-    if not device.keep_host_memory():
-        pytest.skip("not glibc: mallopt unavailable")
-    default, kept = _faults_per_step("default"), _faults_per_step("keep")
+    kept = _faults_per_step("keep")
+    if kept == "unavailable":
+        pytest.skip("not glibc's malloc (another C library or a preloaded allocator)")
+    default = float(_faults_per_step("default"))
+    if default < 1000:  # e.g. malloc on huge pages: nothing to fix on this host
+        pytest.skip(f"the default allocator re-faults only {default:.0f} pages per step here")
     # 64 MiB freed per step: glibc trims or unmaps it, so each step faults thousands of fresh pages back in
-    assert default > 1000, default
-    assert kept < default / 4, (kept, default)
+    assert float(kept) < default / 4, (kept, default)

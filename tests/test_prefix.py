@@ -48,3 +48,37 @@ def test_rows_with_different_prompts_in_one_group_use_the_plain_forward():
     _, batch = _rollout(cfg, seed=1)
     bad = batch.replace(group_B=torch.zeros_like(batch.group_B))  # one "group" over different prompts
     assert stages._prompt_groups(bad) is None
+
+
+def test_shared_prompt_forward_with_unequal_groups_short_responses_and_only_real_tokens_routed(monkeypatch):
+    """Groups of different sizes (rows dropped), two-token responses (one response state to run), and the
+    MoE routes exactly the real tokens of the packed sequence: each prompt's once, the responses' own."""
+    cfg = get_config("qwen3-moe-tiny")
+    routed = []
+    real_route = model.route
+
+    def counting_route(x_ND, *a, **k):
+        routed.append(x_ND.shape[0])
+        return real_route(x_ND, *a, **k)
+
+    for seed, new_tokens in ((2, 2), (3, 6)):
+        g = torch.Generator().manual_seed(seed)
+        params = model.init_params(cfg, seed=seed, std=0.2)
+        ro = generate(params, cfg, random_prompts(cfg.vocab_size, 4, g), SamplingConfig(max_new_tokens=new_tokens,
+                      eos_id=5), group_size=4, seed=seed)
+        keep = torch.tensor([0, 4, 5, 6, 7, 9, 10, 12])  # groups of 1, 4, 2 and 1 rows
+        batch = ro.select(keep[torch.randperm(len(keep), generator=g)])
+        assert stages._prompt_groups(batch) is not None
+        monkeypatch.setattr(model, "route", counting_route)
+        routed.clear()
+        lp_s, ent_s, g_s = _grads(params, cfg, batch, with_aux=False)
+        monkeypatch.setattr(model, "route", real_route)
+        first_rows = [int((batch.group_B == p).nonzero()[0]) for p in batch.group_B.unique()]
+        n_real = int(batch.prompt_mask_BTp[first_rows].sum()) + int(batch.response_mask_BTr[:, :-1].sum())
+        assert routed == [n_real] * cfg.num_hidden_layers, (routed, n_real)
+        lp_p, ent_p, g_p = _grads(params, cfg, batch, with_aux=False, remat=True)  # plain path
+        m = batch.response_mask_BTr
+        torch.testing.assert_close(lp_s[m], lp_p[m], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(ent_s[m], ent_p[m], atol=2e-5, rtol=1e-5)
+        for k in g_p:
+            torch.testing.assert_close(g_s[k], g_p[k], atol=2e-5, rtol=1e-4)
