@@ -51,3 +51,21 @@ def test_grouped_gemm_only_where_its_alignment_holds():
     assert moe._grouped_mm_ok(x, torch.randn(2, 8, 4))
     assert not moe._grouped_mm_ok(x[:, :5], torch.randn(2, 5, 3))  # 20- and 12-byte rows: the loop
     assert not moe._grouped_mm_ok(x.double(), torch.randn(2, 8, 4).double())
+
+
+def test_half_precision_experts_on_cpu_run_in_float32():
+    """bf16/fp16 on the CPU: the grouped path computes in float32 (oneDNN would compile a half-precision
+    kernel for each batch's new per-expert shapes) and returns the input dtype; gradients keep theirs."""
+    g = torch.Generator().manual_seed(0)
+    N, E, K, D, Fd = 40, 4, 2, 16, 8
+    for dtype in (torch.bfloat16, torch.float16):
+        x, gate_up, down = (torch.randn(*s, generator=g).to(dtype) for s in ((N, D), (E, 2 * Fd, D), (E, D, Fd)))
+        w, idx = torch.softmax(torch.randn(N, E, generator=g), -1).topk(K, -1)
+        leaves = [t.clone().requires_grad_(True) for t in (x, w.to(dtype), gate_up, down)]
+        y = moe._moe_grouped(*leaves[:2], idx, *leaves[2:])
+        assert y.dtype == dtype
+        want = moe._moe_grouped(x.float(), w.to(dtype).float(), idx, gate_up.float(), down.float()).to(dtype)
+        assert torch.equal(y, want)
+        grads = torch.autograd.grad(y.float().square().sum(), leaves)
+        assert [t.dtype for t in grads] == [dtype] * 4
+        assert all(bool(t.abs().sum() > 0) for t in grads)
