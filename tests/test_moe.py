@@ -54,8 +54,9 @@ def test_grouped_gemm_only_where_its_alignment_holds():
 
 
 def test_half_precision_experts_on_cpu_run_in_float32():
-    """bf16/fp16 on the CPU: the grouped path computes in float32 (oneDNN would compile a half-precision
-    kernel for each batch's new per-expert shapes) and returns the input dtype; gradients keep theirs."""
+    """bf16/fp16 on the CPU, small experts: the grouped path computes in float32 (oneDNN would compile a
+    half-precision kernel for each batch's new per-expert shapes) and returns the input dtype; gradients
+    keep theirs. Large experts stay in half precision (converting them would cost more)."""
     g = torch.Generator().manual_seed(0)
     N, E, K, D, Fd = 40, 4, 2, 16, 8
     for dtype in (torch.bfloat16, torch.float16):
@@ -69,3 +70,7 @@ def test_half_precision_experts_on_cpu_run_in_float32():
         grads = torch.autograd.grad(y.float().square().sum(), leaves)
         assert [t.dtype for t in grads] == [dtype] * 4
         assert all(bool(t.abs().sum() > 0) for t in grads)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe, "DENSE_MAX_EXPERT_BYTES", 0)  # as if the experts were large
+        y = moe._moe_grouped(x, w.to(dtype), idx, gate_up, down)
+        assert not torch.equal(y, want)  # computed in half precision: other rounding
