@@ -74,3 +74,20 @@ def test_half_precision_experts_on_cpu_run_in_float32():
         mp.setattr(moe, "DENSE_MAX_EXPERT_BYTES", 0)  # as if the experts were large
         y = moe._moe_grouped(x, w.to(dtype), idx, gate_up, down)
         assert not torch.equal(y, want)  # computed in half precision: other rounding
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_compile(dtype):
+    """The compiled decode step reaches the grouped path with few slots (N*K < E) or many (N > 256):
+    under torch.compile it must trace (torch's grouped GEMM is traceable for bfloat16 only) and agree
+    with eager."""
+    g = torch.Generator().manual_seed(0)
+    N, E, K, D, Fd = 2, 8, 2, 16, 8
+    x, gate_up, down = (torch.randn(*s, generator=g).to(dtype) for s in ((N, D), (E, 2 * Fd, D), (E, D, Fd)))
+    w, idx = torch.softmax(torch.randn(N, E, generator=g), -1).topk(K, -1)
+    w = w.to(dtype)
+    want = moe.moe_experts(x, w, idx, gate_up, down)
+    got = torch.compile(moe.moe_experts, dynamic=False)(x, w, idx, gate_up, down)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)

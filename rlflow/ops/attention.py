@@ -7,14 +7,14 @@ Masks are boolean, True where a query may attend.
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # CPU flash attention's backward in bfloat16/float16 has a large cost per (batch, head) pair: for the
 # tiny preset's training shapes (128 rows x 4 heads, 44 tokens) forward + backward take 52 ms against
-# 9 ms with the math path (5.6 ms in float32 with flash). Where the [B, H, T, S] scores are small, the
-# math path runs instead (it stores the scores for the backward); longer sequences keep flash, which
-# is 2-6x faster there (e.g. 8 x 16 heads x 300 tokens: 62 vs 154 ms).
-MATH_MAX_SCORES = 4 * 2**20  # B * H * T * S elements
+# 9-14 ms computed in float32 with plain matmuls (5.6 ms in float32 with flash). Short keys and small
+# score tensors take that path (``_attention_f32``: it stores the float32 scores for the backward);
+# from ~256 keys flash is faster again (e.g. 16 x 4 heads x 256 tokens: 24.5 vs 36 ms).
+F32_MAX_KEYS = 128
+F32_MAX_SCORES = 4 * 2**20  # B * H * T * S elements (16 MiB of float32 scores)
 
 
 def causal_padding_mask(key_valid_BS: Tensor, q_offset: int, T: int) -> Tensor:
@@ -46,10 +46,26 @@ def attention(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor 
         scores = torch.matmul(q, k_BKSd.transpose(-1, -2)) * d ** -0.5  # [B, K, H/K, S]
         scores = scores.masked_fill(~mask_B1TS, float("-inf"))
         return torch.matmul(torch.softmax(scores, -1), v_BKSd).reshape(B, H, 1, d)
-    kw = dict(attn_mask=mask_B1TS, is_causal=is_causal and mask_B1TS is None, enable_gqa=H != K)
+    S = k_BKSd.shape[2]
     if (q_BHTd.device.type == "cpu" and q_BHTd.dtype in (torch.bfloat16, torch.float16) and torch.is_grad_enabled()
             and (q_BHTd.requires_grad or k_BKSd.requires_grad or v_BKSd.requires_grad)
-            and B * H * T * k_BKSd.shape[2] <= MATH_MAX_SCORES):
-        with sdpa_kernel(SDPBackend.MATH):
-            return F.scaled_dot_product_attention(q_BHTd, k_BKSd, v_BKSd, **kw)
-    return F.scaled_dot_product_attention(q_BHTd, k_BKSd, v_BKSd, **kw)
+            and S <= F32_MAX_KEYS and B * H * T * S <= F32_MAX_SCORES):
+        return _attention_f32(q_BHTd, k_BKSd, v_BKSd, mask_B1TS, is_causal)
+    return F.scaled_dot_product_attention(q_BHTd, k_BKSd, v_BKSd, attn_mask=mask_B1TS,
+                                          is_causal=is_causal and mask_B1TS is None, enable_gqa=H != K)
+
+
+def _attention_f32(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | None,
+                   is_causal: bool) -> Tensor:
+    """``attention`` computed in float32 with plain matmuls, returned in q's dtype; ``is_causal`` without a
+    mask is SDPA's (top-left aligned: query t sees keys s <= t)."""
+    B, H, T, d = q_BHTd.shape
+    K, S = k_BKSd.shape[1], k_BKSd.shape[2]
+    q = q_BHTd.float().reshape(B, K, H // K * T, d)  # query heads grouped by their key/value head
+    scores = (q @ k_BKSd.float().transpose(-1, -2) * d ** -0.5).view(B, H, T, S)
+    if mask_B1TS is None and is_causal:
+        mask_B1TS = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+    if mask_B1TS is not None:
+        scores = scores.masked_fill(~mask_B1TS, float("-inf"))
+    p = torch.softmax(scores, -1).view(B, K, H // K * T, S)
+    return (p @ v_BKSd.float()).view(B, H, T, d).to(q_BHTd.dtype)

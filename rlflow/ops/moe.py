@@ -73,17 +73,20 @@ def _grouped_mm_ok(x: Tensor, down_EDF: Tensor) -> bool:
     _, D, Fd = down_EDF.shape
     return (hasattr(F, "grouped_mm") and x.device.type == "cpu"  # public from torch 2.10
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            # under torch.compile (the compiled decode step): its shape check admits bfloat16 only
+            and (x.dtype == torch.bfloat16 or not torch.compiler.is_compiling())
             and (D * x.element_size()) % 16 == 0 and (Fd * x.element_size()) % 16 == 0)
 
 
 def _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
-    if (x_ND.device.type == "cpu" and x_ND.dtype in (torch.bfloat16, torch.float16)
+    if (x_ND.device.type == "cpu" and x_ND.dtype in (torch.bfloat16, torch.float16) and not torch.compiler.is_compiling()
             and (gate_up_E2FD.numel() + down_EDF.numel()) * gate_up_E2FD.element_size() <= DENSE_MAX_EXPERT_BYTES):
         # On the CPU, oneDNN compiles a half-precision GEMM kernel for every new shape (~5 ms each), and
         # the experts' token counts, hence the per-expert GEMM shapes, change with every batch: the
         # bf16 update of the e2e workload (tiny experts) took 400-450 ms per step against 140 ms with
         # the experts in float32 (MKL, no per-shape compilation). Only for small experts, whose
-        # conversion is cheap and whose GEMMs are short next to a compilation.
+        # conversion is cheap and whose GEMMs are short next to a compilation; not in a torch.compile
+        # graph (static shapes, and its grouped GEMM wants bfloat16).
         return _moe_grouped(x_ND.float(), w_NK.float(), idx_NK, gate_up_E2FD.float(), down_EDF.float()).to(x_ND.dtype)
     N, K = idx_NK.shape
     E = gate_up_E2FD.shape[0]
