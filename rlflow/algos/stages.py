@@ -18,7 +18,7 @@ from rlflow.models import prefix
 from rlflow.parallel import dp
 from rlflow.models import qwen3_moe as model
 from rlflow.models.config import ModelConfig
-from rlflow.ops import token_logprobs
+from rlflow.ops import at_mask, token_logprobs
 
 
 def score(batch: RolloutBatch, tokenizer, reward_fn) -> Tensor:
@@ -87,16 +87,10 @@ def _prompt_groups(batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor] | None:
 
 def _token_logprobs(params, cfg, batch, h_resp, temperature, with_entropy):
     """Log-probs (and entropies) [B, Tr] of the response tokens from the states that predict them, computed
-    on the real tokens only (index_select / index_copy: cheap backward) and 0 on padding."""
-    m = batch.response_mask_BTr
-    at = m.reshape(-1).nonzero()[:, 0]
-    h = h_resp.reshape(-1, h_resp.shape[-1]).index_select(0, at)
-    lp_N, ent_N = token_logprobs(h, model.lm_head(params, cfg), batch.response_ids_BTr.reshape(-1).index_select(0, at),
-                                 temperature=temperature, with_entropy=with_entropy)
-    zeros = torch.zeros(m.numel(), dtype=torch.float32, device=h_resp.device)
-    lp = zeros.index_copy(0, at, lp_N).view(m.shape)
-    ent = None if ent_N is None else zeros.index_copy(0, at, ent_N).view(m.shape)
-    return lp, ent
+    on the real tokens only and 0 on padding."""
+    return at_mask(lambda h, t: token_logprobs(h, model.lm_head(params, cfg), t, temperature=temperature,
+                                               with_entropy=with_entropy),
+                   h_resp, batch.response_ids_BTr, batch.response_mask_BTr)
 
 
 @torch.no_grad()

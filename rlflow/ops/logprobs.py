@@ -53,3 +53,15 @@ def chunked(fn, hidden_ND: Tensor, weight_VD: Tensor, targets_N: Tensor, *extra,
         z = hidden_ND.new_zeros(0, dtype=torch.float32)
         return z, (z if with_entropy else None)
     return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+
+def at_mask(fn, hidden_BTD: Tensor, targets_BT: Tensor, mask_BT: Tensor) -> tuple[Tensor, Tensor | None]:
+    """``fn(hidden_ND, targets_N) -> (logprobs_N, entropy_N or None)`` on the positions where ``mask_BT``
+    is True, put back as [B, T] float32 (0 elsewhere). index_select / index_copy rather than boolean
+    indexing: their backward is index_add, not a sorting index_put."""
+    at = mask_BT.reshape(-1).nonzero()[:, 0]
+    lp_N, ent_N = fn(hidden_BTD.reshape(-1, hidden_BTD.shape[-1]).index_select(0, at),
+                     targets_BT.reshape(-1).index_select(0, at))
+    zeros = torch.zeros(mask_BT.numel(), dtype=torch.float32, device=hidden_BTD.device)
+    lp = zeros.index_copy(0, at, lp_N).view(mask_BT.shape)
+    return lp, (None if ent_N is None else zeros.index_copy(0, at, ent_N).view(mask_BT.shape))

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlflow.models import qwen3_moe as qm
 from rlflow.models.config import ModelConfig
-from rlflow.ops import causal_padding_mask, rmsnorm, rope_cos_sin
+from rlflow.ops import at_mask, causal_padding_mask, rmsnorm, rope_cos_sin
 from rlflow.parallel import dp, ep, pp, tp
 from rlflow.parallel.collectives import copy_to, reduce_from
 from rlflow.sharding.execute import shard_tensor
@@ -254,12 +254,9 @@ def pp_stage_forward(params, ctx: Ctx, batch, h_in: Tensor | None = None, *, tem
     h = rmsnorm(h, params["model.norm.weight"], cfg.rms_norm_eps)
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     g = ctx.tp if _on(lay, head, 0, "tp") else None
-    m = batch.response_mask_BTr
-    h_resp = h[:, batch.prompt_ids_BTp.shape[1] - 1:]
-    lp_N, ent_N = tp.vocab_logprobs(h_resp[m], params[head], batch.response_ids_BTr[m], cfg.vocab_size, g,
-                                    temperature=temperature, with_entropy=with_entropy)
-    lp = torch.zeros(m.shape, dtype=torch.float32, device=h.device).masked_scatter(m, lp_N)
-    ent = None if ent_N is None else torch.zeros_like(lp).masked_scatter(m, ent_N)
+    lp, ent = at_mask(lambda h_N, t_N: tp.vocab_logprobs(h_N, params[head], t_N, cfg.vocab_size, g,
+                                                         temperature=temperature, with_entropy=with_entropy),
+                      h[:, batch.prompt_ids_BTp.shape[1] - 1:], batch.response_ids_BTr, batch.response_mask_BTr)
     return PPStageOut(logprobs=lp, entropy=ent, aux_sum=aux)
 
 
