@@ -42,10 +42,7 @@ def attention(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor 
     B, H, T, d = q_BHTd.shape
     K = k_BKSd.shape[1]
     if T == 1 and mask_B1TS is not None:
-        q = q_BHTd.reshape(B, K, H // K, d)
-        scores = torch.matmul(q, k_BKSd.transpose(-1, -2)) * d ** -0.5  # [B, K, H/K, S]
-        scores = scores.masked_fill(~mask_B1TS, float("-inf"))
-        return torch.matmul(torch.softmax(scores, -1), v_BKSd).reshape(B, H, 1, d)
+        return _attention_matmul(q_BHTd, k_BKSd, v_BKSd, mask_B1TS, False)
     S = k_BKSd.shape[2]
     if (q_BHTd.device.type == "cpu" and q_BHTd.dtype in (torch.bfloat16, torch.float16) and torch.is_grad_enabled()
             and (q_BHTd.requires_grad or k_BKSd.requires_grad or v_BKSd.requires_grad)
@@ -57,15 +54,20 @@ def attention(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor 
 
 def _attention_f32(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | None,
                    is_causal: bool) -> Tensor:
-    """``attention`` computed in float32 with plain matmuls, returned in q's dtype; ``is_causal`` without a
-    mask is SDPA's (top-left aligned: query t sees keys s <= t)."""
+    """``attention`` computed in float32 with plain matmuls, returned in q's dtype."""
+    return _attention_matmul(q_BHTd.float(), k_BKSd.float(), v_BKSd.float(), mask_B1TS, is_causal).to(q_BHTd.dtype)
+
+
+def _attention_matmul(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | None,
+                      is_causal: bool) -> Tensor:
+    """``attention`` as two batched matmuls with the query heads grouped by their key/value head
+    ([B, K, H/K * T, d]); ``is_causal`` without a mask is SDPA's (top-left aligned: query t sees keys s <= t)."""
     B, H, T, d = q_BHTd.shape
     K, S = k_BKSd.shape[1], k_BKSd.shape[2]
-    q = q_BHTd.float().reshape(B, K, H // K * T, d)  # query heads grouped by their key/value head
-    scores = (q @ k_BKSd.float().transpose(-1, -2) * d ** -0.5).view(B, H, T, S)
+    q = q_BHTd.reshape(B, K, H // K * T, d)
+    scores = (q @ k_BKSd.transpose(-1, -2) * d ** -0.5).view(B, H, T, S)
     if mask_B1TS is None and is_causal:
         mask_B1TS = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
     if mask_B1TS is not None:
         scores = scores.masked_fill(~mask_B1TS, float("-inf"))
-    p = torch.softmax(scores, -1).view(B, K, H // K * T, S)
-    return (p @ v_BKSd.float()).view(B, H, T, d).to(q_BHTd.dtype)
+    return (torch.softmax(scores, -1).view(B, K, H // K * T, S) @ v_BKSd).view(B, H, T, d)
