@@ -51,10 +51,14 @@ def moe_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_E2FD: Tensor
     """
     N, K = idx_NK.shape
     E = gate_up_E2FD.shape[0]
-    expert_bytes = (gate_up_E2FD.numel() + down_EDF.numel()) * gate_up_E2FD.element_size()
-    if N <= DENSE_MAX_TOKENS and N * K >= E and expert_bytes <= DENSE_MAX_EXPERT_BYTES:
+    if N <= DENSE_MAX_TOKENS and N * K >= E and _small(gate_up_E2FD, down_EDF):
         return _moe_dense(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
     return _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
+
+
+def _small(gate_up_E2FD: Tensor, down_EDF: Tensor) -> bool:
+    """A layer's experts within ``DENSE_MAX_EXPERT_BYTES``."""
+    return (gate_up_E2FD.numel() + down_EDF.numel()) * gate_up_E2FD.element_size() <= DENSE_MAX_EXPERT_BYTES
 
 
 def _moe_dense(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
@@ -80,7 +84,7 @@ def _grouped_mm_ok(x: Tensor, down_EDF: Tensor) -> bool:
 
 def _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
     if (x_ND.device.type == "cpu" and x_ND.dtype in (torch.bfloat16, torch.float16) and not torch.compiler.is_compiling()
-            and (gate_up_E2FD.numel() + down_EDF.numel()) * gate_up_E2FD.element_size() <= DENSE_MAX_EXPERT_BYTES):
+            and _small(gate_up_E2FD, down_EDF)):
         # On the CPU, oneDNN compiles a half-precision GEMM kernel for every new shape (~5 ms each), and
         # the experts' token counts, hence the per-expert GEMM shapes, change with every batch: the
         # bf16 update of the e2e workload (tiny experts) took 400-450 ms per step against 140 ms with
