@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from rlflow.models.config import ModelConfig, param_shapes
-from rlflow.ops import apply_rope, attention, causal_padding_mask, moe_experts, rmsnorm, rope_cos_sin, route
+from rlflow.ops import attention, causal_padding_mask, moe_experts, qk_norm_rope, rmsnorm, rope_cos_sin, route
 
 Params = dict[str, Tensor]
 
@@ -112,10 +112,8 @@ def qkv_heads(params: Params, cfg: ModelConfig, p: str, x_TD: Tensor, cos_Td: Te
     H, K, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     w, bias, norm = fused_attention_weights(params, cfg, p)
     qkv = F.linear(x_TD, w, bias).unflatten(-1, (H + 2 * K, d))
-    qk, v = qkv.split([H + K, K], dim=-2)  # split, not slices: the backward is one cat, not zero-fills
-    if norm is not None:
-        qk = rmsnorm(qk, norm, cfg.rms_norm_eps)  # per-head weights [H+K, d]
-    q, k = apply_rope(qk, cos_Td, sin_Td).split([H, K], dim=-2)
+    qk, v = qk_norm_rope(qkv, norm, cos_Td, sin_Td, H + K, cfg.rms_norm_eps)  # per-head norm weights [H+K, d]
+    q, k = qk.split([H, K], dim=-2)
     return q, k, v
 
 

@@ -5,8 +5,8 @@ from rlflow.ops.attention import attention, causal_padding_mask
 from rlflow.ops.logprobs import at_mask, token_logprobs
 from rlflow.ops.moe import moe_experts, route
 from rlflow.ops.norm import rmsnorm
-from rlflow.ops.rope import apply_rope, rope_cos_sin
+from rlflow.ops.rope import apply_rope, qk_norm_rope, rope_cos_sin
 from rlflow.ops.sampling import exponential_noise, sample
 
 __all__ = ["attention", "causal_padding_mask", "token_logprobs", "at_mask", "moe_experts", "route", "rmsnorm",
-           "apply_rope", "rope_cos_sin", "exponential_noise", "sample"]
+           "apply_rope", "qk_norm_rope", "rope_cos_sin", "exponential_noise", "sample"]

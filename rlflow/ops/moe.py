@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlflow.ops import cpu_kernels
+
 
 def route(x_ND: Tensor, gate_ED: Tensor, top_k: int, norm_topk_prob: bool, *,
           with_aux: bool = True) -> tuple[Tensor, Tensor, Tensor]:
@@ -64,9 +66,13 @@ def _small(gate_up_E2FD: Tensor, down_EDF: Tensor) -> bool:
 def _moe_dense(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
     E, F2, D = gate_up_E2FD.shape
     N = x_ND.shape[0]
-    g, u = F.linear(x_ND, gate_up_E2FD.reshape(E * F2, D)).view(N, E, F2).chunk(2, dim=-1)  # [N, E, F]
+    gu = F.linear(x_ND, gate_up_E2FD.reshape(E * F2, D))  # [N, E * 2F]
     w_NE = torch.zeros(N, E, dtype=w_NK.dtype, device=w_NK.device).scatter_(1, idx_NK, w_NK)
-    a_NEF = F.silu(g) * u * w_NE[:, :, None]  # routing weight 0 for experts a token does not use
+    a_NEF = cpu_kernels.swiglu_weighted(gu.view(N * E, F2), w_NE.view(-1))  # float32 CPU: one kernel
+    if a_NEF is None:
+        g, u = gu.view(N, E, F2).chunk(2, dim=-1)  # [N, E, F]
+        a_NEF = F.silu(g) * u * w_NE[:, :, None]  # routing weight 0 for experts a token does not use
+    a_NEF = a_NEF.view(N, E, F2 // 2)
     return torch.bmm(a_NEF.transpose(0, 1), down_EDF.transpose(1, 2)).sum(0)  # [E, N, D] summed over E
 
 
@@ -99,9 +105,14 @@ def _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
     tok = order // K
     xs = x_ND.index_select(0, tok)  # [N*K, D], grouped by expert (backward: index_add, not index_put)
     counts = torch.bincount(flat, minlength=E)
+    w_sorted = w_NK.reshape(-1).index_select(0, order)
     if _grouped_mm_ok(x_ND, down_EDF):  # one kernel per projection over all experts, no host sync
         offs = counts.cumsum(0).to(torch.int32)
-        g, u = F.grouped_mm(xs, gate_up_E2FD.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        gu = F.grouped_mm(xs, gate_up_E2FD.transpose(1, 2), offs=offs)
+        a = cpu_kernels.swiglu_weighted(gu, w_sorted)  # float32 CPU: one kernel, the routing weight folded in
+        if a is not None:  # (w a) down = w (a down)
+            return torch.zeros_like(x_ND).index_add_(0, tok, F.grouped_mm(a, down_EDF.transpose(1, 2), offs=offs))
+        g, u = gu.chunk(2, dim=-1)
         ys = F.grouped_mm(F.silu(g) * u, down_EDF.transpose(1, 2), offs=offs)
     else:
         counts = counts.tolist()
@@ -111,5 +122,4 @@ def _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
                 g, u = F.linear(xe, gate_up_E2FD[e]).chunk(2, dim=-1)
                 outs.append(F.linear(F.silu(g) * u, down_EDF[e]))
         ys = torch.cat(outs)
-    ys = ys * w_NK.reshape(-1).index_select(0, order)[:, None]
-    return torch.zeros_like(x_ND).index_add_(0, tok, ys)
+    return torch.zeros_like(x_ND).index_add_(0, tok, ys * w_sorted[:, None])

@@ -3,10 +3,15 @@
 import torch
 from torch import Tensor
 
+from rlflow.ops import cpu_kernels
+
 
 def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """y = w * x / sqrt(mean(x^2) + eps), normalized in float32 and cast back (as transformers does).
     ``weight`` broadcasts against x's trailing dims (e.g. [D], or [heads, d] for per-head norms)."""
+    fused = cpu_kernels.rmsnorm(x, weight, eps) if weight.dim() == 1 else None  # float32 on a CPU: one kernel
+    if fused is not None:
+        return fused
     x32 = x if x.dtype == torch.float32 else x.float()
     y = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
     return weight * (y if x.dtype == torch.float32 else y.to(x.dtype))

@@ -6,6 +6,9 @@ Legend: B batch, T tokens, H heads, d head dim; ... any leading dims.
 import torch
 from torch import Tensor
 
+from rlflow.ops import cpu_kernels
+from rlflow.ops.norm import rmsnorm
+
 
 def rope_cos_sin(positions_BT: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos, sin [B, T, d] for integer positions: angle = pos * theta^(-2i/d), duplicated over halves, with
@@ -22,3 +25,17 @@ def apply_rope(x_THd: Tensor, cos_Td: Tensor, sin_Td: Tensor) -> Tensor:
     Token-major: x is [..., T, heads, d] and cos/sin [..., T, d] (the same angles for every head)."""
     cos, sin = cos_Td.unsqueeze(-2), sin_Td.unsqueeze(-2)
     return x_THd * cos + x_THd.roll(x_THd.shape[-1] // 2, -1) * sin
+
+
+def qk_norm_rope(qkv_THd: Tensor, norm_Hd: Tensor | None, cos_Td: Tensor, sin_Td: Tensor, n_qk: int,
+                 eps: float) -> tuple[Tensor, Tensor]:
+    """From the fused q/k/v projection's heads [..., T, n_qk + n_v, d] (q and k heads first): the q/k heads
+    [..., T, n_qk, d] per-head RMSNorm'ed with ``norm_Hd`` [n_qk, d] (None: not normed, as Qwen2) and
+    rotated, and the v heads [..., T, n_v, d]. One fused kernel on a CPU in float32 (``cpu_kernels``)."""
+    fused = cpu_kernels.qk_norm_rope(qkv_THd, norm_Hd, cos_Td, sin_Td, n_qk, eps)
+    if fused is not None:
+        return fused
+    qk, v = qkv_THd.split([n_qk, qkv_THd.shape[-2] - n_qk], dim=-2)  # split: the backward is one cat
+    if norm_Hd is not None:
+        qk = rmsnorm(qk, norm_Hd, eps)
+    return apply_rope(qk, cos_Td, sin_Td), v

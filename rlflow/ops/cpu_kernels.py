@@ -1,0 +1,255 @@
+"""Fused float32 CPU kernels (``cpu_kernels.c``) for the training step, and the autograd functions over them.
+
+On a CPU the update of a small model is bound by the bytes its activations move through DRAM: each
+unfused elementwise op is one more pass over MBs of them (docs/benchmarks.md). Three kernels do in one
+pass each, forward and backward, what took several torch ops:
+
+- ``swiglu_weighted``: the MoE experts' ``silu(g) * u`` times each (token, expert) pair's routing weight;
+- ``rmsnorm``: RMSNorm over the last dim;
+- ``qk_norm_rope``: from the fused q/k/v projection, Qwen3's per-head q/k RMSNorm and the rotary
+  embedding of q and k, and v split out.
+
+The C source is compiled on first use with the system C compiler (``cc``, or ``$CC``) into a per-user
+cache (``$RLFLOW_CACHE_DIR``, default ``~/.cache/rlflow``), keyed by the source, flags and compiler, and
+loaded with ctypes. OpenMP is used only when the process already has GNU OpenMP loaded (torch's Linux
+CPU builds do), so the kernels share torch's threads instead of starting a second pool. No compiler, a
+failed build, another platform, or ``RLFLOW_CPU_KERNELS=0``: ``available()`` is False and the callers
+(``ops/moe.py``, ``ops/norm.py``, ``models/qwen3_moe.py``) keep their torch ops, which stay the
+reference the kernels are tested against (tests/test_cpu_kernels.py). Not used inside torch.compile
+(an opaque call) and never for other dtypes or devices.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+
+import torch
+from torch import Tensor
+
+_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c")
+WIDTH = 8  # floats per vector in the C source: row widths must be multiples of it
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
+
+
+def _gomp_loaded() -> bool:
+    """GNU OpenMP already mapped into this process (torch's)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "libgomp" in f.read()
+    except OSError:
+        return False
+
+
+def _build(cc: str, flags: list[str], out: str) -> None:
+    tmp = tempfile.mkdtemp(prefix="rlflow_kernels_", dir=os.path.dirname(out))
+    try:
+        so = os.path.join(tmp, "k.so")
+        subprocess.run([cc, *flags, "-shared", "-fPIC", _SRC, "-o", so], check=True, capture_output=True, text=True)
+        os.replace(so, out)  # atomic: concurrent processes may race to build the same file
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load() -> ctypes.CDLL | bool:
+    if os.environ.get("RLFLOW_CPU_KERNELS", "1") == "0":
+        return False
+    if platform.system() != "Linux":
+        return False
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        return False
+    omp = _gomp_loaded()
+    base = ["-O3", "-std=gnu11"] + (["-fopenmp"] if omp else [])
+    cache = os.environ.get("RLFLOW_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "rlflow")
+    errors = []
+    # -march=native: the cache key includes the machine's CPU flags, so a shared home dir across
+    # different CPUs builds one file per CPU kind
+    for flags in (base + ["-march=native"], base):
+        try:
+            version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+            with open(_SRC, "rb") as f:
+                src = f.read()
+            key = hashlib.sha256(src + repr((flags, version, platform.machine(), _cpu_flags())).encode()).hexdigest()[:16]
+            os.makedirs(cache, exist_ok=True)
+            path = os.path.join(cache, f"cpu_kernels_{key}.so")
+            if not os.path.exists(path):
+                _build(cc, flags, path)
+            lib = ctypes.CDLL(path)
+            if bool(lib.rlflow_kernels_openmp()) != omp:
+                raise OSError(f"{path}: built {'with' if not omp else 'without'} OpenMP, expected the opposite")
+            _declare(lib)
+            return lib
+        except (OSError, subprocess.CalledProcessError) as e:
+            errors.append(getattr(e, "stderr", None) or str(e))
+    warnings.warn("rlflow: fused CPU kernels unavailable (torch ops are used instead): " + errors[-1][-500:])
+    return False
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    P, I, Fl, Int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    sig = {
+        "swiglu_fwd": [P, P, I, I, P],
+        "swiglu_bwd": [P, P, P, I, I, P, P],
+        "rmsnorm_fwd": [P, P, I, I, Fl, P, P],
+        "rmsnorm_bwd": [P, P, P, P, I, I, Int, P, P],
+        "qk_norm_rope_fwd": [P, P, P, P, I, I, I, I, Fl, P, P, P],
+        "qk_norm_rope_bwd": [P, P, P, P, P, P, P, I, I, I, I, Int, P, P],
+    }
+    for name, args in sig.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+
+
+def _library() -> ctypes.CDLL | None:
+    global _lib
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                _lib = _load()
+    return _lib or None
+
+
+def available() -> bool:
+    """The kernels are built and loaded (built on the first call)."""
+    return _library() is not None
+
+
+def usable(*tensors: Tensor) -> bool:
+    """The kernels can take these tensors: float32, CPU, contiguous, not being traced by torch.compile."""
+    return (not torch.compiler.is_compiling()
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+            and available())
+
+
+def _ptr(t: Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+class _SwiGLUWeighted(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gu_NF2: Tensor, w_N: Tensor) -> Tensor:
+        n, f2 = gu_NF2.shape
+        out = gu_NF2.new_empty(n, f2 // 2)
+        _library().swiglu_fwd(gu_NF2.data_ptr(), w_N.data_ptr(), n, f2 // 2, out.data_ptr())
+        ctx.save_for_backward(gu_NF2, w_N)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        gu, w = ctx.saved_tensors
+        n, f2 = gu.shape
+        dout = dout.contiguous()
+        dgu, dw = torch.empty_like(gu), torch.empty_like(w)
+        _library().swiglu_bwd(gu.data_ptr(), w.data_ptr(), dout.data_ptr(), n, f2 // 2, dgu.data_ptr(), dw.data_ptr())
+        return dgu, dw
+
+
+def swiglu_weighted(gu_NF2: Tensor, w_N: Tensor) -> Tensor | None:
+    """``silu(g) * u * w[:, None]`` with ``g, u = gu.chunk(2, -1)`` [N, F]; None when the kernels cannot
+    take these tensors (the caller computes it with torch ops)."""
+    if gu_NF2.dim() != 2 or gu_NF2.shape[1] % (2 * WIDTH) or not usable(gu_NF2, w_N) or w_N.shape != gu_NF2.shape[:1]:
+        return None
+    return _SwiGLUWeighted.apply(gu_NF2, w_N)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, eps: float) -> Tensor:
+        d = x.shape[-1]
+        n = x.numel() // d
+        y = torch.empty_like(x)
+        rstd = x.new_empty(n)
+        _library().rmsnorm_fwd(x.data_ptr(), w.data_ptr(), n, d, eps, y.data_ptr(), rstd.data_ptr())
+        ctx.save_for_backward(x, w, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, w, rstd = ctx.saved_tensors
+        d = x.shape[-1]
+        n = x.numel() // d
+        dy = dy.contiguous()
+        nt = _threads()
+        dx, part = torch.empty_like(x), x.new_zeros(nt, d)
+        _library().rmsnorm_bwd(x.data_ptr(), w.data_ptr(), rstd.data_ptr(), dy.data_ptr(), n, d, nt, dx.data_ptr(),
+                               part.data_ptr())
+        return dx, part.sum(0), None
+
+
+def rmsnorm(x: Tensor, w_D: Tensor, eps: float) -> Tensor | None:
+    """RMSNorm of x over its last dim with weight [D]; None when the kernels cannot take these tensors."""
+    if x.dim() < 1 or w_D.dim() != 1 or w_D.shape[0] != x.shape[-1] or x.shape[-1] % WIDTH or not usable(x, w_D):
+        return None
+    return _RMSNorm.apply(x, w_D, eps)
+
+
+class _QKNormRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv: Tensor, norm: Tensor | None, cos: Tensor, sin: Tensor, hk: int, eps: float):
+        *lead, heads, d = qkv.shape
+        hv = heads - hk
+        n = qkv.numel() // (heads * d)
+        qk = qkv.new_empty(*lead, hk, d)
+        v = qkv.new_empty(*lead, hv, d)
+        rstd = qkv.new_empty(n, hk) if norm is not None else None
+        _library().qk_norm_rope_fwd(qkv.data_ptr(), _ptr(norm), cos.data_ptr(), sin.data_ptr(), n, hk, hv, d, eps,
+                                    qk.data_ptr(), v.data_ptr(), _ptr(rstd))
+        ctx.hk = hk
+        ctx.has_norm = norm is not None
+        ctx.save_for_backward(qkv, norm, cos, sin, rstd)
+        return qk, v
+
+    @staticmethod
+    def backward(ctx, dqk: Tensor | None, dv: Tensor | None):
+        qkv, norm, cos, sin, rstd = ctx.saved_tensors
+        *lead, heads, d = qkv.shape
+        hk = ctx.hk
+        hv = heads - hk
+        n = qkv.numel() // (heads * d)
+        dqk = qkv.new_zeros(*lead, hk, d) if dqk is None else dqk.contiguous()
+        dv = qkv.new_zeros(*lead, hv, d) if dv is None else dv.contiguous()
+        nt = _threads()
+        dqkv = torch.empty_like(qkv)
+        part = qkv.new_zeros(nt, hk, d) if ctx.has_norm else None
+        _library().qk_norm_rope_bwd(qkv.data_ptr(), _ptr(norm), cos.data_ptr(), sin.data_ptr(), _ptr(rstd),
+                                    dqk.data_ptr(), dv.data_ptr(), n, hk, hv, d, nt, dqkv.data_ptr(), _ptr(part))
+        return dqkv, (part.sum(0) if ctx.has_norm else None), None, None, None, None
+
+
+def qk_norm_rope(qkv: Tensor, norm_Hd: Tensor | None, cos: Tensor, sin: Tensor, hk: int, eps: float
+                 ) -> tuple[Tensor, Tensor] | None:
+    """From q/k/v heads ``qkv`` [..., T, hk + hv, d] (q and k heads first): (qk [..., T, hk, d]: per-head
+    RMSNorm with ``norm_Hd`` [hk, d] (None: no norm), then rotary with cos/sin [..., T, d]; v [..., T, hv, d]).
+    None when the kernels cannot take these tensors (no gradient to cos/sin is computed: they must not
+    need one)."""
+    d = qkv.shape[-1]
+    if (qkv.dim() < 3 or d % (2 * WIDTH) or cos.shape != qkv.shape[:-2] + (d,) or sin.shape != cos.shape
+            or cos.requires_grad or sin.requires_grad
+            or (norm_Hd is not None and norm_Hd.shape != (hk, d))
+            or not usable(qkv, cos, sin, *(() if norm_Hd is None else (norm_Hd,)))):
+        return None
+    return _QKNormRope.apply(qkv, norm_Hd, cos, sin, hk, eps)

@@ -1,0 +1,196 @@
+"""The fused float32 CPU kernels (rlflow/ops/cpu_kernels.c) equal the torch ops they replace, values and
+gradients, computed in float64 as the reference; the callers fall back to torch ops where the kernels
+cannot take the tensors; and the model's forward + backward with the kernels equals it without them."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from rlflow.ops import apply_rope, cpu_kernels, moe, qk_norm_rope, rmsnorm, rope_cos_sin
+from rlflow.ops.norm import rmsnorm as norm_module_rmsnorm
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
+                                reason="fused CPU kernels unavailable here (no C compiler, or not Linux)")
+
+
+def _close(a, b, tol=2e-5):
+    a, b = a.detach().double(), b.detach().double()
+    err = float((a - b).abs().max()) if a.numel() else 0.0
+    assert err <= tol * max(1.0, float(b.abs().max())) if b.numel() else True, err
+
+
+def _grads(f, inputs, dout):
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = f(*leaves)
+    outs = out if isinstance(out, tuple) else (out,)
+    douts = dout if isinstance(dout, tuple) else (dout,)
+    gs = torch.autograd.grad(outs, leaves, [d.to(o.dtype) for o, d in zip(outs, douts)], allow_unused=True)
+    return outs, gs
+
+
+def _ref_swiglu(gu, w):
+    g, u = gu.chunk(2, -1)
+    return F.silu(g) * u * w[:, None]
+
+
+@settings(max_examples=20)
+@given(n=st.integers(1, 70), f8=st.integers(1, 4), scale=st.sampled_from([0.1, 3.0, 60.0]), seed=st.integers(0, 99))
+def test_swiglu_weighted_equals_torch(n, f8, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    gu = torch.randn(n, 16 * f8, generator=g) * scale  # large |g|: exp's clamping (silu(-60) ~ 0, silu(60) = 60)
+    w = torch.rand(n, generator=g)
+    dout = torch.randn(n, 8 * f8, generator=g)
+    (ours,), g_ours = _grads(cpu_kernels.swiglu_weighted, (gu, w), dout)
+    (ref,), g_ref = _grads(_ref_swiglu, (gu.double(), w.double()), dout)
+    _close(ours, ref)
+    for a, b in zip(g_ours, g_ref):
+        _close(a, b)
+
+
+@settings(max_examples=20)
+@given(lead=st.sampled_from([(5,), (3, 7), (1,), (2, 1, 4)]), d8=st.integers(1, 17), seed=st.integers(0, 99),
+       eps=st.sampled_from([1e-6, 1e-2]))
+def test_rmsnorm_equals_torch(lead, d8, seed, eps):
+    g = torch.Generator().manual_seed(seed)
+    d = 8 * d8
+    x = torch.randn(*lead, d, generator=g) * 2
+    w = torch.randn(d, generator=g)
+    dout = torch.randn(*lead, d, generator=g)
+    (ours,), g_ours = _grads(lambda a, b: cpu_kernels.rmsnorm(a, b, eps), (x, w), dout)
+    (ref,), g_ref = _grads(lambda a, b: norm_module_rmsnorm(a, b, eps), (x.double(), w.double()), dout)
+    _close(ours, ref)
+    for a, b in zip(g_ours, g_ref):
+        _close(a, b)
+
+
+def _ref_qk_norm_rope(qkv, norm, cos, sin, hk, eps):
+    qk, v = qkv.split([hk, qkv.shape[-2] - hk], -2)
+    if norm is not None:
+        qk = norm_module_rmsnorm(qk, norm, eps)
+    return apply_rope(qk, cos, sin), v
+
+
+@pytest.mark.parametrize("with_norm", [True, False])
+@settings(max_examples=12)
+@given(lead=st.sampled_from([(9,), (3, 5), (1, 1)]), heads=st.sampled_from([(2, 1), (4, 2), (6, 2)]),
+       d=st.sampled_from([16, 32, 64]), seed=st.integers(0, 99))
+def test_qk_norm_rope_equals_torch(with_norm, lead, heads, d, seed):
+    H, K = heads
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(*lead, H + 2 * K, d, generator=g)
+    norm = torch.randn(H + K, d, generator=g) if with_norm else None
+    pos = torch.randint(0, 300, lead[:-1] + (lead[-1],), generator=g)
+    cos, sin = rope_cos_sin(pos, d, 10000.0, torch.float32)
+    dqk, dv = torch.randn(*lead, H + K, d, generator=g), torch.randn(*lead, K, d, generator=g)
+    inputs = (qkv,) + ((norm,) if with_norm else ())
+    if with_norm:
+        ours, g_ours = _grads(lambda a, b: cpu_kernels.qk_norm_rope(a, b, cos, sin, H + K, 1e-6), inputs, (dqk, dv))
+        ref, g_ref = _grads(lambda a, b: _ref_qk_norm_rope(a, b, cos.double(), sin.double(), H + K, 1e-6),
+                            tuple(t.double() for t in inputs), (dqk, dv))
+    else:
+        ours, g_ours = _grads(lambda a: cpu_kernels.qk_norm_rope(a, None, cos, sin, H + K, 1e-6), inputs, (dqk, dv))
+        ref, g_ref = _grads(lambda a: _ref_qk_norm_rope(a, None, cos.double(), sin.double(), H + K, 1e-6),
+                            tuple(t.double() for t in inputs), (dqk, dv))
+    for a, b in zip(ours, ref):
+        _close(a, b)
+    for a, b in zip(g_ours, g_ref):
+        _close(a, b)
+
+
+def test_only_grads_of_used_outputs():
+    """A backward that reaches only q/k (v unused) or only v: the missing gradient counts as zero."""
+    qkv = torch.randn(6, 4, 16, requires_grad=True)
+    cos, sin = rope_cos_sin(torch.arange(6), 16, 10000.0, torch.float32)
+    qk, v = cpu_kernels.qk_norm_rope(qkv, None, cos, sin, 3, 1e-6)
+    (gv,) = torch.autograd.grad(v.sum(), qkv)
+    assert torch.equal(gv[:, :3], torch.zeros(6, 3, 16)) and torch.equal(gv[:, 3:], torch.ones(6, 1, 16))
+
+
+def test_callers_fall_back_where_the_kernels_do_not_apply():
+    x = torch.randn(6, 12)  # 12: not a multiple of 8
+    assert cpu_kernels.rmsnorm(x, torch.ones(12), 1e-6) is None
+    _close(rmsnorm(x, torch.ones(12), 1e-6), norm_module_rmsnorm(x.double(), torch.ones(12).double(), 1e-6))
+    assert cpu_kernels.rmsnorm(torch.randn(8, 16).t(), torch.ones(8), 1e-6) is None  # not contiguous
+    assert cpu_kernels.rmsnorm(torch.randn(4, 16, dtype=torch.float64), torch.ones(16, dtype=torch.float64),
+                               1e-6) is None
+    assert cpu_kernels.swiglu_weighted(torch.randn(4, 24), torch.rand(4)) is None  # F = 12
+    qkv = torch.randn(5, 4, 8)  # head dim 8: halves of 4
+    cos, sin = rope_cos_sin(torch.arange(5), 8, 10000.0, torch.float32)
+    assert cpu_kernels.qk_norm_rope(qkv, None, cos, sin, 3, 1e-6) is None
+    qk, v = qk_norm_rope(qkv, None, cos, sin, 3, 1e-6)  # the ops-level function still answers
+    _close(qk, apply_rope(qkv[:, :3], cos, sin))
+    assert torch.equal(v, qkv[:, 3:])
+
+
+@pytest.mark.parametrize("path", ["dense", "grouped_mm"])
+def test_expert_paths_with_the_kernel_equal_the_reference(path):
+    """The MoE paths that use ``swiglu_weighted`` (F a multiple of 8), values and gradients against float64."""
+    g = torch.Generator().manual_seed(0)
+    N, E, K, D, Fd = 37, 5, 2, 16, 8
+    x, gate_up, down = torch.randn(N, D, generator=g), torch.randn(E, 2 * Fd, D, generator=g), torch.randn(E, D, Fd, generator=g)
+    w, idx = torch.softmax(torch.randn(N, E, generator=g), -1).topk(K, -1)
+    f = moe._moe_dense if path == "dense" else moe._moe_grouped
+    assert path == "dense" or moe._grouped_mm_ok(x, down)
+    dout = torch.randn(N, D, generator=g)
+    (ours,), g_ours = _grads(lambda *a: f(a[0], a[1], idx, a[2], a[3]), (x, w, gate_up, down), dout)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe, "_grouped_mm_ok", lambda *_: False)  # the per-expert loop in float64: torch ops only
+        (ref,), g_ref = _grads(lambda *a: moe._moe_grouped(a[0], a[1], idx, a[2], a[3]),
+                               tuple(t.double() for t in (x, w, gate_up, down)), dout)
+    _close(ours, ref, 1e-4)
+    for a, b in zip(g_ours, g_ref):
+        _close(a, b, 1e-4)
+
+
+def test_model_forward_backward_with_and_without_kernels():
+    """The tiny preset's shared-prompt forward + backward (what the update runs) in float32, with the kernels
+    and with torch ops, against float64: the kernels' rounding is of the same order as the torch ops'."""
+    from rlflow.models import prefix
+    from rlflow.models.config import get_config
+    from rlflow.models.qwen3_moe import init_params
+
+    cfg = get_config("qwen3-moe-tiny")
+    params = init_params(cfg, seed=1, std=0.2)
+    g = torch.Generator().manual_seed(0)
+    P, Tp, G, R = 3, 6, 4, 5
+    prompt = torch.randint(3, cfg.vocab_size, (P, Tp), generator=g)
+    pvalid = torch.ones(P, Tp, dtype=torch.bool)
+    pvalid[0, :2] = False
+    resp = torch.randint(3, cfg.vocab_size, (P * G, R), generator=g)
+    rvalid = torch.ones(P * G, R, dtype=torch.bool)
+    rvalid[1, 3:] = False
+    counts = torch.full((P,), G)
+
+    def run(dtype):
+        leaves = {k: v.to(dtype).requires_grad_(True) for k, v in params.items()}
+        last, h = prefix.forward(leaves, cfg, prompt, pvalid, counts, resp, rvalid)
+        loss = (last.square().sum() + (h * rvalid[..., None]).square().sum())
+        grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)  # lm_head: unused
+        return [last, h] + [torch.zeros(()) if gr is None else gr for gr in grads]
+
+    calls = []
+    orig = cpu_kernels._library
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_kernels, "_library", lambda: calls.append(1) or orig())
+        with_k = run(torch.float32)
+    assert calls, "the kernels were not used"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_kernels, "usable", lambda *_: False)
+        without = run(torch.float32)
+    ref = run(torch.float64)
+    for a, b, r in zip(with_k, without, ref):
+        scale = max(1.0, float(r.abs().max()))
+        err_k, err_t = float((a.double() - r).abs().max()) / scale, float((b.double() - r).abs().max()) / scale
+        assert err_k <= 4 * err_t + 1e-6, (err_k, err_t)  # rounding of the same order
+
+
+def test_disabled_by_environment():
+    env = dict(os.environ, RLFLOW_CPU_KERNELS="0")
+    out = subprocess.run([sys.executable, "-c", "from rlflow.ops import cpu_kernels; print(cpu_kernels.available())"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
