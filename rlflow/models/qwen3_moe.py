@@ -105,15 +105,22 @@ def fuse_for_inference(params: Params, cfg: ModelConfig) -> Params:
     return out
 
 
-def qkv_heads(params: Params, cfg: ModelConfig, p: str, x_TD: Tensor, cos_Td: Tensor, sin_Td: Tensor
-              ) -> tuple[Tensor, Tensor, Tensor]:
-    """q [..., T, H, d], k and v [..., T, K, d] of x's tokens, token-major (any leading dims: [B, T, D] or
-    packed [N, D]); q and k per-head normed (Qwen3) and rotated by cos/sin [..., T, d]."""
+def qk_v_heads(params: Params, cfg: ModelConfig, p: str, x_TD: Tensor, cos_Td: Tensor, sin_Td: Tensor
+               ) -> tuple[Tensor, Tensor]:
+    """qk [..., T, H + K, d] (the query heads, then the key heads) and v [..., T, K, d] of x's tokens,
+    token-major (any leading dims: [B, T, D] or packed [N, D]); q and k per-head normed (Qwen3) and
+    rotated by cos/sin [..., T, d]."""
     H, K, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     w, bias, norm = fused_attention_weights(params, cfg, p)
     qkv = F.linear(x_TD, w, bias).unflatten(-1, (H + 2 * K, d))
-    qk, v = qk_norm_rope(qkv, norm, cos_Td, sin_Td, H + K, cfg.rms_norm_eps)  # per-head norm weights [H+K, d]
-    q, k = qk.split([H, K], dim=-2)
+    return qk_norm_rope(qkv, norm, cos_Td, sin_Td, H + K, cfg.rms_norm_eps)  # per-head norm weights [H+K, d]
+
+
+def qkv_heads(params: Params, cfg: ModelConfig, p: str, x_TD: Tensor, cos_Td: Tensor, sin_Td: Tensor
+              ) -> tuple[Tensor, Tensor, Tensor]:
+    """q [..., T, H, d], k and v [..., T, K, d]: ``qk_v_heads`` with q and k split."""
+    qk, v = qk_v_heads(params, cfg, p, x_TD, cos_Td, sin_Td)
+    q, k = qk.split([cfg.num_attention_heads, cfg.num_key_value_heads], dim=-2)
     return q, k, v
 
 

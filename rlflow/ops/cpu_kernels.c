@@ -246,3 +246,244 @@ void qk_norm_rope_bwd(const float* qkv, const float* normw, const float* cos, co
       for (int64_t j = 0; j < hk * d; j += W) vst(pw + j, vld(pw + j) + vld(blk + j));
   }
 }
+
+/* ---- Shared-prompt attention (models/prefix.py's packed layout) ----
+ * Tokens are packed: P prompts of Tp tokens (left-padded), then B rows of R response tokens (right-padded);
+ * the rows of prompt p are rows [row_start[p], row_start[p + 1]). qk [N, H + K, d] holds each token's q heads
+ * then its k heads, v [N, K, d], o [N, H, d], lse [N, H] (log-sum-exp of each query's scores, for the
+ * backward). A prompt token attends causally among its prompt's valid tokens; a response token to its
+ * prompt's valid tokens and causally to its row's valid tokens; every token always sees itself (as
+ * ops.causal_padding_mask). Query head h uses key/value head h / (H / K).
+ *
+ * A "unit" is a prompt's own tokens or one row's response: its keys are a prefix always visible (none for
+ * a prompt; the prompt's valid tokens for a row) then its own L tokens, causal. Per (unit, kv head) the
+ * keys and values are gathered transposed ([d][keys]) so that 8 keys' scores are one vector. Work is split
+ * by prompt: a prompt and its rows are one thread's, so the gradients of the prompt's keys (shared by
+ * its rows) need no reduction across threads. */
+
+typedef struct {
+  const float* qk; const float* v; const uint8_t* pvalid; const uint8_t* rvalid; const int64_t* row_start;
+  int64_t P, Tp, R, H, K, d;
+} attn_t;
+
+static inline float dot(const float* x, const float* y, int64_t d) {
+  vf acc = vsplat(0.0f);
+  for (int64_t j = 0; j < d; j += W) acc += vld(x + j) * vld(y + j);
+  return vsum(acc);
+}
+
+/* per-thread scratch: the key list, transposed keys/values [d][nmax8], bias [nmax8] (0 or -inf per
+ * causal key), scores [nmax8], and (backward) dK, dV rows [nmax][d] */
+typedef struct {
+  int64_t* tok; float* kt; float* vt; float* bias; float* w; float* dw; float* dk; float* dv;
+} scratch_t;
+
+static int64_t unit_keys(const attn_t* a, int64_t p, int64_t row, int64_t* tok, int64_t* npre, int64_t* L,
+                         const uint8_t** own_valid, int64_t* own_first) {
+  const int64_t Np = a->P * a->Tp;
+  int64_t n = 0;
+  if (row < 0) {
+    *npre = 0;
+    *L = a->Tp;
+    *own_first = p * a->Tp;
+    *own_valid = a->pvalid + p * a->Tp;
+  } else {
+    for (int64_t s = 0; s < a->Tp; s++)
+      if (a->pvalid[p * a->Tp + s]) tok[n++] = p * a->Tp + s;
+    *npre = n;
+    *L = a->R;
+    *own_first = Np + row * a->R;
+    *own_valid = a->rvalid + row * a->R;
+  }
+  for (int64_t s = 0; s < *L; s++) tok[n++] = *own_first + s;
+  return n;
+}
+
+/* Gather kv head kh of the n keys transposed into kt/vt [d][n8] (n8 = n rounded up to W, zero-padded) and
+ * the causal keys' bias (0 valid, -inf padding). */
+static void gather_keys(const attn_t* a, const scratch_t* sc, int64_t n, int64_t n8, int64_t npre,
+                        const uint8_t* own_valid, int64_t kh) {
+  const int64_t HK = a->H + a->K, d = a->d;
+  for (int64_t i = 0; i < n8; i++) {
+    const float* kk = i < n ? a->qk + (sc->tok[i] * HK + a->H + kh) * d : 0;
+    const float* vv = i < n ? a->v + (sc->tok[i] * a->K + kh) * d : 0;
+    for (int64_t j = 0; j < d; j++) {
+      sc->kt[j * n8 + i] = kk ? kk[j] : 0.f;
+      sc->vt[j * n8 + i] = vv ? vv[j] : 0.f;
+    }
+    sc->bias[i] = i < npre ? 0.f : (i < n && own_valid[i - npre]) ? 0.f : -__builtin_inff();
+  }
+}
+
+/* Scores of query q (causal position t) against keys [0, n8) into w, with the mask: keys past npre + t and
+ * padding are -inf, except the query's own key. kt's rows are `stride` long. Returns the max. */
+static inline float scores(const scratch_t* sc, const float* q, int64_t d, int64_t stride, int64_t n8, int64_t npre,
+                           int64_t t, float scale) {
+  const int64_t last = npre + t;  /* the query's own key */
+  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  const vf ninf = vsplat(-__builtin_inff());
+  vf mx = ninf;
+  for (int64_t i = 0; i < n8; i += W) {
+    vf acc = vsplat(0.0f);
+    for (int64_t j = 0; j < d; j++) acc += vsplat(q[j]) * vld(sc->kt + j * stride + i);
+    acc = acc * vsplat(scale) + vld(sc->bias + i);
+    if (i + W > last) acc = vsel(lane + (int32_t)i > (int32_t)last, ninf, acc);
+    vst(sc->w + i, acc);
+    mx = vsel(acc > mx, acc, mx);
+  }
+  float m = mx[0];
+  for (int l = 1; l < W; l++) m = mx[l] > m ? mx[l] : m;
+  if (sc->bias[last] != 0.f) {  /* itself, though padding */
+    float s = 0.f;
+    for (int64_t j = 0; j < d; j++) s += q[j] * sc->kt[j * stride + last];
+    sc->w[last] = s * scale;
+    m = sc->w[last] > m ? sc->w[last] : m;
+  }
+  return m;
+}
+
+/* w <- exp(w - shift) (exactly 0 where w is -inf); returns the sum */
+static inline float exp_shift(float* w, int64_t n8, float shift) {
+  vf sum = vsplat(0.0f);
+  for (int64_t i = 0; i < n8; i += W) {
+    vf x = vld(w + i);
+    vf e = vsel(x == vsplat(-__builtin_inff()), vsplat(0.0f), vexp(x - vsplat(shift)));
+    vst(w + i, e);
+    sum += e;
+  }
+  return vsum(sum);
+}
+
+static void scratch_alloc(scratch_t* sc, int64_t nmax, int64_t d, int backward) {
+  const int64_t n8 = (nmax + W - 1) / W * W;
+  sc->tok = (int64_t*)__builtin_malloc(sizeof(int64_t) * n8);
+  float* f = (float*)__builtin_malloc(sizeof(float) * (n8 * (2 * d + 3) + (backward ? 2 * n8 * d : 0)));
+  sc->kt = f;
+  sc->vt = f + n8 * d;
+  sc->bias = f + 2 * n8 * d;
+  sc->w = sc->bias + n8;
+  sc->dw = sc->w + n8;
+  sc->dk = backward ? sc->dw + n8 : 0;
+  sc->dv = backward ? sc->dk + n8 * d : 0;
+}
+
+static void scratch_free(scratch_t* sc) {
+  __builtin_free(sc->tok);
+  __builtin_free(sc->kt);
+}
+
+void prefix_attn_fwd(const float* qk, const float* v, const uint8_t* pvalid, const uint8_t* rvalid,
+                     const int64_t* row_start, int64_t P, int64_t Tp, int64_t R, int64_t H, int64_t K, int64_t d,
+                     float* o, float* lse) {
+  const attn_t a = {qk, v, pvalid, rvalid, row_start, P, Tp, R, H, K, d};
+  const float scale = 1.0f / __builtin_sqrtf((float)d);
+  const int64_t G = H / K, HK = H + K;
+#pragma omp parallel
+  {
+    scratch_t sc;
+    scratch_alloc(&sc, Tp + R, d, 0);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t p = 0; p < P; p++) {
+      for (int64_t row = -1; row < row_start[p + 1]; row = row < 0 ? row_start[p] : row + 1) {  /* prompt, rows */
+        int64_t npre, L, own_first;
+        const uint8_t* own_valid;
+        const int64_t n = unit_keys(&a, p, row, sc.tok, &npre, &L, &own_valid, &own_first);
+        const int64_t n8 = (n + W - 1) / W * W;
+        for (int64_t kh = 0; kh < K; kh++) {
+          gather_keys(&a, &sc, n, n8, npre, own_valid, kh);
+          for (int64_t t = 0; t < L; t++) {
+            const int64_t tq = own_first + t, nt8 = (npre + t + 1 + W - 1) / W * W;
+            for (int64_t h = kh * G; h < (kh + 1) * G; h++) {
+              const float m = scores(&sc, qk + (tq * HK + h) * d, d, n8, nt8, npre, t, scale);
+              const float sum = exp_shift(sc.w, nt8, m);
+              lse[tq * H + h] = m + __builtin_logf(sum);
+              vf acc[d / W];
+              for (int64_t j = 0; j < d / W; j++) acc[j] = vsplat(0.0f);
+              for (int64_t i = 0; i < npre + t + 1; i++) {
+                const vf pw = vsplat(sc.w[i]);
+                const float* vv = v + (sc.tok[i] * K + kh) * d;
+                for (int64_t j = 0; j < d / W; j++) acc[j] += pw * vld(vv + j * W);
+              }
+              float* out = o + (tq * H + h) * d;
+              for (int64_t j = 0; j < d / W; j++) vst(out + j * W, acc[j] * vsplat(1.0f / sum));
+            }
+          }
+        }
+      }
+    }
+    scratch_free(&sc);
+  }
+}
+
+/* p = exp(score - lse), ds = p (dO.v - dO.o); dq = scale sum_s ds_s k_s, dk_s += scale ds_s q, dv_s += p_s dO.
+ * dqk's q and k slots and dv are written in full (zero where a token is never a key). */
+void prefix_attn_bwd(const float* qk, const float* v, const uint8_t* pvalid, const uint8_t* rvalid,
+                     const int64_t* row_start, int64_t P, int64_t Tp, int64_t R, int64_t H, int64_t K, int64_t d,
+                     const float* o, const float* lse, const float* dout, float* dqk, float* dv) {
+  const attn_t a = {qk, v, pvalid, rvalid, row_start, P, Tp, R, H, K, d};
+  const float scale = 1.0f / __builtin_sqrtf((float)d);
+  const int64_t G = H / K, HK = H + K, Np = P * Tp;
+#pragma omp parallel
+  {
+    scratch_t sc;
+    scratch_alloc(&sc, Tp + R, d, 1);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t p = 0; p < P; p++) {
+      /* zero the k slots and dv of this prompt's tokens and its rows' tokens (keys accumulate) */
+      for (int64_t row = -1; row < row_start[p + 1]; row = row < 0 ? row_start[p] : row + 1) {
+        const int64_t first = row < 0 ? p * Tp : Np + row * R, T = row < 0 ? Tp : R;
+        for (int64_t t = first; t < first + T; t++) {
+          for (int64_t j = 0; j < K * d; j++) dqk[(t * HK + H) * d + j] = 0.f;
+          for (int64_t j = 0; j < K * d; j++) dv[t * K * d + j] = 0.f;
+        }
+      }
+      for (int64_t row = -1; row < row_start[p + 1]; row = row < 0 ? row_start[p] : row + 1) {
+        int64_t npre, L, own_first;
+        const uint8_t* own_valid;
+        const int64_t n = unit_keys(&a, p, row, sc.tok, &npre, &L, &own_valid, &own_first);
+        const int64_t n8 = (n + W - 1) / W * W;
+        for (int64_t kh = 0; kh < K; kh++) {
+          gather_keys(&a, &sc, n, n8, npre, own_valid, kh);
+          for (int64_t i = 0; i < n * d; i++) sc.dk[i] = sc.dv[i] = 0.f;
+          for (int64_t t = 0; t < L; t++) {
+            const int64_t tq = own_first + t, nt8 = (npre + t + 1 + W - 1) / W * W, nt = npre + t + 1;
+            for (int64_t h = kh * G; h < (kh + 1) * G; h++) {
+              const int64_t qi = tq * H + h;
+              const float* q = qk + (tq * HK + h) * d;
+              const float* g = dout + qi * d;
+              const float delta = dot(g, o + qi * d, d);
+              scores(&sc, q, d, n8, nt8, npre, t, scale);
+              exp_shift(sc.w, nt8, lse[qi]);  /* w = p */
+              for (int64_t i = 0; i < nt8; i += W) {  /* dw = ds = p (dO.v_s - delta) */
+                vf dp = vsplat(0.0f);
+                for (int64_t j = 0; j < d; j++) dp += vsplat(g[j]) * vld(sc.vt + j * n8 + i);
+                vst(sc.dw + i, vld(sc.w + i) * (dp - vsplat(delta)) * vsplat(scale));
+              }
+              vf dq[d / W];
+              for (int64_t j = 0; j < d / W; j++) dq[j] = vsplat(0.0f);
+              for (int64_t i = 0; i < nt; i++) {
+                const vf ds = vsplat(sc.dw[i]), pr = vsplat(sc.w[i]);
+                const float* kk = qk + (sc.tok[i] * HK + H + kh) * d;
+                for (int64_t j = 0; j < d / W; j++) {
+                  dq[j] += ds * vld(kk + j * W);
+                  vst(sc.dk + i * d + j * W, vld(sc.dk + i * d + j * W) + ds * vld(q + j * W));
+                  vst(sc.dv + i * d + j * W, vld(sc.dv + i * d + j * W) + pr * vld(g + j * W));
+                }
+              }
+              for (int64_t j = 0; j < d / W; j++) vst(dqk + (tq * HK + h) * d + j * W, dq[j]);
+            }
+          }
+          for (int64_t i = 0; i < n; i++) {  /* the unit's key gradients into their tokens' slots */
+            float* dk = dqk + (sc.tok[i] * HK + H + kh) * d;
+            float* dvv = dv + (sc.tok[i] * K + kh) * d;
+            for (int64_t j = 0; j < d; j += W) {
+              vst(dk + j, vld(dk + j) + vld(sc.dk + i * d + j));
+              vst(dvv + j, vld(dvv + j) + vld(sc.dv + i * d + j));
+            }
+          }
+        }
+      }
+    }
+    scratch_free(&sc);
+  }
+}

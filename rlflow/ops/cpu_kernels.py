@@ -7,7 +7,9 @@ pass each, forward and backward, what took several torch ops:
 - ``swiglu_weighted``: the MoE experts' ``silu(g) * u`` times each (token, expert) pair's routing weight;
 - ``rmsnorm``: RMSNorm over the last dim;
 - ``qk_norm_rope``: from the fused q/k/v projection, Qwen3's per-head q/k RMSNorm and the rotary
-  embedding of q and k, and v split out.
+  embedding of q and k, and v split out;
+- ``prefix_attention``: the attention of the packed shared-prompt sequence (``models/prefix.py``), which
+  otherwise takes two SDPA calls, the prompt keys repeated for each row, and concatenations.
 
 The C source is compiled on first use with the system C compiler (``cc``, or ``$CC``) into a per-user
 cache (``$RLFLOW_CACHE_DIR``, default ``~/.cache/rlflow``), keyed by the source, flags and compiler, and
@@ -114,6 +116,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "rmsnorm_bwd": [P, P, P, P, I, I, Int, P, P],
         "qk_norm_rope_fwd": [P, P, P, P, I, I, I, I, Fl, P, P, P],
         "qk_norm_rope_bwd": [P, P, P, P, P, P, P, I, I, I, I, Int, P, P],
+        "prefix_attn_fwd": [P, P, P, P, P, I, I, I, I, I, I, P, P],
+        "prefix_attn_bwd": [P, P, P, P, P, I, I, I, I, I, I, P, P, P, P, P],
     }
     for name, args in sig.items():
         fn = getattr(lib, name)
@@ -253,3 +257,46 @@ def qk_norm_rope(qkv: Tensor, norm_Hd: Tensor | None, cos: Tensor, sin: Tensor, 
             or not usable(qkv, cos, sin, *(() if norm_Hd is None else (norm_Hd,)))):
         return None
     return _QKNormRope.apply(qkv, norm_Hd, cos, sin, hk, eps)
+
+
+class _PrefixAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qk: Tensor, v: Tensor, n_q: int, pvalid: Tensor, rvalid: Tensor, row_start: Tensor) -> Tensor:
+        N, HK, d = qk.shape
+        (P, Tp), (_, R) = pvalid.shape, rvalid.shape
+        o = qk.new_empty(N, n_q, d)
+        lse = qk.new_empty(N, n_q)
+        _library().prefix_attn_fwd(qk.data_ptr(), v.data_ptr(), pvalid.data_ptr(), rvalid.data_ptr(),
+                                   row_start.data_ptr(), P, Tp, R, n_q, HK - n_q, d, o.data_ptr(), lse.data_ptr())
+        ctx.n_q = n_q
+        ctx.save_for_backward(qk, v, pvalid, rvalid, row_start, o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        qk, v, pvalid, rvalid, row_start, o, lse = ctx.saved_tensors
+        N, HK, d = qk.shape
+        (P, Tp), (_, R) = pvalid.shape, rvalid.shape
+        do = do.contiguous()
+        dqk, dv = torch.empty_like(qk), torch.empty_like(v)
+        _library().prefix_attn_bwd(qk.data_ptr(), v.data_ptr(), pvalid.data_ptr(), rvalid.data_ptr(),
+                                   row_start.data_ptr(), P, Tp, R, ctx.n_q, HK - ctx.n_q, d, o.data_ptr(),
+                                   lse.data_ptr(), do.data_ptr(), dqk.data_ptr(), dv.data_ptr())
+        return dqk, dv, None, None, None, None
+
+
+def prefix_attention(qk_NHd: Tensor, v_NKd: Tensor, n_q: int, prompt_valid_PT: Tensor, resp_valid_BR: Tensor,
+                     counts_P: Tensor) -> Tensor | None:
+    """``ops.attention.prefix_attention`` in one kernel (forward and backward); None when the kernels cannot
+    take these tensors."""
+    N, HK, d = qk_NHd.shape
+    K = HK - n_q
+    (P, Tp), (B, R) = prompt_valid_PT.shape, resp_valid_BR.shape
+    if (d % WIDTH or K < 1 or n_q % K or v_NKd.shape != (N, K, d) or N != P * Tp + B * R or counts_P.shape != (P,)
+            or not usable(qk_NHd, v_NKd)):
+        return None
+    row_start = torch.cat([counts_P.new_zeros(1), counts_P.cumsum(0)]).to(torch.int64).cpu()
+    if int(row_start[-1]) != B:
+        return None
+    u8 = lambda t: t.to(torch.uint8).cpu().contiguous()  # noqa: E731
+    return _PrefixAttention.apply(qk_NHd, v_NKd, n_q, u8(prompt_valid_PT), u8(resp_valid_BR), row_start)
