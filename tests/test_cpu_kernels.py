@@ -126,6 +126,42 @@ def test_prefix_attention_equals_torch(counts, Tp, R, heads, d, seed):
         _close(a, b)
 
 
+@settings(max_examples=20)
+@given(N=st.integers(1, 40), E=st.integers(1, 9), K=st.integers(1, 3), dims=st.sampled_from([(16, 16), (48, 32), (64, 64)]),
+       skew=st.booleans(), seed=st.integers(0, 99))
+def test_moe_small_experts_equals_the_reference(N, E, K, dims, skew, seed):
+    """Routed experts for inference against the per-expert loop in float64: any routing (experts with no
+    token, one expert with them all: partial tiles), from the weights ``expert_weights_transposed`` gives."""
+    K = min(K, E)
+    D, Fd = dims
+    g = torch.Generator().manual_seed(seed)
+    x, gate_up, down = torch.randn(N, D, generator=g), torch.randn(E, 2 * Fd, D, generator=g), torch.randn(E, D, Fd, generator=g)
+    scores = torch.randn(N, E, generator=g)
+    if skew:
+        scores[:, :K] += 100
+    w, idx = torch.softmax(scores, -1).topk(K, -1)
+    t = moe.expert_weights_transposed(gate_up, down)
+    with torch.inference_mode():
+        ours = cpu_kernels.moe_small_experts(x, w, idx, *t)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe, "_grouped_mm_ok", lambda *_: False)
+        ref = moe._moe_grouped(x.double(), w.double(), idx, gate_up.double(), down.double())
+    _close(ours, ref, 1e-5)
+
+
+def test_moe_small_experts_in_a_compiled_graph_and_only_without_gradients():
+    g = torch.Generator().manual_seed(0)
+    N, E, K, D, Fd = 24, 8, 2, 64, 64
+    x, gate_up, down = torch.randn(N, D, generator=g), torch.randn(E, 2 * Fd, D, generator=g), torch.randn(E, D, Fd, generator=g)
+    w, idx = torch.softmax(torch.randn(N, E, generator=g), -1).topk(K, -1)
+    t = moe.expert_weights_transposed(gate_up, down)
+    f = torch.compile(lambda *a: moe.moe_experts(*a, transposed=t), fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        _close(f(x, w, idx, gate_up, down), cpu_kernels.moe_small_experts(x, w, idx, *t), 1e-6)
+    assert cpu_kernels.moe_small_experts(x.requires_grad_(True), w, idx, *t) is None  # training takes the grouped path
+    assert moe.expert_weights_transposed(gate_up.double(), down.double()) is None
+
+
 def test_only_grads_of_used_outputs():
     """A backward that reaches only q/k (v unused) or only v: the missing gradient counts as zero."""
     qkv = torch.randn(6, 4, 16, requires_grad=True)

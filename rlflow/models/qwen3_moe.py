@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlflow.models.config import ModelConfig, param_shapes
 from rlflow.ops import attention, causal_padding_mask, moe_experts, qk_norm_rope, rmsnorm, rope_cos_sin, route
+from rlflow.ops.moe import expert_weights_transposed
 
 Params = dict[str, Tensor]
 
@@ -71,8 +72,10 @@ def _linear(params: Params, name: str, x: Tensor) -> Tensor:
     return F.linear(x, params[name + ".weight"], params.get(name + ".bias"))
 
 
-# Derived keys that ``fuse_for_inference`` adds; the forward uses them when present, else builds them.
+# Derived keys that ``fuse_for_inference`` adds; the forward uses them when present, else builds them
+# (the experts' transposed weights: used when present, by the small-experts inference kernel).
 QKV_W, QKV_B, QK_NORM = "qkv_proj.weight", "qkv_proj.bias", "qk_norm.weight"
+EXPERTS_T = ("experts.gate_up_proj.t", "experts.down_proj.t")
 
 
 def fused_attention_weights(params: Params, cfg: ModelConfig, p: str) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -92,7 +95,8 @@ def fused_attention_weights(params: Params, cfg: ModelConfig, p: str) -> tuple[T
 
 def fuse_for_inference(params: Params, cfg: ModelConfig) -> Params:
     """params plus the stacked attention weights, computed once (the rollout engine's decode loop would
-    otherwise stack them at every token). The extra keys are derived and never saved."""
+    otherwise stack them at every token), and small experts' weights transposed for the CPU decode
+    kernel (``ops.moe.expert_weights_transposed``). The extra keys are derived and never saved."""
     out = dict(params)
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}.self_attn."
@@ -102,6 +106,11 @@ def fuse_for_inference(params: Params, cfg: ModelConfig) -> Params:
             out[p + QKV_B] = b
         if n is not None:
             out[p + QK_NORM] = n
+        m = f"model.layers.{i}.mlp."
+        if cfg.is_moe_layer(i):
+            t = expert_weights_transposed(params[m + "experts.gate_up_proj"], params[m + "experts.down_proj"])
+            if t is not None:
+                out[m + EXPERTS_T[0]], out[m + EXPERTS_T[1]] = t
     return out
 
 
@@ -167,7 +176,9 @@ def mlp_block(params: Params, cfg: ModelConfig, p: str, layer: int, x_BTD: Tenso
     w_NK, idx_NK, aux = route(x_ND, params[p + "gate.weight"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
                               with_aux=with_aux)
     if experts is None:
-        y = moe_experts(x_ND, w_NK, idx_NK, params[p + "experts.gate_up_proj"], params[p + "experts.down_proj"])
+        t = (params[p + EXPERTS_T[0]], params[p + EXPERTS_T[1]]) if p + EXPERTS_T[0] in params else None
+        y = moe_experts(x_ND, w_NK, idx_NK, params[p + "experts.gate_up_proj"], params[p + "experts.down_proj"],
+                        transposed=t)
     else:
         y = experts(x_ND, w_NK, idx_NK)
     if sel is not None:

@@ -487,3 +487,95 @@ void prefix_attn_bwd(const float* qk, const float* v, const uint8_t* pvalid, con
     scratch_free(&sc);
   }
 }
+
+/* ---- Routed experts for a few tokens on small experts (decode, inference only) ----
+ * out[r] = sum_s w[r, s] down_e(silu(gate_e x_r) * up_e x_r), e = idx[r, s], from the experts' weights
+ * transposed: guT [E, D, 2F] (gate then up columns), downT [E, F, D]. The (token, slot) pairs are grouped
+ * by expert, and each expert runs on tiles of TILE pairs: every weight vector loaded is used TILE times,
+ * from registers. A pair's result goes to its own row of y [n * k, D]; the k rows of a token are summed
+ * at the end (no two threads write one row). Only the routed experts are computed: k/E of the dense
+ * FLOPs. Weights stay in cache when a layer's experts are small (the caller checks). */
+#define TILE 4
+
+static void expert_tile(const float* x, const int64_t* pair, int64_t tb, int64_t k, const float* w, const float* gu,
+                        const float* dn, int64_t D, int64_t F, float* h, float* y) {
+  const float* xr[TILE];
+  for (int t = 0; t < TILE; t++) xr[t] = x + (pair[t < tb ? t : 0] / k) * D;  /* tail: repeat, discarded */
+  for (int64_t j = 0; j < 2 * F; j += 2 * W) {  /* h[t] = x[t] guT: 2 vectors of columns at a time */
+    vf a0[TILE], a1[TILE];
+    for (int t = 0; t < TILE; t++) a0[t] = a1[t] = vsplat(0.0f);
+    for (int64_t d = 0; d < D; d++) {
+      const vf w0 = vld(gu + d * 2 * F + j), w1 = vld(gu + d * 2 * F + j + W);
+      for (int t = 0; t < TILE; t++) {
+        const vf xb = vsplat(xr[t][d]);
+        a0[t] += xb * w0;
+        a1[t] += xb * w1;
+      }
+    }
+    for (int t = 0; t < TILE; t++) {
+      vst(h + t * 2 * F + j, a0[t]);
+      vst(h + t * 2 * F + j + W, a1[t]);
+    }
+  }
+  for (int t = 0; t < TILE; t++) {  /* a = silu(gate) * up * routing weight, into h's first F */
+    const vf wk = vsplat(t < tb ? w[pair[t]] : 0.0f);
+    for (int64_t j = 0; j < F; j += W) {
+      const vf g = vld(h + t * 2 * F + j);
+      vst(h + t * 2 * F + j, g * vsigmoid(g) * vld(h + t * 2 * F + F + j) * wk);
+    }
+  }
+  for (int64_t j = 0; j < D; j += 2 * W) {  /* y[t] = a[t] downT */
+    vf a0[TILE], a1[TILE];
+    for (int t = 0; t < TILE; t++) a0[t] = a1[t] = vsplat(0.0f);
+    for (int64_t f = 0; f < F; f++) {
+      const vf w0 = vld(dn + f * D + j), w1 = vld(dn + f * D + j + W);
+      for (int t = 0; t < TILE; t++) {
+        const vf ab = vsplat(h[t * 2 * F + f]);
+        a0[t] += ab * w0;
+        a1[t] += ab * w1;
+      }
+    }
+    for (int t = 0; t < tb; t++) {
+      vst(y + pair[t] * D + j, a0[t]);
+      vst(y + pair[t] * D + j + W, a1[t]);
+    }
+  }
+}
+
+/* Needs D and F multiples of 2 * W. y: scratch [n * k, D]; order: scratch [n * k]; E experts. */
+void moe_small_fwd(const float* x, const int64_t* idx, const float* w, const float* guT, const float* downT,
+                   int64_t n, int64_t k, int64_t E, int64_t D, int64_t F, float* y, int64_t* order, float* out) {
+  int64_t start[E + 1];
+  for (int64_t e = 0; e <= E; e++) start[e] = 0;
+  for (int64_t i = 0; i < n * k; i++) start[idx[i] + 1]++;
+  for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+  int64_t fill[E];
+  for (int64_t e = 0; e < E; e++) fill[e] = start[e];
+  for (int64_t i = 0; i < n * k; i++) order[fill[idx[i]]++] = i;  /* pairs grouped by expert, stable */
+  const int64_t ntiles_max = n * k / TILE + E;
+#pragma omp parallel
+  {
+    float* h = (float*)__builtin_malloc(sizeof(float) * TILE * 2 * F);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < ntiles_max; u++) {  /* tile u: the u-th tile in expert order */
+      int64_t e = 0, before = 0;
+      for (; e < E; e++) {
+        const int64_t nt = (start[e + 1] - start[e] + TILE - 1) / TILE;
+        if (u < before + nt) break;
+        before += nt;
+      }
+      if (e == E) continue;
+      const int64_t first = start[e] + (u - before) * TILE;
+      const int64_t tb = start[e + 1] - first < TILE ? start[e + 1] - first : TILE;
+      expert_tile(x, order + first, tb, k, w, guT + e * D * 2 * F, downT + e * F * D, D, F, h, y);
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; r++)
+      for (int64_t j = 0; j < D; j += W) {
+        vf acc = vld(y + (r * k) * D + j);
+        for (int64_t s = 1; s < k; s++) acc += vld(y + (r * k + s) * D + j);
+        vst(out + r * D + j, acc);
+      }
+    __builtin_free(h);
+  }
+}

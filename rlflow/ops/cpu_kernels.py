@@ -9,7 +9,10 @@ pass each, forward and backward, what took several torch ops:
 - ``qk_norm_rope``: from the fused q/k/v projection, Qwen3's per-head q/k RMSNorm and the rotary
   embedding of q and k, and v split out;
 - ``prefix_attention``: the attention of the packed shared-prompt sequence (``models/prefix.py``), which
-  otherwise takes two SDPA calls, the prompt keys repeated for each row, and concatenations.
+  otherwise takes two SDPA calls, the prompt keys repeated for each row, and concatenations;
+- ``moe_small_experts`` (inference: the rollout's decode): each token through its own top-k experts
+  when a layer's experts are small enough to stay in cache, instead of every expert on every token. A
+  torch custom op, so the compiled decode step calls it too.
 
 The C source is compiled on first use with the system C compiler (``cc``, or ``$CC``) into a per-user
 cache (``$RLFLOW_CACHE_DIR``, default ``~/.cache/rlflow``), keyed by the source, flags and compiler, and
@@ -18,7 +21,7 @@ CPU builds do), so the kernels share torch's threads instead of starting a secon
 failed build, another platform, or ``RLFLOW_CPU_KERNELS=0``: ``available()`` is False and the callers
 (``ops/moe.py``, ``ops/norm.py``, ``models/qwen3_moe.py``) keep their torch ops, which stay the
 reference the kernels are tested against (tests/test_cpu_kernels.py). Not used inside torch.compile
-(an opaque call) and never for other dtypes or devices.
+(an opaque call; ``moe_small_experts`` is a custom op and is) and never for other dtypes or devices.
 """
 
 from __future__ import annotations
@@ -118,6 +121,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "qk_norm_rope_bwd": [P, P, P, P, P, P, P, I, I, I, I, Int, P, P],
         "prefix_attn_fwd": [P, P, P, P, P, I, I, I, I, I, I, P, P],
         "prefix_attn_bwd": [P, P, P, P, P, I, I, I, I, I, I, P, P, P, P, P],
+        "moe_small_fwd": [P, P, P, P, P, I, I, I, I, I, P, P, P],
     }
     for name, args in sig.items():
         fn = getattr(lib, name)
@@ -300,3 +304,35 @@ def prefix_attention(qk_NHd: Tensor, v_NKd: Tensor, n_q: int, prompt_valid_PT: T
         return None
     u8 = lambda t: t.to(torch.uint8).cpu().contiguous()  # noqa: E731
     return _PrefixAttention.apply(qk_NHd, v_NKd, n_q, u8(prompt_valid_PT), u8(resp_valid_BR), row_start)
+
+
+@torch.library.custom_op("rlflow::moe_small_experts", mutates_args=())
+def _moe_small_op(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_t_EDF2: Tensor, down_t_EFD: Tensor) -> Tensor:
+    x, w, idx = x_ND.contiguous(), w_NK.contiguous(), idx_NK.contiguous()
+    gu, dn = gate_up_t_EDF2.contiguous(), down_t_EFD.contiguous()
+    out = torch.empty_like(x)
+    (N, K), (E, D, F2) = idx.shape, gu.shape
+    y, order = x.new_empty(N * K, D), idx.new_empty(N * K)
+    _library().moe_small_fwd(x.data_ptr(), idx.data_ptr(), w.data_ptr(), gu.data_ptr(), dn.data_ptr(), N, K, E, D,
+                             F2 // 2, y.data_ptr(), order.data_ptr(), out.data_ptr())
+    return out
+
+
+@_moe_small_op.register_fake
+def _(x_ND, w_NK, idx_NK, gate_up_t_EDF2, down_t_EFD):
+    return torch.empty_like(x_ND)
+
+
+def moe_small_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_t_EDF2: Tensor, down_t_EFD: Tensor
+                      ) -> Tensor | None:
+    """sum_k w_nk * down_e(silu(gate_e x_n) * up_e x_n), e = idx_nk, from the experts' weights transposed
+    (``gate_up_t`` [E, D, 2F]: gate then up columns; ``down_t`` [E, F, D]), for inference (no gradient).
+    None when the kernels cannot take these tensors. Allowed inside torch.compile (a custom op)."""
+    ts = (x_ND, w_NK, gate_up_t_EDF2, down_t_EFD)
+    E, D, F2 = gate_up_t_EDF2.shape
+    if (any(t.device.type != "cpu" or t.dtype != torch.float32 for t in ts) or idx_NK.dtype != torch.int64
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
+            or x_ND.dim() != 2 or x_ND.shape[1] != D or D % (2 * WIDTH) or F2 % (4 * WIDTH) or down_t_EFD.shape != (E, F2 // 2, D)
+            or not available()):
+        return None
+    return _moe_small_op(x_ND, w_NK, idx_NK, gate_up_t_EDF2, down_t_EFD)
