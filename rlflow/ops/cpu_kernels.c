@@ -397,15 +397,12 @@ void prefix_attn_fwd(const float* qk, const float* v, const uint8_t* pvalid, con
               const float m = scores(&sc, qk + (tq * HK + h) * d, d, n8, nt8, npre, t, scale);
               const float sum = exp_shift(sc.w, nt8, m);
               lse[tq * H + h] = m + __builtin_logf(sum);
-              vf acc[d / W];
-              for (int64_t j = 0; j < d / W; j++) acc[j] = vsplat(0.0f);
-              for (int64_t i = 0; i < npre + t + 1; i++) {
-                const vf pw = vsplat(sc.w[i]);
-                const float* vv = v + (sc.tok[i] * K + kh) * d;
-                for (int64_t j = 0; j < d / W; j++) acc[j] += pw * vld(vv + j * W);
-              }
               float* out = o + (tq * H + h) * d;
-              for (int64_t j = 0; j < d / W; j++) vst(out + j * W, acc[j] * vsplat(1.0f / sum));
+              for (int64_t j = 0; j < d; j += W) {  /* one register accumulator per column block */
+                vf acc = vsplat(0.0f);
+                for (int64_t i = 0; i < npre + t + 1; i++) acc += vsplat(sc.w[i]) * vld(v + (sc.tok[i] * K + kh) * d + j);
+                vst(out + j, acc * vsplat(1.0f / sum));
+              }
             }
           }
         }
@@ -459,18 +456,17 @@ void prefix_attn_bwd(const float* qk, const float* v, const uint8_t* pvalid, con
                 for (int64_t j = 0; j < d; j++) dp += vsplat(g[j]) * vld(sc.vt + j * n8 + i);
                 vst(sc.dw + i, vld(sc.w + i) * (dp - vsplat(delta)) * vsplat(scale));
               }
-              vf dq[d / W];
-              for (int64_t j = 0; j < d / W; j++) dq[j] = vsplat(0.0f);
-              for (int64_t i = 0; i < nt; i++) {
-                const vf ds = vsplat(sc.dw[i]), pr = vsplat(sc.w[i]);
-                const float* kk = qk + (sc.tok[i] * HK + H + kh) * d;
-                for (int64_t j = 0; j < d / W; j++) {
-                  dq[j] += ds * vld(kk + j * W);
-                  vst(sc.dk + i * d + j * W, vld(sc.dk + i * d + j * W) + ds * vld(q + j * W));
-                  vst(sc.dv + i * d + j * W, vld(sc.dv + i * d + j * W) + pr * vld(g + j * W));
+              for (int64_t j = 0; j < d; j += W) {  /* column block j: dq in a register; dk, dv rows */
+                vf dq = vsplat(0.0f);
+                const vf qj = vld(q + j), gj = vld(g + j);
+                for (int64_t i = 0; i < nt; i++) {
+                  const vf ds = vsplat(sc.dw[i]);
+                  dq += ds * vld(qk + (sc.tok[i] * HK + H + kh) * d + j);
+                  vst(sc.dk + i * d + j, vld(sc.dk + i * d + j) + ds * qj);
+                  vst(sc.dv + i * d + j, vld(sc.dv + i * d + j) + vsplat(sc.w[i]) * gj);
                 }
+                vst(dqk + (tq * HK + h) * d + j, dq);
               }
-              for (int64_t j = 0; j < d / W; j++) vst(dqk + (tq * HK + h) * d + j * W, dq[j]);
             }
           }
           for (int64_t i = 0; i < n; i++) {  /* the unit's key gradients into their tokens' slots */

@@ -21,7 +21,7 @@ CPU builds do), so the kernels share torch's threads instead of starting a secon
 failed build, another platform, or ``RLFLOW_CPU_KERNELS=0``: ``available()`` is False and the callers
 (``ops/moe.py``, ``ops/norm.py``, ``models/qwen3_moe.py``) keep their torch ops, which stay the
 reference the kernels are tested against (tests/test_cpu_kernels.py). Not used inside torch.compile
-(an opaque call; ``moe_small_experts`` is a custom op and is) and never for other dtypes or devices.
+(an opaque call; the custom op ``moe_small_experts`` is) and never for other dtypes or devices.
 """
 
 from __future__ import annotations
