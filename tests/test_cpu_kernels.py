@@ -162,6 +162,58 @@ def test_moe_small_experts_in_a_compiled_graph_and_only_without_gradients():
     assert moe.expert_weights_transposed(gate_up.double(), down.double()) is None
 
 
+@pytest.mark.parametrize("norm", [True, False])
+@settings(max_examples=15)
+@given(N=st.integers(1, 50), E=st.integers(1, 12), k=st.integers(1, 4), seed=st.integers(0, 99))
+def test_route_equals_torch(norm, N, E, k, seed):
+    """Softmax top-k routing: the same experts in the same order as torch.topk, weights and the logits'
+    gradient against float64."""
+    k = min(k, E)
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(N, E, generator=g) * 3
+    dw = torch.randn(N, k, generator=g)
+
+    def ref(lg):
+        w, idx = torch.softmax(lg, -1).topk(k, -1)
+        return (w / w.sum(-1, keepdim=True) if norm else w), idx
+
+    w_ours, idx_ours = cpu_kernels.route(logits, k, norm)
+    _, idx_ref = ref(logits)
+    assert torch.equal(idx_ours, idx_ref)
+    (w1,), g_ours = _grads(lambda lg: cpu_kernels.route(lg, k, norm)[0], (logits,), dw)
+    (w2,), g_ref = _grads(lambda lg: ref(lg)[0], (logits.double(),), dw)
+    _close(w1, w2)
+    _close(g_ours[0], g_ref[0])
+
+
+@settings(max_examples=15)
+@given(N=st.integers(1, 40), E=st.integers(1, 9), K=st.integers(1, 3), skew=st.booleans(), seed=st.integers(0, 99))
+def test_moe_plan_gather_and_combine(N, E, K, skew, seed):
+    """The counting sort equals torch's stable argsort; gather_rows / combine_rows and their gradients equal
+    index_select / index_add."""
+    K = min(K, E)
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(N, E, generator=g)
+    if skew:
+        scores[:, :K] += 100
+    idx = scores.topk(K, -1).indices
+    order, tok, inv, offs = cpu_kernels.moe_plan(idx, E)
+    ref_order = torch.argsort(idx.reshape(-1), stable=True)
+    assert torch.equal(order, ref_order) and torch.equal(tok, ref_order // K)
+    assert torch.equal(inv[order], torch.arange(N * K))
+    assert torch.equal(offs, torch.bincount(idx.reshape(-1), minlength=E).cumsum(0).to(torch.int32))
+    x, ys = torch.randn(N, 16, generator=g), torch.randn(N * K, 16, generator=g)
+    d1, d2 = torch.randn(N * K, 16, generator=g), torch.randn(N, 16, generator=g)
+    (a,), ga = _grads(lambda t: cpu_kernels.gather_rows(t, tok, inv, K), (x,), d1)
+    (b,), gb = _grads(lambda t: t.index_select(0, tok), (x.double(),), d1)
+    _close(a, b)
+    _close(ga[0], gb[0])
+    (a,), ga = _grads(lambda t: cpu_kernels.combine_rows(t, tok, inv, K), (ys,), d2)
+    (b,), gb = _grads(lambda t: torch.zeros(N, 16, dtype=t.dtype).index_add(0, tok, t), (ys.double(),), d2)
+    _close(a, b)
+    _close(ga[0], gb[0])
+
+
 def test_only_grads_of_used_outputs():
     """A backward that reaches only q/k (v unused) or only v: the missing gradient counts as zero."""
     qkv = torch.randn(6, 4, 16, requires_grad=True)

@@ -575,3 +575,95 @@ void moe_small_fwd(const float* x, const int64_t* idx, const float* w, const flo
     __builtin_free(h);
   }
 }
+
+/* ---- MoE token plumbing for the grouped expert path (training) ----
+ * moe_plan: the n*k (token, slot) pairs sorted by expert (stable): order[j] = the pair at sorted position j,
+ * tok[j] = its token, inv[pair] = its sorted position; offs[e] = end of expert e's block (grouped GEMM's
+ * offsets). A counting sort: O(n k + E). */
+void moe_plan(const int64_t* idx, int64_t n, int64_t k, int64_t E, int64_t* order, int64_t* tok, int64_t* inv,
+              int32_t* offs) {
+  int64_t fill[E];
+  for (int64_t e = 0; e < E; e++) fill[e] = 0;
+  for (int64_t i = 0; i < n * k; i++) fill[idx[i]]++;
+  int64_t run = 0;
+  for (int64_t e = 0; e < E; e++) {
+    const int64_t c = fill[e];
+    fill[e] = run;
+    run += c;
+    offs[e] = (int32_t)run;
+  }
+  for (int64_t i = 0; i < n * k; i++) {
+    const int64_t j = fill[idx[i]]++;
+    order[j] = i;
+    tok[j] = i / k;
+    inv[i] = j;
+  }
+}
+
+/* out[r] = sum_s src[inv[r k + s]] (rows of D): the k sorted rows of each token, summed (no atomics: each
+ * output row is one thread's). */
+void gather_sum(const float* src, const int64_t* inv, int64_t n, int64_t k, int64_t D, float* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < n; r++)
+    for (int64_t j = 0; j < D; j += W) {
+      vf acc = vld(src + inv[r * k] * D + j);
+      for (int64_t s = 1; s < k; s++) acc += vld(src + inv[r * k + s] * D + j);
+      vst(out + r * D + j, acc);
+    }
+}
+
+/* ---- Softmax top-k routing (Qwen3-MoE), forward and backward ----
+ * probs = softmax(logits) per row of E; the top k (largest first, ties to the lower expert) with weights
+ * p (normalized to sum 1 when norm). Backward from dw: with S = sum of the chosen p, dp_chosen = dw / S
+ * - (sum_j dw_j w_j) / S when normalized (else dw); dlogits = p (dp - sum_e p_e dp_e), dp = 0 elsewhere. */
+void router_fwd(const float* logits, int64_t n, int64_t E, int64_t k, int norm, float* w, int64_t* idx,
+                float* probs) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < n; r++) {
+    const float* l = logits + r * E;
+    float* p = probs + r * E;
+    float m = l[0];
+    for (int64_t e = 1; e < E; e++) m = l[e] > m ? l[e] : m;
+    float sum = 0.f;
+    for (int64_t e = 0; e < E; e++) {
+      p[e] = vexp(vsplat(l[e] - m))[0];
+      sum += p[e];
+    }
+    for (int64_t e = 0; e < E; e++) p[e] /= sum;
+    float chosen = 0.f;
+    for (int64_t s = 0; s < k; s++) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; e++) {
+        int taken = 0;
+        for (int64_t t = 0; t < s; t++) taken |= idx[r * k + t] == e;
+        if (!taken && (best < 0 || p[e] > p[best])) best = e;
+      }
+      idx[r * k + s] = best;
+      w[r * k + s] = p[best];
+      chosen += p[best];
+    }
+    if (norm)
+      for (int64_t s = 0; s < k; s++) w[r * k + s] /= chosen;
+  }
+}
+
+void router_bwd(const float* probs, const int64_t* idx, const float* w, const float* dw, int64_t n, int64_t E,
+                int64_t k, int norm, float* dlogits) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < n; r++) {
+    const float* p = probs + r * E;
+    float S = 0.f, c = 0.f;
+    for (int64_t s = 0; s < k; s++) {
+      S += p[idx[r * k + s]];
+      c += dw[r * k + s] * w[r * k + s];
+    }
+    float dp[k], dot = 0.f;
+    for (int64_t s = 0; s < k; s++) {
+      dp[s] = norm ? (dw[r * k + s] - c) / S : dw[r * k + s];
+      dot += p[idx[r * k + s]] * dp[s];
+    }
+    float* dl = dlogits + r * E;
+    for (int64_t e = 0; e < E; e++) dl[e] = -p[e] * dot;
+    for (int64_t s = 0; s < k; s++) dl[idx[r * k + s]] += p[idx[r * k + s]] * dp[s];
+  }
+}

@@ -10,6 +10,9 @@ pass each, forward and backward, what took several torch ops:
   embedding of q and k, and v split out;
 - ``prefix_attention``: the attention of the packed shared-prompt sequence (``models/prefix.py``), which
   otherwise takes two SDPA calls, the prompt keys repeated for each row, and concatenations;
+- ``route`` and ``moe_plan`` / ``gather_rows`` / ``combine_rows``: softmax top-k routing, and the
+  grouped expert path's sort of (token, slot) pairs by expert (a counting sort), gather and combine
+  (sums of each token's rows instead of zero-filled index_add);
 - ``moe_small_experts`` (inference: the rollout's decode): each token through its own top-k experts
   when a layer's experts are small enough to stay in cache, instead of every expert on every token. A
   torch custom op, so the compiled decode step calls it too.
@@ -122,6 +125,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "prefix_attn_fwd": [P, P, P, P, P, I, I, I, I, I, I, P, P],
         "prefix_attn_bwd": [P, P, P, P, P, I, I, I, I, I, I, P, P, P, P, P],
         "moe_small_fwd": [P, P, P, P, P, I, I, I, I, I, P, P, P],
+        "moe_plan": [P, I, I, I, P, P, P, P],
+        "gather_sum": [P, P, I, I, I, P],
+        "router_fwd": [P, I, I, I, Int, P, P, P],
+        "router_bwd": [P, P, P, P, I, I, I, Int, P],
     }
     for name, args in sig.items():
         fn = getattr(lib, name)
@@ -336,3 +343,92 @@ def moe_small_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_t_EDF2
             or not available()):
         return None
     return _moe_small_op(x_ND, w_NK, idx_NK, gate_up_t_EDF2, down_t_EFD)
+
+
+
+class _Router(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, k: int, norm: bool):
+        n, E = logits.shape
+        w, idx, probs = logits.new_empty(n, k), torch.empty(n, k, dtype=torch.int64), torch.empty_like(logits)
+        _library().router_fwd(logits.data_ptr(), n, E, k, int(norm), w.data_ptr(), idx.data_ptr(), probs.data_ptr())
+        ctx.norm = norm
+        ctx.save_for_backward(probs, idx, w)
+        ctx.mark_non_differentiable(idx)
+        return w, idx
+
+    @staticmethod
+    def backward(ctx, dw: Tensor, _didx):
+        probs, idx, w = ctx.saved_tensors
+        n, E = probs.shape
+        dw = dw.contiguous()
+        dl = torch.empty_like(probs)
+        _library().router_bwd(probs.data_ptr(), idx.data_ptr(), w.data_ptr(), dw.data_ptr(), n, E, idx.shape[1],
+                              int(ctx.norm), dl.data_ptr())
+        return dl, None, None
+
+
+def route(logits_NE: Tensor, k: int, norm: bool) -> tuple[Tensor, Tensor] | None:
+    """(weights [N, k], experts [N, k]): softmax over the E logits in float32, the top k (largest first),
+    renormalized to sum 1 when ``norm``; None when the kernels cannot take the logits."""
+    if logits_NE.dim() != 2 or not 1 <= k <= logits_NE.shape[1] or not usable(logits_NE):
+        return None
+    return _Router.apply(logits_NE, k, norm)
+
+
+def moe_plan(idx_NK: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """(order, tok, inv [N*K] int64, offs [E] int32): the (token, slot) pairs sorted by expert, stably
+    (order[j]: the pair at sorted position j, tok[j] its token, inv[pair] its position), and the end of
+    each expert's block; None when the kernels are unavailable (or idx is not a CPU int64 [N, K])."""
+    if idx_NK.dim() != 2 or idx_NK.dtype != torch.int64 or idx_NK.device.type != "cpu" or not available():
+        return None
+    idx = idx_NK.contiguous()
+    M = idx.numel()
+    order, tok, inv = (torch.empty(M, dtype=torch.int64) for _ in range(3))
+    offs = torch.empty(n_experts, dtype=torch.int32)
+    _library().moe_plan(idx.data_ptr(), idx.shape[0], idx.shape[1], n_experts, order.data_ptr(), tok.data_ptr(),
+                        inv.data_ptr(), offs.data_ptr())
+    return order, tok, inv, offs
+
+
+def _gather_sum(src: Tensor, inv: Tensor, k: int) -> Tensor:
+    src = src.contiguous()
+    out = src.new_empty(inv.numel() // k, src.shape[1])
+    _library().gather_sum(src.data_ptr(), inv.data_ptr(), out.shape[0], k, src.shape[1], out.data_ptr())
+    return out
+
+
+class _GatherRows(torch.autograd.Function):  # x [N, D] -> xs [N*K, D] = x[tok]; backward: each token's K rows summed
+    @staticmethod
+    def forward(ctx, x, tok, inv, k):
+        ctx.save_for_backward(inv)
+        ctx.k = k
+        return x.index_select(0, tok)
+
+    @staticmethod
+    def backward(ctx, dxs):
+        (inv,) = ctx.saved_tensors
+        return _gather_sum(dxs, inv, ctx.k), None, None, None
+
+
+class _CombineRows(torch.autograd.Function):  # ys [N*K, D] -> out [N, D]: each token's K rows summed
+    @staticmethod
+    def forward(ctx, ys, tok, inv, k):
+        ctx.save_for_backward(tok)
+        return _gather_sum(ys, inv, k)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (tok,) = ctx.saved_tensors
+        return dout.index_select(0, tok), None, None, None
+
+
+def gather_rows(x_ND: Tensor, tok: Tensor, inv: Tensor, k: int) -> Tensor:
+    """x[tok] ([N*K, D], rows sorted by expert, from ``moe_plan``), whose backward sums each token's K rows
+    (no zero fill and index_add). x: float32 CPU, D a multiple of 8."""
+    return _GatherRows.apply(x_ND, tok, inv, k)
+
+
+def combine_rows(ys: Tensor, tok: Tensor, inv: Tensor, k: int) -> Tensor:
+    """[N, D]: row n = the sum of the K rows of ``ys`` (sorted by expert) that token n was routed to."""
+    return _CombineRows.apply(ys, tok, inv, k)

@@ -20,6 +20,10 @@ def route(x_ND: Tensor, gate_ED: Tensor, top_k: int, norm_topk_prob: bool, *,
     given (the caller drops padding first; a zero scalar when ``with_aux`` is False).
     """
     logits_NE = F.linear(x_ND, gate_ED)
+    if not with_aux:
+        fused = cpu_kernels.route(logits_NE, top_k, norm_topk_prob)  # float32 CPU: one kernel each way
+        if fused is not None:
+            return fused[0], fused[1], x_ND.new_zeros((), dtype=torch.float32)
     probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float32)
     w_NK, idx_NK = torch.topk(probs_NE, top_k, dim=-1)
     if norm_topk_prob:
@@ -106,6 +110,22 @@ def _grouped_mm_ok(x: Tensor, down_EDF: Tensor) -> bool:
             and (D * x.element_size()) % 16 == 0 and (Fd * x.element_size()) % 16 == 0)
 
 
+def _moe_grouped_cpu(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
+    """The grouped path in float32 on a CPU with the fused kernels (``cpu_kernels``): pairs sorted by a
+    counting sort, the SwiGLU with the routing weight folded in ((w a) down = w (a down)), each token's rows
+    summed; None where they do not apply."""
+    _, F2, D = gate_up_E2FD.shape
+    if (not _grouped_mm_ok(x_ND, down_EDF) or D % cpu_kernels.WIDTH or F2 % (2 * cpu_kernels.WIDTH)
+            or not cpu_kernels.usable(x_ND, w_NK, gate_up_E2FD, down_EDF)):
+        return None
+    K = idx_NK.shape[1]
+    order, tok, inv, offs = cpu_kernels.moe_plan(idx_NK, gate_up_E2FD.shape[0])
+    xs = cpu_kernels.gather_rows(x_ND, tok, inv, K)
+    gu = F.grouped_mm(xs, gate_up_E2FD.transpose(1, 2), offs=offs)
+    a = cpu_kernels.swiglu_weighted(gu, w_NK.reshape(-1).index_select(0, order))
+    return cpu_kernels.combine_rows(F.grouped_mm(a, down_EDF.transpose(1, 2), offs=offs), tok, inv, K)
+
+
 def _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
     if (x_ND.device.type == "cpu" and x_ND.dtype in (torch.bfloat16, torch.float16) and not torch.compiler.is_compiling()
             and _small(gate_up_E2FD, down_EDF)):
@@ -116,6 +136,9 @@ def _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
         # conversion is cheap and whose GEMMs are short next to a compilation; not in a torch.compile
         # graph (static shapes, and its grouped GEMM wants bfloat16).
         return _moe_grouped(x_ND.float(), w_NK.float(), idx_NK, gate_up_E2FD.float(), down_EDF.float()).to(x_ND.dtype)
+    y = _moe_grouped_cpu(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
+    if y is not None:
+        return y
     N, K = idx_NK.shape
     E = gate_up_E2FD.shape[0]
     flat = idx_NK.reshape(-1)
@@ -126,11 +149,7 @@ def _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
     w_sorted = w_NK.reshape(-1).index_select(0, order)
     if _grouped_mm_ok(x_ND, down_EDF):  # one kernel per projection over all experts, no host sync
         offs = counts.cumsum(0).to(torch.int32)
-        gu = F.grouped_mm(xs, gate_up_E2FD.transpose(1, 2), offs=offs)
-        a = cpu_kernels.swiglu_weighted(gu, w_sorted)  # float32 CPU: one kernel, the routing weight folded in
-        if a is not None:  # (w a) down = w (a down)
-            return torch.zeros_like(x_ND).index_add_(0, tok, F.grouped_mm(a, down_EDF.transpose(1, 2), offs=offs))
-        g, u = gu.chunk(2, dim=-1)
+        g, u = F.grouped_mm(xs, gate_up_E2FD.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         ys = F.grouped_mm(F.silu(g) * u, down_EDF.transpose(1, 2), offs=offs)
     else:
         counts = counts.tolist()
