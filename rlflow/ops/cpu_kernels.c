@@ -538,9 +538,11 @@ static void expert_tile(const float* x, const int64_t* pair, int64_t tb, int64_t
   }
 }
 
-/* Needs D and F multiples of 2 * W. y: scratch [n * k, D]; order: scratch [n * k]; E experts. */
+/* Needs D and F multiples of 2 * W; E experts. */
 void moe_small_fwd(const float* x, const int64_t* idx, const float* w, const float* guT, const float* downT,
-                   int64_t n, int64_t k, int64_t E, int64_t D, int64_t F, float* y, int64_t* order, float* out) {
+                   int64_t n, int64_t k, int64_t E, int64_t D, int64_t F, float* out) {
+  float* y = (float*)__builtin_malloc(sizeof(float) * (n * k * D + 1));  /* each pair's result row */
+  int64_t* order = (int64_t*)__builtin_malloc(sizeof(int64_t) * (n * k + 1));
   int64_t start[E + 1];
   for (int64_t e = 0; e <= E; e++) start[e] = 0;
   for (int64_t i = 0; i < n * k; i++) start[idx[i] + 1]++;
@@ -574,6 +576,8 @@ void moe_small_fwd(const float* x, const int64_t* idx, const float* w, const flo
       }
     __builtin_free(h);
   }
+  __builtin_free(y);
+  __builtin_free(order);
 }
 
 /* ---- MoE token plumbing for the grouped expert path (training) ----

@@ -124,7 +124,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "qk_norm_rope_bwd": [P, P, P, P, P, P, P, I, I, I, I, Int, P, P],
         "prefix_attn_fwd": [P, P, P, P, P, I, I, I, I, I, I, P, P],
         "prefix_attn_bwd": [P, P, P, P, P, I, I, I, I, I, I, P, P, P, P, P],
-        "moe_small_fwd": [P, P, P, P, P, I, I, I, I, I, P, P, P],
+        "moe_small_fwd": [P, P, P, P, P, I, I, I, I, I, P],
         "moe_plan": [P, I, I, I, P, P, P, P],
         "gather_sum": [P, P, I, I, I, P],
         "router_fwd": [P, I, I, I, Int, P, P, P],
@@ -315,13 +315,14 @@ def prefix_attention(qk_NHd: Tensor, v_NKd: Tensor, n_q: int, prompt_valid_PT: T
 
 @torch.library.custom_op("rlflow::moe_small_experts", mutates_args=())
 def _moe_small_op(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_t_EDF2: Tensor, down_t_EFD: Tensor) -> Tensor:
-    x, w, idx = x_ND.contiguous(), w_NK.contiguous(), idx_NK.contiguous()
-    gu, dn = gate_up_t_EDF2.contiguous(), down_t_EFD.contiguous()
-    out = torch.empty_like(x)
-    (N, K), (E, D, F2) = idx.shape, gu.shape
-    y, order = x.new_empty(N * K, D), idx.new_empty(N * K)
-    _library().moe_small_fwd(x.data_ptr(), idx.data_ptr(), w.data_ptr(), gu.data_ptr(), dn.data_ptr(), N, K, E, D,
-                             F2 // 2, y.data_ptr(), order.data_ptr(), out.data_ptr())
+    # contiguous already (moe_small_experts checks, and a compiled graph keeps the traced strides): these are
+    # no-ops then, kept so that a layout the graph chose otherwise still computes the right thing
+    x_ND, w_NK, idx_NK = x_ND.contiguous(), w_NK.contiguous(), idx_NK.contiguous()
+    gate_up_t_EDF2, down_t_EFD = gate_up_t_EDF2.contiguous(), down_t_EFD.contiguous()
+    out = torch.empty_like(x_ND)
+    (N, K), (E, D, F2) = idx_NK.shape, gate_up_t_EDF2.shape
+    _library().moe_small_fwd(x_ND.data_ptr(), idx_NK.data_ptr(), w_NK.data_ptr(), gate_up_t_EDF2.data_ptr(),
+                             down_t_EFD.data_ptr(), N, K, E, D, F2 // 2, out.data_ptr())
     return out
 
 
@@ -337,7 +338,8 @@ def moe_small_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_t_EDF2
     None when the kernels cannot take these tensors. Allowed inside torch.compile (a custom op)."""
     ts = (x_ND, w_NK, gate_up_t_EDF2, down_t_EFD)
     E, D, F2 = gate_up_t_EDF2.shape
-    if (any(t.device.type != "cpu" or t.dtype != torch.float32 for t in ts) or idx_NK.dtype != torch.int64
+    if (any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in ts)
+            or idx_NK.dtype != torch.int64 or not idx_NK.is_contiguous()
             or (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
             or x_ND.dim() != 2 or x_ND.shape[1] != D or D % (2 * WIDTH) or F2 % (4 * WIDTH) or down_t_EFD.shape != (E, F2 // 2, D)
             or not available()):
