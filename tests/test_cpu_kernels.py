@@ -2,9 +2,13 @@
 gradients, computed in float64 as the reference; the callers fall back to torch ops where the kernels
 cannot take the tensors; and the model's forward + backward with the kernels equals it without them."""
 
+import collections
 import os
+import platform
+import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -14,8 +18,32 @@ from hypothesis import given, settings, strategies as st
 from rlflow.ops import apply_rope, cpu_kernels, moe, prefix_attention, qk_norm_rope, rmsnorm, rope_cos_sin
 from rlflow.ops.norm import rmsnorm as norm_module_rmsnorm
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
-                                reason="fused CPU kernels unavailable here (no C compiler, or not Linux)")
+# Skipped only where the kernels cannot be built at all; where they can, a failed build fails
+# test_the_kernels_build instead of turning every test here into a skip.
+CAN_BUILD = (platform.system() == "Linux" and os.environ.get("RLFLOW_CPU_KERNELS", "1") != "0"
+             and bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")))
+pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="no C compiler, or not Linux: the torch ops run instead")
+
+
+def test_the_kernels_build():
+    assert cpu_kernels.available()
+
+
+class _Calls:
+    """The C functions called through ``cpu_kernels._library()`` (by name), while installed."""
+
+    def __init__(self, monkeypatch):
+        lib, self.n = cpu_kernels._library(), collections.Counter()
+
+        class Proxy:
+            def __getattr__(_, name):
+                fn = getattr(lib, name)
+
+                def call(*a):
+                    self.n[name] += 1
+                    return fn(*a)
+                return call
+        monkeypatch.setattr(cpu_kernels, "_library", lambda: Proxy())
 
 
 def _close(a, b, tol=2e-5):
@@ -53,7 +81,8 @@ def test_swiglu_weighted_equals_torch(n, f8, scale, seed):
 
 
 @settings(max_examples=20)
-@given(lead=st.sampled_from([(5,), (3, 7), (1,), (2, 1, 4)]), d8=st.integers(1, 17), seed=st.integers(0, 99),
+@given(lead=st.sampled_from([(5,), (3, 7), (1,), (2, 1, 4), (301,), (3, 130)]), d8=st.integers(1, 17),
+       seed=st.integers(0, 99),
        eps=st.sampled_from([1e-6, 1e-2]))
 def test_rmsnorm_equals_torch(lead, d8, seed, eps):
     g = torch.Generator().manual_seed(seed)
@@ -77,7 +106,7 @@ def _ref_qk_norm_rope(qkv, norm, cos, sin, hk, eps):
 
 @pytest.mark.parametrize("with_norm", [True, False])
 @settings(max_examples=12)
-@given(lead=st.sampled_from([(9,), (3, 5), (1, 1)]), heads=st.sampled_from([(2, 1), (4, 2), (6, 2)]),
+@given(lead=st.sampled_from([(9,), (3, 5), (1, 1), (200,)]), heads=st.sampled_from([(2, 1), (4, 2), (6, 2)]),
        d=st.sampled_from([16, 32, 64]), seed=st.integers(0, 99))
 def test_qk_norm_rope_equals_torch(with_norm, lead, heads, d, seed):
     H, K = heads
@@ -103,21 +132,23 @@ def test_qk_norm_rope_equals_torch(with_norm, lead, heads, d, seed):
 
 
 @settings(max_examples=15)
-@given(counts=st.lists(st.integers(1, 5), min_size=1, max_size=4), Tp=st.integers(1, 9), R=st.integers(1, 8),
-       heads=st.sampled_from([(1, 1), (4, 2), (6, 3), (4, 1)]), d=st.sampled_from([8, 16, 32]),
-       seed=st.integers(0, 99))
+@given(counts=st.lists(st.integers(0, 5), min_size=1, max_size=4).filter(lambda c: sum(c) > 0),
+       Tp=st.integers(1, 9), R=st.integers(1, 8), heads=st.sampled_from([(1, 1), (4, 2), (6, 3), (4, 1), (4, 4)]),
+       d=st.sampled_from([8, 16, 64]), seed=st.integers(0, 99))
 def test_prefix_attention_equals_torch(counts, Tp, R, heads, d, seed):
     """The packed shared-prompt attention kernel against the two-SDPA reference in float64, on every token
-    (padding too: the same every-token-sees-itself rule), values and gradients."""
+    (padding too: the same every-token-sees-itself rule; prompts and rows of padding only, prompts without
+    rows), values and gradients."""
     H, K = heads
     g = torch.Generator().manual_seed(seed)
     P, B = len(counts), sum(counts)
     counts_P = torch.tensor(counts)
-    pvalid = torch.arange(Tp)[None] >= torch.randint(0, Tp, (P, 1), generator=g)  # left-padded, >= 1 token
-    rvalid = torch.arange(R)[None] < torch.randint(1, R + 1, (B, 1), generator=g)  # right-padded
+    pvalid = torch.arange(Tp)[None] >= torch.randint(0, Tp + 1, (P, 1), generator=g)  # left-padded
+    rvalid = torch.arange(R)[None] < torch.randint(0, R + 1, (B, 1), generator=g)  # right-padded
     N = P * Tp + B * R
     qk, v = torch.randn(N, H + K, d, generator=g), torch.randn(N, K, d, generator=g)
     dout = torch.randn(N, H, d, generator=g)
+    assert cpu_kernels.prefix_attention(qk, v, H, pvalid, rvalid, counts_P) is not None
     (ours,), g_ours = _grads(lambda a, b: cpu_kernels.prefix_attention(a, b, H, pvalid, rvalid, counts_P), (qk, v), dout)
     (ref,), g_ref = _grads(lambda a, b: prefix_attention(a, b, H, pvalid, rvalid, counts_P), (qk.double(), v.double()),
                            dout)
@@ -149,7 +180,8 @@ def test_moe_small_experts_equals_the_reference(N, E, K, dims, skew, seed):
     _close(ours, ref, 1e-5)
 
 
-def test_moe_small_experts_in_a_compiled_graph_and_only_without_gradients():
+def test_moe_small_experts_in_a_compiled_graph_and_only_without_gradients(monkeypatch):
+    calls = _Calls(monkeypatch)
     g = torch.Generator().manual_seed(0)
     N, E, K, D, Fd = 24, 8, 2, 64, 64
     x, gate_up, down = torch.randn(N, D, generator=g), torch.randn(E, 2 * Fd, D, generator=g), torch.randn(E, D, Fd, generator=g)
@@ -157,7 +189,11 @@ def test_moe_small_experts_in_a_compiled_graph_and_only_without_gradients():
     t = moe.expert_weights_transposed(gate_up, down)
     f = torch.compile(lambda *a: moe.moe_experts(*a, transposed=t), fullgraph=True, dynamic=False)
     with torch.inference_mode():
-        _close(f(x, w, idx, gate_up, down), cpu_kernels.moe_small_experts(x, w, idx, *t), 1e-6)
+        y = f(x, w, idx, gate_up, down)
+        assert calls.n["moe_small_fwd"] >= 1  # the custom op ran inside the compiled graph
+        _close(y, cpu_kernels.moe_small_experts(x, w, idx, *t), 1e-6)
+        with pytest.raises(ValueError, match="expert ids must be in"):
+            cpu_kernels.moe_small_experts(x, w, torch.full_like(idx, 8), *t)
     assert cpu_kernels.moe_small_experts(x.requires_grad_(True), w, idx, *t) is None  # training takes the grouped path
     assert moe.expert_weights_transposed(gate_up.double(), down.double()) is None
 
@@ -202,6 +238,8 @@ def test_moe_plan_gather_and_combine(N, E, K, skew, seed):
     assert torch.equal(order, ref_order) and torch.equal(tok, ref_order // K)
     assert torch.equal(inv[order], torch.arange(N * K))
     assert torch.equal(offs, torch.bincount(idx.reshape(-1), minlength=E).cumsum(0).to(torch.int32))
+    with pytest.raises(ValueError, match="expert ids must be in"):
+        cpu_kernels.moe_plan(idx, int(idx.max()))
     x, ys = torch.randn(N, 16, generator=g), torch.randn(N * K, 16, generator=g)
     d1, d2 = torch.randn(N * K, 16, generator=g), torch.randn(N, 16, generator=g)
     (a,), ga = _grads(lambda t: cpu_kernels.gather_rows(t, tok, inv, K), (x,), d1)
@@ -247,7 +285,7 @@ def test_expert_paths_with_the_kernel_equal_the_reference(path):
     x, gate_up, down = torch.randn(N, D, generator=g), torch.randn(E, 2 * Fd, D, generator=g), torch.randn(E, D, Fd, generator=g)
     w, idx = torch.softmax(torch.randn(N, E, generator=g), -1).topk(K, -1)
     f = moe._moe_dense if path == "dense" else moe._moe_grouped
-    assert path == "dense" or moe._grouped_mm_ok(x, down)
+    assert path == "dense" or moe._moe_grouped_cpu(x, w, idx, gate_up, down) is not None  # the kernels' path
     dout = torch.randn(N, D, generator=g)
     (ours,), g_ours = _grads(lambda *a: f(a[0], a[1], idx, a[2], a[3]), (x, w, gate_up, down), dout)
     with pytest.MonkeyPatch.context() as mp:
@@ -269,7 +307,7 @@ def test_model_forward_backward_with_and_without_kernels():
     cfg = get_config("qwen3-moe-tiny")
     params = init_params(cfg, seed=1, std=0.2)
     g = torch.Generator().manual_seed(0)
-    P, Tp, G, R = 3, 6, 4, 5
+    P, Tp, G, R = 4, 8, 8, 10  # 352 tokens: the grouped expert path (more than DENSE_MAX_TOKENS)
     prompt = torch.randint(3, cfg.vocab_size, (P, Tp), generator=g)
     pvalid = torch.ones(P, Tp, dtype=torch.bool)
     pvalid[0, :2] = False
@@ -285,12 +323,13 @@ def test_model_forward_backward_with_and_without_kernels():
         grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)  # lm_head: unused
         return [last, h] + [torch.zeros(()) if gr is None else gr for gr in grads]
 
-    calls = []
-    orig = cpu_kernels._library
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_kernels, "_library", lambda: calls.append(1) or orig())
+        calls = _Calls(mp)
         with_k = run(torch.float32)
-    assert calls, "the kernels were not used"
+    ran = {k for k, v in calls.n.items() if v}
+    assert {"rmsnorm_fwd", "rmsnorm_bwd", "qk_norm_rope_fwd", "qk_norm_rope_bwd", "prefix_attn_fwd",
+            "prefix_attn_bwd", "router_fwd", "router_bwd", "moe_plan", "gather_sum", "swiglu_fwd",
+            "swiglu_bwd"} <= ran, ran
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_kernels, "usable", lambda *_: False)
         without = run(torch.float32)
@@ -306,3 +345,56 @@ def test_disabled_by_environment():
     out = subprocess.run([sys.executable, "-c", "from rlflow.ops import cpu_kernels; print(cpu_kernels.available())"],
                          env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_double_backward_raises_instead_of_dropping_terms():
+    x = torch.randn(4, 16, requires_grad=True)
+    (gx,) = torch.autograd.grad(cpu_kernels.rmsnorm(x, torch.ones(16), 1e-6).square().sum() + x.pow(3).sum(), x,
+                                create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|twice"):
+        gx.sum().backward()
+
+
+_THREADS_SCRIPT = textwrap.dedent("""
+    import torch
+    from rlflow.ops import cpu_kernels, rope_cos_sin
+    from rlflow.ops.norm import rmsnorm
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(0)
+    x, w, dy = torch.randn(300, 64, generator=g), torch.randn(64, generator=g), torch.randn(300, 64, generator=g)
+    qkv, nw = torch.randn(300, 8, 16, generator=g), torch.randn(6, 16, generator=g)
+    cos, sin = rope_cos_sin(torch.arange(300), 16, 1e4, torch.float32)
+    dqk, dv = torch.randn(300, 6, 16, generator=g), torch.randn(300, 2, 16, generator=g)
+
+    def grads(norm, qk_fn, dtype):
+        a, b, c, n = (t.to(dtype).requires_grad_(True) for t in (x, w, qkv, nw))
+        out = torch.autograd.grad([norm(a, b)], [a, b], [dy.to(dtype)])
+        qk, v = qk_fn(c, n)
+        return out + torch.autograd.grad([qk, v], [c, n], [dqk.to(dtype), dv.to(dtype)])
+
+    ours = grads(lambda a, b: cpu_kernels.rmsnorm(a, b, 1e-6),
+                 lambda c, n: cpu_kernels.qk_norm_rope(c, n, cos, sin, 6, 1e-6), torch.float32)
+    def ref_qk(c, n):
+        from rlflow.ops import apply_rope
+        qk, v = c.split([6, 2], -2)
+        return apply_rope(rmsnorm(qk, n, 1e-6), cos.double(), sin.double()), v
+    ref = grads(lambda a, b: rmsnorm(a, b, 1e-6), ref_qk, torch.float64)
+    print(max(float((a.double() - b).abs().max() / max(1.0, float(b.abs().max()))) for a, b in zip(ours, ref)),
+          cpu_kernels._library().rlflow_kernels_openmp())
+""")
+
+
+@pytest.mark.parametrize("case", ["thread limit 1", "built without OpenMP"])
+def test_backward_row_split_follows_the_threads_actually_running(case, tmp_path):
+    """The weight-gradient kernels split rows by the OpenMP team that actually runs, not by torch's thread
+    count: with the team capped at one thread, or with a build without OpenMP, every row is still done."""
+    env = dict(os.environ, RLFLOW_CACHE_DIR=str(tmp_path))
+    script = _THREADS_SCRIPT
+    if case == "thread limit 1":
+        env["OMP_THREAD_LIMIT"] = "1"
+    else:
+        script = "from rlflow.ops import cpu_kernels\ncpu_kernels._gomp_loaded = lambda: False\n" + script
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    err, omp = out.stdout.split()
+    assert float(err) < 1e-5, out.stdout
+    assert omp == ("0" if case == "built without OpenMP" else "1")

@@ -50,8 +50,10 @@ static inline void span(int64_t n, int nt, int tid, int64_t* lo, int64_t* hi) {
 }
 #ifdef _OPENMP
 #define THREAD_ID omp_get_thread_num()
+#define THREADS omp_get_num_threads() /* the team actually started (may be fewer than asked) */
 #else
 #define THREAD_ID 0
+#define THREADS 1
 #endif
 
 int rlflow_kernels_openmp(void) {
@@ -59,6 +61,16 @@ int rlflow_kernels_openmp(void) {
   return 1;
 #else
   return 0;
+#endif
+}
+
+/* The OpenMP runtime's thread count for the next parallel region (1 without OpenMP): the loader checks
+ * that it follows torch.set_num_threads, i.e. that these kernels share torch's runtime. */
+int rlflow_kernels_max_threads(void) {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
 #endif
 }
 
@@ -126,9 +138,10 @@ void rmsnorm_bwd(const float* x, const float* w, const float* rstd, const float*
 #pragma omp parallel num_threads(nt)
   {
     int64_t lo, hi;
-    span(n, nt, THREAD_ID, &lo, &hi);
+    span(n, THREADS, THREAD_ID, &lo, &hi);  /* part has nt >= THREADS rows; unused ones stay 0 */
     float* pw = part + (int64_t)THREAD_ID * d;
-    float blk[d];  /* dw over a block of rows, then added to the thread's partial: error ~ (BLOCK + n/BLOCK) eps */
+    /* dw over a block of rows, then added to the thread's partial: error ~ (BLOCK + n/BLOCK) eps */
+    float* blk = (float*)__builtin_malloc(sizeof(float) * d);
     for (int64_t b0 = lo; b0 < hi; b0 += BLOCK) {
       for (int64_t j = 0; j < d; j += W) vst(blk + j, vsplat(0.0f));
       for (int64_t r = b0; r < b0 + BLOCK && r < hi; r++) {
@@ -149,6 +162,7 @@ void rmsnorm_bwd(const float* x, const float* w, const float* rstd, const float*
       }
       for (int64_t j = 0; j < d; j += W) vst(pw + j, vld(pw + j) + vld(blk + j));
     }
+    __builtin_free(blk);
   }
 }
 
@@ -174,7 +188,7 @@ void qk_norm_rope_fwd(const float* qkv, const float* normw, const float* cos, co
     const float* row = qkv + r * (hk + hv) * d;
     const float* c = cos + r * d;
     const float* s = sin + r * d;
-    float y[d];
+    float y[W * 64];  /* one head (the caller keeps d <= 512) */
     for (int64_t h = 0; h < hk; h++) {
       const float* x = row + h * d;
       const float* src = x;
@@ -198,11 +212,11 @@ void qk_norm_rope_bwd(const float* qkv, const float* normw, const float* cos, co
 #pragma omp parallel num_threads(nt)
   {
     int64_t lo, hi;
-    span(n, nt, THREAD_ID, &lo, &hi);
+    span(n, THREADS, THREAD_ID, &lo, &hi);  /* part has nt >= THREADS rows; unused ones stay 0 */
     float* pw = part + (int64_t)THREAD_ID * hk * d;
     const int64_t half = d / 2;
-    float dy[d];
-    float blk[normw ? hk * d : 1];  /* dnormw over a block of rows (see rmsnorm_bwd) */
+    float dy[W * 64];  /* one head (the caller keeps d <= 512) */
+    float* blk = (float*)__builtin_malloc(sizeof(float) * (normw ? hk * d : 1));  /* dnormw over a block of rows */
     for (int64_t r = lo; r < hi; r++) {
       if (normw && (r - lo) % BLOCK == 0) {
         if (r > lo)
@@ -244,6 +258,7 @@ void qk_norm_rope_bwd(const float* qkv, const float* normw, const float* cos, co
     }
     if (normw && hi > lo)
       for (int64_t j = 0; j < hk * d; j += W) vst(pw + j, vld(pw + j) + vld(blk + j));
+    __builtin_free(blk);
   }
 }
 
@@ -539,8 +554,10 @@ static void expert_tile(const float* x, const int64_t* pair, int64_t tb, int64_t
 }
 
 /* Needs D and F multiples of 2 * W; E experts. */
-void moe_small_fwd(const float* x, const int64_t* idx, const float* w, const float* guT, const float* downT,
-                   int64_t n, int64_t k, int64_t E, int64_t D, int64_t F, float* out) {
+int moe_small_fwd(const float* x, const int64_t* idx, const float* w, const float* guT, const float* downT,
+                  int64_t n, int64_t k, int64_t E, int64_t D, int64_t F, float* out) {
+  for (int64_t i = 0; i < n * k; i++)
+    if (idx[i] < 0 || idx[i] >= E) return -1;  /* an expert id out of [0, E) */
   float* y = (float*)__builtin_malloc(sizeof(float) * (n * k * D + 1));  /* each pair's result row */
   int64_t* order = (int64_t*)__builtin_malloc(sizeof(int64_t) * (n * k + 1));
   int64_t start[E + 1];
@@ -578,14 +595,17 @@ void moe_small_fwd(const float* x, const int64_t* idx, const float* w, const flo
   }
   __builtin_free(y);
   __builtin_free(order);
+  return 0;
 }
 
 /* ---- MoE token plumbing for the grouped expert path (training) ----
  * moe_plan: the n*k (token, slot) pairs sorted by expert (stable): order[j] = the pair at sorted position j,
  * tok[j] = its token, inv[pair] = its sorted position; offs[e] = end of expert e's block (grouped GEMM's
  * offsets). A counting sort: O(n k + E). */
-void moe_plan(const int64_t* idx, int64_t n, int64_t k, int64_t E, int64_t* order, int64_t* tok, int64_t* inv,
-              int32_t* offs) {
+int moe_plan(const int64_t* idx, int64_t n, int64_t k, int64_t E, int64_t* order, int64_t* tok, int64_t* inv,
+             int32_t* offs) {
+  for (int64_t i = 0; i < n * k; i++)
+    if (idx[i] < 0 || idx[i] >= E) return -1;  /* an expert id out of [0, E) */
   int64_t fill[E];
   for (int64_t e = 0; e < E; e++) fill[e] = 0;
   for (int64_t i = 0; i < n * k; i++) fill[idx[i]]++;
@@ -602,6 +622,7 @@ void moe_plan(const int64_t* idx, int64_t n, int64_t k, int64_t E, int64_t* orde
     tok[j] = i / k;
     inv[i] = j;
   }
+  return 0;
 }
 
 /* out[r] = sum_s src[inv[r k + s]] (rows of D): the k sorted rows of each token, summed (no atomics: each

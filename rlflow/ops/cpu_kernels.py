@@ -41,6 +41,7 @@ import warnings
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c")
 WIDTH = 8  # floats per vector in the C source: row widths must be multiples of it
@@ -81,7 +82,9 @@ def _load() -> ctypes.CDLL | bool:
     errors = []
     # -march=native: the cache key includes the machine's CPU flags, so a shared home dir across
     # different CPUs builds one file per CPU kind
-    for flags in (base + ["-march=native"], base):
+    extra = [["-march=native"], []]  # a compiler that rejects -march=native builds without it
+    while extra:
+        flags = base + extra[0]
         try:
             version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
             with open(_SRC, "rb") as f:
@@ -94,12 +97,29 @@ def _load() -> ctypes.CDLL | bool:
             lib = ctypes.CDLL(path)
             if bool(lib.rlflow_kernels_openmp()) != omp:
                 raise OSError(f"{path}: built {'with' if not omp else 'without'} OpenMP, expected the opposite")
+            if omp and not _shares_torch_threads(lib):  # a second OpenMP runtime: build again without OpenMP
+                errors.append(f"{path}: its OpenMP runtime is not torch's")
+                omp, base = False, [f for f in base if f != "-fopenmp"]
+                continue
             _declare(lib)
             return lib
         except (OSError, subprocess.CalledProcessError) as e:
             errors.append(getattr(e, "stderr", None) or str(e))
+            extra.pop(0)
     warnings.warn("rlflow: fused CPU kernels unavailable (torch ops are used instead): " + errors[-1][-500:])
     return False
+
+
+def _shares_torch_threads(lib: ctypes.CDLL) -> bool:
+    """The library's OpenMP thread count follows torch.set_num_threads: one runtime, one thread pool."""
+    lib.rlflow_kernels_max_threads.restype = ctypes.c_int
+    n0 = torch.get_num_threads()
+    probe = 1 if n0 != 1 else 2
+    try:
+        torch.set_num_threads(probe)
+        return lib.rlflow_kernels_max_threads() == probe
+    finally:
+        torch.set_num_threads(n0)
 
 
 def _cpu_flags() -> str:
@@ -130,9 +150,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "router_fwd": [P, I, I, I, Int, P, P, P],
         "router_bwd": [P, P, P, P, I, I, I, Int, P],
     }
+    status = {"moe_plan", "moe_small_fwd"}  # return 0, or -1 for an expert id out of range
     for name, args in sig.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, None
+        fn.argtypes, fn.restype = args, (ctypes.c_int if name in status else None)
 
 
 def _library() -> ctypes.CDLL | None:
@@ -174,6 +195,7 @@ class _SwiGLUWeighted(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the backward is a C call: no graph for a double backward
     def backward(ctx, dout: Tensor):
         gu, w = ctx.saved_tensors
         n, f2 = gu.shape
@@ -203,6 +225,7 @@ class _RMSNorm(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # the backward is a C call: no graph for a double backward
     def backward(ctx, dy: Tensor):
         x, w, rstd = ctx.saved_tensors
         d = x.shape[-1]
@@ -239,6 +262,7 @@ class _QKNormRope(torch.autograd.Function):
         return qk, v
 
     @staticmethod
+    @once_differentiable  # the backward is a C call: no graph for a double backward
     def backward(ctx, dqk: Tensor | None, dv: Tensor | None):
         qkv, norm, cos, sin, rstd = ctx.saved_tensors
         *lead, heads, d = qkv.shape
@@ -262,7 +286,7 @@ def qk_norm_rope(qkv: Tensor, norm_Hd: Tensor | None, cos: Tensor, sin: Tensor, 
     None when the kernels cannot take these tensors (no gradient to cos/sin is computed: they must not
     need one)."""
     d = qkv.shape[-1]
-    if (qkv.dim() < 3 or d % (2 * WIDTH) or cos.shape != qkv.shape[:-2] + (d,) or sin.shape != cos.shape
+    if (qkv.dim() < 3 or d % (2 * WIDTH) or d > 512 or cos.shape != qkv.shape[:-2] + (d,) or sin.shape != cos.shape
             or cos.requires_grad or sin.requires_grad
             or (norm_Hd is not None and norm_Hd.shape != (hk, d))
             or not usable(qkv, cos, sin, *(() if norm_Hd is None else (norm_Hd,)))):
@@ -284,6 +308,7 @@ class _PrefixAttention(torch.autograd.Function):
         return o
 
     @staticmethod
+    @once_differentiable  # the backward is a C call: no graph for a double backward
     def backward(ctx, do: Tensor):
         qk, v, pvalid, rvalid, row_start, o, lse = ctx.saved_tensors
         N, HK, d = qk.shape
@@ -307,7 +332,7 @@ def prefix_attention(qk_NHd: Tensor, v_NKd: Tensor, n_q: int, prompt_valid_PT: T
             or not usable(qk_NHd, v_NKd)):
         return None
     row_start = torch.cat([counts_P.new_zeros(1), counts_P.cumsum(0)]).to(torch.int64).cpu()
-    if int(row_start[-1]) != B:
+    if int(row_start[-1]) != B or bool((counts_P < 0).any()):
         return None
     u8 = lambda t: t.to(torch.uint8).cpu().contiguous()  # noqa: E731
     return _PrefixAttention.apply(qk_NHd, v_NKd, n_q, u8(prompt_valid_PT), u8(resp_valid_BR), row_start)
@@ -321,8 +346,10 @@ def _moe_small_op(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_t_EDF2: Te
     gate_up_t_EDF2, down_t_EFD = gate_up_t_EDF2.contiguous(), down_t_EFD.contiguous()
     out = torch.empty_like(x_ND)
     (N, K), (E, D, F2) = idx_NK.shape, gate_up_t_EDF2.shape
-    _library().moe_small_fwd(x_ND.data_ptr(), idx_NK.data_ptr(), w_NK.data_ptr(), gate_up_t_EDF2.data_ptr(),
-                             down_t_EFD.data_ptr(), N, K, E, D, F2 // 2, out.data_ptr())
+    if _library().moe_small_fwd(x_ND.data_ptr(), idx_NK.data_ptr(), w_NK.data_ptr(), gate_up_t_EDF2.data_ptr(),
+                                down_t_EFD.data_ptr(), N, K, E, D, F2 // 2, out.data_ptr()):
+        raise ValueError(f"moe_small_experts: expert ids must be in [0, {E}), got {idx_NK.min().item()}.."
+                         f"{idx_NK.max().item()}")
     return out
 
 
@@ -339,7 +366,8 @@ def moe_small_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_t_EDF2
     ts = (x_ND, w_NK, gate_up_t_EDF2, down_t_EFD)
     E, D, F2 = gate_up_t_EDF2.shape
     if (any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in ts)
-            or idx_NK.dtype != torch.int64 or not idx_NK.is_contiguous()
+            or idx_NK.dtype != torch.int64 or not idx_NK.is_contiguous() or idx_NK.device.type != "cpu"
+            or w_NK.shape != idx_NK.shape or idx_NK.shape[0] != x_ND.shape[0]
             or (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
             or x_ND.dim() != 2 or x_ND.shape[1] != D or D % (2 * WIDTH) or F2 % (4 * WIDTH) or down_t_EFD.shape != (E, F2 // 2, D)
             or not available()):
@@ -360,6 +388,7 @@ class _Router(torch.autograd.Function):
         return w, idx
 
     @staticmethod
+    @once_differentiable  # the backward is a C call: no graph for a double backward
     def backward(ctx, dw: Tensor, _didx):
         probs, idx, w = ctx.saved_tensors
         n, E = probs.shape
@@ -371,8 +400,9 @@ class _Router(torch.autograd.Function):
 
 
 def route(logits_NE: Tensor, k: int, norm: bool) -> tuple[Tensor, Tensor] | None:
-    """(weights [N, k], experts [N, k]): softmax over the E logits in float32, the top k (largest first),
-    renormalized to sum 1 when ``norm``; None when the kernels cannot take the logits."""
+    """(weights [N, k], experts [N, k]): softmax over the E logits in float32, the top k (largest first;
+    equal probabilities go to the lower expert id, where torch.topk's order is unspecified), renormalized
+    to sum 1 when ``norm``; None when the kernels cannot take the logits."""
     if logits_NE.dim() != 2 or not 1 <= k <= logits_NE.shape[1] or not usable(logits_NE):
         return None
     return _Router.apply(logits_NE, k, norm)
@@ -388,8 +418,9 @@ def moe_plan(idx_NK: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor, Te
     M = idx.numel()
     order, tok, inv = (torch.empty(M, dtype=torch.int64) for _ in range(3))
     offs = torch.empty(n_experts, dtype=torch.int32)
-    _library().moe_plan(idx.data_ptr(), idx.shape[0], idx.shape[1], n_experts, order.data_ptr(), tok.data_ptr(),
-                        inv.data_ptr(), offs.data_ptr())
+    if _library().moe_plan(idx.data_ptr(), idx.shape[0], idx.shape[1], n_experts, order.data_ptr(), tok.data_ptr(),
+                           inv.data_ptr(), offs.data_ptr()):
+        raise ValueError(f"moe_plan: expert ids must be in [0, {n_experts}), got {idx.min().item()}..{idx.max().item()}")
     return order, tok, inv, offs
 
 
@@ -408,6 +439,7 @@ class _GatherRows(torch.autograd.Function):  # x [N, D] -> xs [N*K, D] = x[tok];
         return x.index_select(0, tok)
 
     @staticmethod
+    @once_differentiable  # the backward is a C call: no graph for a double backward
     def backward(ctx, dxs):
         (inv,) = ctx.saved_tensors
         return _gather_sum(dxs, inv, ctx.k), None, None, None
@@ -420,6 +452,7 @@ class _CombineRows(torch.autograd.Function):  # ys [N*K, D] -> out [N, D]: each 
         return _gather_sum(ys, inv, k)
 
     @staticmethod
+    @once_differentiable  # the backward is a C call: no graph for a double backward
     def backward(ctx, dout):
         (tok,) = ctx.saved_tensors
         return dout.index_select(0, tok), None, None, None

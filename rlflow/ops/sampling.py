@@ -46,7 +46,7 @@ def sample(logits_BV: Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p
     if noise_BV is None:
         noise_BV = exponential_noise(tuple(logits.shape), generator=generator, device=logits.device)
     # argmax p / E = argmax log p - log E; truncation only needs the unnormalized masked log-probs.
-    # Exp(1) draws can be exactly 0 (2^-53 per element on CPU): log 0 = -inf would let a token outside
+    # Exp(1) draws can be exactly 0 (U = 0: 2^-24 per element in float32): log 0 = -inf would let a token outside
     # top-k/top-p win (-inf + inf = nan, argmax's max), so E is clamped to float32's smallest normal.
     tok = (masked - noise_BV.clamp_min(torch.finfo(torch.float32).tiny).log()).argmax(-1)
     return tok, logp_full.gather(-1, tok[:, None])[:, 0]
