@@ -61,6 +61,11 @@ def _grads(f, inputs, dout):
     return outs, gs
 
 
+def _experts(g, N, E, D, Fd):
+    """x [N, D], gate_up [E, 2F, D], down [E, D, F] from the generator g."""
+    return torch.randn(N, D, generator=g), torch.randn(E, 2 * Fd, D, generator=g), torch.randn(E, D, Fd, generator=g)
+
+
 def _ref_swiglu(gu, w):
     g, u = gu.chunk(2, -1)
     return F.silu(g) * u * w[:, None]
@@ -149,7 +154,8 @@ def test_prefix_attention_equals_torch(counts, Tp, R, heads, d, seed):
     qk, v = torch.randn(N, H + K, d, generator=g), torch.randn(N, K, d, generator=g)
     dout = torch.randn(N, H, d, generator=g)
     assert cpu_kernels.prefix_attention(qk, v, H, pvalid, rvalid, counts_P) is not None
-    (ours,), g_ours = _grads(lambda a, b: cpu_kernels.prefix_attention(a, b, H, pvalid, rvalid, counts_P), (qk, v), dout)
+    (ours,), g_ours = _grads(lambda a, b: cpu_kernels.prefix_attention(a, b, H, pvalid, rvalid, counts_P), (qk, v),
+                             dout)
     (ref,), g_ref = _grads(lambda a, b: prefix_attention(a, b, H, pvalid, rvalid, counts_P), (qk.double(), v.double()),
                            dout)
     _close(ours, ref)
@@ -158,7 +164,8 @@ def test_prefix_attention_equals_torch(counts, Tp, R, heads, d, seed):
 
 
 @settings(max_examples=20)
-@given(N=st.integers(1, 40), E=st.integers(1, 9), K=st.integers(1, 3), dims=st.sampled_from([(16, 16), (48, 32), (64, 64)]),
+@given(N=st.integers(1, 40), E=st.integers(1, 9), K=st.integers(1, 3),
+       dims=st.sampled_from([(16, 16), (48, 32), (64, 64)]),
        skew=st.booleans(), seed=st.integers(0, 99))
 def test_moe_small_experts_equals_the_reference(N, E, K, dims, skew, seed):
     """Routed experts for inference against the per-expert loop in float64: any routing (experts with no
@@ -166,7 +173,7 @@ def test_moe_small_experts_equals_the_reference(N, E, K, dims, skew, seed):
     K = min(K, E)
     D, Fd = dims
     g = torch.Generator().manual_seed(seed)
-    x, gate_up, down = torch.randn(N, D, generator=g), torch.randn(E, 2 * Fd, D, generator=g), torch.randn(E, D, Fd, generator=g)
+    x, gate_up, down = _experts(g, N, E, D, Fd)
     scores = torch.randn(N, E, generator=g)
     if skew:
         scores[:, :K] += 100
@@ -184,7 +191,7 @@ def test_moe_small_experts_in_a_compiled_graph_and_only_without_gradients(monkey
     calls = _Calls(monkeypatch)
     g = torch.Generator().manual_seed(0)
     N, E, K, D, Fd = 24, 8, 2, 64, 64
-    x, gate_up, down = torch.randn(N, D, generator=g), torch.randn(E, 2 * Fd, D, generator=g), torch.randn(E, D, Fd, generator=g)
+    x, gate_up, down = _experts(g, N, E, D, Fd)
     w, idx = torch.softmax(torch.randn(N, E, generator=g), -1).topk(K, -1)
     t = moe.expert_weights_transposed(gate_up, down)
     f = torch.compile(lambda *a: moe.moe_experts(*a, transposed=t), fullgraph=True, dynamic=False)
@@ -282,7 +289,7 @@ def test_expert_paths_with_the_kernel_equal_the_reference(path):
     """The MoE paths that use ``swiglu_weighted`` (F a multiple of 8), values and gradients against float64."""
     g = torch.Generator().manual_seed(0)
     N, E, K, D, Fd = 37, 5, 2, 16, 8
-    x, gate_up, down = torch.randn(N, D, generator=g), torch.randn(E, 2 * Fd, D, generator=g), torch.randn(E, D, Fd, generator=g)
+    x, gate_up, down = _experts(g, N, E, D, Fd)
     w, idx = torch.softmax(torch.randn(N, E, generator=g), -1).topk(K, -1)
     f = moe._moe_dense if path == "dense" else moe._moe_grouped
     assert path == "dense" or moe._moe_grouped_cpu(x, w, idx, gate_up, down) is not None  # the kernels' path

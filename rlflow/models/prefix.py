@@ -45,7 +45,8 @@ def forward(params: Params, cfg: ModelConfig, prompt_ids_PT: Tensor, prompt_vali
 
     for i in range(cfg.num_hidden_layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        qk, v = qk_v_heads(params, cfg, a, rmsnorm(h, params[f"model.layers.{i}.input_layernorm.weight"], eps), cos, sin)
+        x = rmsnorm(h, params[f"model.layers.{i}.input_layernorm.weight"], eps)
+        qk, v = qk_v_heads(params, cfg, a, x, cos, sin)
         o = prefix_attention(qk, v, H, prompt_valid_PT, resp_valid_BR, counts_P)  # [N, H, d]
         h = h + F.linear(o.flatten(1), params[a + "o_proj.weight"])
         y, _ = mlp_block(params, cfg, m, i, rmsnorm(h, params[f"model.layers.{i}.post_attention_layernorm.weight"],

@@ -8,5 +8,5 @@ from rlflow.ops.norm import rmsnorm
 from rlflow.ops.rope import apply_rope, qk_norm_rope, rope_cos_sin
 from rlflow.ops.sampling import exponential_noise, sample
 
-__all__ = ["attention", "causal_padding_mask", "prefix_attention", "token_logprobs", "at_mask", "moe_experts", "route", "rmsnorm",
-           "apply_rope", "qk_norm_rope", "rope_cos_sin", "exponential_noise", "sample"]
+__all__ = ["attention", "causal_padding_mask", "prefix_attention", "token_logprobs", "at_mask", "moe_experts", "route",
+           "rmsnorm", "apply_rope", "qk_norm_rope", "rope_cos_sin", "exponential_noise", "sample"]

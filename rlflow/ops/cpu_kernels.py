@@ -89,7 +89,8 @@ def _load() -> ctypes.CDLL | bool:
             version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
             with open(_SRC, "rb") as f:
                 src = f.read()
-            key = hashlib.sha256(src + repr((flags, version, platform.machine(), _cpu_flags())).encode()).hexdigest()[:16]
+            what = repr((flags, version, platform.machine(), _cpu_flags())).encode()
+            key = hashlib.sha256(src + what).hexdigest()[:16]
             os.makedirs(cache, exist_ok=True)
             path = os.path.join(cache, f"cpu_kernels_{key}.so")
             if not os.path.exists(path):
@@ -369,7 +370,8 @@ def moe_small_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_t_EDF2
             or idx_NK.dtype != torch.int64 or not idx_NK.is_contiguous() or idx_NK.device.type != "cpu"
             or w_NK.shape != idx_NK.shape or idx_NK.shape[0] != x_ND.shape[0]
             or (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
-            or x_ND.dim() != 2 or x_ND.shape[1] != D or D % (2 * WIDTH) or F2 % (4 * WIDTH) or down_t_EFD.shape != (E, F2 // 2, D)
+            or x_ND.dim() != 2 or x_ND.shape[1] != D or D % (2 * WIDTH) or F2 % (4 * WIDTH)
+            or down_t_EFD.shape != (E, F2 // 2, D)
             or not available()):
         return None
     return _moe_small_op(x_ND, w_NK, idx_NK, gate_up_t_EDF2, down_t_EFD)
@@ -420,7 +422,8 @@ def moe_plan(idx_NK: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor, Te
     offs = torch.empty(n_experts, dtype=torch.int32)
     if _library().moe_plan(idx.data_ptr(), idx.shape[0], idx.shape[1], n_experts, order.data_ptr(), tok.data_ptr(),
                            inv.data_ptr(), offs.data_ptr()):
-        raise ValueError(f"moe_plan: expert ids must be in [0, {n_experts}), got {idx.min().item()}..{idx.max().item()}")
+        raise ValueError(f"moe_plan: expert ids must be in [0, {n_experts}), got {idx.min().item()}.."
+                         f"{idx.max().item()}")
     return order, tok, inv, offs
 
 
