@@ -22,7 +22,7 @@ from rlflow.ops.norm import rmsnorm as norm_module_rmsnorm
 # test_the_kernels_build instead of turning every test here into a skip.
 CAN_BUILD = (platform.system() == "Linux" and os.environ.get("RLFLOW_CPU_KERNELS", "1") != "0"
              and bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")))
-pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="no C compiler, or not Linux: the torch ops run instead")
+pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="RLFLOW_CPU_KERNELS=0, no C compiler, or not Linux: torch ops run")
 
 
 def test_the_kernels_build():
