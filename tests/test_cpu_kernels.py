@@ -22,7 +22,8 @@ from rlflow.ops.norm import rmsnorm as norm_module_rmsnorm
 # test_the_kernels_build instead of turning every test here into a skip.
 CAN_BUILD = (platform.system() == "Linux" and os.environ.get("RLFLOW_CPU_KERNELS", "1") != "0"
              and bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")))
-pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="RLFLOW_CPU_KERNELS=0, no C compiler, or not Linux: torch ops run")
+pytestmark = pytest.mark.skipif(not CAN_BUILD,
+                                reason="RLFLOW_CPU_KERNELS=0, no C compiler, or not Linux: torch ops run")
 
 
 def test_the_kernels_build():
@@ -199,8 +200,10 @@ def test_moe_small_experts_in_a_compiled_graph_and_only_without_gradients(monkey
         y = f(x, w, idx, gate_up, down)
         assert calls.n["moe_small_fwd"] >= 1  # the custom op ran inside the compiled graph
         _close(y, cpu_kernels.moe_small_experts(x, w, idx, *t), 1e-6)
-        with pytest.raises(ValueError, match="expert ids must be in"):
-            cpu_kernels.moe_small_experts(x, w, torch.full_like(idx, 8), *t)
+        for bad in (8, -1):
+            with pytest.raises(ValueError, match="expert ids must be in"):
+                cpu_kernels.moe_small_experts(x, w, torch.full_like(idx, bad), *t)
+        assert cpu_kernels.moe_small_experts(x, w[:, :0], idx[:, :0], *t) is None  # no slots
     assert cpu_kernels.moe_small_experts(x.requires_grad_(True), w, idx, *t) is None  # training takes the grouped path
     assert moe.expert_weights_transposed(gate_up.double(), down.double()) is None
 
@@ -245,8 +248,9 @@ def test_moe_plan_gather_and_combine(N, E, K, skew, seed):
     assert torch.equal(order, ref_order) and torch.equal(tok, ref_order // K)
     assert torch.equal(inv[order], torch.arange(N * K))
     assert torch.equal(offs, torch.bincount(idx.reshape(-1), minlength=E).cumsum(0).to(torch.int32))
-    with pytest.raises(ValueError, match="expert ids must be in"):
-        cpu_kernels.moe_plan(idx, int(idx.max()))
+    for bad_E, bad_idx in ((int(idx.max()), idx), (E, idx - 1 - idx.max())):  # an id >= E; ids < 0
+        with pytest.raises(ValueError, match="expert ids must be in"):
+            cpu_kernels.moe_plan(bad_idx, bad_E)
     x, ys = torch.randn(N, 16, generator=g), torch.randn(N * K, 16, generator=g)
     d1, d2 = torch.randn(N * K, 16, generator=g), torch.randn(N, 16, generator=g)
     (a,), ga = _grads(lambda t: cpu_kernels.gather_rows(t, tok, inv, K), (x,), d1)
@@ -279,13 +283,21 @@ def test_callers_fall_back_where_the_kernels_do_not_apply():
     qkv = torch.randn(5, 4, 8)  # head dim 8: halves of 4
     cos, sin = rope_cos_sin(torch.arange(5), 8, 10000.0, torch.float32)
     assert cpu_kernels.qk_norm_rope(qkv, None, cos, sin, 3, 1e-6) is None
+    for d in (512, 528):  # the kernel's per-head scratch holds 512 floats
+        big = torch.randn(3, 2, d)
+        c, s_ = rope_cos_sin(torch.arange(3), d, 10000.0, torch.float32)
+        assert (cpu_kernels.qk_norm_rope(big, None, c, s_, 1, 1e-6) is None) == (d > 512)
+    one = lambda *shape: torch.ones(*shape, dtype=torch.bool)  # noqa: E731
+    neg = cpu_kernels.prefix_attention(torch.randn(7, 2, 8), torch.randn(7, 1, 8), 1, one(2, 1), one(5, 1),
+                                       torch.tensor([6, -1]))
+    assert neg is None  # negative group counts: the torch path, which raises
     qk, v = qk_norm_rope(qkv, None, cos, sin, 3, 1e-6)  # the ops-level function still answers
     _close(qk, apply_rope(qkv[:, :3], cos, sin))
     assert torch.equal(v, qkv[:, 3:])
 
 
 @pytest.mark.parametrize("path", ["dense", "grouped_mm"])
-def test_expert_paths_with_the_kernel_equal_the_reference(path):
+def test_expert_paths_with_the_kernel_equal_the_reference(path, monkeypatch):
     """The MoE paths that use ``swiglu_weighted`` (F a multiple of 8), values and gradients against float64."""
     g = torch.Generator().manual_seed(0)
     N, E, K, D, Fd = 37, 5, 2, 16, 8
@@ -294,7 +306,10 @@ def test_expert_paths_with_the_kernel_equal_the_reference(path):
     f = moe._moe_dense if path == "dense" else moe._moe_grouped
     assert path == "dense" or moe._moe_grouped_cpu(x, w, idx, gate_up, down) is not None  # the kernels' path
     dout = torch.randn(N, D, generator=g)
+    calls = _Calls(monkeypatch)
     (ours,), g_ours = _grads(lambda *a: f(a[0], a[1], idx, a[2], a[3]), (x, w, gate_up, down), dout)
+    assert calls.n["swiglu_fwd"] and calls.n["swiglu_bwd"]
+    monkeypatch.undo()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(moe, "_grouped_mm_ok", lambda *_: False)  # the per-expert loop in float64: torch ops only
         (ref,), g_ref = _grads(lambda *a: moe._moe_grouped(a[0], a[1], idx, a[2], a[3]),
@@ -354,10 +369,29 @@ def test_disabled_by_environment():
     assert out.stdout.strip() == "False"
 
 
-def test_double_backward_raises_instead_of_dropping_terms():
-    x = torch.randn(4, 16, requires_grad=True)
-    (gx,) = torch.autograd.grad(cpu_kernels.rmsnorm(x, torch.ones(16), 1e-6).square().sum() + x.pow(3).sum(), x,
-                                create_graph=True)
+def _double_backward_cases():
+    g = torch.Generator().manual_seed(0)
+    cos, sin = rope_cos_sin(torch.arange(6), 16, 10000.0, torch.float32)
+    counts, pvalid, rvalid = torch.tensor([2]), torch.ones(1, 3, dtype=torch.bool), torch.ones(2, 2, dtype=torch.bool)
+    idx = torch.tensor([[0, 1], [1, 2], [2, 0]])
+    _, tok, inv, _ = cpu_kernels.moe_plan(idx, 3)
+    return {
+        "rmsnorm": (lambda x: cpu_kernels.rmsnorm(x, torch.ones(16), 1e-6), (6, 16)),
+        "swiglu": (lambda x: cpu_kernels.swiglu_weighted(x, torch.rand(6, generator=g)), (6, 16)),
+        "qk_norm_rope": (lambda x: cpu_kernels.qk_norm_rope(x, torch.ones(3, 16), cos, sin, 3, 1e-6)[0], (6, 4, 16)),
+        "prefix_attention": (lambda x: cpu_kernels.prefix_attention(x, torch.randn(7, 1, 8, generator=g), 1, pvalid,
+                                                                    rvalid, counts), (7, 2, 8)),
+        "route": (lambda x: cpu_kernels.route(x, 2, True)[0], (6, 4)),
+        "gather_rows": (lambda x: cpu_kernels.gather_rows(x, tok, inv, 2), (3, 8)),
+        "combine_rows": (lambda x: cpu_kernels.combine_rows(x, tok, inv, 2), (6, 8)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_double_backward_cases()))
+def test_double_backward_raises_instead_of_dropping_terms(name):
+    f, shape = _double_backward_cases()[name]
+    x = torch.randn(*shape, requires_grad=True)
+    (gx,) = torch.autograd.grad(f(x).square().sum() + x.pow(3).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|twice"):
         gx.sum().backward()
 
@@ -395,6 +429,8 @@ _THREADS_SCRIPT = textwrap.dedent("""
 def test_backward_row_split_follows_the_threads_actually_running(case, tmp_path):
     """The weight-gradient kernels split rows by the OpenMP team that actually runs, not by torch's thread
     count: with the team capped at one thread, or with a build without OpenMP, every row is still done."""
+    if case == "thread limit 1" and not cpu_kernels._library().rlflow_kernels_openmp():
+        pytest.skip("the kernels are built without OpenMP here (torch loads no GNU OpenMP)")
     env = dict(os.environ, RLFLOW_CACHE_DIR=str(tmp_path))
     script = _THREADS_SCRIPT
     if case == "thread limit 1":

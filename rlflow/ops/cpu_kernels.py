@@ -99,7 +99,8 @@ def _load() -> ctypes.CDLL | bool:
             if bool(lib.rlflow_kernels_openmp()) != omp:
                 raise OSError(f"{path}: built {'with' if not omp else 'without'} OpenMP, expected the opposite")
             if omp and not _shares_torch_threads(lib):  # a second OpenMP runtime: build again without OpenMP
-                errors.append(f"{path}: its OpenMP runtime is not torch's")
+                warnings.warn(f"rlflow: {cc}'s OpenMP runtime is not torch's; the fused CPU kernels are built "
+                              "without OpenMP (one thread each)")
                 omp, base = False, [f for f in base if f != "-fopenmp"]
                 continue
             _declare(lib)
@@ -112,10 +113,12 @@ def _load() -> ctypes.CDLL | bool:
 
 
 def _shares_torch_threads(lib: ctypes.CDLL) -> bool:
-    """The library's OpenMP thread count follows torch.set_num_threads: one runtime, one thread pool."""
+    """The library's OpenMP thread count follows torch.set_num_threads: one runtime, one thread pool. The
+    probe count differs from both torch's and the library's current ones, so a foreign runtime cannot
+    answer it by chance."""
     lib.rlflow_kernels_max_threads.restype = ctypes.c_int
     n0 = torch.get_num_threads()
-    probe = 1 if n0 != 1 else 2
+    probe = max(n0, lib.rlflow_kernels_max_threads()) + 1
     try:
         torch.set_num_threads(probe)
         return lib.rlflow_kernels_max_threads() == probe
@@ -365,6 +368,9 @@ def moe_small_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_t_EDF2
     (``gate_up_t`` [E, D, 2F]: gate then up columns; ``down_t`` [E, F, D]), for inference (no gradient).
     None when the kernels cannot take these tensors. Allowed inside torch.compile (a custom op)."""
     ts = (x_ND, w_NK, gate_up_t_EDF2, down_t_EFD)
+    if (gate_up_t_EDF2.dim() != 3 or down_t_EFD.dim() != 3 or idx_NK.dim() != 2 or idx_NK.shape[1] < 1
+            or (torch.compiler.is_compiling() and _lib is None)):  # not loaded: do not trace the loader
+        return None
     E, D, F2 = gate_up_t_EDF2.shape
     if (any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in ts)
             or idx_NK.dtype != torch.int64 or not idx_NK.is_contiguous() or idx_NK.device.type != "cpu"
@@ -375,7 +381,6 @@ def moe_small_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_t_EDF2
             or not available()):
         return None
     return _moe_small_op(x_ND, w_NK, idx_NK, gate_up_t_EDF2, down_t_EFD)
-
 
 
 class _Router(torch.autograd.Function):
