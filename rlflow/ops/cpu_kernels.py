@@ -79,6 +79,14 @@ def _load() -> ctypes.CDLL | bool:
     omp = _gomp_loaded()
     base = ["-O3", "-std=gnu11"] + (["-fopenmp"] if omp else [])
     cache = os.environ.get("RLFLOW_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "rlflow")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+        with open(_SRC, "rb") as f:
+            src = f.read()
+        machine = (platform.machine(), _cpu_flags())
+    except (OSError, subprocess.CalledProcessError) as e:
+        warnings.warn(f"rlflow: fused CPU kernels unavailable (torch ops are used instead): {e}")
+        return False
     errors = []
     # -march=native: the cache key includes the machine's CPU flags, so a shared home dir across
     # different CPUs builds one file per CPU kind
@@ -86,11 +94,7 @@ def _load() -> ctypes.CDLL | bool:
     while extra:
         flags = base + extra[0]
         try:
-            version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-            with open(_SRC, "rb") as f:
-                src = f.read()
-            what = repr((flags, version, platform.machine(), _cpu_flags())).encode()
-            key = hashlib.sha256(src + what).hexdigest()[:16]
+            key = hashlib.sha256(src + repr((flags, version, machine)).encode()).hexdigest()[:16]
             os.makedirs(cache, exist_ok=True)
             path = os.path.join(cache, f"cpu_kernels_{key}.so")
             if not os.path.exists(path):

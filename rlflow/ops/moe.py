@@ -65,8 +65,8 @@ def moe_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_E2FD: Tensor
         y = None if transposed is None else cpu_kernels.moe_small_experts(x_ND, w_NK, idx_NK, *transposed)
         if y is not None:
             return y
-    if N <= DENSE_MAX_TOKENS and N * K >= E and _small(gate_up_E2FD, down_EDF):
-        return _moe_dense(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
+        if N * K >= E:
+            return _moe_dense(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
     return _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
 
 

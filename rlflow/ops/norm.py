@@ -9,7 +9,7 @@ from rlflow.ops import cpu_kernels
 def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """y = w * x / sqrt(mean(x^2) + eps), normalized in float32 and cast back (as transformers does).
     ``weight`` broadcasts against x's trailing dims (e.g. [D], or [heads, d] for per-head norms)."""
-    fused = cpu_kernels.rmsnorm(x, weight, eps) if weight.dim() == 1 else None  # float32 on a CPU: one kernel
+    fused = cpu_kernels.rmsnorm(x, weight, eps)  # float32 on a CPU with a [D] weight: one kernel
     if fused is not None:
         return fused
     x32 = x if x.dtype == torch.float32 else x.float()
