@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from rlflow.ops import apply_rope, cpu_kernels, moe, prefix_attention, qk_norm_rope, rmsnorm, rope_cos_sin
+from rlflow.ops import PrefixLayout, apply_rope, cpu_kernels, moe, prefix_attention, qk_norm_rope, rmsnorm, rope_cos_sin
 from rlflow.ops.norm import rmsnorm as norm_module_rmsnorm
 
 # Skipped only where the kernels cannot be built at all; where they can, a failed build fails
@@ -154,11 +154,11 @@ def test_prefix_attention_equals_torch(counts, Tp, R, heads, d, seed):
     N = P * Tp + B * R
     qk, v = torch.randn(N, H + K, d, generator=g), torch.randn(N, K, d, generator=g)
     dout = torch.randn(N, H, d, generator=g)
-    assert cpu_kernels.prefix_attention(qk, v, H, pvalid, rvalid, counts_P) is not None
-    (ours,), g_ours = _grads(lambda a, b: cpu_kernels.prefix_attention(a, b, H, pvalid, rvalid, counts_P), (qk, v),
-                             dout)
-    (ref,), g_ref = _grads(lambda a, b: prefix_attention(a, b, H, pvalid, rvalid, counts_P), (qk.double(), v.double()),
-                           dout)
+    plan = cpu_kernels.prefix_plan(pvalid, rvalid, counts_P)
+    assert cpu_kernels.prefix_attention(qk, v, H, plan) is not None
+    (ours,), g_ours = _grads(lambda a, b: cpu_kernels.prefix_attention(a, b, H, plan), (qk, v), dout)
+    layout = PrefixLayout(pvalid, rvalid, counts_P)  # float64: the torch path
+    (ref,), g_ref = _grads(lambda a, b: prefix_attention(a, b, H, layout), (qk.double(), v.double()), dout)
     _close(ours, ref)
     for a, b in zip(g_ours, g_ref):
         _close(a, b)
@@ -288,9 +288,8 @@ def test_callers_fall_back_where_the_kernels_do_not_apply():
         c, s_ = rope_cos_sin(torch.arange(3), d, 10000.0, torch.float32)
         assert (cpu_kernels.qk_norm_rope(big, None, c, s_, 1, 1e-6) is None) == (d > 512)
     one = lambda *shape: torch.ones(*shape, dtype=torch.bool)  # noqa: E731
-    neg = cpu_kernels.prefix_attention(torch.randn(7, 2, 8), torch.randn(7, 1, 8), 1, one(2, 1), one(5, 1),
-                                       torch.tensor([6, -1]))
-    assert neg is None  # negative group counts: the torch path, which raises
+    # negative group counts: no plan, so the torch path runs (and raises)
+    assert cpu_kernels.prefix_plan(one(2, 1), one(5, 1), torch.tensor([6, -1])) is None
     qk, v = qk_norm_rope(qkv, None, cos, sin, 3, 1e-6)  # the ops-level function still answers
     _close(qk, apply_rope(qkv[:, :3], cos, sin))
     assert torch.equal(v, qkv[:, 3:])
@@ -379,8 +378,9 @@ def _double_backward_cases():
         "rmsnorm": (lambda x: cpu_kernels.rmsnorm(x, torch.ones(16), 1e-6), (6, 16)),
         "swiglu": (lambda x: cpu_kernels.swiglu_weighted(x, torch.rand(6, generator=g)), (6, 16)),
         "qk_norm_rope": (lambda x: cpu_kernels.qk_norm_rope(x, torch.ones(3, 16), cos, sin, 3, 1e-6)[0], (6, 4, 16)),
-        "prefix_attention": (lambda x: cpu_kernels.prefix_attention(x, torch.randn(7, 1, 8, generator=g), 1, pvalid,
-                                                                    rvalid, counts), (7, 2, 8)),
+        "prefix_attention": (lambda x: cpu_kernels.prefix_attention(x, torch.randn(7, 1, 8, generator=g), 1,
+                                                                    cpu_kernels.prefix_plan(pvalid, rvalid, counts)),
+                             (7, 2, 8)),
         "route": (lambda x: cpu_kernels.route(x, 2, True)[0], (6, 4)),
         "gather_rows": (lambda x: cpu_kernels.gather_rows(x, tok, inv, 2), (3, 8)),
         "combine_rows": (lambda x: cpu_kernels.combine_rows(x, tok, inv, 2), (6, 8)),

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from rlflow.models.config import ModelConfig
 from rlflow.models.qwen3_moe import Params, mlp_block, positions_from_valid, qk_v_heads, real_tokens
-from rlflow.ops import prefix_attention, rmsnorm, rope_cos_sin
+from rlflow.ops import PrefixLayout, prefix_attention, rmsnorm, rope_cos_sin
 
 
 def forward(params: Params, cfg: ModelConfig, prompt_ids_PT: Tensor, prompt_valid_PT: Tensor, counts_P: Tensor,
@@ -33,11 +33,11 @@ def forward(params: Params, cfg: ModelConfig, prompt_ids_PT: Tensor, prompt_vali
     B, R = resp_ids_BR.shape
     Np, Nr = P * Tp, B * R
     H = cfg.num_attention_heads
-    rep = lambda t: t.repeat_interleave(counts_P, 0)  # noqa: E731  (per prompt -> per row)
+    layout = PrefixLayout(prompt_valid_PT, resp_valid_BR, counts_P)  # the attention's masks / plan, built once
     eps = cfg.rms_norm_eps
     dtype = params["model.embed_tokens.weight"].dtype
     h = F.embedding(torch.cat([prompt_ids_PT.reshape(-1), resp_ids_BR.reshape(-1)]), params["model.embed_tokens.weight"])
-    pos_r = rep(prompt_valid_PT.sum(-1))[:, None] + torch.arange(R, device=resp_ids_BR.device)
+    pos_r = layout.per_row(prompt_valid_PT.sum(-1))[:, None] + torch.arange(R, device=resp_ids_BR.device)
     pos = torch.cat([positions_from_valid(prompt_valid_PT).reshape(-1), pos_r.reshape(-1)])
     cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, dtype)  # [N, d]
     valid = torch.cat([prompt_valid_PT.reshape(-1), resp_valid_BR.reshape(-1)])[None]
@@ -47,11 +47,11 @@ def forward(params: Params, cfg: ModelConfig, prompt_ids_PT: Tensor, prompt_vali
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         x = rmsnorm(h, params[f"model.layers.{i}.input_layernorm.weight"], eps)
         qk, v = qk_v_heads(params, cfg, a, x, cos, sin)
-        o = prefix_attention(qk, v, H, prompt_valid_PT, resp_valid_BR, counts_P)  # [N, H, d]
+        o = prefix_attention(qk, v, H, layout)  # [N, H, d]
         h = h + F.linear(o.flatten(1), params[a + "o_proj.weight"])
         y, _ = mlp_block(params, cfg, m, i, rmsnorm(h, params[f"model.layers.{i}.post_attention_layernorm.weight"],
                                                       eps)[None], real, False)
         h = h + y[0]
     h_p, h_r = h.split([Np, Nr])
     final = params["model.norm.weight"]
-    return rep(rmsnorm(h_p.view(P, Tp, -1)[:, -1], final, eps)), rmsnorm(h_r, final, eps).view(B, R, -1)
+    return layout.per_row(rmsnorm(h_p.view(P, Tp, -1)[:, -1], final, eps)), rmsnorm(h_r, final, eps).view(B, R, -1)

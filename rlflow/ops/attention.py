@@ -4,6 +4,8 @@ Legend: B batch, H query heads, K key/value heads (H % K == 0), T query tokens, 
 Masks are boolean, True where a query may attend.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -75,23 +77,46 @@ def _attention_matmul(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS:
     return (torch.softmax(scores, -1).view(B, K, H // K * T, S) @ v_BKSd).view(B, H, T, d)
 
 
-def prefix_attention(qk_NHd: Tensor, v_NKd: Tensor, n_q: int, prompt_valid_PT: Tensor, resp_valid_BR: Tensor,
-                     counts_P: Tensor) -> Tensor:
-    """Attention of the packed shared-prompt sequence of ``models/prefix.py``: N = P*Tp + B*R tokens, the P
-    prompts' (left-padded) first, then the B rows' (right-padded) responses, the rows of prompt p being the
-    counts_P[p] after those of prompt p-1. ``qk_NHd`` [N, n_q + K, d]: each token's query heads, then its
-    key heads; ``v_NKd`` [N, K, d]. Returns [N, n_q, d].
+class PrefixLayout:
+    """The packed shared-prompt sequence of ``models/prefix.py``: N = P*Tp + B*R tokens, the P prompts'
+    (left-padded, ``prompt_valid_PT``) first, then the B rows' (right-padded, ``resp_valid_BR``) responses,
+    the rows of prompt p being the counts_P[p] after those of prompt p-1. Built once per forward: what
+    each attention path derives from it (masks, the kernel's plan) is computed on first use and shared
+    by the layers."""
+
+    def __init__(self, prompt_valid_PT: Tensor, resp_valid_BR: Tensor, counts_P: Tensor):
+        self.prompt_valid_PT, self.resp_valid_BR, self.counts_P = prompt_valid_PT, resp_valid_BR, counts_P
+
+    def per_row(self, t_P: Tensor) -> Tensor:
+        """A per-prompt tensor repeated for each of the prompt's rows."""
+        return t_P.repeat_interleave(self.counts_P, 0)
+
+    @functools.cached_property
+    def kernel_plan(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        return cpu_kernels.prefix_plan(self.prompt_valid_PT, self.resp_valid_BR, self.counts_P)
+
+    @functools.cached_property
+    def masks(self) -> tuple[Tensor, Tensor]:
+        """The prompts' causal mask [P, 1, Tp, Tp] and the responses' [B, 1, R, Tp + R] (prompt, then causal)."""
+        (_, Tp), (_, R) = self.prompt_valid_PT.shape, self.resp_valid_BR.shape
+        return (causal_padding_mask(self.prompt_valid_PT, 0, Tp),
+                causal_padding_mask(torch.cat([self.per_row(self.prompt_valid_PT), self.resp_valid_BR], 1), Tp, R))
+
+
+def prefix_attention(qk_NHd: Tensor, v_NKd: Tensor, n_q: int, layout: PrefixLayout) -> Tensor:
+    """Attention of the packed shared-prompt sequence (``layout``). ``qk_NHd`` [N, n_q + K, d]: each token's
+    query heads, then its key heads; ``v_NKd`` [N, K, d]. Returns [N, n_q, d].
 
     Prompt tokens attend causally among their prompt's valid tokens; response tokens to their prompt's
     valid tokens and causally to their row's; every token sees itself (``causal_padding_mask``). One fused
     kernel on a CPU in float32 (``cpu_kernels``); else two attention calls, the prompts' keys and values
     repeated for each of their rows."""
-    fused = cpu_kernels.prefix_attention(qk_NHd, v_NKd, n_q, prompt_valid_PT, resp_valid_BR, counts_P)
-    if fused is not None:
-        return fused
-    (P, Tp), (B, R) = prompt_valid_PT.shape, resp_valid_BR.shape
+    if cpu_kernels.usable(qk_NHd, v_NKd) and layout.kernel_plan is not None:
+        fused = cpu_kernels.prefix_attention(qk_NHd, v_NKd, n_q, layout.kernel_plan)
+        if fused is not None:
+            return fused
+    (P, Tp), (B, R) = layout.prompt_valid_PT.shape, layout.resp_valid_BR.shape
     Np, Nr = P * Tp, B * R
-    rep = lambda t: t.repeat_interleave(counts_P, 0)  # noqa: E731  (per prompt -> per row)
 
     def heads(t: Tensor, rows: int) -> Tensor:  # [rows * T, heads, d] -> [rows, heads, T, d]
         return t.unflatten(0, (rows, -1)).transpose(1, 2)
@@ -99,8 +124,8 @@ def prefix_attention(qk_NHd: Tensor, v_NKd: Tensor, n_q: int, prompt_valid_PT: T
     q, k = qk_NHd.split([n_q, qk_NHd.shape[1] - n_q], dim=1)
     (q_p, q_r), (k_p, k_r), (v_p, v_r) = (t.split([Np, Nr]) for t in (q, k, v_NKd))
     k_p, v_p = heads(k_p, P), heads(v_p, P)
-    o_p = attention(heads(q_p, P), k_p, v_p, causal_padding_mask(prompt_valid_PT, 0, Tp), is_causal=True)
-    mask_r = causal_padding_mask(torch.cat([rep(prompt_valid_PT), resp_valid_BR], 1), Tp, R)  # prompt, then causal
-    o_r = attention(heads(q_r, B), torch.cat([rep(k_p), heads(k_r, B)], 2), torch.cat([rep(v_p), heads(v_r, B)], 2),
-                    mask_r, is_causal=True)
+    mask_p, mask_r = layout.masks
+    o_p = attention(heads(q_p, P), k_p, v_p, mask_p, is_causal=True)
+    o_r = attention(heads(q_r, B), torch.cat([layout.per_row(k_p), heads(k_r, B)], 2),
+                    torch.cat([layout.per_row(v_p), heads(v_r, B)], 2), mask_r, is_causal=True)
     return torch.cat([o_p.transpose(1, 2).reshape(Np, n_q, -1), o_r.transpose(1, 2).reshape(Nr, n_q, -1)])

@@ -329,21 +329,32 @@ class _PrefixAttention(torch.autograd.Function):
         return dqk, dv, None, None, None, None
 
 
-def prefix_attention(qk_NHd: Tensor, v_NKd: Tensor, n_q: int, prompt_valid_PT: Tensor, resp_valid_BR: Tensor,
-                     counts_P: Tensor) -> Tensor | None:
-    """``ops.attention.prefix_attention`` in one kernel (forward and backward); None when the kernels cannot
-    take these tensors."""
-    N, HK, d = qk_NHd.shape
-    K = HK - n_q
-    (P, Tp), (B, R) = prompt_valid_PT.shape, resp_valid_BR.shape
-    if (d % WIDTH or K < 1 or n_q % K or v_NKd.shape != (N, K, d) or N != P * Tp + B * R or counts_P.shape != (P,)
-            or not usable(qk_NHd, v_NKd)):
+def prefix_plan(prompt_valid_PT: Tensor, resp_valid_BR: Tensor, counts_P: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor] | None:
+    """What ``prefix_attention`` takes of the packed layout (``ops.attention.PrefixLayout``), once per
+    forward: (prompt validity [P, Tp] and response validity [B, R] as uint8, row_start [P + 1]: the rows of
+    prompt p are [row_start[p], row_start[p + 1])); None when the kernels are unavailable or ``counts_P``
+    is not a grouping of the B rows (negative, or not summing to B)."""
+    (P, _), (B, _) = prompt_valid_PT.shape, resp_valid_BR.shape
+    if counts_P.shape != (P,) or not available():
         return None
     row_start = torch.cat([counts_P.new_zeros(1), counts_P.cumsum(0)]).to(torch.int64).cpu()
     if int(row_start[-1]) != B or bool((counts_P < 0).any()):
         return None
     u8 = lambda t: t.to(torch.uint8).cpu().contiguous()  # noqa: E731
-    return _PrefixAttention.apply(qk_NHd, v_NKd, n_q, u8(prompt_valid_PT), u8(resp_valid_BR), row_start)
+    return u8(prompt_valid_PT), u8(resp_valid_BR), row_start
+
+
+def prefix_attention(qk_NHd: Tensor, v_NKd: Tensor, n_q: int, plan: tuple[Tensor, Tensor, Tensor]) -> Tensor | None:
+    """``ops.attention.prefix_attention`` in one kernel (forward and backward), on a ``prefix_plan``; None
+    when the kernels cannot take these tensors."""
+    pvalid, rvalid, row_start = plan
+    N, HK, d = qk_NHd.shape
+    K = HK - n_q
+    (P, Tp), (B, R) = pvalid.shape, rvalid.shape
+    if d % WIDTH or K < 1 or n_q % K or v_NKd.shape != (N, K, d) or N != P * Tp + B * R or not usable(qk_NHd, v_NKd):
+        return None
+    return _PrefixAttention.apply(qk_NHd, v_NKd, n_q, pvalid, rvalid, row_start)
 
 
 @torch.library.custom_op("rlflow::moe_small_experts", mutates_args=())
