@@ -170,7 +170,7 @@ def test_prefix_attention_equals_torch(counts, Tp, R, heads, d, seed):
        skew=st.booleans(), seed=st.integers(0, 99))
 def test_moe_small_experts_equals_the_reference(N, E, K, dims, skew, seed):
     """Routed experts for inference against the per-expert loop in float64: any routing (experts with no
-    token, one expert with them all: partial tiles), from the weights ``expert_weights_transposed`` gives."""
+    token, one expert with them all: partial tiles), from the weights ``prepare_experts`` gives."""
     K = min(K, E)
     D, Fd = dims
     g = torch.Generator().manual_seed(seed)
@@ -179,7 +179,7 @@ def test_moe_small_experts_equals_the_reference(N, E, K, dims, skew, seed):
     if skew:
         scores[:, :K] += 100
     w, idx = torch.softmax(scores, -1).topk(K, -1)
-    t = moe.expert_weights_transposed(gate_up, down)
+    t = moe.prepare_experts(gate_up, down)
     with torch.inference_mode():
         ours = cpu_kernels.moe_small_experts(x, w, idx, *t)
     with pytest.MonkeyPatch.context() as mp:
@@ -194,8 +194,8 @@ def test_moe_small_experts_in_a_compiled_graph_and_only_without_gradients(monkey
     N, E, K, D, Fd = 24, 8, 2, 64, 64
     x, gate_up, down = _experts(g, N, E, D, Fd)
     w, idx = torch.softmax(torch.randn(N, E, generator=g), -1).topk(K, -1)
-    t = moe.expert_weights_transposed(gate_up, down)
-    f = torch.compile(lambda *a: moe.moe_experts(*a, transposed=t), fullgraph=True, dynamic=False)
+    t = moe.prepare_experts(gate_up, down)
+    f = torch.compile(lambda *a: moe.moe_experts(*a, prepared=t), fullgraph=True, dynamic=False)
     with torch.inference_mode():
         y = f(x, w, idx, gate_up, down)
         assert calls.n["moe_small_fwd"] >= 1  # the custom op ran inside the compiled graph
@@ -205,7 +205,7 @@ def test_moe_small_experts_in_a_compiled_graph_and_only_without_gradients(monkey
                 cpu_kernels.moe_small_experts(x, w, torch.full_like(idx, bad), *t)
         assert cpu_kernels.moe_small_experts(x, w[:, :0], idx[:, :0], *t) is None  # no slots
     assert cpu_kernels.moe_small_experts(x.requires_grad_(True), w, idx, *t) is None  # training takes the grouped path
-    assert moe.expert_weights_transposed(gate_up.double(), down.double()) is None
+    assert moe.prepare_experts(gate_up.double(), down.double()) is None
 
 
 @pytest.mark.parametrize("norm", [True, False])

@@ -18,8 +18,8 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from rlflow.models.config import ModelConfig, param_shapes
-from rlflow.ops import attention, causal_padding_mask, moe_experts, qk_norm_rope, rmsnorm, rope_cos_sin, route
-from rlflow.ops.moe import expert_weights_transposed
+from rlflow.ops import (attention, causal_padding_mask, moe_experts, prepare_experts, qk_norm_rope, rmsnorm,
+                        rope_cos_sin, route)
 
 Params = dict[str, Tensor]
 
@@ -73,9 +73,9 @@ def _linear(params: Params, name: str, x: Tensor) -> Tensor:
 
 
 # Derived keys that ``fuse_for_inference`` adds; the forward uses them when present, else builds them
-# (the experts' transposed weights: used when present, by the small-experts inference kernel).
+# (the experts' inference form, ``ops.prepare_experts``: handed to ``moe_experts`` when present).
 QKV_W, QKV_B, QK_NORM = "qkv_proj.weight", "qkv_proj.bias", "qk_norm.weight"
-EXPERTS_T = ("experts.gate_up_proj.t", "experts.down_proj.t")
+EXPERTS_PREPARED = "experts.prepared"
 
 
 def fused_attention_weights(params: Params, cfg: ModelConfig, p: str) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -95,8 +95,8 @@ def fused_attention_weights(params: Params, cfg: ModelConfig, p: str) -> tuple[T
 
 def fuse_for_inference(params: Params, cfg: ModelConfig) -> Params:
     """params plus the stacked attention weights, computed once (the rollout engine's decode loop would
-    otherwise stack them at every token), and small experts' weights transposed for the CPU decode
-    kernel (``ops.moe.expert_weights_transposed``). The extra keys are derived and never saved."""
+    otherwise stack them at every token), and each MoE layer's experts in the form the inference kernels
+    want (``ops.prepare_experts``, opaque here). The extra keys are derived and never saved."""
     out = dict(params)
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}.self_attn."
@@ -108,9 +108,9 @@ def fuse_for_inference(params: Params, cfg: ModelConfig) -> Params:
             out[p + QK_NORM] = n
         m = f"model.layers.{i}.mlp."
         if cfg.is_moe_layer(i):
-            t = expert_weights_transposed(params[m + "experts.gate_up_proj"], params[m + "experts.down_proj"])
-            if t is not None:
-                out[m + EXPERTS_T[0]], out[m + EXPERTS_T[1]] = t
+            prep = prepare_experts(params[m + "experts.gate_up_proj"], params[m + "experts.down_proj"])
+            if prep is not None:
+                out[m + EXPERTS_PREPARED] = prep
     return out
 
 
@@ -176,9 +176,8 @@ def mlp_block(params: Params, cfg: ModelConfig, p: str, layer: int, x_BTD: Tenso
     w_NK, idx_NK, aux = route(x_ND, params[p + "gate.weight"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
                               with_aux=with_aux)
     if experts is None:
-        t = (params[p + EXPERTS_T[0]], params[p + EXPERTS_T[1]]) if p + EXPERTS_T[0] in params else None
         y = moe_experts(x_ND, w_NK, idx_NK, params[p + "experts.gate_up_proj"], params[p + "experts.down_proj"],
-                        transposed=t)
+                        prepared=params.get(p + EXPERTS_PREPARED))
     else:
         y = experts(x_ND, w_NK, idx_NK)
     if sel is not None:

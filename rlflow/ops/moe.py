@@ -48,21 +48,21 @@ DENSE_MAX_EXPERT_BYTES = 16 * 2**20
 
 
 def moe_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_E2FD: Tensor, down_EDF: Tensor, *,
-                transposed: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                prepared: tuple | None = None) -> Tensor:
     """sum_k w_nk * down_e(silu(gate_e x_n) * up_e x_n) with e = idx_nk.
 
     Many tokens, or large experts: the N*K (token, slot) pairs are sorted by expert so each expert runs
     one matmul over a contiguous block of its tokens (one grouped GEMM for all experts where torch has
     it, see ``_grouped_mm_ok``; else a loop over experts). Few tokens on small experts
     (see DENSE_MAX_TOKENS): on a CPU in float32 without gradients, each token through its own experts in
-    one kernel (``cpu_kernels.moe_small_experts``, given ``transposed``: the weights as
-    ``expert_weights_transposed`` returns them); else all experts on all tokens, weighted by the sparse
+    one kernel (``cpu_kernels.moe_small_experts``, given ``prepared``: what ``prepare_experts``
+    returned for these weights); else all experts on all tokens, weighted by the sparse
     routing weights.
     """
     N, K = idx_NK.shape
     E = gate_up_E2FD.shape[0]
     if N <= DENSE_MAX_TOKENS and _small(gate_up_E2FD, down_EDF):
-        y = None if transposed is None else cpu_kernels.moe_small_experts(x_ND, w_NK, idx_NK, *transposed)
+        y = None if prepared is None else cpu_kernels.moe_small_experts(x_ND, w_NK, idx_NK, *prepared)
         if y is not None:
             return y
         if N * K >= E:
@@ -70,10 +70,11 @@ def moe_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_E2FD: Tensor
     return _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
 
 
-def expert_weights_transposed(gate_up_E2FD: Tensor, down_EDF: Tensor) -> tuple[Tensor, Tensor] | None:
-    """(gate_up [E, D, 2F], down [E, F, D]) contiguous, for ``moe_experts(transposed=...)``, computed once per
-    rollout (``qwen3_moe.fuse_for_inference``); None where that path cannot run (not small float32 CPU
-    experts), so nothing is copied for nothing."""
+def prepare_experts(gate_up_E2FD: Tensor, down_EDF: Tensor) -> tuple | None:
+    """What the inference path of ``moe_experts(prepared=...)`` wants of a layer's expert weights, computed
+    once per rollout (``qwen3_moe.fuse_for_inference``) and opaque to the caller; None where no
+    inference kernel would use it, so nothing is copied for nothing. Today: the CPU small-experts kernel's
+    transposed weights (gate_up [E, D, 2F], down [E, F, D])."""
     if not (gate_up_E2FD.device.type == "cpu" and gate_up_E2FD.dtype == torch.float32 and _small(gate_up_E2FD, down_EDF)
             and cpu_kernels.available()):
         return None
