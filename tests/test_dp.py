@@ -9,7 +9,7 @@ from rlflow.algos import stages
 from rlflow.algos.grpo import GRPOConfig
 from rlflow.models import sharding as model_sharding
 from rlflow.sharding import Mesh
-from rlflow.sharding.dist import spawn
+from rlflow.sharding.dist import create_groups, spawn
 
 
 def _case():
@@ -29,6 +29,7 @@ def _update(params, cfg, tb, world, layout=None):
 def _rank(rank, world):
     cfg, params, tb = _case()
     layout = model_sharding.layout(cfg, Mesh(dp=world), dtype=torch.float32)
+    create_groups([layout.mesh])
     share = torch.arange(tb.size).chunk(world)[rank]  # uneven response lengths: token counts differ per rank
     new, met = _update(params, cfg, tb.select(share), world, layout)
     return {k: v for k, v in new.items()}, met

@@ -117,7 +117,7 @@ def reference(batch: TrainBatch, n_data: int, n_micro: int, cfg=CFG):
 
 def worker(rank: int, world: int, cases: list, batch: TrainBatch) -> dict:
     from rlflow.models import sharding as msh
-    from rlflow.parallel import dp, model
+    from rlflow.parallel import context, dp, train
     from rlflow.sharding.mesh import Mesh
 
     out = {}
@@ -126,17 +126,17 @@ def worker(rank: int, world: int, cases: list, batch: TrainBatch) -> dict:
         cfg = config(cfg_kw)
         mesh = Mesh(**sizes)
         layout = msh.layout(cfg, mesh, rules, dtype=torch.float32)
-        ctx = model.context(layout, cfg)
-        local = {n: t.requires_grad_(True) for n, t in model.shard_params(params_full(cfg), layout, rank).items()}
+        ctx = context.context(layout, cfg)
+        local = {n: t.requires_grad_(True) for n, t in context.shard_params(params_full(cfg), layout, rank).items()}
         rows = partition(mesh.data_parallel_size, n_micro)[mesh.data_parallel_index(rank)]
         mbs = [batch.select(r) for r in rows]
-        loss, grads = model.forward_backward(local, ctx, mbs, f, aux_weights=[AUX * mb.size / B for mb in mbs],
+        loss, grads = train.forward_backward(local, ctx, mbs, f, aux_weights=[AUX * mb.size / B for mb in mbs],
                                              schedule=sched, with_entropy=True, remat=remat)
         reduced = dp.all_reduce_grads(grads, layout)
-        res = {"loss": float(model.total_loss(loss, ctx)), "grads": reduced,
+        res = {"loss": float(train.total_loss(loss, ctx)), "grads": reduced,
                "norm": float(dp.grad_norm(reduced, layout)), "rows": rows}
         with torch.no_grad():
-            fwd = model.forward_only({n: t.detach() for n, t in local.items()}, ctx, mbs, with_entropy=True)
+            fwd = train.forward_only({n: t.detach() for n, t in local.items()}, ctx, mbs, with_entropy=True)
         res["logprobs"] = [(lp, ent) for lp, ent in fwd]
         if mesh.data_parallel_size > 1:  # sharded optimizer state: reduce-scatter gives slices of the same sums
             res["rs"] = [(s.names, s.start, s.flat) for s in dp.reduce_scatter_grads(grads, layout)]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from rlflow.algos import stages
 from rlflow.models import sharding as msh
 from rlflow.models.config import get_config
-from rlflow.parallel import model, pp
+from rlflow.parallel import context, pp, train
 from rlflow.sharding.layout import split_layers
 from rlflow.sharding.mesh import Mesh
 
@@ -78,7 +78,7 @@ def test_layers_of_stage_follow_the_layout(n_stages):
     (Mesh(tp=2), {"heads": None, "kv_heads": None}),
 ])
 def test_layouts_the_executor_accepts(mesh, rules):
-    model.check_layout(msh.layout(CFG, mesh, rules, dtype=torch.float32), CFG)
+    context.check_layout(msh.layout(CFG, mesh, rules, dtype=torch.float32), CFG)
 
 
 @pytest.mark.parametrize("mesh,rules,cfg,match", [
@@ -91,7 +91,7 @@ def test_layouts_the_executor_accepts(mesh, rules):
 def test_layouts_the_executor_refuses_name_the_param(mesh, rules, cfg, match):
     layout = msh.layout(cfg, mesh, rules, dtype=torch.float32)
     with pytest.raises(ValueError, match=match):
-        model.check_layout(layout, cfg)
+        context.check_layout(layout, cfg)
 
 
 def test_one_rank_layout_is_the_plain_model():
@@ -99,11 +99,11 @@ def test_one_rank_layout_is_the_plain_model():
     from test_parallel import make_batch, params_full
     batch = make_batch(3)
     layout = msh.layout(CFG, Mesh(), dtype=torch.float32)
-    ctx = model.context(layout, CFG, rank=0)
+    ctx = context.context(layout, CFG, rank=0)
     full = params_full()
-    local = {n: t.clone().requires_grad_(True) for n, t in model.shard_params(full, layout, 0).items()}
+    local = {n: t.clone().requires_grad_(True) for n, t in context.shard_params(full, layout, 0).items()}
     w = torch.randn(batch.response_ids_BTr.shape, generator=g)
-    loss, grads = model.forward_backward(local, ctx, [batch], lambda lp, ent, mb: (lp * w).sum() + ent.sum(),
+    loss, grads = train.forward_backward(local, ctx, [batch], lambda lp, ent, mb: (lp * w).sum() + ent.sum(),
                                          aux_weights=[0.1], with_entropy=True)
     ref = {n: t.clone().requires_grad_(True) for n, t in full.items()}
     lp, ent, aux = stages.response_logprobs(ref, CFG, batch, with_entropy=True)
@@ -112,6 +112,6 @@ def test_one_rank_layout_is_the_plain_model():
     assert abs(float(loss) - float(ref_loss.detach())) < 1e-5
     for n in full:
         torch.testing.assert_close(grads[n], ref[n].grad, atol=1e-6, rtol=1e-5)
-    lp1, ent1, aux1 = model.response_logprobs({n: t.detach() for n, t in local.items()}, ctx, batch,
+    lp1, ent1, aux1 = train.response_logprobs({n: t.detach() for n, t in local.items()}, ctx, batch,
                                               with_entropy=True)
     torch.testing.assert_close(lp1, lp.detach())

@@ -142,7 +142,7 @@ def worker(rank: int, world: int, drawn: list, oracle: list) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import distribute_tensor
 
-    from rlflow.sharding.dist import execute
+    from rlflow.sharding.dist import create_groups, execute, mesh_group
     from rlflow.sharding.execute import TrainState, shard, simulate
     from rlflow.sharding.plan import allgather_swap, plan, swap_back
 
@@ -171,12 +171,17 @@ def worker(rank: int, world: int, drawn: list, oracle: list) -> dict:
 
     # Mesh process groups: an all-reduce of the ranks over each group sums the group's members.
     n_groups = 0
-    for mesh in (Mesh(dp=2, tp=2), Mesh(pp=2, ep=2), Mesh(ep=2, tp=2)):
-        for axes in ("tp", "dp", "ep", "pp", ("dp", "ep"), ("ep", "tp"), AXES):
+    meshes, axes_sets = (Mesh(dp=2, tp=2), Mesh(pp=2, ep=2), Mesh(ep=2, tp=2)), ("tp", "dp", "ep", "pp", ("dp", "ep"),
+                                                                            ("ep", "tp"), AXES)
+    create_groups(meshes, axes_sets)
+    for mesh in meshes:
+        for axes in axes_sets:
             t = torch.tensor([float(rank)])
-            dist.all_reduce(t, group=mesh.group(axes))
+            g = mesh_group(mesh, axes)
+            if g is not None:
+                dist.all_reduce(t, group=g)
             if t.item() != sum(mesh.group_ranks(axes, rank)):
-                fails.append(f"{mesh}.group({axes}): sum {t.item()} != {sum(mesh.group_ranks(axes, rank))}")
+                fails.append(f"mesh_group({mesh}, {axes}): sum {t.item()} != {sum(mesh.group_ranks(axes, rank))}")
             n_groups += 1
 
     # DTensor redistribute as an oracle (one mesh, no pp, axes of one dim in mesh order).

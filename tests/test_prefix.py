@@ -27,6 +27,18 @@ def _grads(params, cfg, batch, **kw):
     return lp, ent, dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
 
 
+def _grads_as_close_to_float64(params, cfg, batch, g_s, g_p):
+    """The shared path's gradients g_s are as exact as the plain path's g_p: both held against float64, the
+    shared one's error at most 4x the plain one's (or a float32 rounding floor). A per-element tolerance
+    between the two float32 paths fails on some CPUs: the gradients are sums of many terms, some near zero
+    in tensors of scale ~40, and the summation order differs."""
+    _, _, g_d = _grads({k: v.double() for k, v in params.items()}, cfg, batch, with_aux=False, remat=True)
+    for k in g_p:
+        err_s, err_p = (float((g[k].double() - g_d[k]).abs().max()) for g in (g_s, g_p))
+        floor = 1e-6 * max(1.0, float(g_d[k].abs().max()))
+        assert err_s <= 4 * max(err_p, floor), (k, err_s, err_p)
+
+
 def test_shared_prompt_forward_equals_plain_forward(monkeypatch):
     # torch ops on both paths, so they differ by rounding only: the fused CPU kernels (float32, both paths)
     # are checked against float64 and against these ops, on the shared path too, in tests/test_cpu_kernels.py
@@ -43,8 +55,7 @@ def test_shared_prompt_forward_equals_plain_forward(monkeypatch):
         torch.testing.assert_close(lp_s[m], lp_p[m], atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(ent_s[m], ent_p[m], atol=2e-5, rtol=1e-5)
         assert (lp_s[~m] == 0).all()
-        for k in g_p:
-            torch.testing.assert_close(g_s[k], g_p[k], atol=2e-5, rtol=1e-4)
+        _grads_as_close_to_float64(params, cfg, batch, g_s, g_p)
 
 
 def test_rows_with_different_prompts_in_one_group_use_the_plain_forward():
@@ -84,5 +95,4 @@ def test_shared_prompt_forward_with_unequal_groups_short_responses_and_only_real
         m = batch.response_mask_BTr
         torch.testing.assert_close(lp_s[m], lp_p[m], atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(ent_s[m], ent_p[m], atol=2e-5, rtol=1e-5)
-        for k in g_p:
-            torch.testing.assert_close(g_s[k], g_p[k], atol=2e-5, rtol=1e-4)
+        _grads_as_close_to_float64(params, cfg, batch, g_s, g_p)

@@ -15,10 +15,11 @@ from rlflow import optim
 from rlflow.algos import grpo
 from rlflow.batch import RolloutBatch, TrainBatch, unpad
 from rlflow.models import prefix
-from rlflow.parallel import dp
 from rlflow.models import qwen3_moe as model
 from rlflow.models.config import ModelConfig
-from rlflow.ops import at_mask, token_logprobs
+from rlflow.models.execution import LOCAL, Exec
+from rlflow.ops import at_mask
+from rlflow.parallel import dp
 
 
 def score(batch: RolloutBatch, tokenizer, reward_fn) -> Tensor:
@@ -40,21 +41,27 @@ def _trim(batch: RolloutBatch) -> RolloutBatch:
 
 def response_logprobs(params: model.Params, cfg: ModelConfig, batch: RolloutBatch, *, temperature: float = 1.0,
                       with_entropy: bool = False, remat: bool = False,
-                      with_aux: bool = True) -> tuple[Tensor, Tensor | None, Tensor]:
+                      with_aux: bool = True, ex: Exec = LOCAL, h_in: Tensor | None = None
+                      ) -> tuple[Tensor, Tensor | None, Tensor]:
     """log pi(response token | prefix) [B, Tr] (0 on padding), the entropy [B, Tr] if asked, and the router
     aux loss. The sequence is prompt (left-padded) + response (right-padded); hidden state t predicts t+1.
 
     Rows that share a prompt (same group id and prompt tokens) run it once (``models/prefix.py``),
-    unless the router aux loss or remat is asked for; the result is the same either way."""
-    shared = None if (with_aux or remat) else _prompt_groups(batch)
+    unless the router aux loss or remat is asked for; the result is the same either way.
+
+    ``ex``: the execution context (one rank of a layout). On a pipeline stage other than the last
+    (``ex.last`` False) the first value is the stage's output hidden states [B, Tp + Tr - 1, D] to
+    send on, and the entropy None; a stage after the first starts from ``h_in``."""
+    pipelined = not (ex.first and ex.last)
+    shared = None if (with_aux or remat or pipelined) else _prompt_groups(batch)
     if shared is not None:
         order, first, counts = shared
         b = batch.select(order)
         last, h_r = prefix.forward(params, cfg, b.prompt_ids_BTp[first], b.prompt_mask_BTp[first], counts,
-                                   b.response_ids_BTr[:, :-1], b.response_mask_BTr[:, :-1])
+                                   b.response_ids_BTr[:, :-1], b.response_mask_BTr[:, :-1], ex)
         h_resp = torch.cat([last[:, None], h_r], 1)  # predicts response tokens 0..Tr-1
         aux = h_r.new_zeros((), dtype=torch.float32)
-        lp, ent = _token_logprobs(params, cfg, b, h_resp, temperature, with_entropy)
+        lp, ent = _token_logprobs(params, cfg, b, h_resp, temperature, with_entropy, ex)
         inv = torch.empty_like(order)
         inv[order] = torch.arange(len(order), device=order.device)
         return lp[inv], (None if ent is None else ent[inv]), aux
@@ -62,8 +69,10 @@ def response_logprobs(params: model.Params, cfg: ModelConfig, batch: RolloutBatc
     ids = torch.cat([batch.prompt_ids_BTp, batch.response_ids_BTr], 1)
     valid = torch.cat([batch.prompt_mask_BTp, batch.response_mask_BTr], 1)
     h, aux, _ = model.forward(params, cfg, ids[:, :-1], model.positions_from_valid(valid)[:, :-1],
-                              valid_BT=valid[:, :-1], remat=remat, with_aux=with_aux)
-    lp, ent = _token_logprobs(params, cfg, batch, h[:, Tp - 1:], temperature, with_entropy)  # h[Tp-1] predicts token 0
+                              valid_BT=valid[:, :-1], remat=remat, with_aux=with_aux, ex=ex, h_in=h_in)
+    if not ex.last:
+        return h, None, aux
+    lp, ent = _token_logprobs(params, cfg, batch, h[:, Tp - 1:], temperature, with_entropy, ex)  # h[Tp-1] predicts token 0
     return lp, ent, aux
 
 
@@ -85,11 +94,10 @@ def _prompt_groups(batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor] | None:
     return order, first, counts
 
 
-def _token_logprobs(params, cfg, batch, h_resp, temperature, with_entropy):
+def _token_logprobs(params, cfg, batch, h_resp, temperature, with_entropy, ex: Exec):
     """Log-probs (and entropies) [B, Tr] of the response tokens from the states that predict them, computed
     on the real tokens only and 0 on padding."""
-    return at_mask(lambda h, t: token_logprobs(h, model.lm_head(params, cfg), t, temperature=temperature,
-                                               with_entropy=with_entropy),
+    return at_mask(lambda h, t: ex.logprobs(params, cfg, h, t, temperature=temperature, with_entropy=with_entropy),
                    h_resp, batch.response_ids_BTr, batch.response_mask_BTr)
 
 

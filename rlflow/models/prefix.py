@@ -16,41 +16,44 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlflow.models.config import ModelConfig
+from rlflow.models.execution import LOCAL, Exec
 from rlflow.models.qwen3_moe import Params, mlp_block, positions_from_valid, qk_v_heads, real_tokens
 from rlflow.ops import PrefixLayout, prefix_attention, rmsnorm, rope_cos_sin
 
 
 def forward(params: Params, cfg: ModelConfig, prompt_ids_PT: Tensor, prompt_valid_PT: Tensor, counts_P: Tensor,
-            resp_ids_BR: Tensor, resp_valid_BR: Tensor) -> tuple[Tensor, Tensor]:
+            resp_ids_BR: Tensor, resp_valid_BR: Tensor, ex: Exec = LOCAL) -> tuple[Tensor, Tensor]:
     """(h_last [B, D], h_resp [B, R, D]): final hidden states (after the last norm) of each row's last
     prompt token and of its response tokens, as ``qwen3_moe.forward`` on [prompt | response] gives them.
 
     The prompt and response tokens run packed, as one [N, D] sequence of N = P*Tp + B*R tokens, through
     everything (norms, projections, rope, MoE: one kernel per op for both, and the MoE routes them
     together); ``ops.prefix_attention`` gives prompts causal attention among themselves and responses
-    attention to their prompt's keys/values and causally to their own."""
+    attention to their prompt's keys/values and causally to their own. ``ex``: the execution context
+    (tensor and expert parallel; not a pipeline stage: the packed sequence runs every layer)."""
+    if not (ex.first and ex.last):
+        raise ValueError("prefix.forward runs every layer: a pipeline stage takes qwen3_moe.forward")
     P, Tp = prompt_ids_PT.shape
     B, R = resp_ids_BR.shape
     Np, Nr = P * Tp, B * R
-    H = cfg.num_attention_heads
     layout = PrefixLayout(prompt_valid_PT, resp_valid_BR, counts_P)  # the attention's masks / plan, built once
     eps = cfg.rms_norm_eps
-    dtype = params["model.embed_tokens.weight"].dtype
-    h = F.embedding(torch.cat([prompt_ids_PT.reshape(-1), resp_ids_BR.reshape(-1)]), params["model.embed_tokens.weight"])
+    h = ex.embed(params, cfg, torch.cat([prompt_ids_PT.reshape(-1), resp_ids_BR.reshape(-1)]))
     pos_r = layout.per_row(prompt_valid_PT.sum(-1))[:, None] + torch.arange(R, device=resp_ids_BR.device)
     pos = torch.cat([positions_from_valid(prompt_valid_PT).reshape(-1), pos_r.reshape(-1)])
-    cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, dtype)  # [N, d]
+    cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, h.dtype)  # [N, d]
     valid = torch.cat([prompt_valid_PT.reshape(-1), resp_valid_BR.reshape(-1)])[None]
     real = real_tokens(valid) if cfg.is_moe else None
 
-    for i in range(cfg.num_hidden_layers):
-        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        x = rmsnorm(h, params[f"model.layers.{i}.input_layernorm.weight"], eps)
-        qk, v = qk_v_heads(params, cfg, a, x, cos, sin)
-        o = prefix_attention(qk, v, H, layout)  # [N, H, d]
-        h = h + F.linear(o.flatten(1), params[a + "o_proj.weight"])
-        y, _ = mlp_block(params, cfg, m, i, rmsnorm(h, params[f"model.layers.{i}.post_attention_layernorm.weight"],
-                                                      eps)[None], real, False)
+    for i in ex.layers(cfg):
+        a = f"model.layers.{i}.self_attn."
+        view = ex.attention_view(params, cfg, i)
+        x = view.enter(rmsnorm(h, params[f"model.layers.{i}.input_layernorm.weight"], eps))
+        qk, v = qk_v_heads(view, cfg, a, x, cos, sin)
+        o = prefix_attention(qk, v, view.heads, layout)  # [N, H, d] (H: the view's query heads)
+        h = h + view.leave(F.linear(o.flatten(1), view.params[a + "o_proj.weight"]))
+        y, _ = mlp_block(params, cfg, i, rmsnorm(h, params[f"model.layers.{i}.post_attention_layernorm.weight"],
+                                                 eps)[None], real, False, ex)
         h = h + y[0]
     h_p, h_r = h.split([Np, Nr])
     final = params["model.norm.weight"]

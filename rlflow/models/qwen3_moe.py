@@ -4,8 +4,11 @@ Legend: B batch, T tokens of this call, S key positions (cache), D model dim, H 
 K key/value heads, d head dim, V vocab, N = B*T tokens, E experts.
 
 ``params`` maps transformers' parameter names (see ``models/config.py: param_shapes``) to tensors. The
-functions hold no layout code: sharded execution lives in ``rlflow/sharding`` and the per-model table of
-logical dims in ``models/sharding.py``.
+functions hold no layout code: where a layout changes the computation (the q/k/v and output
+projections, the experts, the embedding and the head, the layers of a pipeline stage) they call the
+execution context ``ex`` (``models/execution.py``; unsharded by default, one rank of a layout with
+``rlflow.parallel.context``). The same functions train and generate, sharded or not. The per-model
+table of logical dims and executable specs is ``models/sharding.py``.
 """
 
 from __future__ import annotations
@@ -18,10 +21,8 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from rlflow.models.config import ModelConfig, param_shapes
-from rlflow.ops import (attention, causal_padding_mask, moe_experts, prepare_experts, qk_norm_rope, rmsnorm,
-                        rope_cos_sin, route)
-
-Params = dict[str, Tensor]
+from rlflow.models.execution import EXPERTS_PREPARED, LOCAL, Exec, Params, View, lm_head, n_moe_layers
+from rlflow.ops import attention, causal_padding_mask, prepare_experts, qk_norm_rope, rmsnorm, rope_cos_sin, route
 
 
 def init_params(cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -42,7 +43,8 @@ def init_params(cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.f
 
 @dataclass
 class KVCache:
-    """Preallocated keys/values per layer, [B, K, S_max, d], written in place by ``forward``.
+    """Preallocated keys/values per layer, [B, K, S_max, d] (K: the kv heads this process computes; None
+for the layers of other pipeline stages), written in place by ``forward``.
 
     Each row is stored unpadded from column 0; ``lengths_B`` counts its filled positions, so rows may be
     at different lengths (continuous batching refills a row while others decode). ``bound`` is a
@@ -56,16 +58,19 @@ class KVCache:
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, batch: int, max_len: int, *, dtype: torch.dtype,
-                 device: torch.device | str) -> "KVCache":
-        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+                 device: torch.device | str, ex: Exec = LOCAL) -> "KVCache":
+        mine = set(ex.layers(cfg))
+
+        def buf(i):
+            shape = (batch, ex.heads(cfg, i)[1], max_len, cfg.head_dim)
+            return torch.zeros(shape, dtype=dtype, device=device) if i in mine else None
         L = cfg.num_hidden_layers
-        return cls(k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(L)],
-                   v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(L)],
+        return cls(k=[buf(i) for i in range(L)], v=[buf(i) for i in range(L)],
                    lengths_B=torch.zeros(batch, dtype=torch.long, device=device))
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[2]
+        return next(t for t in self.k if t is not None).shape[2]
 
 
 def _linear(params: Params, name: str, x: Tensor) -> Tensor:
@@ -73,13 +78,14 @@ def _linear(params: Params, name: str, x: Tensor) -> Tensor:
 
 
 # Derived keys that ``fuse_for_inference`` adds; the forward uses them when present, else builds them
-# (the experts' inference form, ``ops.prepare_experts``: handed to ``moe_experts`` when present).
+# (``EXPERTS_PREPARED``: the experts' inference form, handed to ``moe_experts`` when present).
 QKV_W, QKV_B, QK_NORM = "qkv_proj.weight", "qkv_proj.bias", "qk_norm.weight"
-EXPERTS_PREPARED = "experts.prepared"
 
 
-def fused_attention_weights(params: Params, cfg: ModelConfig, p: str) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """q/k/v projections stacked [(H + 2K) d, D] (one matmul), and q_norm/k_norm as one [(H + K), d] weight."""
+def fused_attention_weights(view: View, cfg: ModelConfig, p: str) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The view's q/k/v projections stacked [(H + 2K) d, D] (one matmul), and q_norm/k_norm as one
+    [(H + K), d] weight, H and K being the view's heads."""
+    params, H, K = view.params, view.heads, view.kv_heads
     w = params.get(p + QKV_W)
     if w is None:
         w = torch.cat([params[p + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")])
@@ -88,19 +94,19 @@ def fused_attention_weights(params: Params, cfg: ModelConfig, p: str) -> tuple[T
         bias = torch.cat([params[p + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")])
     norm = params.get(p + QK_NORM)
     if norm is None and cfg.qk_norm:
-        H, K = cfg.num_attention_heads, cfg.num_key_value_heads
         norm = torch.cat([params[p + "q_norm.weight"].expand(H, -1), params[p + "k_norm.weight"].expand(K, -1)])
     return w, bias, norm
 
 
-def fuse_for_inference(params: Params, cfg: ModelConfig) -> Params:
+def fuse_for_inference(params: Params, cfg: ModelConfig, ex: Exec = LOCAL) -> Params:
     """params plus the stacked attention weights, computed once (the rollout engine's decode loop would
     otherwise stack them at every token), and each MoE layer's experts in the form the inference kernels
-    want (``ops.prepare_experts``, opaque here). The extra keys are derived and never saved."""
+    want (``ops.prepare_experts``, opaque here). The extra keys are derived and never saved. In a layout
+    (``ex``): of this process's layers and heads."""
     out = dict(params)
-    for i in range(cfg.num_hidden_layers):
+    for i in ex.layers(cfg):
         p = f"model.layers.{i}.self_attn."
-        w, b, n = fused_attention_weights(params, cfg, p)
+        w, b, n = fused_attention_weights(ex.attention_view(params, cfg, i), cfg, p)
         out[p + QKV_W] = w
         if b is not None:
             out[p + QKV_B] = b
@@ -114,30 +120,25 @@ def fuse_for_inference(params: Params, cfg: ModelConfig) -> Params:
     return out
 
 
-def qk_v_heads(params: Params, cfg: ModelConfig, p: str, x_TD: Tensor, cos_Td: Tensor, sin_Td: Tensor
+def qk_v_heads(view: View, cfg: ModelConfig, p: str, x_TD: Tensor, cos_Td: Tensor, sin_Td: Tensor
                ) -> tuple[Tensor, Tensor]:
-    """qk [..., T, H + K, d] (the query heads, then the key heads) and v [..., T, K, d] of x's tokens,
-    token-major (any leading dims: [B, T, D] or packed [N, D]); q and k per-head normed (Qwen3) and
-    rotated by cos/sin [..., T, d]."""
-    H, K, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    w, bias, norm = fused_attention_weights(params, cfg, p)
+    """qk [..., T, H + K, d] (the query heads, then the key heads) and v [..., T, K, d] of x's tokens for
+    the view's H query and K key/value heads, token-major (any leading dims: [B, T, D] or packed [N, D]);
+    q and k per-head normed (Qwen3) and rotated by cos/sin [..., T, d]."""
+    H, K, d = view.heads, view.kv_heads, cfg.head_dim
+    w, bias, norm = fused_attention_weights(view, cfg, p)
     qkv = F.linear(x_TD, w, bias).unflatten(-1, (H + 2 * K, d))
     return qk_norm_rope(qkv, norm, cos_Td, sin_Td, H + K, cfg.rms_norm_eps)  # per-head norm weights [H+K, d]
 
 
-def qkv_heads(params: Params, cfg: ModelConfig, p: str, x_TD: Tensor, cos_Td: Tensor, sin_Td: Tensor
-              ) -> tuple[Tensor, Tensor, Tensor]:
-    """q [..., T, H, d], k and v [..., T, K, d]: ``qk_v_heads`` with q and k split."""
-    qk, v = qk_v_heads(params, cfg, p, x_TD, cos_Td, sin_Td)
-    q, k = qk.split([cfg.num_attention_heads, cfg.num_key_value_heads], dim=-2)
-    return q, k, v
-
-
-def attention_block(params: Params, cfg: ModelConfig, p: str, x_BTD: Tensor, cos: Tensor, sin: Tensor,
-                     mask: Tensor | None, cache: KVCache | None, layer: int, cache_slots=None) -> Tensor:
-    """Self-attention of x's tokens (and, with a cache, of the cached ones before them)."""
-    B, T, _ = x_BTD.shape
-    q, k, v = qkv_heads(params, cfg, p, x_BTD, cos, sin)  # [B, T, heads, d]
+def attention_block(params: Params, cfg: ModelConfig, layer: int, x_BTD: Tensor, cos: Tensor, sin: Tensor,
+                    mask: Tensor | None, cache: KVCache | None, cache_slots=None, ex: Exec = LOCAL) -> Tensor:
+    """Self-attention of x's tokens (and, with a cache, of the cached ones before them), on the heads
+    ``ex`` gives this process."""
+    p = f"model.layers.{layer}.self_attn."
+    view = ex.attention_view(params, cfg, layer)
+    qk, v = qk_v_heads(view, cfg, p, view.enter(x_BTD), cos, sin)  # [B, T, heads, d]
+    q, k = qk.split([view.heads, view.kv_heads], dim=-2)
     if cache is not None:
         rows, cols, span = cache_slots  # index_put_ (not scatter_): torch.compile keeps it in place
         cache.k[layer][rows, :, cols] = k  # [B, T, K, d] at each row's own columns
@@ -146,7 +147,7 @@ def attention_block(params: Params, cfg: ModelConfig, p: str, x_BTD: Tensor, cos
     else:
         k, v = k.transpose(1, 2), v.transpose(1, 2)
     o = attention(q.transpose(1, 2), k, v, mask, is_causal=True)  # [B, H, T, d]
-    return F.linear(o.transpose(1, 2).flatten(2), params[p + "o_proj.weight"])
+    return view.leave(F.linear(o.transpose(1, 2).flatten(2), view.params[p + "o_proj.weight"]))
 
 
 def real_tokens(valid_BT: Tensor | None) -> Tensor | None:
@@ -157,17 +158,16 @@ def real_tokens(valid_BT: Tensor | None) -> Tensor | None:
     return valid_BT.reshape(-1).nonzero()[:, 0]
 
 
-def mlp_block(params: Params, cfg: ModelConfig, p: str, layer: int, x_BTD: Tensor,
-               real_N: Tensor | None, with_aux: bool, experts=None) -> tuple[Tensor, Tensor]:
+def mlp_block(params: Params, cfg: ModelConfig, layer: int, x_BTD: Tensor, real_N: Tensor | None,
+              with_aux: bool, ex: Exec = LOCAL) -> tuple[Tensor, Tensor]:
     """Dense SwiGLU MLP, or the MoE block: padding tokens dropped (``real_N``: ``real_tokens(valid)``),
-    softmax top-k routing, experts.
-
-    ``experts(x_ND, w_NK, idx_NK) -> y_ND`` computes the routed experts; the default is
-    ``ops.moe_experts`` on this params dict (the parallel executors pass an expert-parallel one).
-    """
+    softmax top-k routing with the (replicated) router, then the routed experts through ``ex.experts``."""
+    p = f"model.layers.{layer}.mlp."
     if not cfg.is_moe_layer(layer):
-        h = F.silu(_linear(params, p + "gate_proj", x_BTD)) * _linear(params, p + "up_proj", x_BTD)
-        return _linear(params, p + "down_proj", h), x_BTD.new_zeros((), dtype=torch.float32)
+        view = ex.mlp_view(params, cfg, layer)
+        x = view.enter(x_BTD)
+        h = F.silu(_linear(view.params, p + "gate_proj", x)) * _linear(view.params, p + "up_proj", x)
+        return view.leave(_linear(view.params, p + "down_proj", h)), x_BTD.new_zeros((), dtype=torch.float32)
     B, T, D = x_BTD.shape
     x_ND = x_BTD.reshape(B * T, D)
     sel = real_N
@@ -175,30 +175,25 @@ def mlp_block(params: Params, cfg: ModelConfig, p: str, layer: int, x_BTD: Tenso
         x_ND = x_ND.index_select(0, sel)
     w_NK, idx_NK, aux = route(x_ND, params[p + "gate.weight"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
                               with_aux=with_aux)
-    if experts is None:
-        y = moe_experts(x_ND, w_NK, idx_NK, params[p + "experts.gate_up_proj"], params[p + "experts.down_proj"],
-                        prepared=params.get(p + EXPERTS_PREPARED))
-    else:
-        y = experts(x_ND, w_NK, idx_NK)
+    y = ex.experts(params, cfg, layer, x_ND, w_NK, idx_NK)
     if sel is not None:
         y = x_BTD.new_zeros(B * T, D).index_copy(0, sel, y)
     return y.view(B, T, D), aux
 
 
-def decoder_layer(params, cfg, i, h, cos, sin, mask, cache, cache_slots, real_N, with_aux):
+def decoder_layer(params, cfg, i, h, cos, sin, mask, cache, cache_slots, real_N, with_aux, ex):
     p = f"model.layers.{i}."
-    h = h + attention_block(params, cfg, p + "self_attn.",
-                             rmsnorm(h, params[p + "input_layernorm.weight"], cfg.rms_norm_eps),
-                             cos, sin, mask, cache, i, cache_slots)
-    m, aux = mlp_block(params, cfg, p + "mlp.", i,
-                        rmsnorm(h, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps), real_N, with_aux)
+    h = h + attention_block(params, cfg, i, rmsnorm(h, params[p + "input_layernorm.weight"], cfg.rms_norm_eps),
+                            cos, sin, mask, cache, cache_slots, ex)
+    m, aux = mlp_block(params, cfg, i, rmsnorm(h, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps),
+                       real_N, with_aux, ex)
     return h + m, aux
 
 
 def forward(params: Params, cfg: ModelConfig, ids_BT: Tensor, positions_BT: Tensor, *,
             valid_BT: Tensor | None = None, cache: KVCache | None = None, with_aux: bool = True,
-            remat: bool = False) -> tuple[Tensor, Tensor, KVCache | None]:
-    """Final hidden states [B, T, D] (after the last norm), the mean router aux loss, and the cache.
+            remat: bool = False, ex: Exec = LOCAL, h_in: Tensor | None = None) -> tuple[Tensor, Tensor, KVCache | None]:
+    """Final hidden states [B, T, D] (after the last norm), the router aux loss, and the cache.
 
     positions_BT: rotary positions (for left-padded rows, ``cumsum(valid) - 1``; with a cache,
     ``cache.lengths_B[:, None] + arange(T)``).
@@ -206,14 +201,23 @@ def forward(params: Params, cfg: ModelConfig, ids_BT: Tensor, positions_BT: Tens
     With a cache, rows are right-padded: row b's tokens go to columns lengths_B[b] + t, each query sees
     the columns up to its own, and lengths_B advances by the row's valid count (padding written past
     it is overwritten later). The returned cache is the same buffers with lengths and bound advanced.
-    with_aux: compute the router load-balancing loss (off in decode, where nothing uses it).
+    with_aux: compute the router load-balancing loss (off in decode, where nothing uses it). It is the
+    sum over this process's MoE layers divided by the model's number of MoE layers: the mean over the
+    layers, and over pipeline stages the stages' values add up to it.
     remat: recompute each layer's activations in the backward pass instead of storing them
     (activation checkpointing, for long sequences).
+    ex: the execution context (``models/execution.py``). A pipeline stage other than the first starts
+    from ``h_in`` [B, T, D] (the previous stage's output); one other than the last returns its layers'
+    output without the final norm.
     """
     B, T = ids_BT.shape
-    dtype = params["model.embed_tokens.weight"].dtype
-    h = F.embedding(ids_BT, params["model.embed_tokens.weight"])
-    cos, sin = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta, dtype)
+    if ex.first:
+        h = ex.embed(params, cfg, ids_BT)
+    elif h_in is None:
+        raise ValueError("forward: a pipeline stage after the first needs h_in, the previous stage's output")
+    else:
+        h = h_in
+    cos, sin = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta, h.dtype)
     cache_slots = None
     if cache is not None:
         span = min(cache.bound + T, cache.max_len)
@@ -226,31 +230,26 @@ def forward(params: Params, cfg: ModelConfig, ids_BT: Tensor, positions_BT: Tens
     else:
         mask = None if valid_BT is None else causal_padding_mask(valid_BT, 0, T)
     aux_total = h.new_zeros((), dtype=torch.float32)
-    n_moe = 0
     real_N = real_tokens(valid_BT) if cfg.is_moe else None
-    for i in range(cfg.num_hidden_layers):
-        args = (params, cfg, i, h, cos, sin, mask, cache, cache_slots, real_N, with_aux)
+    for i in ex.layers(cfg):
+        args = (params, cfg, i, h, cos, sin, mask, cache, cache_slots, real_N, with_aux, ex)
         if remat and torch.is_grad_enabled():
             h, aux = checkpoint(decoder_layer, *args, use_reentrant=False)
         else:
             h, aux = decoder_layer(*args)
         if cfg.is_moe_layer(i):
             aux_total = aux_total + aux
-            n_moe += 1
-    h = rmsnorm(h, params["model.norm.weight"], cfg.rms_norm_eps)
+    if ex.last:
+        h = rmsnorm(h, params["model.norm.weight"], cfg.rms_norm_eps)
     if cache is not None:
         cache.lengths_B += T if valid_BT is None else valid_BT.sum(-1)
         cache.bound = span
-    return h, aux_total / max(n_moe, 1), cache
+    return h, aux_total / max(n_moe_layers(cfg), 1), cache
 
 
-def lm_head(params: Params, cfg: ModelConfig) -> Tensor:
-    """The [V, D] output projection (the embedding when tied)."""
-    return params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-
-
-def logits(params: Params, cfg: ModelConfig, hidden: Tensor) -> Tensor:
-    return F.linear(hidden, lm_head(params, cfg))
+def logits(params: Params, cfg: ModelConfig, hidden: Tensor, ex: Exec = LOCAL) -> Tensor:
+    """Full-vocab logits [..., V] of the final hidden states."""
+    return ex.logits(params, cfg, hidden)
 
 
 def positions_from_valid(valid_BT: Tensor) -> Tensor:

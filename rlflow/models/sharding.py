@@ -1,11 +1,13 @@
 """Per-model tables: the logical dim names of every parameter, and the default rules mapping them to
 mesh axes (Megatron's: heads, MLP width and vocab over ``tp``; experts over ``ep``).
 
-A table row is ``(regex on the param name, dims)``; ``dims`` has one entry per stored dim: a logical
-name, or a tuple of names when the stored dim is several logical dims flattened (major to minor), e.g.
+A table row is ``(regex on the param name, dims, executes)``; ``dims`` has one entry per stored dim: a
+logical name, or a tuple of names when the stored dim is several logical dims flattened (major to minor), e.g.
 ``q_proj.weight`` [H*hd, D] is ``(("heads", "head_dim"), "embed")``. The sizes of the inner parts come
 from the config (``head_dim``, ``gate_up`` = 2 ...); the one unknown part is inferred. A parameter no
-row matches is an error that names it.
+row matches is an error that names it. ``executes`` is the set of effective specs (per view dim, the
+mesh axes of size > 1 splitting it) that ``rlflow.parallel`` runs the model in (``executable_specs``), or
+None where the parameter is planned but not executed yet.
 
 ``model_shapes(name)`` and ``logical_params(name)`` know both the Qwen presets
 (``rlflow.models.config``) and the DeepSeek ones (``rlflow.models.deepseek``).
@@ -23,35 +25,42 @@ from rlflow.models import deepseek
 from rlflow.sharding.layout import Layout, Logical
 from rlflow.sharding.mesh import Mesh
 
+# Effective specs (per view dim, the axes of size > 1 that split it) that ``rlflow.parallel`` executes;
+# None: planned only (no executor yet, e.g. DeepSeek's attention).
+_N, _T, _E = (), ("tp",), ("ep",)
+_REPL2, _COL, _ROW = {(_N, _N)}, {(_N, _N), (_T, _N)}, {(_N, _N), (_N, _T)}
+
 _COMMON = (
-    (r"(^|\.)embed_tokens\.weight$", ("vocab", "embed")),
-    (r"(^|\.)lm_head\.weight$", ("vocab", "embed")),
-    (r"(input_layernorm|post_attention_layernorm|(^|\.)norm)\.weight$", ("embed",)),
-    (r"\.mlp\.gate\.weight$", ("router", "embed")),
-    (r"\.mlp\.gate\.e_score_correction_bias$", ("router",)),
-    (r"\.mlp\.experts\.gate_up_proj$", ("experts", ("gate_up", "expert_mlp"), "embed")),
-    (r"\.mlp\.experts\.down_proj$", ("experts", "embed", "expert_mlp")),
-    (r"\.mlp\.(shared_experts\.)?(gate|up)_proj\.weight$", ("mlp", "embed")),
-    (r"\.mlp\.(shared_experts\.)?down_proj\.weight$", ("embed", "mlp")),
+    (r"(^|\.)embed_tokens\.weight$", ("vocab", "embed"), _COL),
+    (r"(^|\.)lm_head\.weight$", ("vocab", "embed"), _COL),
+    (r"(input_layernorm|post_attention_layernorm|(^|\.)norm)\.weight$", ("embed",), {(_N,)}),
+    (r"\.mlp\.gate\.weight$", ("router", "embed"), _REPL2),
+    (r"\.mlp\.gate\.e_score_correction_bias$", ("router",), None),
+    (r"\.mlp\.experts\.gate_up_proj$", ("experts", ("gate_up", "expert_mlp"), "embed"),
+     {(e, _N, f, _N) for e in (_N, _E) for f in (_N, _T)}),
+    (r"\.mlp\.experts\.down_proj$", ("experts", "embed", "expert_mlp"), {(e, _N, f) for e in (_N, _E) for f in (_N, _T)}),
+    (r"\.mlp\.(shared_experts\.)?(gate|up)_proj\.weight$", ("mlp", "embed"), _COL),
+    (r"\.mlp\.(shared_experts\.)?down_proj\.weight$", ("embed", "mlp"), _ROW),
 )
 
+_HEADS = {(_N, _N, _N), (_T, _N, _N)}
 QWEN_TABLE = _COMMON + (
-    (r"\.self_attn\.q_proj\.weight$", (("heads", "head_dim"), "embed")),
-    (r"\.self_attn\.[kv]_proj\.weight$", (("kv_heads", "head_dim"), "embed")),
-    (r"\.self_attn\.q_proj\.bias$", (("heads", "head_dim"),)),
-    (r"\.self_attn\.[kv]_proj\.bias$", (("kv_heads", "head_dim"),)),
-    (r"\.self_attn\.o_proj\.weight$", ("embed", ("heads", "head_dim"))),
-    (r"\.self_attn\.[qk]_norm\.weight$", ("head_dim",)),
+    (r"\.self_attn\.q_proj\.weight$", (("heads", "head_dim"), "embed"), _HEADS),
+    (r"\.self_attn\.[kv]_proj\.weight$", (("kv_heads", "head_dim"), "embed"), _HEADS),
+    (r"\.self_attn\.q_proj\.bias$", (("heads", "head_dim"),), _COL),
+    (r"\.self_attn\.[kv]_proj\.bias$", (("kv_heads", "head_dim"),), _COL),
+    (r"\.self_attn\.o_proj\.weight$", ("embed", ("heads", "head_dim")), {(_N, _N, _N), (_N, _T, _N)}),
+    (r"\.self_attn\.[qk]_norm\.weight$", ("head_dim",), {(_N,)}),
 )
 
 DEEPSEEK_TABLE = _COMMON + (
-    (r"\.self_attn\.q_a_proj\.weight$", ("q_lora", "embed")),
-    (r"\.self_attn\.q_a_layernorm\.weight$", ("q_lora",)),
-    (r"\.self_attn\.q_b_proj\.weight$", (("heads", "qk_head_dim"), "q_lora")),
-    (r"\.self_attn\.kv_a_proj_with_mqa\.weight$", ("kv_a", "embed")),
-    (r"\.self_attn\.kv_a_layernorm\.weight$", ("kv_lora",)),
-    (r"\.self_attn\.kv_b_proj\.weight$", (("heads", "kv_head_dim"), "kv_lora")),
-    (r"\.self_attn\.o_proj\.weight$", ("embed", ("heads", "v_head_dim"))),
+    (r"\.self_attn\.q_a_proj\.weight$", ("q_lora", "embed"), None),
+    (r"\.self_attn\.q_a_layernorm\.weight$", ("q_lora",), None),
+    (r"\.self_attn\.q_b_proj\.weight$", (("heads", "qk_head_dim"), "q_lora"), None),
+    (r"\.self_attn\.kv_a_proj_with_mqa\.weight$", ("kv_a", "embed"), None),
+    (r"\.self_attn\.kv_a_layernorm\.weight$", ("kv_lora",), None),
+    (r"\.self_attn\.kv_b_proj\.weight$", (("heads", "kv_head_dim"), "kv_lora"), None),
+    (r"\.self_attn\.o_proj\.weight$", ("embed", ("heads", "v_head_dim")), None),
 )
 
 # Logical name -> None | axis | tuple of axes. Dense params never name ``ep``: they are replicated
@@ -89,12 +98,20 @@ def model_shapes(name_or_cfg) -> dict[str, tuple[int, ...]]:
     return _family(name_or_cfg)[1]
 
 
+def _row(name: str, table) -> tuple:
+    for row in table:
+        if re.search(row[0], name):
+            return row
+    raise ValueError(f"param {name}: no row of the sharding table matches it")
+
+
+def executable_specs(name_or_cfg, param: str) -> set | None:
+    """The effective specs ``rlflow.parallel`` executes for ``param`` (see the table rows), or None."""
+    return _row(param, _family(name_or_cfg)[2])[2]
+
+
 def _logical(name: str, shape: tuple[int, ...], table, sizes: dict[str, int]) -> Logical:
-    for pattern, dims in table:
-        if re.search(pattern, name):
-            break
-    else:
-        raise ValueError(f"param {name}: no row of the sharding table matches it")
+    dims = _row(name, table)[1]
     if len(dims) != len(shape):
         raise ValueError(f"param {name}: table gives {len(dims)} dims {dims} for shape {shape}")
     names, view, merge = [], [], []

@@ -1,5 +1,8 @@
 """Data parallelism: gradient all-reduce, and reduce-scatter where the optimizer state is sharded.
 
+The process groups are made by ``rlflow.sharding.dist.create_groups`` (``parallel.context.context`` does,
+for its layout), once per run, before any reduction.
+
 Who holds what: the batch is split over ``("dp", "ep")`` (rank r takes slice
 ``mesh.data_parallel_index(r)`` of ``dp * ep``). A parameter's gradient is summed over the batch axes
 its spec does not name: dense parameters over ``("dp", "ep")`` (MoE parallel folding), expert
@@ -23,6 +26,7 @@ from torch import Tensor
 
 from rlflow import optim
 from rlflow.parallel.collectives import _reduce_scatter_single
+from rlflow.sharding.dist import mesh_group
 from rlflow.sharding.layout import Layout
 from rlflow.sharding.mesh import BATCH_AXES
 
@@ -33,17 +37,7 @@ def reduce_axes(layout: Layout, name: str) -> tuple[str, ...]:
     return tuple(a for a in BATCH_AXES if a not in spec_axes and getattr(layout.mesh, a) > 1)
 
 
-def make_groups(layout: Layout) -> None:
-    """Create the data-parallel process groups in one fixed order. ``dist.new_group`` is collective over
-    the world, and ranks on different pp stages hold different parameters (hence different buckets),
-    so the groups are made up front, by every rank, before any bucket is reduced."""
-    for axes in (BATCH_AXES, ("dp",), ("ep",)):
-        if layout.mesh.axis_size(axes) > 1:
-            layout.mesh.group(axes)
-
-
 def _buckets(grads: dict[str, Tensor], layout: Layout) -> dict[tuple[str, ...], list[str]]:
-    make_groups(layout)
     out: dict[tuple[str, ...], list[str]] = {}
     for n in grads:
         out.setdefault(reduce_axes(layout, n), []).append(n)
@@ -59,7 +53,7 @@ def all_reduce_grads(grads: dict[str, Tensor], layout: Layout, *, average: bool 
         if not axes:
             continue
         flat = torch.cat([grads[n].reshape(-1) for n in names])
-        dist.all_reduce(flat, group=layout.mesh.group(axes))
+        dist.all_reduce(flat, group=mesh_group(layout.mesh, axes))
         if average:
             flat /= layout.mesh.axis_size(axes)
         pos = 0
@@ -76,7 +70,7 @@ def batch_total(x: float, layout: Layout) -> float:
     if layout.mesh.axis_size(BATCH_AXES) == 1:
         return x
     t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, group=layout.mesh.group(BATCH_AXES))
+    dist.all_reduce(t, group=mesh_group(layout.mesh, BATCH_AXES))
     return float(t[0])
 
 
@@ -133,12 +127,12 @@ def reduce_scatter_grads(grads: dict[str, Tensor], layout: Layout, *, average: b
         if pad:
             flat = torch.cat([flat, flat.new_zeros(pad)])
         shard = flat.new_empty(flat.numel() // k)
-        _reduce_scatter_single(shard, flat, group=mesh.group(axes))
+        _reduce_scatter_single(shard, flat, group=mesh_group(mesh, axes))
         if average:
             shard /= k
         out.append(GradShard(axes, tuple(names), numels, mesh.index(axes, rank) * shard.numel(), shard))
     return out
 
 
-__all__ = ["make_groups", "reduce_axes", "all_reduce_grads", "grad_norm", "clip_grads", "GradShard",
+__all__ = ["reduce_axes", "all_reduce_grads", "grad_norm", "clip_grads", "GradShard",
            "reduce_scatter_grads"]

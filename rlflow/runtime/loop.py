@@ -18,6 +18,7 @@ from rlflow.data import PromptSource, prompt_batch
 from rlflow.models.config import ModelConfig
 from rlflow.rollout import SamplingConfig, generate
 from rlflow.runtime.flow import DockFlow, MemoryFlow, train_batch
+from rlflow.sharding.dist import create_groups
 
 TPS_DEFINITION = ("TPS = (prompt tokens + response tokens of all samples in the step) / "
                   "(devices x step wall time)   [MindSpeed RL, Eq. 5]")
@@ -87,6 +88,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
     world, rank = 1, 0
     if dp_layout is not None:
         world, rank = dp_layout.mesh.axis_size(("dp", "ep")), torch.distributed.get_rank()
+        create_groups([dp_layout.mesh])
         for name, v in dict(prompts_per_step=lcfg.prompts_per_step, mini_batch_size=lcfg.mini_batch_size,
                             micro_batch_size=lcfg.micro_batch_size).items():
             if v % world:

@@ -8,8 +8,11 @@ source axes, ``broadcast`` along ``pp``, ``all_to_all_single`` over the ranks ta
 buffer, so the temporary memory is what the ledger counts. On an accelerator, swaps go to pinned host
 memory.
 
-``new_groups(partition)`` creates (once, cached) the process groups of a partition of the ranks;
-every rank must call it with the same partitions in the same order, as ``dist.new_group`` requires.
+Process groups have one owner: ``create_groups(meshes)`` makes every group a run's meshes need (the
+partitions of ``GROUP_AXES`` of each mesh, its layouts' and the transitions' between them), once and
+in one fixed order on every rank, as ``dist.new_group`` requires; ``mesh_group(mesh, axes)`` then hands
+out the calling rank's group. ``new_groups(partition)`` is the cached primitive underneath (the plan
+executor makes its plan's groups with it, in the plan's order).
 ``spawn(fn, world)`` runs ``fn(rank, world, *args)`` in ``world`` local processes joined by
 ``torch.distributed`` and returns what each returned.
 """
@@ -49,6 +52,38 @@ def new_groups(partition) -> list:
             _GROUPS[k] = dist.new_group(list(ranks))
         out.append(_GROUPS[k])
     return out
+
+
+# Every axis set the model execution and the data-parallel reduction use, in creation order.
+GROUP_AXES = (("tp",), ("ep",), ("dp",), ("pp",), ("ep", "tp"), ("dp", "ep"), ("pp", "dp", "ep"))
+
+
+def create_groups(meshes, axes_sets=GROUP_AXES) -> None:
+    """Create the process groups of every mesh in ``meshes`` along each axis set of ``axes_sets`` that has
+    more than one rank (the same calls, in the same order, on every rank; groups made before are reused)."""
+    for mesh in meshes:
+        if mesh.size == 1:
+            continue
+        if dist.get_world_size() != mesh.size:
+            raise ValueError(f"{mesh} has {mesh.size} ranks but torch.distributed world size is "
+                             f"{dist.get_world_size()}")
+        for axes in axes_sets:
+            if mesh.axis_size(axes) > 1:
+                new_groups(mesh.groups(axes))
+
+
+def mesh_group(mesh, axes):
+    """The calling rank's process group along ``axes`` of ``mesh`` (None when they span one rank). The
+    groups must have been made by ``create_groups``: a group made here on demand could be made in a
+    different order on different ranks."""
+    if mesh.axis_size(axes) == 1:
+        return None
+    me = dist.get_rank()
+    ranks = next(g for g in mesh.groups(axes) if me in g)
+    if len(ranks) != dist.get_world_size() and _key(ranks) not in _GROUPS:
+        raise RuntimeError(f"no process group for axes {axes} of {mesh}: call create_groups([...]) with every "
+                           "mesh of the run first, on every rank")
+    return group(ranks)
 
 
 def group(ranks):

@@ -16,9 +16,8 @@ Who holds what (MoE parallel folding, as in Megatron-Core):
 - The batch is split over ``("dp", "ep")``: a rank's data-parallel index is ``dp_i * ep + ep_i`` of
   ``dp * ep``. Dense gradients are all-reduced over ``("dp", "ep")``, expert gradients over ``dp``.
 
-``Mesh.group(axes)`` returns the ``torch.distributed`` process group of the calling rank along those
-axes (creating every group of that partition on first use; all ranks must call it in the same order,
-as with ``torch.distributed.new_group``).
+A mesh is pure data: its process groups are made by their one owner, ``rlflow.sharding.dist``
+(``create_groups`` / ``mesh_group``).
 """
 
 from __future__ import annotations
@@ -161,21 +160,6 @@ class Mesh:
     @property
     def data_parallel_size(self) -> int:
         return self.dp * self.ep
-
-    def group(self, axes):
-        """torch.distributed process group of the calling rank along ``axes`` (collective on first use)."""
-        import torch.distributed as dist
-
-        from rlflow.sharding.dist import new_groups
-        if not dist.is_initialized():
-            raise RuntimeError("Mesh.group needs torch.distributed to be initialized")
-        if dist.get_world_size() != self.size:
-            raise ValueError(f"{self} has {self.size} ranks but torch.distributed world size is "
-                             f"{dist.get_world_size()}")
-        part = self.groups(axes)
-        created = new_groups(part)
-        me = dist.get_rank()
-        return next(g for ranks, g in zip(part, created) if me in ranks)
 
     def __str__(self) -> str:
         return "mesh(" + ",".join(f"{a}={getattr(self, a)}" for a in AXES) + ")"
