@@ -2,6 +2,12 @@
 
 Legend: P prompts, G samples per prompt, B = P*G rows, Tp prompt tokens, Tn new tokens, V vocab.
 GRPO prefix sharing: each prompt is prefilled once and its KV cache is copied to its G samples.
+
+In a layout (``ex``, ``rlflow.parallel.context``): tensor parallel ranks compute their heads (the KV cache
+holds the local ones) and share their rows, so they sample the same tokens; expert parallel ranks hold
+different rows and every forward is an all-to-all among them, so they step in lockstep: each admission
+and decode step is taken by all of them together (a rank with nothing to do takes part with no rows),
+until none has work left. Data parallel ranks generate their own prompts independently.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import torch
 from rlflow.batch import PromptBatch, RolloutBatch, extend
 from rlflow.models import qwen3_moe as model
 from rlflow.models.config import ModelConfig
+from rlflow.models.execution import LOCAL, Exec
 from rlflow.ops import exponential_noise, sample
 
 
@@ -40,13 +47,14 @@ def right_align(ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> tuple[torch.Tens
     return ids_BT.gather(1, order), mask_BT.gather(1, order)
 
 
-def _decode_step(params, cfg, scfg, tok_S, valid_S, noise_SV, cache, out):
+def _decode_step(params, cfg, scfg, tok_S, valid_S, noise_SV, cache, out, ex=LOCAL):
     """One decode token for every slot: feeds ``tok_S`` (writing its KV and advancing the lengths of
     ``valid_S``'s slots; None: all), samples the next token and records it (``_record``). Returns
     (tokens_S, done_S)."""
     h, _, cache = model.forward(params, cfg, tok_S[:, None], cache.lengths_B[:, None].clone(),
-                                valid_BT=None if valid_S is None else valid_S[:, None], cache=cache, with_aux=False)
-    tok, lp = sample(model.logits(params, cfg, h[:, -1]), temperature=scfg.temperature, top_k=scfg.top_k,
+                                valid_BT=None if valid_S is None else valid_S[:, None], cache=cache, with_aux=False,
+                                ex=ex)
+    tok, lp = sample(model.logits(params, cfg, h[:, -1], ex), temperature=scfg.temperature, top_k=scfg.top_k,
                      top_p=scfg.top_p, noise_BV=noise_SV)
     return tok, _record(scfg, out, tok, lp, out.slot_row >= 0)
 
@@ -119,7 +127,7 @@ class _Noise:
 
 def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg: SamplingConfig, *,
              group_size: int = 1, seed: int = 0, max_batch: int | None = None,
-             compile_decode: bool = False) -> RolloutBatch:
+             compile_decode: bool = False, ex: Exec = LOCAL) -> RolloutBatch:
     """Sample ``group_size`` responses per prompt. Rows of one prompt are adjacent and share its group id.
 
     A response ends at EOS (included in the mask) or after ``max_new_tokens``. At most ``max_batch``
@@ -130,15 +138,26 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
 
     ``compile_decode``: run the decode step compiled with static shapes (attention spans the whole
     cache, masked), for launch-bound small models; the first call per shape pays the compilation.
+
+    ``ex``: the execution context of a layout (``params`` then hold this rank's shards): tensor and
+    expert parallel, not a pipeline stage. Each rank samples its own ``prompts`` (the tp ranks of a
+    group the same ones) with its own ``seed``; a row's tokens are those one process gives for the same
+    prompts, seed and ``max_batch``.
     """
     with torch.inference_mode():  # less per-op work than no_grad (no version counters or view tracking)
-        ids, mask, lp = _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_decode)
+        ids, mask, lp = _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_decode, ex)
     # inference tensors cannot be saved for backward (the update embeds these ids): hand out normal ones
     return extend(prompts.repeat(group_size), RolloutBatch, response_ids_BTr=ids.clone(),
                   response_mask_BTr=mask.clone(), sample_logprobs_BTr=lp.clone())
 
 
-def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_decode):
+def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_decode, ex):
+    if not (ex.first and ex.last):
+        raise ValueError("generate: the rollout runs every layer on each rank; a layout with pp > 1 is for "
+                         "training (use a rollout layout without pp)")
+    if compile_decode and ex.collective_forward:
+        raise ValueError("generate: compile_decode is not supported in a layout with tp or ep > 1 (its decode "
+                         "step calls collectives); decode eagerly there")
     dev = prompts.prompt_ids_BTp.device
     P, Tp = prompts.prompt_ids_BTp.shape
     G, Tn = group_size, scfg.max_new_tokens
@@ -151,12 +170,12 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
     slots = min(B, max_batch or B)
     dtype = params["model.embed_tokens.weight"].dtype
     gen = torch.Generator(device=dev).manual_seed(seed)
-    params = model.fuse_for_inference(params, cfg)
+    params = model.fuse_for_inference(params, cfg, ex)
     ids_r, mask_r = right_align(prompts.prompt_ids_BTp, prompts.prompt_mask_BTp)
     plen_P = mask_r.sum(-1)
 
     max_len = _bucketed(Tp + Tn) if compile_decode else Tp + Tn  # compiled: one graph per cache length
-    cache = model.KVCache.allocate(cfg, slots, max_len, dtype=dtype, device=dev)
+    cache = model.KVCache.allocate(cfg, slots, max_len, dtype=dtype, device=dev, ex=ex)
     out = _Out(ids=torch.full((B + 1, Tn), scfg.pad_id, dtype=torch.long, device=dev),
                lp=torch.zeros((B + 1, Tn), dtype=torch.float32, device=dev),
                mask=torch.zeros((B + 1, Tn), dtype=torch.bool, device=dev),
@@ -173,12 +192,13 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
         n = min(len(free_slots), B - admitted)
         sl, rows = free_slots[:n], torch.arange(admitted, admitted + n, device=dev)
         p0, p1 = admitted // G, (admitted + n - 1) // G + 1  # prompts these rows sample from
-        tmp = model.KVCache.allocate(cfg, p1 - p0, Tp, dtype=dtype, device=dev)
+        tmp = model.KVCache.allocate(cfg, p1 - p0, Tp, dtype=dtype, device=dev, ex=ex)
         pos = torch.arange(Tp, device=dev).expand(p1 - p0, Tp)
-        h, _, _ = model.forward(params, cfg, ids_r[p0:p1], pos, valid_BT=mask_r[p0:p1], cache=tmp, with_aux=False)
-        last = model.logits(params, cfg, h[torch.arange(p1 - p0, device=dev), plen_P[p0:p1] - 1])
+        h, _, _ = model.forward(params, cfg, ids_r[p0:p1], pos, valid_BT=mask_r[p0:p1], cache=tmp, with_aux=False,
+                                ex=ex)
+        last = model.logits(params, cfg, h[torch.arange(p1 - p0, device=dev), plen_P[p0:p1] - 1], ex)
         src = rows // G - p0  # prefix sharing: each prompt's KV goes to all its sampled rows
-        for layer in range(cfg.num_hidden_layers):
+        for layer in ex.layers(cfg):
             cache.k[layer][sl, :, :Tp] = tmp.k[layer][src]
             cache.v[layer][sl, :, :Tp] = tmp.v[layer][src]
         cache.lengths_B[sl] = plen_P[p0:p1][src]
@@ -193,6 +213,12 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
         admitted += n
         return _record(scfg, out, tok_S, torch.zeros(slots, device=dev).index_put((sl,), lp_n), new)
 
+    def take_part() -> None:
+        """A forward with no rows, so that this rank's experts serve the rows its ep peers admit."""
+        tmp = model.KVCache.allocate(cfg, 0, 1, dtype=dtype, device=dev, ex=ex)
+        none = torch.zeros(0, 1, dtype=torch.long, device=dev)
+        model.forward(params, cfg, none, none, valid_BT=none.bool(), cache=tmp, with_aux=False, ex=ex)
+
     if compile_decode and dev.type == "cuda":  # NOT RUN HERE (no GPU was available): CUDA graph trees skip a
         # graph whose inputs it mutates unless their addresses are static; the cache is, for this call
         for t in (*cache.k, *cache.v, cache.lengths_B, out.ids, out.lp, out.mask, out.n_gen):
@@ -200,17 +226,27 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
     step = _compiled_step(dev) if compile_decode else _decode_step
     done = admit(torch.arange(slots, device=dev))
     masked = compile_decode  # one static graph: every slot, masked, attention over the whole cache
+    # ``ex.any_rank`` is the flag itself in one process; with expert parallelism every rank makes the same
+    # calls in the same order (the same admissions and decode steps, with no rows where it has none)
     while True:
-        while bool(done.any()):  # free finished slots and refill them (an admitted row may end at once)
+        while ex.any_rank(bool(done.any())):  # free finished slots and refill them (an admitted row may end at once)
             out.slot_row[done] = -1
             cache.lengths_B[done] = 0
-            done = admit(torch.nonzero(out.slot_row < 0)[:, 0]) if admitted < B else done & False
+            refill = bool(done.any()) and admitted < B
+            peers_refill = ex.any_rank(refill)
+            if refill:
+                done = admit(torch.nonzero(out.slot_row < 0)[:, 0])
+            else:
+                done = done & False
+                if peers_refill:  # an ep peer admits rows: its tokens reach this rank's experts
+                    take_part()
             active = out.slot_row >= 0
-            if not bool(active.any()):
+            if not ex.any_rank(bool(active.any())):
                 return out.ids[:B], out.mask[:B], out.lp[:B]
             masked = compile_decode or not bool(active.all())
             if not compile_decode:
                 cache.bound = int(cache.lengths_B.max())  # this step syncs anyway: tighten the attention span
         if compile_decode:
             cache.bound = cache.max_len - 1
-        tok_S, done = step(params, cfg, scfg, tok_S, (out.slot_row >= 0) if masked else None, noise.next(), cache, out)
+        valid = (out.slot_row >= 0) if masked else None
+        tok_S, done = step(params, cfg, scfg, tok_S, valid, noise.next(), cache, out, ex)
