@@ -54,6 +54,27 @@ def backend() -> str:
     return BACKENDS[kind()]
 
 
+def device_count() -> int:
+    """Accelerators of this machine (0 on a CPU)."""
+    k = kind()
+    return torch.cuda.device_count() if k == "cuda" else torch.npu.device_count() if k == "npu" else 0
+
+
+def backend_for(world: int) -> str:
+    """The collective backend for ``world`` processes on this machine: the accelerator's (nccl, hccl) when it
+    has a device for each process, else gloo on the CPU."""
+    return backend() if kind() != "cpu" and device_count() >= world else "gloo"
+
+
+def process_device() -> torch.device:
+    """This torch.distributed process's device: its accelerator (``LOCAL_RANK``) under nccl or hccl, the CPU
+    under gloo."""
+    import torch.distributed as dist
+    if dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    return device(int(os.environ.get("LOCAL_RANK", 0)))
+
+
 def synchronize() -> None:
     k = kind()
     if k == "cuda":

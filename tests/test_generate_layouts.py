@@ -40,28 +40,30 @@ def prompts_of(data_index: int, n_data: int):
 
 
 def worker(rank: int, world: int, cases: dict) -> dict:
+    from rlflow.device import process_device
     from rlflow.models import sharding as msh
     from rlflow.parallel import context
     from rlflow.sharding.mesh import Mesh
 
+    dev = process_device()  # the CPU under gloo; the rank's accelerator under nccl / hccl
     out = {}
     for name, (sizes, rules) in cases.items():
         mesh = Mesh(**sizes)
         layout = msh.layout(CFG, mesh, rules, dtype=torch.float32)
         ex = context.context(layout, CFG)
-        local = context.shard_params(params_full(), layout, rank)
+        local = {n: t.to(dev) for n, t in context.shard_params(params_full(), layout, rank).items()}
         d = mesh.data_parallel_index(rank)
         for mode, scfg in SAMPLING.items():
-            ro = generate(local, CFG, prompts_of(d, mesh.data_parallel_size), scfg, group_size=G, seed=100 + d,
+            ro = generate(local, CFG, prompts_of(d, mesh.data_parallel_size).to(dev), scfg, group_size=G, seed=100 + d,
                           max_batch=MAX_BATCH, ex=ex)
-            out[name, mode] = (d, mesh.data_parallel_size, ro.response_ids_BTr, ro.response_mask_BTr,
-                               ro.sample_logprobs_BTr)
+            out[name, mode] = (d, mesh.data_parallel_size, ro.response_ids_BTr.cpu(), ro.response_mask_BTr.cpu(),
+                               ro.sample_logprobs_BTr.cpu())
     return out
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_generation_in_a_layout_samples_the_tokens_of_one_process(world):
-    results = spawn(worker, world, CASES[world], backend="gloo")
+    results = spawn(worker, world, CASES[world])  # rlflow.device's backend: gloo on a CPU
     full = params_full()
     fails, refs, lengths = [], {}, set()
     for rank, res in enumerate(results):

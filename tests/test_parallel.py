@@ -117,9 +117,12 @@ def reference(batch: TrainBatch, n_data: int, n_micro: int, cfg=CFG):
 
 def worker(rank: int, world: int, cases: list, batch: TrainBatch) -> dict:
     from rlflow.models import sharding as msh
+    from rlflow.device import process_device
     from rlflow.parallel import context, dp, train
     from rlflow.sharding.mesh import Mesh
 
+    dev = process_device()  # the CPU under gloo; the rank's accelerator under nccl / hccl
+    batch = batch.to(dev)
     out = {}
     f = loss_fn(float(batch.response_mask_BTr.sum()))
     for name, sizes, rules, n_micro, sched, remat, cfg_kw in cases:
@@ -127,33 +130,35 @@ def worker(rank: int, world: int, cases: list, batch: TrainBatch) -> dict:
         mesh = Mesh(**sizes)
         layout = msh.layout(cfg, mesh, rules, dtype=torch.float32)
         ctx = context.context(layout, cfg)
-        local = {n: t.requires_grad_(True) for n, t in context.shard_params(params_full(cfg), layout, rank).items()}
+        local = {n: t.to(dev).requires_grad_(True)
+                 for n, t in context.shard_params(params_full(cfg), layout, rank).items()}
         rows = partition(mesh.data_parallel_size, n_micro)[mesh.data_parallel_index(rank)]
-        mbs = [batch.select(r) for r in rows]
+        mbs = [batch.select(r.to(dev)) for r in rows]
         loss, grads = train.forward_backward(local, ctx, mbs, f, aux_weights=[AUX * mb.size / B for mb in mbs],
                                              schedule=sched, with_entropy=True, remat=remat)
         reduced = dp.all_reduce_grads(grads, layout)
-        res = {"loss": float(train.total_loss(loss, ctx)), "grads": reduced,
+        cpu = lambda ts: {n: t.cpu() for n, t in ts.items()}  # noqa: E731
+        res = {"loss": float(train.total_loss(loss, ctx)), "grads": cpu(reduced),
                "norm": float(dp.grad_norm(reduced, layout)), "rows": rows}
         with torch.no_grad():
             fwd = train.forward_only({n: t.detach() for n, t in local.items()}, ctx, mbs, with_entropy=True)
-        res["logprobs"] = [(lp, ent) for lp, ent in fwd]
+        res["logprobs"] = [(lp.cpu(), ent.cpu()) for lp, ent in fwd]
         if mesh.data_parallel_size > 1:  # sharded optimizer state: reduce-scatter gives slices of the same sums
-            res["rs"] = [(s.names, s.start, s.flat) for s in dp.reduce_scatter_grads(grads, layout)]
+            res["rs"] = [(s.names, s.start, s.flat.cpu()) for s in dp.reduce_scatter_grads(grads, layout)]
         out[name] = res
     if world == 2:
-        out["collectives"] = collectives_check(rank)
+        out["collectives"] = collectives_check(rank, dev)
     return out
 
 
-def collectives_check(rank: int) -> dict[str, float]:
+def collectives_check(rank: int, dev) -> dict[str, float]:
     """all_gather / reduce_scatter / all_to_all forward and backward on 2 ranks against the values they
     must give (losses summed over ranks: each rank's loss is its own term)."""
     from rlflow.parallel import collectives as C
     import torch.distributed as dist
     g = dist.group.WORLD
-    X = torch.arange(12.).view(4, 3)
-    W = [torch.linspace(-1, 1, 12).view(4, 3) * (r + 1) for r in range(2)]  # rank r's loss weights
+    X = torch.arange(12., device=dev).view(4, 3)
+    W = [torch.linspace(-1, 1, 12, device=dev).view(4, 3) * (r + 1) for r in range(2)]  # rank r's loss weights
     err = {}
     x = X[2 * rank:2 * rank + 2].clone().requires_grad_(True)  # sharded(0)
     y = C.all_gather(x, 0, g)
@@ -167,9 +172,9 @@ def collectives_check(rank: int) -> dict[str, float]:
                                 float((x.grad - torch.cat([W[0][:2], W[1][2:]])).abs().max()))
     ins = [[1, 3], [2, 0]][rank]  # rank 0 sends 1 row to itself, 3 to rank 1; rank 1 sends 2 to rank 0
     outs = [[1, 2], [3, 0]][rank]
-    x = (torch.arange(4.)[:sum(ins), None] + 10 * rank).repeat(1, 3).requires_grad_(True)
+    x = (torch.arange(4., device=dev)[:sum(ins), None] + 10 * rank).repeat(1, 3).requires_grad_(True)
     y = C.all_to_all(x, outs, ins, g)
-    want = [torch.tensor([0., 10., 11.]), torch.tensor([1., 2., 3.])][rank]
+    want = [torch.tensor([0., 10., 11.]), torch.tensor([1., 2., 3.])][rank].to(dev)
     (0.5 * y.square()).sum().backward()  # d/dy = y, so each row's gradient comes back to its sender as itself
     err["all_to_all"] = max(float((y.detach()[:, 0] - want).abs().max()), float((x.grad - x.detach()).abs().max()))
     return err
@@ -181,7 +186,7 @@ def _check(world: int):
     from rlflow.sharding.mesh import Mesh
 
     batch = make_batch()
-    results = spawn(worker, world, CASES[world], batch, backend="gloo")
+    results = spawn(worker, world, CASES[world], batch)  # rlflow.device's backend: gloo on a CPU
     refs, report, fails = {}, [], []
     for name, sizes, rules, n_micro, _, _, cfg_kw in CASES[world]:
         cfg = config(cfg_kw)

@@ -242,11 +242,10 @@ def _entry(rank, fn, world, port, backend, outdir, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    if backend is None:
-        from rlflow import device as rd
-        backend = rd.backend()
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    elif backend == "hccl":  # NOT RUN HERE (no Ascend NPU)
+        torch.npu.set_device(rank % torch.npu.device_count())
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         res = fn(rank, world, *args)
@@ -257,8 +256,13 @@ def _entry(rank, fn, world, port, backend, outdir, args):
 
 
 def spawn(fn, world: int, *args, backend: str | None = None) -> list:
-    """Run ``fn(rank, world, *args)`` in ``world`` processes (torch.distributed initialised, gloo on
-    CPU by default); returns the list of results, rank order. ``fn`` must be importable (module level)."""
+    """Run ``fn(rank, world, *args)`` in ``world`` processes (torch.distributed initialised; the backend
+    ``rlflow.device.backend_for(world)`` by default: nccl / hccl with a device per process, else gloo; a
+    process's device is ``rlflow.device.process_device()``); returns the list of results, rank order.
+    ``fn`` must be importable (module level)."""
+    if backend is None:
+        from rlflow import device as rd
+        backend = rd.backend_for(world)
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(_entry, args=(fn, world, free_port(), backend, d, args), nprocs=world,
                            join=True, start_method="spawn")
