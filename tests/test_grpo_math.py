@@ -124,3 +124,38 @@ def test_policy_loss_kl_and_entropy_terms():
 def test_config_errors_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         GRPOConfig(**kw)
+
+
+@given(st.integers(1, 5), st.integers(2, 16), st.floats(-1e4, 1e4, allow_nan=False, width=32),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.booleans())
+def test_a_group_of_equal_rewards_gets_advantages_of_exactly_zero(n_other, G, value, dtype, scale):
+    """In float32 the mean of 16 rewards of 123.456 is not 123.456, and (r - mean) / (std + 1e-6) gave up
+    to 0.93; next to other groups, in float32 and bfloat16 rewards."""
+    g = torch.Generator().manual_seed(G)
+    same = torch.full((G,), value, dtype=dtype)
+    other = torch.randn(n_other * G, generator=g).to(dtype)
+    r = torch.cat([same, other])
+    group = torch.cat([torch.zeros(G, dtype=torch.long), 1 + torch.arange(n_other).repeat_interleave(G)])
+    a = grpo.group_advantages(r, group, scale=scale)
+    assert torch.equal(a[:G], torch.zeros(G)), a[:G]
+    assert a[G:].abs().sum() > 0  # the other groups are untouched
+
+
+def test_the_documented_equal_rewards_case():
+    a = grpo.group_advantages(torch.full((16,), 123.456), torch.zeros(16, dtype=torch.long))
+    assert torch.equal(a, torch.zeros(16))
+
+
+@pytest.mark.parametrize("estimator", grpo.KL_ESTIMATORS)
+@given(st.floats(-200, 200, allow_nan=False, width=32))
+def test_extreme_log_ratios_give_finite_gradients(estimator, gap):
+    """exp of a log-ratio beyond float32's range (|gap| > ~88) gave a correct loss but NaN gradients."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    old = (logp.detach() - gap).clone()
+    ref = (logp.detach() + gap).clone()
+    cfg = GRPOConfig(group_size=2, kl_coef=0.1, kl_estimator=estimator)
+    for adv in (1.0, -1.0):
+        loss, _ = grpo.policy_loss(logp, old, torch.tensor([adv]), torch.ones(1, 3, dtype=torch.bool), cfg,
+                                   ref_logp_BT=ref)
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all(), (gap, adv, loss, grad)

@@ -92,3 +92,42 @@ def test_load_rejects_mismatched_checkpoint(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(c))
     with pytest.raises(ValueError, match="missing"):
         hf.load(str(tmp_path))
+
+
+def test_a_config_without_norm_topk_prob_loads_as_transformers_reads_it(tmp_path):
+    """transformers' Qwen3MoeConfig defaults norm_topk_prob to False: a config.json that leaves it out must
+    give the same logits here (it was read as True: a logit difference of ~3)."""
+    import json
+    torch.manual_seed(0)
+    model = _hf_models()["qwen3_moe"]().float().eval()
+    _randomize(model, 2)
+    model.save_pretrained(tmp_path)
+    cfg_path = tmp_path / "config.json"
+    d = json.loads(cfg_path.read_text())
+    d.pop("norm_topk_prob")
+    cfg_path.write_text(json.dumps(d))
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).float().eval()
+    assert ref_model.config.norm_topk_prob is False
+    cfg, params = hf.load(str(tmp_path))
+    ids, valid = _inputs()
+    pos = qwen3_moe.positions_from_valid(valid)
+    with torch.no_grad():
+        ref = ref_model(input_ids=ids, attention_mask=valid.long(), position_ids=pos).logits
+        out = qwen3_moe.logits(params, cfg, qwen3_moe.forward(params, cfg, ids, pos, valid_BT=valid)[0])
+    assert (out - ref)[valid].abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("use_sliding_window", True, "use_sliding_window"),
+    ("hidden_act", "gelu", "hidden_act='gelu'"),
+    ("rope_scaling", {"type": "linear", "factor": 4.0}, "rope type 'linear'"),
+    ("rope_scaling", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, "rope type 'yarn'"),
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope type 'dynamic'"),
+])
+def test_config_fields_rlflow_does_not_implement_are_refused_by_name(field, value, match):
+    """Each of these loaded without error and gave wrong logits against transformers."""
+    from rlflow.models.config import ModelConfig, get_config
+    d = get_config("qwen3-moe-tiny").to_hf()
+    d[field] = value
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf(d)

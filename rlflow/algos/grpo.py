@@ -14,6 +14,9 @@ from torch import Tensor
 
 ADV_EPS = 1e-6  # added to the group std: (r - mean) / (std + ADV_EPS)
 KL_CLAMP = 10.0  # low_var_kl is clamped to [-KL_CLAMP, KL_CLAMP]
+# log-ratios enter exp() clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] (verl's bound): beyond float32's
+# range exp() overflows and the gradient turns NaN even where the loss itself is finite
+LOG_RATIO_CLAMP = 20.0
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -54,13 +57,18 @@ def group_advantages(rewards_B: Tensor, group_B: Tensor, *, scale: bool = True, 
 
         A_i = (r_i - mean_g(r)) / (std_g(r) + eps)      (scale=True; std is the unbiased sample std)
         A_i =  r_i - mean_g(r)                          (scale=False: Dr.GRPO)
+
+    A group whose rewards are all equal gets advantages of exactly 0 (in floating point the mean need
+    not equal the common value, and dividing its rounding error by std + eps would amplify it).
     """
     _, inv = torch.unique(group_B, return_inverse=True)
     n_groups = int(inv.max()) + 1 if inv.numel() else 0
     r = rewards_B.float()
     count = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inv, torch.ones_like(r))
     mean = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inv, r) / count
-    centered = r - mean[inv]
+    hi = torch.full((n_groups,), float("-inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, inv, r, "amax")
+    lo = torch.full((n_groups,), float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, inv, r, "amin")
+    centered = torch.where((hi == lo)[inv], torch.zeros_like(r), r - mean[inv])
     if not scale:
         return centered
     var = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inv, centered**2)
@@ -71,10 +79,13 @@ def group_advantages(rewards_B: Tensor, group_B: Tensor, *, scale: bool = True, 
 def kl_penalty(logp_BT: Tensor, ref_logp_BT: Tensor, estimator: str) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3), d = log pi_ref - log pi:
 
-        k1 = -d            k2 = d^2 / 2            k3 = exp(d) - d - 1  (>= 0, unbiased, low variance)
+        k1 = -d            k2 = d^2 / 2            k3 = exp(d) - d - 1  (>= 0, unbiased, low variance;
+                                                   d clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP])
         low_var_kl = clamp(k3, -KL_CLAMP, KL_CLAMP)
     """
     d = ref_logp_BT - logp_BT
+    if estimator in ("k3", "low_var_kl"):
+        d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # exp(d) below: finite gradients
     if estimator == "k1":
         return -d
     if estimator == "k2":
@@ -112,13 +123,13 @@ def policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_B: Tensor, mask_BT: Te
                 max_len: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate with optional dual clip, KL and entropy terms, per token then aggregated:
 
-        rho = exp(logp - old_logp)
+        rho = exp(clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         pg  = max(-A rho, -A clip(rho, 1 - clip_low, 1 + clip_high))
         pg  = min(pg, -A c)  where A < 0                 (dual clip, c = cfg.dual_clip)
         l   = pg + kl_coef * KL(pi || pi_ref) - entropy_coef * H(pi)
     """
     A = adv_B[:, None].to(logp_BT.dtype)
-    ratio = torch.exp(logp_BT - old_logp_BT)
+    ratio = torch.exp((logp_BT - old_logp_BT).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     pg1 = -A * ratio
     pg2 = -A * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
     pg = torch.maximum(pg1, pg2)

@@ -82,8 +82,18 @@ class ModelConfig:
             raise ValueError(f"config.json model_type={mt!r} is not supported (qwen2, qwen3, qwen3_moe)")
         rope = d.get("rope_parameters") or {}
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        if (rope.get("rope_type") or (d.get("rope_scaling") or {}).get("rope_type") or "default") != "default":
-            raise ValueError("config.json rope scaling other than 'default' is not supported yet")
+        scaling = d.get("rope_scaling") or {}
+        for where, r in (("rope_parameters", rope), ("rope_scaling", scaling)):
+            kind = r.get("rope_type") or r.get("type") or "default"  # "type": the key before transformers 4.45
+            if kind != "default":
+                raise ValueError(f"config.json {where}: rope type {kind!r} is not implemented by rlflow (only "
+                                 "'default'); a model trained on it would get wrong logits")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"config.json hidden_act={act!r} is not implemented by rlflow (only 'silu')")
+        if d.get("use_sliding_window"):
+            raise ValueError("config.json use_sliding_window=true is not implemented by rlflow (full attention "
+                             "only); set it to false only if the model was trained without it")
         n_exp = d.get("num_experts", d.get("num_local_experts", 0)) if mt.endswith("moe") else 0
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
@@ -100,7 +110,8 @@ class ModelConfig:
             qk_norm=mt.startswith("qwen3"),
             num_experts=n_exp or 0, num_experts_per_tok=d.get("num_experts_per_tok", 0) if n_exp else 0,
             moe_intermediate_size=d.get("moe_intermediate_size", 0) if n_exp else 0,
-            norm_topk_prob=d.get("norm_topk_prob", True), decoder_sparse_step=d.get("decoder_sparse_step", 1),
+            # transformers' Qwen3MoeConfig defaults it to False when config.json leaves it out
+            norm_topk_prob=d.get("norm_topk_prob", False), decoder_sparse_step=d.get("decoder_sparse_step", 1),
             mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
             router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001), model_type=mt,
             bos_token_id=d.get("bos_token_id"),
