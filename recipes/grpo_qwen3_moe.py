@@ -82,8 +82,40 @@ def parse_args(argv=None) -> Recipe:
             continue
         typ = {"int | None": int, "str | None": str, "float | None": float}.get(str(f.type), None) or \
             {"int": int, "float": float, "str": str}[str(f.type)]
-        p.add_argument(flag, type=typ, default=f.default, help=help)
-    return Recipe(**vars(p.parse_args(argv)))
+        p.add_argument(flag, type=typ, default=f.default, help=help, **CHOICES.get(f.name, {}))
+    r = Recipe(**vars(p.parse_args(argv)))
+    for name, why in problems(r):
+        p.error(f"--{name.replace('_', '-')} {getattr(r, name)}: {why}")  # one line, exit 2, nothing written
+    return r
+
+
+CHOICES = {"dtype": {"choices": ["float32", "bfloat16"]}, "dock_backend": {"choices": ["local", "ray"]}}
+
+
+def problems(r: Recipe) -> list[tuple[str, str]]:
+    """(field, why) for every value the recipe cannot run with; a size of 0 is refused, never replaced by a
+    default."""
+    out = []
+    for name in ("steps", "prompts_per_step", "epochs", "max_new_tokens", "nproc"):
+        if getattr(r, name) < 1:
+            out.append((name, "must be >= 1"))
+    for name in ("mini_batch_size", "micro_batch_size", "max_prompt_len"):
+        if getattr(r, name) is not None and getattr(r, name) < 1:
+            out.append((name, "must be >= 1 (leave it out for the default)"))
+    if r.group_size < 2:
+        out.append(("group_size", "must be >= 2 (GRPO compares the samples of a prompt)"))
+    for name in ("warmup_lr_steps", "dock", "kl_coef", "clip_high"):
+        if getattr(r, name) < 0:
+            out.append((name, "must be >= 0"))
+    if not r.lr > 0:
+        out.append(("lr", "must be > 0"))
+    if not r.temperature > 0:
+        out.append(("temperature", "must be > 0 (log-probs are recomputed at this temperature)"))
+    if not 0 < r.top_p <= 1:
+        out.append(("top_p", "must be in (0, 1]"))
+    if r.nproc > 1 and r.dock and r.dock_backend == "ray":
+        out.append(("nproc", "with --dock-backend ray is not supported yet: use --dock-backend local"))
+    return out
 
 
 def build(r: Recipe, rank: int = 0):
@@ -163,8 +195,6 @@ def plot_rewards(history: list[dict], path: str) -> None:
 def main(argv=None) -> list[dict]:
     r = parse_args(argv)
     if r.nproc > 1:
-        if r.dock and r.dock_backend == "ray":
-            raise ValueError("--nproc > 1 with --dock-backend ray is not supported yet: use --dock-backend local")
         from rlflow.sharding.dist import spawn
         return spawn(run, r.nproc, r)[0]  # torch.distributed: gloo on CPU, nccl on CUDA, hccl on NPU
     return run(0, 1, r)

@@ -78,3 +78,33 @@ def test_recipe_data_parallel_two_processes(tmp_path):
     assert "over 2 data-parallel ranks" in res.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["prompt_tokens"] for r in rows] == [4 * 4 * 12] * 2  # global token counts (both ranks' rows)
+
+
+def _recipe_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("grpo_recipe", os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--mini-batch-size", "0"], "--mini-batch-size 0"),  # fell back to the default
+    (["--micro-batch-size", "0"], "--micro-batch-size 0"),
+    (["--nproc", "0"], "--nproc 0"),
+    (["--max-prompt-len", "-3"], "--max-prompt-len -3"),  # dropped the first tokens of every prompt
+    (["--dtype", "float16"], "--dtype"),  # a bare KeyError
+    (["--group-size", "1"], "--group-size 1"),
+    (["--top-p", "0"], "--top-p 0.0"),
+    (["--nproc", "2", "--dock", "2", "--dock-backend", "ray"], "--nproc 2"),
+])
+def test_bad_flags_are_one_line_naming_the_flag_and_write_nothing(flags, named, tmp_path, capsys):
+    recipe = _recipe_module()
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        recipe.parse_args(flags + ["--out", str(out)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert named in err[-1] and "Traceback" not in "\n".join(err), err
+    assert not out.exists()
