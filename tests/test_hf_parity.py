@@ -131,3 +131,32 @@ def test_config_fields_rlflow_does_not_implement_are_refused_by_name(field, valu
     d[field] = value
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf(d)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "random"])
+def test_a_damaged_safetensors_file_is_refused_naming_it(damage, tmp_path):
+    from rlflow.models.config import get_config
+    cfg = get_config("qwen3-moe-tiny")
+    hf.save(str(tmp_path), cfg, qwen3_moe.init_params(cfg))
+    f = tmp_path / hf.SINGLE
+    data = f.read_bytes()
+    noise = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    f.write_bytes(data[: len(data) // 2] if damage == "truncate" else noise.numpy().tobytes())
+    with pytest.raises(ValueError, match=str(f)):
+        hf.load(str(tmp_path))
+
+
+def test_saving_over_an_older_sharded_checkpoint_replaces_all_of_it(tmp_path):
+    """The stale index of an older sharded checkpoint made ``load`` read the old weights."""
+    from rlflow.models.config import get_config
+    cfg = get_config("qwen3-moe-tiny")
+    old, new = qwen3_moe.init_params(cfg, seed=1), qwen3_moe.init_params(cfg, seed=2)
+    assert len(hf.save(str(tmp_path), cfg, old, max_shard_bytes=20_000)) > 1  # sharded, with an index
+    hf.save(str(tmp_path), cfg, new)  # one file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", hf.SINGLE]
+    _, got = hf.load(str(tmp_path))
+    assert all(torch.equal(got[k], new[k]) for k in new)
+    names = hf.save(str(tmp_path), cfg, old, max_shard_bytes=20_000)  # and back: the single file goes
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["config.json", hf.INDEX, *names])
+    _, got = hf.load(str(tmp_path))
+    assert all(torch.equal(got[k], old[k]) for k in old)

@@ -43,9 +43,15 @@ def load(path: str, *, dtype: torch.dtype | None = torch.float32,
     cfg = load_config(path)
     raw: dict[str, torch.Tensor] = {}
     for fn in _checkpoint_files(path):
-        with safe_open(os.path.join(path, fn), framework="pt", device="cpu") as f:
-            for k in f.keys():
-                raw[k] = f.get_tensor(k)
+        file = os.path.join(path, fn)
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for k in f.keys():
+                    raw[k] = f.get_tensor(k)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{file}: listed in the checkpoint but missing") from None
+        except Exception as e:  # safetensors raises its own errors for a truncated or foreign file
+            raise ValueError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e})") from None
     experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     params: dict[str, torch.Tensor] = {}
     for k, t in raw.items():
@@ -115,8 +121,10 @@ def save(path: str, cfg: ModelConfig, params: dict[str, torch.Tensor], *,
         shards[-1][k] = t
         size += nb
     meta = {"format": "pt"}
+    old = _previous_weight_files(path)
     if len(shards) == 1:
         save_file(shards[0], os.path.join(path, SINGLE), metadata=meta)
+        _remove(path, old - {SINGLE})
         return [SINGLE]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
@@ -126,4 +134,30 @@ def save(path: str, cfg: ModelConfig, params: dict[str, torch.Tensor], *,
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     with open(os.path.join(path, INDEX), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    _remove(path, old - set(names) - {INDEX})
     return names
+
+
+_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
+def _previous_weight_files(path: str) -> set[str]:
+    """The weight files of a checkpoint already in ``path`` (its index, the files the index lists, a single
+    file, shards by transformers' naming): the new checkpoint replaces them all, so that ``load`` never
+    reads a stale index or shard beside the new weights."""
+    out = {n for n in os.listdir(path) if n in (INDEX, SINGLE) or _SHARD.match(n)}
+    if INDEX in out:
+        try:
+            with open(os.path.join(path, INDEX)) as f:
+                out |= set(json.load(f).get("weight_map", {}).values())
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def _remove(path: str, names: set[str]) -> None:
+    for n in names:
+        try:
+            os.remove(os.path.join(path, n))
+        except FileNotFoundError:
+            pass
