@@ -71,22 +71,32 @@ class PromptSource:
 
 
 def load_jsonl(path: str, *, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Example]:
-    """Read ``{"prompt": ..., "answer": ...}`` lines (GSM8K's ``question``/``answer`` keys also work)."""
+    """Read ``{"prompt": ..., "answer": ...}`` lines (GSM8K's ``question``/``answer`` keys also work). A line
+    that is not UTF-8, not a JSON object, or lacks (or nulls) a key is an error naming the file and line."""
     out = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r})") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            p = row.get(prompt_key, row.get("question"))
-            a = row.get(answer_key)
-            if p is None or a is None:
-                raise ValueError(f"{path}:{lineno}: needs keys {prompt_key!r} (or 'question') and "
-                                 f"{answer_key!r}; got {sorted(row)}")
-            out.append(Example(str(p), str(a)))
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object with keys {prompt_key!r} and "
+                                 f"{answer_key!r}, got a {type(row).__name__}")
+            pk = prompt_key if prompt_key in row else "question" if "question" in row else prompt_key
+            for k in (pk, answer_key):
+                if k not in row:
+                    raise ValueError(f"{path}:{lineno}: needs keys {prompt_key!r} (or 'question') and "
+                                     f"{answer_key!r}; got {sorted(row)}")
+                if row[k] is None:
+                    raise ValueError(f"{path}:{lineno}: key {k!r} is null")
+            out.append(Example(str(row[pk]), str(row[answer_key])))
     if not out:
         raise ValueError(f"{path}: no examples")
     return out
@@ -96,6 +106,8 @@ def prompt_batch(examples: list[Example], tokenizer, *, first_index: int = 0,
                  max_prompt_len: int | None = None) -> PromptBatch:
     """Tokenize (BOS first when the tokenizer has one) and left-pad into a PromptBatch.
     Prompts longer than ``max_prompt_len`` keep their last tokens."""
+    if max_prompt_len is not None and max_prompt_len < 1:
+        raise ValueError(f"prompt_batch: max_prompt_len must be >= 1, got {max_prompt_len}")
     seqs = []
     for ex in examples:
         ids = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(ex.prompt)

@@ -57,7 +57,11 @@ class HFTokenizer:
             i = self._tok.token_to_id(name) if name else None
             return default if i is None else i
 
-        self.eos_id = tid("eos_token", self._tok.token_to_id("<|endoftext|>") or 0)
+        eos = tid("eos_token", self._tok.token_to_id("<|endoftext|>"))
+        if eos is None:  # id 0 was used: generation then stops at whatever token 0 is
+            raise ValueError(f"HFTokenizer: {cfile} names no eos_token known to {f} (and the vocabulary has no "
+                             "<|endoftext|>); set eos_token in tokenizer_config.json")
+        self.eos_id = eos
         self.pad_id = tid("pad_token", self.eos_id)
         self.bos_id = tid("bos_token", None)
 

@@ -42,3 +42,20 @@ def test_recipe_with_hf_checkpoint_and_jsonl_dataset(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     AutoModelForCausalLM.from_pretrained(out / "checkpoint")  # the trained checkpoint loads in transformers
     assert AutoTokenizer.from_pretrained(out / "checkpoint").eos_token == "<|im_end|>"
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused_naming_the_flag(tmp_path):
+    """It ended in an IndexError deep in the rollout."""
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    vocab = {t: i for i, t in enumerate(["<|endoftext|>", "<|im_end|>", *"0123456789+-=#?"])}
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>")),
+                                   eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    model_dir = tmp_path / "model"
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=8)).save_pretrained(model_dir)
+    fast.save_pretrained(model_dir)
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--model", str(model_dir), "--steps", "1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines()[-1] == (f"error: --model {model_dir}: the tokenizer has {len(vocab)} tokens "
+                                                   "but the model's vocab_size is 8")

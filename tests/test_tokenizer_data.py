@@ -47,3 +47,37 @@ def test_load_jsonl_errors_name_line_and_keys(tmp_path):
         load_jsonl(str(f))
     with pytest.raises(ValueError, match="unknown task 'nope'"):
         PromptSource(task="nope")
+
+
+@pytest.mark.parametrize("line, match", [
+    (b'["a list", "of strings"]\n', r":2: expected a JSON object .* got a list"),
+    (b'{"prompt": null, "answer": "1"}\n', r":2: key 'prompt' is null"),
+    (b'{"prompt": "2+2", "answer": null}\n', r":2: key 'answer' is null"),
+    (b'{"prompt": "caf\xe9", "answer": "1"}\n', r":2: not UTF-8"),
+    (b'{"text": "x"}\n', r":2: needs keys"),
+])
+def test_bad_dataset_lines_name_the_file_and_line(line, match, tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'{"prompt": "1+1", "answer": "2"}\n' + line)
+    with pytest.raises(ValueError, match=str(f) + match):
+        load_jsonl(str(f))
+
+
+def test_a_tokenizer_without_an_eos_token_is_refused(tmp_path):
+    from tokenizers import Tokenizer, models
+    from rlflow.tokenizer import HFTokenizer
+    Tokenizer(models.WordLevel({"a": 0, "b": 1, "<unk>": 2}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"pad_token": "a"}))
+    with pytest.raises(ValueError, match="no eos_token"):  # id 0 ('a') was used
+        HFTokenizer(str(tmp_path))
+
+
+def test_prompts_past_max_position_embeddings_are_refused():
+    from rlflow.models.config import get_config
+    from rlflow.runtime.loop import check_positions
+    tok = CharTokenizer()
+    cfg = get_config("qwen3-moe-tiny").replace(max_position_embeddings=12)
+    batch = prompt_batch([PromptSource(task="max_digit", seed=0).take(1)[0]], tok)
+    check_positions(batch, 1, cfg.replace(max_position_embeddings=100))
+    with pytest.raises(ValueError, match="max_position_embeddings=12"):
+        check_positions(batch, 8, cfg)

@@ -69,6 +69,18 @@ def validate_sizes(*, steps: int, prompts_per_step: int, group_size: int, mini_b
         raise ValueError(f"mini_batch_size {mini_batch_size} is not divisible by micro_batch_size {micro_batch_size}")
 
 
+def check_positions(prompts, max_new_tokens: int, cfg: ModelConfig) -> None:
+    """Refuse prompts whose tokens plus the response budget exceed the model's ``max_position_embeddings``
+    (rope positions past it were trained on without a word)."""
+    lengths = prompts.prompt_mask_BTp.sum(-1)
+    over = (lengths + max_new_tokens > cfg.max_position_embeddings).nonzero()[:, 0]
+    if len(over):
+        i = int(over[0])
+        raise ValueError(f"prompt {int(prompts.index_B[i])} has {int(lengths[i])} tokens; with max_new_tokens="
+                         f"{max_new_tokens} that exceeds the model's max_position_embeddings="
+                         f"{cfg.max_position_embeddings} (truncate with max_prompt_len)")
+
+
 def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, lcfg: LoopConfig, *,
           on_step: Callable[[dict], None] | None = None, device: torch.device | str = "cpu",
           dock=None, dp_layout=None, opt_state: optim.AdamWState | None = None):
@@ -107,6 +119,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         examples = source.take(lcfg.prompts_per_step)[rank * P:(rank + 1) * P]  # same stream on every rank
         prompts = prompt_batch(examples, tokenizer, first_index=step * lcfg.prompts_per_step + rank * P,
                                max_prompt_len=lcfg.max_prompt_len).to(device)
+        check_positions(prompts, lcfg.sampling.max_new_tokens, cfg)
         rollout = generate(params, cfg, flow.begin(prompts, gcfg.group_size), lcfg.sampling,
                            group_size=gcfg.group_size, seed=(lcfg.seed * 1_000_003 + step) * world + rank,
                            compile_decode=lcfg.compile_decode)
