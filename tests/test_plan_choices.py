@@ -144,6 +144,24 @@ def test_cli_deepseek_r1_671b_on_384_ranks_under_30s():
     assert "all_to_all" in text and "broadcast" in text and "peak per rank, naive" in text
 
 
-def test_cli_bad_mesh_is_an_error_not_a_traceback(capsys):
-    assert main(["--model", "qwen3-moe-tiny", "--world", "4", "--src", "tp=3", "--dst", "tp=2"]) == 2
-    assert "world=4 does not divide by pp*ep*tp=3" in capsys.readouterr().err
+@pytest.mark.parametrize("flags, says", [
+    (["--src", "tp=3"], "world=4 does not divide by pp*ep*tp=3"),
+    (["--src", "tp=0"], "--src 'tp=0'"),  # a ZeroDivisionError traceback
+    (["--src", ""], "--src is empty"),
+    (["--src-rules", "expert_mpl=none"], "unknown logical dim(s) ['expert_mpl']"),  # silently ignored
+    (["--bucket-mb", "0"], "--bucket-mb 0.0: must be > 0"),
+    (["--ledger-rank", "99"], "--ledger-rank 99: must be a rank in [0, 4)"),  # a traceback after planning
+])
+def test_cli_bad_input_is_one_line_naming_the_flag_not_a_traceback(flags, says, capsys):
+    args = {"--model": "qwen3-moe-tiny", "--world": "4", "--src": "ep=2,tp=2", "--dst": "tp=2"}
+    rest = []
+    for k, v in zip(flags[::2], flags[1::2]):
+        if k in args:
+            args[k] = v
+        else:
+            rest += [k, v]
+    with pytest.raises(SystemExit) as e:
+        main([x for kv in args.items() for x in kv] + rest)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert says in err[-1] and "Traceback" not in "\n".join(err), err

@@ -139,6 +139,9 @@ def logical_params(name_or_cfg) -> dict[str, Logical]:
 def layout(name_or_cfg, mesh: Mesh, rules: dict | None = None, *, dtype: torch.dtype = torch.bfloat16,
            layers_per_stage: tuple[int, ...] | None = None, name: str = "") -> Layout:
     """The layout of a model on ``mesh`` under ``rules`` (default ``RULES``, overrides merged in)."""
+    unknown = sorted(set(rules or {}) - set(RULES))
+    if unknown:  # a misspelt rule would silently keep the default placement
+        raise ValueError(f"unknown logical dim(s) {unknown} in the rules; known: {sorted(RULES)}")
     r = dict(RULES)
     r.update(rules or {})
     label = name or (name_or_cfg if isinstance(name_or_cfg, str) else "")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import numpy as np
@@ -58,14 +57,22 @@ def main(argv: list[str] | None = None) -> int:
     if a.dtype not in DTYPES_BY_NAME:
         ap.error(f"--dtype {a.dtype!r}: expected one of {sorted(DTYPES_BY_NAME)}")
     dtype = DTYPES_BY_NAME[a.dtype]
-    try:
-        src = layout(a.model, Mesh.parse(a.src, a.world), parse_rules(a.src_rules), dtype=dtype,
-                     name="train")
-        dst = layout(a.model, Mesh.parse(a.dst, a.world), parse_rules(a.dst_rules), dtype=dtype,
-                     name="rollout")
-    except (ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    for flag, v, ok, want in (("--world", a.world, a.world >= 1, ">= 1"), ("--bucket-mb", a.bucket_mb, a.bucket_mb > 0, "> 0"),
+                              ("--grad-bytes", a.grad_bytes, a.grad_bytes >= 0, ">= 0"),
+                              ("--optim-bytes", a.optim_bytes, a.optim_bytes >= 0, ">= 0")):
+        if not ok:
+            ap.error(f"{flag} {v}: must be {want}")
+    meshes = {}
+    for flag, text, rules, name in (("--src", a.src, a.src_rules, "train"), ("--dst", a.dst, a.dst_rules, "rollout")):
+        if not text.strip():
+            ap.error(f"{flag} is empty: give the mesh, e.g. {flag} tp=2 (dp fills the world)")
+        try:
+            meshes[name] = layout(a.model, Mesh.parse(text, a.world), parse_rules(rules), dtype=dtype, name=name)
+        except (ValueError, KeyError) as e:
+            ap.error(f"{flag} {text!r} / {flag}-rules {rules!r}: {e}")
+    src, dst = meshes["train"], meshes["rollout"]
+    if a.ledger_rank is not None and not 0 <= a.ledger_rank < a.world:
+        ap.error(f"--ledger-rank {a.ledger_rank}: must be a rank in [0, {a.world})")
     p = allgather_swap(src, dst, bucket_bytes=int(a.bucket_mb * (1 << 20)))
     state = StateBytes(grad_bytes=a.grad_bytes, optim_bytes=a.optim_bytes)
     swap, naive = ledger(p, state), ledger(p, state, naive=True)

@@ -76,6 +76,8 @@ class Mesh:
                 sizes[k] = int(v)
             except ValueError:
                 raise ValueError(f"mesh spec {text!r}: size {v!r} of axis {k} is not an int") from None
+            if sizes[k] < 1:
+                raise ValueError(f"mesh spec {text!r}: axis {k}={sizes[k]} must be >= 1")
         if world is not None:
             rest = int(np.prod([sizes.get(a, 1) for a in AXES if a != "dp"]))
             if "dp" not in sizes:
