@@ -70,6 +70,8 @@ class Recipe:
                                      "pays off on long runs with fixed shapes, CUDA graphs on CUDA)")
     nproc: int = _f(1, "data-parallel processes on this machine (torch.distributed: gloo on CPU, nccl on CUDA); "
                        "each runs its share of the prompts and gradients are summed")
+    max_bad_steps: int = _f(3, "stop after this many steps in a row whose updates were skipped for non-finite "
+                               "rewards, losses or gradients (a skipped update leaves the parameters unchanged)")
     out: str | None = _f(None, "directory for metrics.jsonl, reward.png and the final checkpoint")
 
 
@@ -96,7 +98,7 @@ def problems(r: Recipe) -> list[tuple[str, str]]:
     """(field, why) for every value the recipe cannot run with; a size of 0 is refused, never replaced by a
     default."""
     out = []
-    for name in ("steps", "prompts_per_step", "epochs", "max_new_tokens", "nproc"):
+    for name in ("steps", "prompts_per_step", "epochs", "max_new_tokens", "nproc", "max_bad_steps"):
         if getattr(r, name) < 1:
             out.append((name, "must be >= 1"))
     for name in ("mini_batch_size", "micro_batch_size", "max_prompt_len"):
@@ -154,7 +156,7 @@ def build(r: Recipe, rank: int = 0):
         sampling=SamplingConfig(max_new_tokens=r.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
                                 temperature=r.temperature, top_p=r.top_p),
         max_prompt_len=r.max_prompt_len, warmup_lr_steps=r.warmup_lr_steps, seed=r.seed,
-        compile_decode=r.compile_decode)
+        compile_decode=r.compile_decode, max_bad_steps=r.max_bad_steps)
     return cfg, params, tok, source, reward_fn, lcfg, dev
 
 
@@ -248,8 +250,11 @@ def run(rank: int, world: int, r: Recipe) -> list[dict]:
             bar.update(1)
 
     dock = make_dock(r, lcfg.global_batch)
-    params, _, history = loop.train(params, cfg, tok, source, reward_fn, lcfg, on_step=on_step, device=dev,
-                                    dock=dock, dp_layout=dp_layout)
+    try:
+        params, _, history = loop.train(params, cfg, tok, source, reward_fn, lcfg, on_step=on_step, device=dev,
+                                        dock=dock, dp_layout=dp_layout)
+    except loop.NonFiniteError as e:
+        raise SystemExit(f"error: {e}") from None
     if bar is not None:
         bar.close()
     wall = time.perf_counter() - t0

@@ -67,3 +67,38 @@ def test_a_continued_run_keeps_its_optimizer_state_and_lr_warm_up():
     assert st.step == 4
     assert [m["lr"] for m in h] == pytest.approx([3e-3 * k / 4 for k in (1, 2, 3, 4)])
     assert [m["lr"] for m in h1 + h2] == pytest.approx([m["lr"] for m in h])
+
+
+def test_a_nan_reward_skips_the_update_and_repeated_ones_stop_the_run(caplog):
+    """One NaN from a custom reward turned every parameter into NaN while training went on."""
+    tok = CharTokenizer()
+    cfg = get_config("qwen3-moe-tiny").replace(eos_token_id=tok.eos_id)
+    params = qwen3_moe.init_params(cfg, seed=0)
+    P, G = 4, 4
+    lcfg = loop.LoopConfig(steps=5, prompts_per_step=P, grpo=GRPOConfig(group_size=G), mini_batch_size=P * G,
+                           micro_batch_size=P * G, optim=optim.AdamWConfig(lr=3e-3), max_bad_steps=3,
+                           sampling=SamplingConfig(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id))
+    calls = {"n": 0}
+
+    def reward(resp, ans):  # step 0: fine; step 1: one NaN; steps 2, 3: NaN everywhere
+        calls["n"] += 1
+        step, row = divmod(calls["n"] - 1, P * G)
+        return float("nan") if (step == 1 and row == 5) or step >= 2 else len(resp) / 4
+
+    seen = []
+    with pytest.raises(loop.NonFiniteError, match="steps 1..3"):
+        loop.train({k: v.clone() for k, v in params.items()}, cfg, tok, PromptSource(task="sum_mod10", seed=1), reward,
+                   lcfg, on_step=lambda m: seen.append(m))
+    assert [m["update_skipped"] for m in seen] == [0.0, 1.0, 1.0, 1.0]
+    assert [m["bad_rewards"] for m in seen] == [0, 1, P * G, P * G]
+    assert f"step 1: non-finite rewards [nan] at sample indices [{P * G + 5}]" in caplog.text  # global index
+    # the parameters after the skipped steps are those of step 0's update, finite
+    one = dataclasses.replace(lcfg, steps=1)
+    p1, _, _ = loop.train({k: v.clone() for k, v in params.items()}, cfg, tok, PromptSource(task="sum_mod10", seed=1),
+                          lambda resp, ans: len(resp) / 4, one)
+    calls["n"] = 0
+    lcfg2 = dataclasses.replace(lcfg, steps=2)
+    p2, _, h2 = loop.train({k: v.clone() for k, v in params.items()}, cfg, tok, PromptSource(task="sum_mod10", seed=1),
+                           reward, lcfg2)
+    assert h2[1]["update_skipped"] == 1.0
+    assert all(torch.equal(p1[k], p2[k]) and torch.isfinite(p2[k]).all() for k in p1)

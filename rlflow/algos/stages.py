@@ -208,13 +208,18 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
             if ucfg.dp_layout is not None:
                 gdict = dp.all_reduce_grads(gdict, ucfg.dp_layout)  # sum of the ranks' shares
             gdict, norm = optim.clip_by_global_norm(gdict, ucfg.max_grad_norm)
+            norm_f = float(norm)  # the same on every data-parallel rank: computed from the summed gradients
+            sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm_f
+            n_mb += 1
+            if not math.isfinite(norm_f):  # a NaN/inf reward, loss or gradient: this step is skipped, the
+                sums["update_skipped"] = sums.get("update_skipped", 0.0) + 1  # parameters and state unchanged
+                continue
             with torch.no_grad():
                 _, opt_state = optim.step(live, gdict, opt_state, ocfg, lr=lr)
-            sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(norm)
-            n_mb += 1
     if ucfg.dp_layout is not None:
         sums["loss"] = dp.batch_total(sums.get("loss", 0.0), ucfg.dp_layout)  # the ranks' shares add up
     new_params = {k: p.detach() for k, p in live.items()}
+    sums.setdefault("update_skipped", 0.0)  # the share of this call's optimizer steps skipped
     metrics = {k: v / max(n_mb, 1) for k, v in sums.items()}
     metrics = {k: (v if math.isfinite(v) else float("nan")) for k, v in metrics.items()}
     return new_params, opt_state, metrics

@@ -6,6 +6,7 @@ throughput figure is the paper's Eq. (5), ``TPS_DEFINITION``.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -19,6 +20,8 @@ from rlflow.models.config import ModelConfig
 from rlflow.rollout import SamplingConfig, generate
 from rlflow.runtime.flow import DockFlow, MemoryFlow, train_batch
 from rlflow.sharding.dist import create_groups
+
+log = logging.getLogger("rlflow")
 
 TPS_DEFINITION = ("TPS = (prompt tokens + response tokens of all samples in the step) / "
                   "(devices x step wall time)   [MindSpeed RL, Eq. 5]")
@@ -39,6 +42,7 @@ class LoopConfig:
     warmup_lr_steps: int = 0  # linear LR warm-up over this many steps
     compile_decode: bool = False  # rollout's decode step through torch.compile (see rollout.generate)
     seed: int = 0
+    max_bad_steps: int = 3  # this many steps in a row whose updates were all skipped (non-finite) stop the run
 
     @property
     def global_batch(self) -> int:
@@ -48,6 +52,8 @@ class LoopConfig:
         if self.sampling.temperature != self.grpo.temperature:
             raise ValueError(f"sampling.temperature={self.sampling.temperature} differs from grpo.temperature="
                              f"{self.grpo.temperature}: the loss would score samples under another distribution")
+        if self.max_bad_steps < 1:
+            raise ValueError(f"max_bad_steps={self.max_bad_steps} must be >= 1")
         if self.warmup_lr_steps < 0:
             raise ValueError(f"warmup_lr_steps={self.warmup_lr_steps} must be >= 0")
         validate_sizes(steps=self.steps, prompts_per_step=self.prompts_per_step, group_size=self.grpo.group_size,
@@ -114,6 +120,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
                                router_aux_coef=lcfg.router_aux_coef, dp_layout=dp_layout)
     single_update = gcfg.epochs == 1 and lcfg.mini_batch_size == lcfg.global_batch
     history = []
+    bad_streak = 0
     for step in range(lcfg.steps):
         t0 = time.perf_counter()
         examples = source.take(lcfg.prompts_per_step)[rank * P:(rank + 1) * P]  # same stream on every rank
@@ -126,7 +133,12 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         flow.put_rollout(rollout)
         t_roll = time.perf_counter()
         rows, _ = flow.get("score", [])
-        flow.put(rows, rewards=stages.score(rows, tokenizer, reward_fn).to(device))
+        scores = stages.score(rows, tokenizer, reward_fn)
+        bad = (~torch.isfinite(scores)).nonzero()[:, 0]
+        if len(bad):  # their groups' advantages, hence the gradient, are non-finite: the update is skipped
+            log.warning("step %d: non-finite rewards %s at sample indices %s; the update is skipped", step,
+                        scores[bad][:8].tolist(), rows.index_B[bad.to(rows.index_B.device)][:8].tolist())
+        flow.put(rows, rewards=scores.to(device))
         rows, c = flow.get("advantage", ["rewards"])
         flow.put(rows, advantages=grpo.group_advantages(c["rewards"], rows.group_B, scale=gcfg.scale_rewards))
         # With one optimizer step per batch the policy that sampled is the policy being updated, so the
@@ -166,8 +178,19 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
              "rollout_time_s": t_roll - t0, "update_time_s": t1 - t_roll, "lr": lcfg.optim.lr if lr is None else lr,
              "response_len_mean": n_resp / n, "prompt_tokens": n_prompt, "response_tokens": n_resp,
              **{k: v for k, v in upd.items()}}
+        m["bad_rewards"] = int(len(bad))  # this rank's
         history.append(m)
         if on_step is not None:
             on_step(m)
+        bad_streak = bad_streak + 1 if upd["update_skipped"] == 1.0 else 0
+        if bad_streak >= lcfg.max_bad_steps:
+            raise NonFiniteError(f"steps {step - bad_streak + 1}..{step}: {bad_streak} steps in a row had every "
+                                 f"update skipped for non-finite rewards, losses or gradients (max_bad_steps="
+                                 f"{lcfg.max_bad_steps}); the parameters are those before step "
+                                 f"{step - bad_streak + 1}")
     return params, opt_state, history
+
+
+class NonFiniteError(RuntimeError):
+    """Training stopped: too many consecutive steps whose updates were non-finite."""
 
