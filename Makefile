@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: $(VENV)/.installed
-	$(PY) recipes/grpo_qwen3_moe.py --out $(OUT)
+	$(PY) recipes/grpo_qwen3_moe.py --out $(OUT) --overwrite
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

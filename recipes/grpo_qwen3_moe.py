@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -73,6 +74,7 @@ class Recipe:
     max_bad_steps: int = _f(3, "stop after this many steps in a row whose updates were skipped for non-finite "
                                "rewards, losses or gradients (a skipped update leaves the parameters unchanged)")
     out: str | None = _f(None, "directory for metrics.jsonl, reward.png and the final checkpoint")
+    overwrite: bool = _f(False, "let --out be a directory that holds an earlier run (its files are replaced)")
 
 
 def parse_args(argv=None) -> Recipe:
@@ -201,8 +203,29 @@ def plot_rewards(history: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+RUN_FILES = ("metrics.jsonl", "reward.png", "checkpoint")
+
+
+def prepare_out(r: Recipe) -> None:
+    """Check --out before anything is trained or written: an earlier run there is refused unless
+    --overwrite, and the directory must be writable (a run that cannot save would lose its weights at the end)."""
+    if not r.out:
+        return
+    earlier = [n for n in RUN_FILES if os.path.exists(os.path.join(r.out, n))]
+    if earlier and not r.overwrite:
+        raise SystemExit(f"error: --out {r.out} holds an earlier run ({', '.join(earlier)}); choose another "
+                         "directory or pass --overwrite")
+    try:
+        os.makedirs(r.out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=r.out):
+            pass
+    except OSError as e:
+        raise SystemExit(f"error: --out {r.out}: cannot write there ({e.strerror or e})") from None
+
+
 def main(argv=None) -> list[dict]:
     r = parse_args(argv)
+    prepare_out(r)
     if r.nproc > 1:
         from rlflow.sharding.dist import spawn
         return spawn(run, r.nproc, r)[0]  # torch.distributed: gloo on CPU, nccl on CUDA, hccl on NPU

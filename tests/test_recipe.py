@@ -108,3 +108,24 @@ def test_bad_flags_are_one_line_naming_the_flag_and_write_nothing(flags, named, 
     err = capsys.readouterr().err.strip().splitlines()
     assert named in err[-1] and "Traceback" not in "\n".join(err), err
     assert not out.exists()
+
+
+def test_an_earlier_run_in_out_is_refused_and_left_untouched(tmp_path, capsys):
+    """A run that failed late truncated the previous metrics.jsonl to 0 bytes."""
+    recipe = _recipe_module()
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(SystemExit, match=f"--out {out} holds an earlier run \\(metrics.jsonl\\)"):
+        recipe.main(["--out", str(out), "--steps", "1"])
+    assert (out / "metrics.jsonl").read_text() == '{"step": 0}\n'
+    recipe.prepare_out(recipe.parse_args(["--out", str(out), "--overwrite"]))  # allowed when asked
+
+
+def test_an_unwritable_out_is_refused_before_training(tmp_path):
+    """A run whose checkpoint path was unwritable trained to the end and then lost the weights."""
+    recipe = _recipe_module()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit, match="cannot write there"):
+        recipe.main(["--out", str(blocker / "run"), "--steps", "1"])
