@@ -135,8 +135,8 @@ def build(r: Recipe, rank: int = 0):
                              f"vocab_size is {cfg.vocab_size}")
         for name in ("eos_id", "pad_id"):
             if not 0 <= getattr(tok, name) < cfg.vocab_size:
-                raise SystemExit(f"error: --model {r.model}: the tokenizer's {name} {getattr(tok, name)} is outside the "
-                                 f"model's vocabulary [0, {cfg.vocab_size})")
+                raise SystemExit(f"error: --model {r.model}: the tokenizer's {name} {getattr(tok, name)} is outside "
+                                 f"the model's vocabulary [0, {cfg.vocab_size})")
     else:
         tok = CharTokenizer()
         cfg = get_config(r.preset)

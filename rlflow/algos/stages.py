@@ -72,7 +72,8 @@ def response_logprobs(params: model.Params, cfg: ModelConfig, batch: RolloutBatc
                               valid_BT=valid[:, :-1], remat=remat, with_aux=with_aux, ex=ex, h_in=h_in)
     if not ex.last:
         return h, None, aux
-    lp, ent = _token_logprobs(params, cfg, batch, h[:, Tp - 1:], temperature, with_entropy, ex)  # h[Tp-1] predicts token 0
+    # h[Tp - 1] predicts response token 0
+    lp, ent = _token_logprobs(params, cfg, batch, h[:, Tp - 1:], temperature, with_entropy, ex)
     return lp, ent, aux
 
 

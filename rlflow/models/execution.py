@@ -116,4 +116,3 @@ def n_moe_layers(cfg: ModelConfig) -> int:
 
 
 __all__ = ["EXPERTS_PREPARED", "Exec", "LOCAL", "View", "lm_head", "n_moe_layers"]
-

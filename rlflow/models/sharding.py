@@ -38,7 +38,8 @@ _COMMON = (
     (r"\.mlp\.gate\.e_score_correction_bias$", ("router",), None),
     (r"\.mlp\.experts\.gate_up_proj$", ("experts", ("gate_up", "expert_mlp"), "embed"),
      {(e, _N, f, _N) for e in (_N, _E) for f in (_N, _T)}),
-    (r"\.mlp\.experts\.down_proj$", ("experts", "embed", "expert_mlp"), {(e, _N, f) for e in (_N, _E) for f in (_N, _T)}),
+    (r"\.mlp\.experts\.down_proj$", ("experts", "embed", "expert_mlp"),
+     {(e, _N, f) for e in (_N, _E) for f in (_N, _T)}),
     (r"\.mlp\.(shared_experts\.)?(gate|up)_proj\.weight$", ("mlp", "embed"), _COL),
     (r"\.mlp\.(shared_experts\.)?down_proj\.weight$", ("embed", "mlp"), _ROW),
 )
