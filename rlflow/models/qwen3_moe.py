@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from rlflow.models.config import ModelConfig, param_shapes
-from rlflow.models.execution import EXPERTS_PREPARED, LOCAL, Exec, Params, View, lm_head, n_moe_layers
+from rlflow.models.execution import EXPERTS_PREPARED, LOCAL, Exec, Params, View, n_moe_layers
 from rlflow.ops import attention, causal_padding_mask, prepare_experts, qk_norm_rope, rmsnorm, rope_cos_sin, route
 
 
