@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -26,7 +27,9 @@ import torch
 
 from rlflow import device as rl_device
 from rlflow import optim, rewards
-from rlflow.algos.grpo import GRPOConfig
+from rlflow.algos import grpo
+from rlflow.algos.corrections import IS_LEVELS, IS_MODES
+from rlflow.algos.estimators import ADV_ESTIMATORS
 from rlflow.data import PromptSource, load_jsonl
 from rlflow.models import hf, qwen3_moe
 from rlflow.models.config import get_config
@@ -57,7 +60,22 @@ class Recipe:
     lr: float = _f(3e-4, "AdamW learning rate")
     warmup_lr_steps: int = _f(10, "linear LR warm-up steps")
     kl_coef: float = _f(0.0, "KL(pi || pi_ref) coefficient; non-zero keeps a frozen reference copy")
-    clip_high: float = _f(0.28, "upper ratio clip (DAPO clip-higher); lower clip is 0.2")
+    kl_estimator: str = _f("low_var_kl", "KL estimator: k1, k2, k3, low_var_kl (clamped k3)")
+    adv_estimator: str = _f("grpo", "advantages: grpo (group-normalized), rloo (leave-one-out), reinforce++ "
+                                    "(batch-normalized), reinforce++-baseline (group mean, then batch-normalized)")
+    scale_rewards: bool = _f(True, "grpo: divide by the group's std (--no-scale-rewards: Dr.GRPO)")
+    policy_loss: str = _f("ppo", "ratio: ppo (per token), gspo (per sequence), gspo-token")
+    loss_agg: str = _f("token-mean", "loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm "
+                                     "(Dr.GRPO)")
+    clip_low: float = _f(0.2, "lower ratio clip: ratios below 1 - clip_low are clipped")
+    clip_high: float = _f(0.28, "upper ratio clip (DAPO clip-higher)")
+    dual_clip: float | None = _f(None, "dual-clip PPO: for negative advantages cap the loss at -A * c (c > 1)")
+    entropy_coef: float = _f(0.0, "entropy bonus coefficient")
+    rollout_is: str = _f("none", "importance-sample the rollout/trainer log-prob mismatch: none, token, seq")
+    rollout_is_cap: float = _f(2.0, "rollout IS: truncate weights at c, or (mask) drop those outside [1/c, c]")
+    rollout_is_mode: str = _f("truncate", "rollout IS: truncate (TIS) or mask (MIS)")
+    max_grad_norm: float = _f(1.0, "clip the global gradient norm to this")
+    weight_decay: float = _f(0.0, "AdamW weight decay (matrices only)")
     temperature: float = _f(1.0, "sampling temperature")
     top_p: float = _f(1.0, "nucleus sampling")
     seed: int = _f(0, "seed for init, prompts and sampling")
@@ -90,10 +108,25 @@ def parse_args(argv=None) -> Recipe:
     r = Recipe(**vars(p.parse_args(argv)))
     for name, why in problems(r):
         p.error(f"--{name.replace('_', '-')} {getattr(r, name)}: {why}")  # one line, exit 2, nothing written
+    try:
+        grpo_config(r)
+    except ValueError as e:  # GRPOConfig names its fields; they are the recipe's flags
+        p.error(re.sub(r"GRPOConfig\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(e)))
     return r
 
 
-CHOICES = {"dtype": {"choices": ["float32", "bfloat16"]}, "dock_backend": {"choices": ["local", "ray"]}}
+def grpo_config(r: Recipe) -> grpo.GRPOConfig:
+    return grpo.GRPOConfig(group_size=r.group_size, clip_low=r.clip_low, clip_high=r.clip_high, dual_clip=r.dual_clip,
+                           kl_coef=r.kl_coef, kl_estimator=r.kl_estimator, entropy_coef=r.entropy_coef,
+                           loss_agg=r.loss_agg, scale_rewards=r.scale_rewards, epochs=r.epochs,
+                           temperature=r.temperature, policy_loss=r.policy_loss, adv_estimator=r.adv_estimator,
+                           rollout_is=r.rollout_is, rollout_is_cap=r.rollout_is_cap, rollout_is_mode=r.rollout_is_mode)
+
+
+CHOICES = {"dtype": {"choices": ["float32", "bfloat16"]}, "dock_backend": {"choices": ["local", "ray"]},
+           "kl_estimator": {"choices": list(grpo.KL_ESTIMATORS)}, "loss_agg": {"choices": list(grpo.LOSS_AGGS)},
+           "policy_loss": {"choices": list(grpo.POLICY_LOSSES)}, "adv_estimator": {"choices": list(ADV_ESTIMATORS)},
+           "rollout_is": {"choices": list(IS_LEVELS)}, "rollout_is_mode": {"choices": list(IS_MODES)}}
 
 
 def problems(r: Recipe) -> list[tuple[str, str]]:
@@ -108,11 +141,12 @@ def problems(r: Recipe) -> list[tuple[str, str]]:
             out.append((name, "must be >= 1 (leave it out for the default)"))
     if r.group_size < 2:
         out.append(("group_size", "must be >= 2 (GRPO compares the samples of a prompt)"))
-    for name in ("warmup_lr_steps", "dock", "kl_coef", "clip_high"):
+    for name in ("warmup_lr_steps", "dock", "kl_coef", "clip_high", "entropy_coef", "weight_decay"):
         if getattr(r, name) < 0:
             out.append((name, "must be >= 0"))
-    if not r.lr > 0:
-        out.append(("lr", "must be > 0"))
+    for name in ("lr", "max_grad_norm"):
+        if not getattr(r, name) > 0:
+            out.append((name, "must be > 0"))
     if not r.temperature > 0:
         out.append(("temperature", "must be > 0 (log-probs are recomputed at this temperature)"))
     if not 0 < r.top_p <= 1:
@@ -152,9 +186,8 @@ def build(r: Recipe, rank: int = 0):
     lcfg = loop.LoopConfig(
         steps=r.steps, prompts_per_step=r.prompts_per_step, mini_batch_size=mini,
         micro_batch_size=r.micro_batch_size or mini,
-        grpo=GRPOConfig(group_size=r.group_size, clip_high=r.clip_high, kl_coef=r.kl_coef, epochs=r.epochs,
-                        temperature=r.temperature),
-        optim=optim.AdamWConfig(lr=r.lr, betas=(0.9, 0.99)),
+        grpo=grpo_config(r), optim=optim.AdamWConfig(lr=r.lr, betas=(0.9, 0.99), weight_decay=r.weight_decay),
+        max_grad_norm=r.max_grad_norm,
         sampling=SamplingConfig(max_new_tokens=r.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
                                 temperature=r.temperature, top_p=r.top_p),
         max_prompt_len=r.max_prompt_len, warmup_lr_steps=r.warmup_lr_steps, seed=r.seed,

@@ -80,6 +80,19 @@ def test_recipe_data_parallel_two_processes(tmp_path):
     assert [r["prompt_tokens"] for r in rows] == [4 * 4 * 12] * 2  # global token counts (both ranks' rows)
 
 
+def test_recipe_with_rloo_gspo_and_token_is_runs_and_logs_the_mismatch(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--steps", "2", "--prompts-per-step", "4",
+           "--group-size", "4", "--adv-estimator", "rloo", "--policy-loss", "gspo", "--loss-agg", "seq-mean-token-mean",
+           "--clip-low", "0.0003", "--clip-high", "0.0004", "--rollout-is", "token", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:  # rollout and trainer run the same float32 path here: the log-probs agree to rounding
+        assert 0 <= r["logp_diff_mean"] <= r["logp_diff_max"] < 1e-4 and abs(r["ratio_mean"] - 1) < 1e-4, r
+        assert r["out_of_band"] == 0
+
+
 def _recipe_module():
     import importlib.util
     spec = importlib.util.spec_from_file_location("grpo_recipe", os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"))
@@ -98,6 +111,10 @@ def _recipe_module():
     (["--group-size", "1"], "--group-size 1"),
     (["--top-p", "0"], "--top-p 0.0"),
     (["--nproc", "2", "--dock", "2", "--dock-backend", "ray"], "--nproc 2"),
+    (["--dual-clip", "0.5"], "--dual-clip must be > 1, got 0.5"),
+    (["--rollout-is-cap", "1"], "--rollout-is-cap must be > 1"),
+    (["--adv-estimator", "ppo"], "--adv-estimator"),
+    (["--max-grad-norm", "0"], "--max-grad-norm 0.0"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag_and_write_nothing(flags, named, tmp_path, capsys):
     recipe = _recipe_module()

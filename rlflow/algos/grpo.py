@@ -19,6 +19,7 @@ KL_CLAMP = 10.0  # low_var_kl is clamped to [-KL_CLAMP, KL_CLAMP]
 LOG_RATIO_CLAMP = 20.0
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+POLICY_LOSSES = ("ppo", "gspo", "gspo-token")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +35,11 @@ class GRPOConfig:
     scale_rewards: bool = True  # False: Dr.GRPO advantages r - mean (no std division)
     epochs: int = 1  # passes over the step's samples
     temperature: float = 1.0  # sampling temperature; log-probs are recomputed at the same temperature
+    policy_loss: str = "ppo"  # token-level ratios (PPO/GRPO), or GSPO's sequence-level ratio
+    adv_estimator: str = "grpo"  # estimators.ADV_ESTIMATORS
+    rollout_is: str = "none"  # importance-sample the rollout/trainer mismatch per token or sequence (corrections)
+    rollout_is_cap: float = 2.0  # c: truncate weights at c, or mask those outside [1/c, c]
+    rollout_is_mode: str = "truncate"
 
     def __post_init__(self):
         if self.group_size < 2:
@@ -48,6 +54,16 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.loss_agg={self.loss_agg!r}: expected one of {LOSS_AGGS}")
         if not self.temperature > 0:
             raise ValueError(f"GRPOConfig.temperature must be > 0 (log-probs divide by it), got {self.temperature}")
+        from rlflow.algos import corrections, estimators  # they build on this module
+        for name, v, ok in (("adv_estimator", self.adv_estimator, estimators.ADV_ESTIMATORS),
+                            ("rollout_is", self.rollout_is, corrections.IS_LEVELS),
+                            ("rollout_is_mode", self.rollout_is_mode, corrections.IS_MODES)):
+            if v not in ok:
+                raise ValueError(f"GRPOConfig.{name}={v!r}: expected one of {ok}")
+        if not self.rollout_is_cap > 1:
+            raise ValueError(f"GRPOConfig.rollout_is_cap must be > 1, got {self.rollout_is_cap}")
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"GRPOConfig.policy_loss={self.policy_loss!r}: expected one of {POLICY_LOSSES}")
         if self.epochs < 1:
             raise ValueError(f"GRPOConfig.epochs must be >= 1, got {self.epochs}")
 
@@ -120,23 +136,36 @@ def aggregate(loss_BT: Tensor, mask_BT: Tensor, mode: str, *, n_tokens: float | 
 def policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_B: Tensor, mask_BT: Tensor, cfg: GRPOConfig, *,
                 ref_logp_BT: Tensor | None = None, entropy_BT: Tensor | None = None,
                 n_tokens: float | None = None, n_seqs: float | None = None,
-                max_len: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                max_len: int | None = None, is_weights_BT: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate with optional dual clip, KL and entropy terms, per token then aggregated:
 
-        rho = exp(clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        rho = exp(clamp(log_rho, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), with log_rho
+              = logp - old_logp                               (ppo: per token)
+              = mean_t(logp - old_logp)                       (gspo: per sequence; GSPO, Zheng et al. 2025)
+              = sg[mean_t(logp - old_logp)] + logp - sg[logp] (gspo-token: the sequence's value, the
+                                                               gradient of each token)
         pg  = max(-A rho, -A clip(rho, 1 - clip_low, 1 + clip_high))
         pg  = min(pg, -A c)  where A < 0                 (dual clip, c = cfg.dual_clip)
+        pg  = w pg                                       (rollout importance weights w, ``corrections``)
         l   = pg + kl_coef * KL(pi || pi_ref) - entropy_coef * H(pi)
+    mean_t is over the sequence's real tokens. GSPO's ratios are near 1 (clip ranges ~3e-4 to 4e-4 in
+    the paper) and it is aggregated per sequence (``loss_agg="seq-mean-token-mean"``).
     """
     A = adv_B[:, None].to(logp_BT.dtype)
-    ratio = torch.exp((logp_BT - old_logp_BT).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    m = mask_BT.float()
+    log_rho = logp_BT - old_logp_BT
+    if cfg.policy_loss != "ppo":
+        seq = (log_rho * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp_min(1)
+        log_rho = seq.expand_as(logp_BT) if cfg.policy_loss == "gspo" else seq.detach() + logp_BT - logp_BT.detach()
+    ratio = torch.exp(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     pg1 = -A * ratio
     pg2 = -A * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
     pg = torch.maximum(pg1, pg2)
     if cfg.dual_clip is not None:
         pg = torch.where(A < 0, torch.minimum(pg, -A * cfg.dual_clip), pg)
+    if is_weights_BT is not None:
+        pg = pg * is_weights_BT.detach()
     loss = pg
-    m = mask_BT.float()
     ntok = m.sum().clamp_min(1)
     metrics = {"clip_frac": ((pg2 > pg1).float() * m).sum() / ntok,
                "ratio_mean": (ratio.detach() * m).sum() / ntok}

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from rlflow import optim
-from rlflow.algos import grpo
+from rlflow.algos import corrections, grpo
 from rlflow.batch import RolloutBatch, TrainBatch, unpad
 from rlflow.models import prefix
 from rlflow.models import qwen3_moe as model
@@ -174,6 +174,7 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
     live = dict(zip(names, leaves))
     Tr = max_len or batch.response_ids_BTr.shape[1]
     sums: dict[str, float] = {}
+    maxes: dict[str, float] = {}
     n_mb = 0
     for _ in range(gcfg.epochs):
         perm = torch.randperm(batch.size, generator=g)
@@ -189,10 +190,16 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
                 lp, ent, aux = response_logprobs(live, cfg, mb, temperature=gcfg.temperature,
                                                  with_entropy=bool(gcfg.entropy_coef), remat=ucfg.remat,
                                                  with_aux=bool(ucfg.router_aux_coef))
-                old = lp.detach() if old_is_current else mb.old_logprobs_BTr
-                loss, met = grpo.policy_loss(lp, old, mb.advantages_B, mb.response_mask_BTr, gcfg,
+                old = lp.detach() if old_is_current else mb.old_logprobs_BTr  # the trainer's, at the sampling weights
+                sample, rmask = mb.sample_logprobs_BTr, mb.response_mask_BTr
+                w = corrections.is_weights(sample, old, rmask, level=gcfg.rollout_is, cap=gcfg.rollout_is_cap,
+                                           mode=gcfg.rollout_is_mode)
+                loss, met = grpo.policy_loss(lp, old, mb.advantages_B, rmask, gcfg,
                                              ref_logp_BT=mb.ref_logprobs_BTr, entropy_BT=ent, n_tokens=n_tokens,
-                                             n_seqs=n_seqs, max_len=Tr)
+                                             n_seqs=n_seqs, max_len=Tr, is_weights_BT=w)
+                mis = corrections.mismatch(sample, old, rmask, cap=gcfg.rollout_is_cap)
+                maxes["logp_diff_max"] = max(maxes.get("logp_diff_max", 0.0), float(mis.pop("logp_diff_max")))
+                met = {**met, **mis}
                 if ucfg.router_aux_coef:
                     loss = loss + ucfg.router_aux_coef * aux * (mb.size / n_seqs)
                 for j, gr in enumerate(torch.autograd.grad(loss, leaves, allow_unused=True)):
@@ -221,6 +228,6 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
         sums["loss"] = dp.batch_total(sums.get("loss", 0.0), ucfg.dp_layout)  # the ranks' shares add up
     new_params = {k: p.detach() for k, p in live.items()}
     sums.setdefault("update_skipped", 0.0)  # the share of this call's optimizer steps skipped
-    metrics = {k: v / max(n_mb, 1) for k, v in sums.items()}
+    metrics = {**{k: v / max(n_mb, 1) for k, v in sums.items()}, **maxes}
     metrics = {k: (v if math.isfinite(v) else float("nan")) for k, v in metrics.items()}
     return new_params, opt_state, metrics

@@ -64,14 +64,18 @@ def all_reduce_grads(grads: dict[str, Tensor], layout: Layout, *, average: bool 
     return out
 
 
+def batch_sum(t: Tensor, layout: Layout) -> Tensor:
+    """A per-rank tensor summed over the ranks that split the batch (``("dp", "ep")``); a new tensor."""
+    t = t.clone()
+    if layout.mesh.axis_size(BATCH_AXES) > 1:
+        dist.all_reduce(t, group=mesh_group(layout.mesh, BATCH_AXES))
+    return t
+
+
 def batch_total(x: float, layout: Layout) -> float:
-    """Sum of a per-rank count over the ranks that split the batch (``("dp", "ep")``): the normalizers of
-    a loss whose batch is spread over data-parallel ranks."""
-    if layout.mesh.axis_size(BATCH_AXES) == 1:
-        return x
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, group=mesh_group(layout.mesh, BATCH_AXES))
-    return float(t[0])
+    """Sum of a per-rank count over the ranks that split the batch: the normalizers of a loss whose batch is
+    spread over data-parallel ranks."""
+    return float(batch_sum(torch.tensor([x], dtype=torch.float64), layout)[0])
 
 
 def grad_norm(grads: dict[str, Tensor], layout: Layout) -> Tensor:

@@ -14,10 +14,11 @@ from typing import Callable
 import torch
 
 from rlflow import optim
-from rlflow.algos import grpo, stages
+from rlflow.algos import estimators, grpo, stages
 from rlflow.data import PromptSource, prompt_batch
 from rlflow.models.config import ModelConfig
 from rlflow.rollout import SamplingConfig, generate
+from rlflow.parallel import dp
 from rlflow.runtime.flow import DockFlow, MemoryFlow, train_batch
 from rlflow.sharding.dist import create_groups
 
@@ -112,6 +113,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
             if v % world:
                 raise ValueError(f"{name} {v} is not divisible by the {world} data-parallel ranks")
     P = lcfg.prompts_per_step // world  # this rank's prompts
+    batch_sum = (lambda t: t) if dp_layout is None else (lambda t: dp.batch_sum(t, dp_layout))  # batch statistics
     opt_state = optim.init(params) if opt_state is None else opt_state
     start = opt_state.step  # one optimizer step per GRPO step when warming up (the recipe's case)
     ref_params = {k: v.detach().clone() for k, v in params.items()} if gcfg.kl_coef else None
@@ -140,7 +142,8 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
                         scores[bad][:8].tolist(), rows.index_B[bad.to(rows.index_B.device)][:8].tolist())
         flow.put(rows, rewards=scores.to(device))
         rows, c = flow.get("advantage", ["rewards"])
-        flow.put(rows, advantages=grpo.group_advantages(c["rewards"], rows.group_B, scale=gcfg.scale_rewards))
+        flow.put(rows, advantages=estimators.advantages(gcfg.adv_estimator, c["rewards"], rows.group_B,
+                                                        scale=gcfg.scale_rewards, total=batch_sum))
         # With one optimizer step per batch the policy that sampled is the policy being updated, so the
         # ratio's denominator is the current log-prob, detached (update() does that); otherwise recompute.
         cols = ["rewards", "advantages"]

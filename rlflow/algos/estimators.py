@@ -1,0 +1,69 @@
+"""Outcome advantage estimators beside GRPO: pure functions of the rewards and the group ids.
+
+Legend: B samples, G samples per group (a prompt's), r_i the reward of sample i, g(i) its group.
+
+    grpo                    A_i = (r_i - mean_g(r)) / (std_g(r) + eps)        (grpo.group_advantages;
+                            A_i =  r_i - mean_g(r) with scale=False: Dr.GRPO)
+    rloo                    A_i =  r_i - mean_{j in g(i), j != i}(r_j)       (leave-one-out baseline;
+                                 = G / (G - 1) (r_i - mean_g(r)))              Ahmadian et al. 2024)
+    reinforce++             A_i = (r_i - mean_B(r)) / (std_B(r) + eps)        (batch-normalized; Hu 2025)
+    reinforce++-baseline    A_i = (c_i - mean_B(c)) / (std_B(c) + eps),  c_i = r_i - mean_g(r)
+
+The ``reinforce++`` statistics are over the whole batch: with data parallelism every rank holds a share
+of it, and ``total`` (a function summing a float64 tensor over the data ranks) makes them global.
+A group whose rewards are all equal gets exactly 0 from every group-based estimator.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from rlflow.algos.grpo import ADV_EPS, group_advantages
+
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce++", "reinforce++-baseline")
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
+def rloo(rewards_B: Tensor, group_B: Tensor) -> Tensor:
+    """Leave-one-out baseline: r_i minus the mean of the other samples of its group (groups of >= 2)."""
+    _, inv, counts = torch.unique(group_B, return_inverse=True, return_counts=True)
+    if bool((counts < 2).any()):
+        raise ValueError(f"rloo: every group needs >= 2 samples, got group sizes {sorted(set(counts.tolist()))}")
+    n = counts[inv].to(torch.float32)
+    return group_advantages(rewards_B, group_B, scale=False) * n / (n - 1)
+
+
+def batch_whiten(x_B: Tensor, total: Callable[[Tensor], Tensor] = _same, eps: float = ADV_EPS) -> Tensor:
+    """(x - mean) / (std + eps) over the whole batch (``total`` sums over data ranks); unbiased std."""
+    s = total(torch.stack([x_B.double().sum(), x_B.double().square().sum(),
+                           torch.tensor(float(x_B.numel()), dtype=torch.float64, device=x_B.device)]))
+    n = float(s[2])
+    mean = s[0] / n
+    var = (s[1] / n - mean * mean).clamp_min(0) * n / max(n - 1.0, 1.0)
+    if float(var) == 0.0:  # every reward equal: no signal (and the float rounding of the mean is no signal)
+        return torch.zeros_like(x_B, dtype=torch.float32)
+    return ((x_B.double() - mean) / (var.sqrt() + eps)).float()
+
+
+def advantages(name: str, rewards_B: Tensor, group_B: Tensor, *, scale: bool = True,
+               total: Callable[[Tensor], Tensor] = _same) -> Tensor:
+    """The advantages of estimator ``name`` (see the module docstring), float32 [B]; ``scale`` is GRPO's
+    std division (False: Dr.GRPO)."""
+    if name == "grpo":
+        return group_advantages(rewards_B, group_B, scale=scale)
+    if name == "rloo":
+        return rloo(rewards_B, group_B)
+    if name == "reinforce++":
+        return batch_whiten(rewards_B.float(), total)
+    if name == "reinforce++-baseline":
+        return batch_whiten(group_advantages(rewards_B, group_B, scale=False), total)
+    raise ValueError(f"advantage estimator {name!r}: expected one of {ADV_ESTIMATORS}")
+
+
+__all__ = ["ADV_ESTIMATORS", "advantages", "batch_whiten", "rloo"]

@@ -1,0 +1,137 @@
+"""Advantage estimators, GSPO and the rollout corrections: hand-computed cases, invariants (hypothesis) and
+direct loop implementations as references."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rlflow.algos import corrections, estimators, grpo
+from rlflow.algos.grpo import GRPOConfig
+
+
+@st.composite
+def groups(draw):
+    n = draw(st.integers(1, 4))
+    G = draw(st.integers(2, 6))
+    r = draw(st.lists(st.floats(-10, 10, allow_nan=False, width=32), min_size=n * G, max_size=n * G))
+    return torch.tensor(r), torch.arange(n).repeat_interleave(G)
+
+
+@given(groups())
+def test_rloo_excludes_the_sample_itself_and_sums_to_zero_per_group(rg):
+    r, g = rg
+    a = estimators.rloo(r, g)
+    for i in range(len(r)):
+        others = [float(r[j]) for j in range(len(r)) if g[j] == g[i] and j != i]
+        assert float(a[i]) == pytest.approx(float(r[i]) - sum(others) / len(others), abs=1e-3)
+    for k in g.unique():
+        assert abs(float(a[g == k].sum())) < 1e-3 * (1 + float(a[g == k].abs().sum()))
+
+
+def test_rloo_hand_computed_and_refuses_singleton_groups():
+    a = estimators.rloo(torch.tensor([1.0, 0.0, 0.0, 3.0, 1.0]), torch.tensor([0, 0, 0, 1, 1]))
+    torch.testing.assert_close(a, torch.tensor([1.0, -0.5, -0.5, 2.0, -2.0]))
+    with pytest.raises(ValueError, match="group sizes"):
+        estimators.rloo(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 0, 1]))
+
+
+def test_reinforce_pp_hand_computed_and_global_over_data_ranks():
+    r, g = torch.tensor([1.0, 0.0, 3.0, 2.0]), torch.tensor([0, 0, 1, 1])
+    std = torch.tensor([1.0, 0.0, 3.0, 2.0]).std()
+    torch.testing.assert_close(estimators.advantages("reinforce++", r, g), (r - 1.5) / (std + grpo.ADV_EPS))
+    c = torch.tensor([0.5, -0.5, 0.5, -0.5])  # r - group mean
+    torch.testing.assert_close(estimators.advantages("reinforce++-baseline", r, g), c / (c.std() + grpo.ADV_EPS))
+    # two data ranks holding halves: with their statistics summed they give the whole batch's advantages
+    halves = [slice(0, 2), slice(2, 4)]
+    parts = [torch.stack([r[h].double().sum(), r[h].double().square().sum(), torch.tensor(2.0, dtype=torch.float64)])
+             for h in halves]
+    total = lambda t: parts[0] + parts[1]  # noqa: E731  (what dp's all-reduce gives every rank)
+    got = torch.cat([estimators.advantages("reinforce++", r[h], g[h], total=total) for h in halves])
+    torch.testing.assert_close(got, estimators.advantages("reinforce++", r, g))
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce++-baseline", "reinforce++"])
+def test_equal_rewards_give_exactly_zero(name):
+    r = torch.full((8,), 0.1 + 0.2)
+    assert torch.equal(estimators.advantages(name, r, torch.arange(2).repeat_interleave(4)), torch.zeros(8))
+
+
+@given(st.lists(st.floats(-3, 3, allow_nan=False, width=32), min_size=1, max_size=6),
+       st.lists(st.floats(-0.25, 0.25, allow_nan=False, width=32), min_size=1, max_size=6),
+       st.sampled_from(["gspo", "gspo-token"]))
+def test_gspo_equals_ppo_when_every_sequence_has_one_token(adv, gap, kind):
+    n = min(len(adv), len(gap))
+    A = torch.tensor(adv[:n])
+    logp = torch.full((n, 1), -1.0, requires_grad=True)
+    old = (logp.detach() - torch.tensor(gap[:n])[:, None])
+    mask = torch.ones(n, 1, dtype=torch.bool)
+    out = []
+    for loss in ("ppo", kind):
+        cfg = GRPOConfig(group_size=2, policy_loss=loss, clip_low=0.1, clip_high=0.1)
+        val, _ = grpo.policy_loss(logp, old, A, mask, cfg)
+        out.append((val.detach(), torch.autograd.grad(val, logp)[0]))
+    torch.testing.assert_close(out[0][0], out[1][0])
+    torch.testing.assert_close(out[0][1], out[1][1])
+
+
+def test_gspo_sequence_ratio_against_a_loop():
+    """GSPO's loss per sequence from its formula, sequence by sequence; GSPO-token has the same value and,
+    with per-sequence advantages, the same gradient (the paper's remark)."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 3, 5
+    logp = (-torch.rand(B, T, generator=g)).requires_grad_(True)
+    old = logp.detach() + 0.05 * torch.randn(B, T, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    A = torch.tensor([1.0, -0.5, 2.0])
+    cfg = dict(group_size=2, clip_low=0.02, clip_high=0.03, loss_agg="seq-mean-token-mean")
+    ref = 0.0
+    for i in range(B):
+        n = int(mask[i].sum())
+        s = math.exp(float((logp.detach()[i, :n] - old[i, :n]).mean()))
+        ref += max(-A[i] * s, -A[i] * min(max(s, 1 - 0.02), 1 + 0.03))
+    vals = {}
+    for kind in ("gspo", "gspo-token"):
+        v, _ = grpo.policy_loss(logp, old, A, mask, GRPOConfig(policy_loss=kind, **cfg))
+        vals[kind] = (v, torch.autograd.grad(v, logp)[0])
+        assert float(v.detach()) == pytest.approx(float(ref) / B, rel=1e-5)
+    torch.testing.assert_close(vals["gspo"][1], vals["gspo-token"][1])
+    assert (vals["gspo"][1][~mask] == 0).all() and (vals["gspo"][1][mask] != 0).any()
+
+
+@given(st.sampled_from(["token", "seq"]), st.sampled_from(["truncate", "mask"]), st.floats(1.1, 5.0))
+def test_is_weights_are_one_when_the_log_probs_agree(level, mode, cap):
+    lp = -torch.rand(3, 4, generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    w = corrections.is_weights(lp, lp.clone(), mask, level=level, cap=cap, mode=mode)
+    assert torch.equal(w, mask.float())
+
+
+@given(st.lists(st.floats(-2, 2, allow_nan=False, width=32), min_size=4, max_size=4), st.floats(1.1, 3.0))
+def test_truncated_is_is_capped_and_masked_is_drops_exactly_the_out_of_band_tokens(d, cap):
+    sample = torch.zeros(1, 4)
+    old = torch.tensor([d])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    w = corrections.is_weights(sample, old, mask, level="token", cap=cap, mode="truncate")
+    torch.testing.assert_close(w, old.exp().clamp_max(cap))
+    w = corrections.is_weights(sample, old, mask, level="token", cap=cap, mode="mask")
+    r = old.exp()
+    keep = (r >= 1 / cap) & (r <= cap)
+    assert torch.equal(w == 0, ~keep) and torch.allclose(w[keep], r[keep])
+    ws = corrections.is_weights(sample, old, mask, level="seq", cap=cap, mode="truncate")
+    assert torch.allclose(ws, torch.full((1, 4), min(math.exp(sum(d)), cap)), rtol=1e-5)
+
+
+def test_mismatch_is_zero_for_equal_log_probs_and_reports_a_difference():
+    lp = -torch.rand(2, 3, generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    m = corrections.mismatch(lp, lp.clone(), mask)
+    assert float(m["logp_diff_mean"]) == 0 and float(m["logp_diff_max"]) == 0 and float(m["ratio_mean"]) == 1
+    off = lp.clone()
+    off[0, 0] += 1.0  # one token's trainer log-prob 1 nat above the rollout's
+    m = corrections.mismatch(lp, off, mask, cap=2.0)
+    assert float(m["logp_diff_max"]) == pytest.approx(1.0, abs=1e-6)
+    assert float(m["logp_diff_mean"]) == pytest.approx(1 / 6, abs=1e-6)
+    assert float(m["out_of_band"]) == pytest.approx(1 / 6)  # e^1 > 2
