@@ -102,3 +102,40 @@ def test_a_nan_reward_skips_the_update_and_repeated_ones_stop_the_run(caplog):
                            reward, lcfg2)
     assert h2[1]["update_skipped"] == 1.0
     assert all(torch.equal(p1[k], p2[k]) and torch.isfinite(p2[k]).all() for k in p1)
+
+
+def test_the_reference_policy_stays_frozen_and_the_kl_grows_once_the_policy_moves(monkeypatch):
+    """A reference that aliased the live parameters would keep the KL at 0 and pass every other test."""
+    from rlflow.algos import stages
+    seen = []
+    real = stages.batched_logprobs
+
+    def spy(weights, cfg, batch, **kw):
+        seen.append({k: v.clone() for k, v in weights.items()})
+        return real(weights, cfg, batch, **kw)
+    monkeypatch.setattr(stages, "batched_logprobs", spy)
+    params, hist, _ = _run(None, kl_coef=0.1)
+    assert len(seen) == 3  # ref_logprob once per step (one update per step: old log-probs need no pass)
+    assert all(torch.equal(seen[0][k], s[k]) for s in seen for k in s), "the reference moved"
+    assert any(not torch.equal(seen[0][k], params[k]) for k in params), "the policy did not move"
+    assert hist[0]["kl"] == 0.0 and hist[-1]["kl"] > 0, [m["kl"] for m in hist]
+
+
+def test_bf16_training_accumulates_gradients_in_float32(monkeypatch):
+    from rlflow.algos import stages
+    from rlflow.optim import step as real_step
+    dtypes = set()
+
+    def spy(params, grads, state, cfg, **kw):
+        dtypes.update(g.dtype for g in grads.values())
+        return real_step(params, grads, state, cfg, **kw)
+    monkeypatch.setattr(stages.optim, "step", spy)
+    tok = CharTokenizer()
+    cfg = get_config("qwen3-moe-tiny").replace(eos_token_id=tok.eos_id)
+    params = qwen3_moe.init_params(cfg, seed=0, dtype=torch.bfloat16)
+    lcfg = loop.LoopConfig(steps=1, prompts_per_step=4, grpo=GRPOConfig(group_size=4), mini_batch_size=16,
+                           micro_batch_size=4, optim=optim.AdamWConfig(lr=3e-3),
+                           sampling=SamplingConfig(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id))
+    new, _, _ = loop.train(params, cfg, tok, PromptSource(task="sum_mod10", seed=1), lambda r, a: len(r) / 4, lcfg)
+    assert dtypes == {torch.float32}
+    assert all(v.dtype == torch.bfloat16 for v in new.values())

@@ -159,3 +159,20 @@ def test_extreme_log_ratios_give_finite_gradients(estimator, gap):
                                    ref_logp_BT=ref)
         (grad,) = torch.autograd.grad(loss, logp)
         assert torch.isfinite(loss) and torch.isfinite(grad).all(), (gap, adv, loss, grad)
+
+
+def test_clip_frac_hand_computed():
+    """clip_frac: the share of real tokens whose clipped term is the one taken (it binds)."""
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.1, 1.0]]))  # ratios (old logp = 0): 1.5, 0.5, 1.1, padding
+    mask = torch.tensor([[True, True, True, False]])
+    cfg = GRPOConfig(group_size=2, clip_low=0.2, clip_high=0.2)
+    _, met = grpo.policy_loss(logp, torch.zeros(1, 4), torch.tensor([1.0]), mask, cfg)
+    assert float(met["clip_frac"]) == pytest.approx(1 / 3)  # A > 0: only 1.5 > 1.2 binds (0.5 is not clipped up)
+    _, met = grpo.policy_loss(logp, torch.zeros(1, 4), torch.tensor([-1.0]), mask, cfg)
+    assert float(met["clip_frac"]) == pytest.approx(1 / 3)  # A < 0: only 0.5 < 0.8 binds
+
+
+def test_tps_is_eq5_on_known_counts():
+    from rlflow.runtime.loop import tps
+    assert tps(300, 500, 2, 4.0) == 100.0  # (300 + 500) / (2 devices x 4 s)
+    assert tps(0, 10, 1, 0.5) == 20.0

@@ -3,10 +3,9 @@ transformers' own modules, loading their checkpoints and saving ones they load."
 
 import pytest
 import torch
+import transformers  # a declared test dependency: an install without it fails here, it does not skip
 
-transformers = pytest.importorskip("transformers")
-
-from rlflow.models import hf, qwen3_moe  # noqa: E402
+from rlflow.models import hf, qwen3_moe
 
 TOL = 1e-4
 

@@ -28,6 +28,11 @@ TPS_DEFINITION = ("TPS = (prompt tokens + response tokens of all samples in the 
                   "(devices x step wall time)   [MindSpeed RL, Eq. 5]")
 
 
+def tps(prompt_tokens: int, response_tokens: int, devices: int, seconds: float) -> float:
+    """Throughput as ``TPS_DEFINITION`` says (real tokens only: padding is not counted)."""
+    return (prompt_tokens + response_tokens) / (devices * seconds)
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoopConfig:
     steps: int
@@ -177,7 +182,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         mean = r_sum / n
         std = (max(r_sq / n - mean * mean, 0.0) * n / max(n - 1, 1)) ** 0.5  # unbiased, as torch.std
         m = {"step": step, "reward_mean": mean, "reward_std": std,
-             "tps": (n_prompt + n_resp) / (world * wall), "step_time_s": wall,  # one device per rank
+             "tps": tps(n_prompt, n_resp, world, wall), "step_time_s": wall,  # one device per rank
              "rollout_time_s": t_roll - t0, "update_time_s": t1 - t_roll, "lr": lcfg.optim.lr if lr is None else lr,
              "response_len_mean": n_resp / n, "prompt_tokens": n_prompt, "response_tokens": n_resp,
              **{k: v for k, v in upd.items()}}
