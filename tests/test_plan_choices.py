@@ -165,3 +165,23 @@ def test_cli_bad_input_is_one_line_naming_the_flag_not_a_traceback(flags, says, 
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert says in err[-1] and "Traceback" not in "\n".join(err), err
+
+
+def test_the_documented_choices_are_pinned():
+    """docs/sharding.md's worked examples: a cost-model change that moves any of these fails here and is
+    decided on purpose (and the docs updated)."""
+    src = layout("deepseek-r1-671b", Mesh.parse("pp=6,ep=16,tp=4", 384))
+    p = allgather_swap(src, layout("deepseek-r1-671b", Mesh.parse("tp=2,ep=64", 384)))
+    k = kinds(p)
+    assert (k["model.embed_tokens.weight"], k["lm_head.weight"]) == ("broadcast(tp)[stage 0]", "broadcast(tp)[stage 5]")
+    assert k["model.layers.5.mlp.experts.gate_up_proj"] == "all_to_all"
+    assert k["model.layers.0.self_attn.q_b_proj.weight"] == "all_to_all"  # MLA's head-split weights: p2p
+    assert int(p.bytes_sent().max()) == 32_899_995_648  # 30.64 GiB from the busiest rank
+    assert int(p.bytes_received().max()) == 31_068_526_592
+    src = layout("qwen3-moe-30b-a3b", Mesh.parse("pp=2,ep=4,tp=2", 16))
+    p = allgather_swap(src, layout("qwen3-moe-30b-a3b", Mesh.parse("ep=8,tp=2", 16)))
+    k = kinds(p)
+    assert {k[f"model.layers.{i}.mlp.experts.{w}"] for i in range(48) for w in ("gate_up_proj", "down_proj")} == \
+        {"all_to_all"}
+    assert k["model.embed_tokens.weight"] == "broadcast[stage 0]" and k["lm_head.weight"] == "broadcast[stage 1]"
+    assert int(p.bytes_sent().max()) == 4_400_824_320
