@@ -17,9 +17,10 @@ import dataclasses
 import json
 import os
 import re
-import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -34,7 +35,7 @@ from rlflow.data import PromptSource, load_jsonl
 from rlflow.models import hf, qwen3_moe
 from rlflow.models.config import get_config
 from rlflow.rollout import SamplingConfig
-from rlflow.runtime import loop
+from rlflow.runtime import checkpoint, loop
 from rlflow.tokenizer import CharTokenizer, HFTokenizer
 
 
@@ -93,6 +94,10 @@ class Recipe:
                                "rewards, losses or gradients (a skipped update leaves the parameters unchanged)")
     out: str | None = _f(None, "directory for metrics.jsonl, reward.png and the final checkpoint")
     overwrite: bool = _f(False, "let --out be a directory that holds an earlier run (its files are replaced)")
+    save_every: int = _f(0, "also write a checkpoint every N steps into --out (0: only the final one)")
+    keep_last: int = _f(2, "keep the newest K periodic checkpoints (the final one is always kept)")
+    resume: str | None = _f(None, "continue a run: a checkpoint directory, or 'auto' (the newest good one under "
+                                  "--out; a fresh start if there is none)")
 
 
 def parse_args(argv=None) -> Recipe:
@@ -141,7 +146,8 @@ def problems(r: Recipe) -> list[tuple[str, str]]:
             out.append((name, "must be >= 1 (leave it out for the default)"))
     if r.group_size < 2:
         out.append(("group_size", "must be >= 2 (GRPO compares the samples of a prompt)"))
-    for name in ("warmup_lr_steps", "dock", "kl_coef", "clip_high", "entropy_coef", "weight_decay"):
+    for name in ("warmup_lr_steps", "dock", "kl_coef", "clip_high", "entropy_coef", "weight_decay", "save_every",
+                 "keep_last"):
         if getattr(r, name) < 0:
             out.append((name, "must be >= 0"))
     for name in ("lr", "max_grad_norm"):
@@ -151,6 +157,8 @@ def problems(r: Recipe) -> list[tuple[str, str]]:
         out.append(("temperature", "must be > 0 (log-probs are recomputed at this temperature)"))
     if not 0 < r.top_p <= 1:
         out.append(("top_p", "must be in (0, 1]"))
+    if (r.save_every or r.resume == "auto") and not r.out:
+        out.append(("save_every" if r.save_every else "resume", "needs --out (where checkpoints go)"))
     if r.nproc > 1 and r.dock and r.dock_backend == "ray":
         out.append(("nproc", "with --dock-backend ray is not supported yet: use --dock-backend local"))
     return out
@@ -236,7 +244,7 @@ def plot_rewards(history: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-RUN_FILES = ("metrics.jsonl", "reward.png", "checkpoint")
+RUN_FILES = ("metrics.jsonl", "reward.png", "checkpoint-final")
 
 
 def prepare_out(r: Recipe) -> None:
@@ -245,7 +253,9 @@ def prepare_out(r: Recipe) -> None:
     if not r.out:
         return
     earlier = [n for n in RUN_FILES if os.path.exists(os.path.join(r.out, n))]
-    if earlier and not r.overwrite:
+    earlier += sorted(n for n in (os.listdir(r.out) if os.path.isdir(r.out) else ()) if n.startswith("checkpoint-")
+                      and n not in earlier)
+    if earlier and not (r.overwrite or r.resume):
         raise SystemExit(f"error: --out {r.out} holds an earlier run ({', '.join(earlier)}); choose another "
                          "directory or pass --overwrite")
     try:
@@ -265,10 +275,58 @@ def main(argv=None) -> list[dict]:
     return run(0, 1, r)
 
 
+def resume_point(r: Recipe, cfg, source, dev, dtype, say):
+    """(checkpoint or None) for --resume: the directory given, or under --out the newest one that verifies."""
+    if not r.resume:
+        return None
+    path = r.resume
+    if r.resume == "auto":
+        path, skipped = checkpoint.find_resumable(r.out)
+        for line in skipped:
+            say(f"resume: {line}")
+        if path is None:
+            say(f"resume: no checkpoint under {r.out}; starting from scratch")
+            return None
+    try:
+        ck = checkpoint.load(path, dtype=dtype, device=dev)
+    except (checkpoint.CheckpointError, FileNotFoundError) as e:
+        raise SystemExit(f"error: --resume {r.resume}: {e}") from None
+    if ck.cfg != cfg:
+        raise SystemExit(f"error: --resume {path}: its model config differs from this run's (--model/--preset)")
+    checkpoint.restore_source(source, ck.source_state)
+    say(f"resumed from {path} after {ck.steps_done} steps")
+    return ck
+
+
+class Interrupt:
+    """SIGINT / SIGTERM (Ctrl-C, a scheduler's preemption) ask the run to stop after the current step; a
+    second one stops at once."""
+
+    def __init__(self):
+        self.signal, self._old = None, {}
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+    def _handle(self, sig, _frame):
+        if self.signal is not None:
+            signal.signal(sig, signal.SIG_DFL)
+            signal.raise_signal(sig)
+        self.signal = sig
+
+    def __call__(self) -> bool:
+        return self.signal is not None
+
+
 def run(rank: int, world: int, r: Recipe) -> list[dict]:
     """The recipe on one rank of ``world`` data-parallel ranks (rank 0 prints and writes the outputs)."""
     torch.manual_seed(r.seed)
     cfg, params, tok, source, reward_fn, lcfg, dev = build(r, rank)
+    interrupt = Interrupt()
     dp_layout = None
     if world > 1:
         from rlflow.models.sharding import layout
@@ -283,15 +341,40 @@ def run(rank: int, world: int, r: Recipe) -> list[dict]:
         f"mini-batch {lcfg.mini_batch_size}, micro-batch {lcfg.micro_batch_size}"
         + (f", over {world} data-parallel ranks" if world > 1 else ""))
     say(loop.TPS_DEFINITION)
+    dtype = next(iter(params.values())).dtype
+    init = {k: v.clone() for k, v in params.items()} if r.kl_coef else None  # the reference: the run's start
+    ck = resume_point(r, cfg, source, dev, dtype, say)
+    done = 0 if ck is None else ck.steps_done
+    if ck is not None:
+        params = ck.params
+    if done >= r.steps:
+        say(f"nothing to do: {done} of {r.steps} steps are done")
+        return []
+    lcfg = dataclasses.replace(lcfg, steps=r.steps - done)
     metrics_f = None
     if r.out and lead:
-        os.makedirs(r.out, exist_ok=True)
-        metrics_f = open(os.path.join(r.out, "metrics.jsonl"), "w")
+        path = os.path.join(r.out, "metrics.jsonl")
+        kept = []
+        if ck is not None and os.path.exists(path):  # the steps after the checkpoint are done again
+            kept = [ln for ln in open(path) if ln.strip() and json.loads(ln)["step"] < done]
+        metrics_f = open(path, "w")
+        metrics_f.writelines(kept)
+        with open(os.path.join(r.out, "args.json"), "w") as f:
+            json.dump(dataclasses.asdict(r), f, indent=2)
+
+    def save(name, steps_done, p, state, keep=None):
+        return checkpoint.save(r.out, name, steps_done=steps_done, cfg=cfg, params=p, opt_state=state, source=source,
+                               args=dataclasses.asdict(r), tokenizer=tok, keep_last=keep)
+
+    def after_step(steps_done, p, state):
+        if r.out and lead and r.save_every and steps_done % r.save_every == 0 and steps_done < r.steps:
+            save(f"checkpoint-{steps_done:06d}", steps_done, p, state, keep=r.keep_last)
     bar = None
     if lead:
         try:
             from tqdm import tqdm
-            bar = tqdm(total=r.steps, unit="step", file=sys.stdout, mininterval=0.5, dynamic_ncols=True)
+            bar = tqdm(total=r.steps, initial=done, unit="step", file=sys.stdout, mininterval=0.5,
+                       dynamic_ncols=True)
         except ImportError:
             pass
     t0 = time.perf_counter()
@@ -307,12 +390,23 @@ def run(rank: int, world: int, r: Recipe) -> list[dict]:
 
     dock = make_dock(r, lcfg.global_batch)
     try:
-        params, _, history = loop.train(params, cfg, tok, source, reward_fn, lcfg, on_step=on_step, device=dev,
-                                        dock=dock, dp_layout=dp_layout)
+        params, opt_state, history = loop.train(
+            params, cfg, tok, source, reward_fn, lcfg, on_step=on_step, device=dev, dock=dock, dp_layout=dp_layout,
+            opt_state=None if ck is None else ck.opt_state, first_step=done, ref_params=init, after_step=after_step,
+            should_stop=interrupt)
     except loop.NonFiniteError as e:
         raise SystemExit(f"error: {e}") from None
+    finally:
+        interrupt.restore()
     if bar is not None:
         bar.close()
+    steps_done = done + len(history)
+    if steps_done < r.steps:  # interrupted: keep what was done, say how to go on
+        if r.out and lead:
+            path = save(f"checkpoint-{steps_done:06d}", steps_done, params, opt_state)
+            print(f"interrupted after step {steps_done - 1}: wrote {path}; continue with --resume auto "
+                  f"(or --resume {path})", file=sys.stderr)
+        raise SystemExit(128 + int(interrupt.signal or 0))
     wall = time.perf_counter() - t0
     first = sum(m["reward_mean"] for m in history[:10]) / len(history[:10])
     last = sum(m["reward_mean"] for m in history[-10:]) / len(history[-10:])
@@ -325,13 +419,10 @@ def run(rank: int, world: int, r: Recipe) -> list[dict]:
             f"{busiest / 2**20:.1f} MiB in all")
     if r.out and lead:
         metrics_f.close()
-        plot_rewards(history, os.path.join(r.out, "reward.png"))
-        ckpt = os.path.join(r.out, "checkpoint")
-        hf.save(ckpt, cfg, params)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):  # loadable as-is
-            if r.model and os.path.exists(os.path.join(r.model, name)):
-                shutil.copy(os.path.join(r.model, name), ckpt)
-        say(f"wrote {r.out}/metrics.jsonl, {r.out}/reward.png, {r.out}/checkpoint/")
+        plot_rewards([json.loads(ln) for ln in open(os.path.join(r.out, "metrics.jsonl"))],
+                     os.path.join(r.out, "reward.png"))
+        path = save("checkpoint-final", steps_done, params, opt_state)
+        say(f"wrote {r.out}/metrics.jsonl, {r.out}/reward.png, {path}/ (--model {path} loads it)")
     return history
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 class CharTokenizer:
@@ -34,6 +37,19 @@ class CharTokenizer:
         n = len(self.vocab)
         return "".join(self.vocab[i] for i in ids if len(self.SPECIALS) <= i < n)
 
+    def save(self, path: str) -> None:
+        """``tokenizer.json`` and ``tokenizer_config.json`` in ``path``: the same tokenizer for
+        ``HFTokenizer`` and transformers (one token per character, the same ids and specials)."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+        tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(self.vocab)}, unk_token="<pad>"))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        tok.add_special_tokens(list(self.SPECIALS))
+        tok.save(os.path.join(path, "tokenizer.json"))
+        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "bos_token": "<bos>",
+                       "eos_token": "<eos>"}, f, indent=2)
+
 
 class HFTokenizer:
     """A transformers-style tokenizer directory (tokenizer.json [+ tokenizer_config.json])."""
@@ -44,6 +60,7 @@ class HFTokenizer:
         if not os.path.exists(f):
             raise FileNotFoundError(f"HFTokenizer: {f} does not exist")
         self._tok = Tokenizer.from_file(f)
+        self._files = [p for p in (os.path.join(os.path.dirname(f), n) for n in TOKENIZER_FILES) if os.path.exists(p)]
         conf = {}
         cfile = os.path.join(os.path.dirname(f), "tokenizer_config.json")
         if os.path.exists(cfile):
@@ -74,3 +91,8 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def save(self, path: str) -> None:
+        """Copy the tokenizer's files into ``path``."""
+        for f in self._files:
+            shutil.copy(f, path)

@@ -25,7 +25,7 @@ def test_recipe_two_steps_writes_metrics_plot_and_checkpoint(tmp_path):
         assert {"step", "reward_mean", "tps", "step_time_s"} <= set(r)
         assert r["tps"] > 0 and 0.0 <= r["reward_mean"] <= 1.0
     assert (out / "reward.png").stat().st_size > 1000
-    assert (out / "checkpoint" / "config.json").exists()
+    assert (out / "checkpoint-final" / "config.json").exists()
 
 
 def test_recipe_through_the_dock(tmp_path):

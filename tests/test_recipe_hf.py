@@ -36,10 +36,11 @@ def test_recipe_with_hf_checkpoint_and_jsonl_dataset(tmp_path):
     assert "task: " + str(data) in res.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all("kl" in r and 0.0 <= r["reward_mean"] <= 1.0 for r in rows)
-    assert (out / "checkpoint" / "model.safetensors").exists() and (out / "checkpoint" / "tokenizer.json").exists()
+    ckpt = out / "checkpoint-final"
+    assert (ckpt / "model.safetensors").exists() and (ckpt / "tokenizer.json").exists()
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    AutoModelForCausalLM.from_pretrained(out / "checkpoint")  # the trained checkpoint loads in transformers
-    assert AutoTokenizer.from_pretrained(out / "checkpoint").eos_token == "<|im_end|>"
+    AutoModelForCausalLM.from_pretrained(ckpt)  # the trained checkpoint loads in transformers
+    assert AutoTokenizer.from_pretrained(ckpt).eos_token == "<|im_end|>"
 
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused_naming_the_flag(tmp_path):

@@ -95,7 +95,8 @@ def check_positions(prompts, max_new_tokens: int, cfg: ModelConfig) -> None:
 
 def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, lcfg: LoopConfig, *,
           on_step: Callable[[dict], None] | None = None, device: torch.device | str = "cpu",
-          dock=None, dp_layout=None, opt_state: optim.AdamWState | None = None):
+          dock=None, dp_layout=None, opt_state: optim.AdamWState | None = None, first_step: int | None = None,
+          ref_params=None, after_step: Callable | None = None, should_stop: Callable[[], bool] | None = None):
     """Run ``lcfg.steps`` GRPO steps; returns (params, opt_state, list of per-step metrics).
 
     ``dock``: a transfer dock (``rlflow.dock.Dock``) that every stage's rows go through
@@ -106,6 +107,12 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
     ``dp_layout``: data parallelism over torch.distributed (a ``Layout`` on a ``Mesh(dp=N)``): every rank
     runs the stages on its share of the step's prompts (the sizes in ``lcfg`` are global) and the
     update sums gradients over the ranks, so all ranks keep identical parameters. Metrics are global.
+    ``first_step``: the run's index of this call's first GRPO step (a resumed run: the steps done), so
+    that seeds, sample indices, the metrics' ``step`` and the LR warm-up continue as in an
+    uninterrupted run. ``ref_params``: the reference policy when KL is on (default: ``params`` as given;
+    a resumed run passes the run's initial weights). ``after_step(steps_done, params, opt_state)`` runs
+    after each step (checkpoints). ``should_stop()``: checked after each step (on every rank; any rank
+    asking stops all); True ends the call early, after that step.
     """
     flow = MemoryFlow() if dock is None else DockFlow(dock)
     gcfg = lcfg.grpo
@@ -121,14 +128,19 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
     batch_sum = (lambda t: t) if dp_layout is None else (lambda t: dp.batch_sum(t, dp_layout))  # batch statistics
     opt_state = optim.init(params) if opt_state is None else opt_state
     start = opt_state.step  # one optimizer step per GRPO step when warming up (the recipe's case)
-    ref_params = {k: v.detach().clone() for k, v in params.items()} if gcfg.kl_coef else None
+    if gcfg.kl_coef:
+        ref_params = {k: v.detach().clone() for k, v in (params if ref_params is None else ref_params).items()}
+    else:
+        ref_params = None
+    base = 0 if first_step is None else first_step
     ucfg = stages.UpdateConfig(mini_batch_size=lcfg.mini_batch_size // world,
                                micro_batch_size=lcfg.micro_batch_size // world, max_grad_norm=lcfg.max_grad_norm,
                                router_aux_coef=lcfg.router_aux_coef, dp_layout=dp_layout)
     single_update = gcfg.epochs == 1 and lcfg.mini_batch_size == lcfg.global_batch
     history = []
     bad_streak = 0
-    for step in range(lcfg.steps):
+    for local in range(lcfg.steps):
+        step = base + local  # the run's step index
         t0 = time.perf_counter()
         examples = source.take(lcfg.prompts_per_step)[rank * P:(rank + 1) * P]  # same stream on every rank
         prompts = prompt_batch(examples, tokenizer, first_index=step * lcfg.prompts_per_step + rank * P,
@@ -162,7 +174,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         rows, c = flow.get("update", cols)
         batch = train_batch(rows, c)
         rewards = batch.rewards_B
-        done_steps = step + start  # GRPO steps before this one, counting an earlier call's
+        done_steps = step if first_step is not None else local + start  # GRPO steps before this one
         lr = lcfg.optim.lr * min(1.0, (done_steps + 1) / lcfg.warmup_lr_steps) if lcfg.warmup_lr_steps else None
         params, opt_state, upd = stages.update(params, opt_state, batch, cfg, gcfg, ucfg, lcfg.optim,
                                                seed=lcfg.seed + step, lr=lr, old_is_current=single_update,
@@ -190,12 +202,18 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         history.append(m)
         if on_step is not None:
             on_step(m)
+        if after_step is not None:
+            after_step(step + 1, params, opt_state)
         bad_streak = bad_streak + 1 if upd["update_skipped"] == 1.0 else 0
         if bad_streak >= lcfg.max_bad_steps:
             raise NonFiniteError(f"steps {step - bad_streak + 1}..{step}: {bad_streak} steps in a row had every "
                                  f"update skipped for non-finite rewards, losses or gradients (max_bad_steps="
                                  f"{lcfg.max_bad_steps}); the parameters are those before step "
                                  f"{step - bad_streak + 1}")
+        if should_stop is not None and local + 1 < lcfg.steps:
+            stop = torch.tensor([float(should_stop())], dtype=torch.float64)
+            if float(batch_sum(stop)[0]) > 0:
+                break
     return params, opt_state, history
 
 

@@ -1,0 +1,95 @@
+"""Checkpoints and resume: a run interrupted (SIGINT, as Ctrl-C or a scheduler's preemption sends it) and
+continued with --resume auto ends with the weights of an uninterrupted run; damaged checkpoints are refused
+naming the file, and --resume auto falls back to the previous good one; the final checkpoint loads as --model."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from rlflow.models import hf
+from rlflow.runtime import checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py")]
+RUN = ["--steps", "10", "--save-every", "3", "--keep-last", "2", "--kl-coef", "0.05"]  # KL: the reference too
+
+
+def _weights(path):
+    return hf.load(str(path))[1]
+
+
+def _run(args, **kw):
+    res = subprocess.run(RECIPE + args, capture_output=True, text=True, timeout=600, **kw)
+    return res
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("whole") / "run"
+    res = _run(RUN + ["--out", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+def test_interrupted_and_resumed_equals_uninterrupted(uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    p = subprocess.Popen(RECIPE + RUN + ["--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (out / "checkpoint-000003").exists():  # interrupt once a periodic checkpoint was written
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 128 + signal.SIGINT, err[-2000:]
+    assert "Traceback" not in err and "--resume auto" in err, err[-2000:]
+    assert not (out / "checkpoint-final").exists()
+    res = _run(RUN + ["--out", str(out), "--resume", "auto"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stdout
+    a, b = _weights(uninterrupted / "checkpoint-final"), _weights(out / "checkpoint-final")
+    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert diff <= 1e-6, diff
+    steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(10)), steps  # each step once, the redone ones not twice
+    ra = [json.loads(ln)["reward_mean"] for ln in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
+    rb = [json.loads(ln)["reward_mean"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert ra == rb
+
+
+def test_keep_last_and_the_final_checkpoint_loads_as_model(uninterrupted, tmp_path):
+    names = sorted(n for n in os.listdir(uninterrupted) if n.startswith("checkpoint-"))
+    assert names == ["checkpoint-000006", "checkpoint-000009", "checkpoint-final"], names
+    final = uninterrupted / "checkpoint-final"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "trainer_state.pt",
+            "args.json", "manifest.json"} <= set(os.listdir(final))
+    res = _run(["--model", str(final), "--steps", "1", "--out", str(tmp_path / "again")])
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_a_damaged_checkpoint_is_refused_and_auto_falls_back(uninterrupted, tmp_path):
+    import shutil
+    root = tmp_path / "run"
+    shutil.copytree(uninterrupted, root)
+    shutil.rmtree(root / "checkpoint-final")
+    st = root / "checkpoint-000009" / "trainer_state.pt"
+    st.write_bytes(st.read_bytes()[:-10])  # truncated
+    with pytest.raises(checkpoint.CheckpointError, match=f"{st}: .* bytes, the manifest says"):
+        checkpoint.verify(str(root / "checkpoint-000009"))
+    path, skipped = checkpoint.find_resumable(str(root))
+    assert path == str(root / "checkpoint-000006") and "skipped checkpoint-000009" in skipped[0]
+    w = root / "checkpoint-000006" / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 1  # one flipped bit
+    w.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match="SHA-256 differs"):
+        checkpoint.verify(str(root / "checkpoint-000006"))
+    res = _run(["--steps", "10", "--out", str(root), "--resume", str(root / "checkpoint-000006")])
+    assert res.returncode != 0 and "SHA-256" in res.stderr.strip().splitlines()[-1], res.stderr[-2000:]
+    (root / "checkpoint-000006" / checkpoint.MANIFEST).unlink()
+    assert checkpoint.find_resumable(str(root))[0] is None
