@@ -369,7 +369,7 @@ def moe_small_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_t_EDF2
 
 
 @registry.fused("route_logits", "cpu")
-def route(logits_NE: Tensor, k: int, norm: bool, with_aux: bool) -> tuple[Tensor, Tensor] | None:
+def route(logits_NE: Tensor, k: int, norm: bool, with_aux: bool = False) -> tuple[Tensor, Tensor] | None:
     """(weights [N, k], experts [N, k]): softmax over the E logits in float32, the top k (largest first;
     equal probabilities go to the lower expert id, where torch.topk's order is unspecified), renormalized
     to sum 1 when ``norm``. Not with the aux loss (it needs every probability)."""
