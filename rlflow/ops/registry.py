@@ -8,7 +8,7 @@ these arguments, else None, and the op computes its reference. A fused entry ret
 not apply (dtype, shapes, its kernels unavailable, inside torch.compile), so the reference is always
 the answer of last resort; tests compare every fused entry against it. Model code only calls the ops.
 
-Backends are imported on the first lookup for their kind (the CPU one builds its kernels then).
+Backends are imported with ``rlflow.ops`` (``import_backends``); the CPU one builds its kernels on first use.
 """
 
 from __future__ import annotations
@@ -76,8 +76,14 @@ def run(name: str, device: torch.device, *args, **kwargs):
 
 
 def table() -> dict[str, dict[str, str]]:
-    """{op: {kind: qualified name of the entry}} of every backend importable here (docs and tests)."""
-    for kind in KINDS:
-        _import_backend(kind)
+    """{op: {kind: qualified name of the entry}} of every backend (docs and tests)."""
+    import_backends()
     return {op: {k: f"{fn.__module__}.{fn.__qualname__}" for k, fn in sorted(kinds.items())}
             for op, kinds in sorted(_fused.items())}
+
+
+def import_backends() -> None:
+    """Import every backend module now (``rlflow.ops`` does, so that no import happens while
+    torch.compile traces an op). Cheap: the CPU kernels are built on their first use, not here."""
+    for kind in KINDS:
+        _import_backend(kind)

@@ -29,7 +29,6 @@ not used while torch.compile traces (inductor fuses the torch ops there); ``moe_
 from __future__ import annotations
 
 import collections
-import functools
 import hashlib
 import logging
 import os
@@ -44,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from rlflow.ops import registry
+from rlflow.ops import moe, registry
 
 log = logging.getLogger(__name__)
 
@@ -403,7 +402,6 @@ def moe_grouped_f32(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
     """The grouped expert path in float32 with the kernels: pairs sorted by a counting sort, the SwiGLU
     with the routing weight folded in ((w a) down = w (a down)), each token's rows summed; None where the
     kernels do not apply."""
-    from rlflow.ops import moe
     _, F2, D = gate_up_E2FD.shape
     if (not moe._grouped_mm_ok(x_ND, down_EDF) or D % WIDTH or F2 % (2 * WIDTH)
             or not usable(x_ND, w_NK, gate_up_E2FD, down_EDF)):
@@ -421,7 +419,6 @@ def moe_experts(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, prepared):
     """Few tokens on small experts: the small-experts kernel on ``prepared`` (inference), else the dense
     path with the SwiGLU kernel; otherwise the grouped path with the kernels (half precision on small
     experts computed in float32, as the reference does). None without the kernels."""
-    from rlflow.ops import moe
     if not available():
         return None
     N, K = idx_NK.shape
@@ -439,7 +436,6 @@ def moe_experts(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, prepared):
 def prepare_experts(gate_up_E2FD: Tensor, down_EDF: Tensor) -> tuple | None:
     """The small-experts kernel's transposed weights (gate_up [E, D, 2F], down [E, F, D]); None where it
     would not run (so nothing is copied for nothing)."""
-    from rlflow.ops import moe
     if not (gate_up_E2FD.dtype == torch.float32 and moe._small(gate_up_E2FD, down_EDF) and available()):
         return None
     return gate_up_E2FD.transpose(1, 2).contiguous(), down_EDF.transpose(1, 2).contiguous()

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlflow.ops import registry
+from rlflow.ops import moe, registry
+from rlflow.ops.attention import attention
 
 CHUNK_BYTES = 256 * 2**20  # the sort-and-index path's [E, C, max(2F, D)] buffers, per chunk of tokens
 
@@ -35,7 +36,6 @@ def grouped_mm_ok(x: Tensor, down_EDF: Tensor) -> bool:
 
 @registry.fused("moe_experts", "cuda")
 def moe_experts(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, prepared):
-    from rlflow.ops import moe
     N, K = idx_NK.shape
     if N <= moe.DENSE_MAX_TOKENS and moe._small(gate_up_E2FD, down_EDF) and N * K >= gate_up_E2FD.shape[0]:
         return None  # the reference's dense path: no sync
@@ -108,7 +108,6 @@ def _prompt_slots(layout) -> tuple[Tensor | None, int]:
 @registry.fused("prefix_attention", "cuda")
 @registry.fused("prefix_attention", "npu")
 def prefix_attention(qk_NHd: Tensor, v_NKd: Tensor, n_q: int, layout) -> Tensor | None:
-    from rlflow.ops.attention import attention
     (P, Tp), (B, R) = layout.prompt_valid_PT.shape, layout.resp_valid_BR.shape
     N, HK, d = qk_NHd.shape
     K = HK - n_q
