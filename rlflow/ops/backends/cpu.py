@@ -190,7 +190,7 @@ def usable(*tensors: Tensor) -> bool:
 
 def _register_python_parts() -> None:
     lib = "rlflow::"
-    fake, autograd = torch.library.register_fake, torch.library.register_autograd
+    fake = torch.library.register_fake
 
     def new(t: Tensor, *shape, dtype=None):
         return torch.empty(shape, dtype=dtype or t.dtype, device=t.device)
@@ -223,7 +223,13 @@ def _register_python_parts() -> None:
     fake(lib + "combine_rows")(lambda ys, tok, inv, k: new(ys, inv.shape[0] // k, ys.shape[1]))
 
     # Backward formulas: one operator each (no graph of their own: a double backward raises, see
-    # once_differentiable, instead of silently dropping terms).
+    # once_differentiable, instead of silently dropping terms). Each is registered for the operator
+    # (torch.library.register_autograd: what torch.ops.rlflow.* callers, torch.compile and opcheck use)
+    # and also wrapped in a plain autograd.Function for the eager entries below (``_call``).
+    def autograd(qualname, backward, setup_context):
+        torch.library.register_autograd(qualname, backward, setup_context=setup_context)
+        _EAGER[qualname.split("::")[1]] = _eager_function(getattr(ops, qualname.split("::")[1]).default, backward,
+                                                           setup_context)
     def save(*names):
         def setup(ctx, inputs, output):
             ctx.save_for_backward(*(inputs[i] if isinstance(i, int) else output[int(i[1:])] for i in names))
@@ -266,7 +272,7 @@ def _register_python_parts() -> None:
     @once_differentiable
     def gather_bwd(ctx, dxs):  # each token's K rows summed
         tok, inv = ctx.saved_tensors
-        return ops.combine_rows(dxs, tok, inv, ctx.args[3]), None, None, None
+        return _call("combine_rows", dxs, tok, inv, ctx.args[3]), None, None, None
     autograd(lib + "gather_rows", gather_bwd, setup_context=save(1, 2))
 
     @once_differentiable
@@ -276,13 +282,40 @@ def _register_python_parts() -> None:
     autograd(lib + "combine_rows", combine_bwd, setup_context=save(1, 2))
 
 
+_EAGER: dict[str, type] = {}
+
+
+def _eager_function(op, backward, setup_context) -> type:
+    """The operator's registered formula as a plain autograd.Function whose forward calls the operator
+    below autograd: the same formula with less Python per call than the generic autograd kernel of
+    register_autograd (which fills in defaults and redispatches on every call)."""
+    def forward(ctx, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            out = op(*args)
+        setup_context(ctx, args, out)
+        return out
+    return type(f"Eager_{op._opname}", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+def _call(name: str, *args):
+    """``torch.ops.rlflow.<name>(*args)``; in eager mode through ``_EAGER`` (with gradients) or straight to
+    the CPU kernel below autograd (without), the same computation with less per-call overhead."""
+    if torch.compiler.is_compiling():
+        return getattr(ops, name)(*args)
+    if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
+        return _EAGER[name].apply(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return getattr(ops, name)(*args)
+
+
 # ---- the entries: None where the kernels cannot take the arguments ----
 
 def swiglu_weighted(gu_NF2: Tensor, w_N: Tensor) -> Tensor | None:
     """``silu(g) * u * w[:, None]`` with ``g, u = gu.chunk(2, -1)`` [N, F]."""
     if gu_NF2.dim() != 2 or gu_NF2.shape[1] % (2 * WIDTH) or w_N.shape != gu_NF2.shape[:1] or not usable(gu_NF2, w_N):
         return None
-    return ops.swiglu_weighted(gu_NF2, w_N)
+    return _call("swiglu_weighted", gu_NF2, w_N)
 
 
 @registry.fused("rmsnorm", "cpu")
@@ -290,7 +323,7 @@ def rmsnorm(x: Tensor, w_D: Tensor, eps: float) -> Tensor | None:
     """RMSNorm of x over its last dim with weight [D]."""
     if x.dim() < 1 or w_D.dim() != 1 or w_D.shape[0] != x.shape[-1] or x.shape[-1] % WIDTH or not usable(x, w_D):
         return None
-    return ops.rmsnorm(x, w_D, eps)[0]
+    return _call("rmsnorm", x, w_D, eps)[0]
 
 
 @registry.fused("qk_norm_rope", "cpu")
@@ -305,7 +338,7 @@ def qk_norm_rope(qkv: Tensor, norm_Hd: Tensor | None, cos: Tensor, sin: Tensor, 
             or (norm_Hd is not None and norm_Hd.shape != (hk, d))
             or not usable(qkv, cos, sin, *(() if norm_Hd is None else (norm_Hd,)))):
         return None
-    qk, v, _ = ops.qk_norm_rope(qkv, norm_Hd, cos, sin, hk, eps)
+    qk, v, _ = _call("qk_norm_rope", qkv, norm_Hd, cos, sin, hk, eps)
     return qk, v
 
 
@@ -334,7 +367,7 @@ def prefix_attention_kernel(qk_NHd: Tensor, v_NKd: Tensor, n_q: int, plan: tuple
     (P, Tp), (B, R) = pvalid.shape, rvalid.shape
     if d % WIDTH or K < 1 or n_q % K or v_NKd.shape != (N, K, d) or N != P * Tp + B * R or not usable(qk_NHd, v_NKd):
         return None
-    return ops.prefix_attention(qk_NHd, v_NKd, n_q, pvalid, rvalid, row_start)[0]
+    return _call("prefix_attention", qk_NHd, v_NKd, n_q, pvalid, rvalid, row_start)[0]
 
 
 @registry.fused("prefix_attention", "cpu")
@@ -364,7 +397,7 @@ def moe_small_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_t_EDF2
             or down_t_EFD.shape != (E, F2 // 2, D)
             or not available()):
         return None
-    return ops.moe_small_experts(x_ND, w_NK, idx_NK, gate_up_t_EDF2, down_t_EFD)
+    return _call("moe_small_experts", x_ND, w_NK, idx_NK, gate_up_t_EDF2, down_t_EFD)
 
 
 @registry.fused("route_logits", "cpu")
@@ -374,7 +407,7 @@ def route(logits_NE: Tensor, k: int, norm: bool, with_aux: bool = False) -> tupl
     to sum 1 when ``norm``. Not with the aux loss (it needs every probability)."""
     if with_aux or logits_NE.dim() != 2 or not 1 <= k <= logits_NE.shape[1] or not usable(logits_NE):
         return None
-    w, idx, _ = ops.route(logits_NE, k, norm)
+    w, idx, _ = _call("route", logits_NE, k, norm)
     return w, idx
 
 
@@ -384,18 +417,18 @@ def moe_plan(idx_NK: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor, Te
     each expert's block; None when the kernels are unavailable (or idx is not a CPU int64 [N, K])."""
     if idx_NK.dim() != 2 or idx_NK.dtype != torch.int64 or idx_NK.device.type != "cpu" or not available():
         return None
-    return ops.moe_plan(idx_NK, n_experts)
+    return _call("moe_plan", idx_NK, n_experts)
 
 
 def gather_rows(x_ND: Tensor, tok: Tensor, inv: Tensor, k: int) -> Tensor:
     """x[tok] ([N*K, D], rows sorted by expert, from ``moe_plan``), whose backward sums each token's K rows
     (no zero fill and index_add). x: float32 CPU, D a multiple of 8."""
-    return ops.gather_rows(x_ND, tok, inv, k)
+    return _call("gather_rows", x_ND, tok, inv, k)
 
 
 def combine_rows(ys: Tensor, tok: Tensor, inv: Tensor, k: int) -> Tensor:
     """[N, D]: row n = the sum of the K rows of ``ys`` (sorted by expert) that token n was routed to."""
-    return ops.combine_rows(ys, tok, inv, k)
+    return _call("combine_rows", ys, tok, inv, k)
 
 
 def moe_grouped_f32(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
