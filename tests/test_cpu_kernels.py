@@ -1,8 +1,9 @@
-"""The fused float32 CPU kernels (rlflow/ops/cpu_kernels.c) equal the torch ops they replace, values and
+"""The fused float32 CPU kernels (rlflow/ops/backends/cpu_kernels.c, as torch operators) equal the torch ops they replace, values and
 gradients, computed in float64 as the reference; the callers fall back to torch ops where the kernels
 cannot take the tensors; and the model's forward + backward with the kernels equals it without them."""
 
 import collections
+import functools
 import os
 import platform
 import shutil
@@ -14,16 +15,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
+from torch.utils import cpp_extension
 
-from rlflow.ops import PrefixLayout, apply_rope, cpu_kernels, moe, prefix_attention, qk_norm_rope, rmsnorm, rope_cos_sin
+from rlflow.ops import PrefixLayout, apply_rope, moe, prefix_attention, qk_norm_rope, rmsnorm, rope_cos_sin
+from rlflow.ops.backends import cpu as cpu_kernels
 from rlflow.ops.norm import rmsnorm as norm_module_rmsnorm
 
 # Skipped only where the kernels cannot be built at all; where they can, a failed build fails
 # test_the_kernels_build instead of turning every test here into a skip.
 CAN_BUILD = (platform.system() == "Linux" and os.environ.get("RLFLOW_CPU_KERNELS", "1") != "0"
-             and bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")))
+             and bool(os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++"))
+             and cpp_extension.is_ninja_available())
 pytestmark = pytest.mark.skipif(not CAN_BUILD,
-                                reason="RLFLOW_CPU_KERNELS=0, no C compiler, or not Linux: torch ops run")
+                                reason="RLFLOW_CPU_KERNELS=0, no C++ compiler or ninja, or not Linux: torch ops run")
 
 
 def test_the_kernels_build():
@@ -31,20 +35,15 @@ def test_the_kernels_build():
 
 
 class _Calls:
-    """The C functions called through ``cpu_kernels._library()`` (by name), while installed."""
+    """The C kernels run since this was made (by name; counted by the operators in C++, so calls from a
+    compiled graph count too)."""
 
-    def __init__(self, monkeypatch):
-        lib, self.n = cpu_kernels._library(), collections.Counter()
+    def __init__(self, monkeypatch=None):
+        self.start = cpu_kernels.calls()
 
-        class Proxy:
-            def __getattr__(_, name):
-                fn = getattr(lib, name)
-
-                def call(*a):
-                    self.n[name] += 1
-                    return fn(*a)
-                return call
-        monkeypatch.setattr(cpu_kernels, "_library", lambda: Proxy())
+    @property
+    def n(self) -> collections.Counter:
+        return cpu_kernels.calls() - self.start
 
 
 def _close(a, b, tol=2e-5):
@@ -155,8 +154,8 @@ def test_prefix_attention_equals_torch(counts, Tp, R, heads, d, seed):
     qk, v = torch.randn(N, H + K, d, generator=g), torch.randn(N, K, d, generator=g)
     dout = torch.randn(N, H, d, generator=g)
     plan = cpu_kernels.prefix_plan(pvalid, rvalid, counts_P)
-    assert cpu_kernels.prefix_attention(qk, v, H, plan) is not None
-    (ours,), g_ours = _grads(lambda a, b: cpu_kernels.prefix_attention(a, b, H, plan), (qk, v), dout)
+    assert cpu_kernels.prefix_attention_kernel(qk, v, H, plan) is not None
+    (ours,), g_ours = _grads(lambda a, b: cpu_kernels.prefix_attention_kernel(a, b, H, plan), (qk, v), dout)
     layout = PrefixLayout(pvalid, rvalid, counts_P)  # float64: the torch path
     (ref,), g_ref = _grads(lambda a, b: prefix_attention(a, b, H, layout), (qk.double(), v.double()), dout)
     _close(ours, ref)
@@ -302,8 +301,11 @@ def test_expert_paths_with_the_kernel_equal_the_reference(path, monkeypatch):
     N, E, K, D, Fd = 37, 5, 2, 16, 8
     x, gate_up, down = _experts(g, N, E, D, Fd)
     w, idx = torch.softmax(torch.randn(N, E, generator=g), -1).topk(K, -1)
-    f = moe._moe_dense if path == "dense" else moe._moe_grouped
-    assert path == "dense" or moe._moe_grouped_cpu(x, w, idx, gate_up, down) is not None  # the kernels' path
+    if path == "dense":
+        f = functools.partial(moe._moe_dense, swiglu=cpu_kernels.swiglu_weighted)
+    else:
+        f = functools.partial(moe._moe_grouped, fused_f32=cpu_kernels.moe_grouped_f32)
+    assert path == "dense" or cpu_kernels.moe_grouped_f32(x, w, idx, gate_up, down) is not None  # the kernels' path
     dout = torch.randn(N, D, generator=g)
     calls = _Calls(monkeypatch)
     (ours,), g_ours = _grads(lambda *a: f(a[0], a[1], idx, a[2], a[3]), (x, w, gate_up, down), dout)
@@ -363,7 +365,7 @@ def test_model_forward_backward_with_and_without_kernels():
 
 def test_disabled_by_environment():
     env = dict(os.environ, RLFLOW_CPU_KERNELS="0")
-    out = subprocess.run([sys.executable, "-c", "from rlflow.ops import cpu_kernels; print(cpu_kernels.available())"],
+    out = subprocess.run([sys.executable, "-c", "from rlflow.ops.backends import cpu; print(cpu.available())"],
                          env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -378,7 +380,7 @@ def _double_backward_cases():
         "rmsnorm": (lambda x: cpu_kernels.rmsnorm(x, torch.ones(16), 1e-6), (6, 16)),
         "swiglu": (lambda x: cpu_kernels.swiglu_weighted(x, torch.rand(6, generator=g)), (6, 16)),
         "qk_norm_rope": (lambda x: cpu_kernels.qk_norm_rope(x, torch.ones(3, 16), cos, sin, 3, 1e-6)[0], (6, 4, 16)),
-        "prefix_attention": (lambda x: cpu_kernels.prefix_attention(x, torch.randn(7, 1, 8, generator=g), 1,
+        "prefix_attention": (lambda x: cpu_kernels.prefix_attention_kernel(x, torch.randn(7, 1, 8, generator=g), 1,
                                                                     cpu_kernels.prefix_plan(pvalid, rvalid, counts)),
                              (7, 2, 8)),
         "route": (lambda x: cpu_kernels.route(x, 2, True)[0], (6, 4)),
@@ -405,7 +407,8 @@ def test_double_backward_raises_instead_of_dropping_terms(name):
 
 _THREADS_SCRIPT = textwrap.dedent("""
     import torch
-    from rlflow.ops import cpu_kernels, rope_cos_sin
+    from rlflow.ops import rope_cos_sin
+    from rlflow.ops.backends import cpu as cpu_kernels
     from rlflow.ops.norm import rmsnorm
     torch.set_num_threads(2)
     g = torch.Generator().manual_seed(0)
@@ -428,7 +431,7 @@ _THREADS_SCRIPT = textwrap.dedent("""
         return apply_rope(rmsnorm(qk, n, 1e-6), cos.double(), sin.double()), v
     ref = grads(lambda a, b: rmsnorm(a, b, 1e-6), ref_qk, torch.float64)
     print(max(float((a.double() - b).abs().max() / max(1.0, float(b.abs().max()))) for a, b in zip(ours, ref)),
-          cpu_kernels._library().rlflow_kernels_openmp())
+          int(cpu_kernels.openmp()))
 """)
 
 
@@ -436,14 +439,14 @@ _THREADS_SCRIPT = textwrap.dedent("""
 def test_backward_row_split_follows_the_threads_actually_running(case, tmp_path):
     """The weight-gradient kernels split rows by the OpenMP team that actually runs, not by torch's thread
     count: with the team capped at one thread, or with a build without OpenMP, every row is still done."""
-    if case == "thread limit 1" and not cpu_kernels._library().rlflow_kernels_openmp():
+    if case == "thread limit 1" and not cpu_kernels.openmp():
         pytest.skip("the kernels are built without OpenMP here (torch loads no GNU OpenMP)")
-    env = dict(os.environ, RLFLOW_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ)  # the default cache: each build (with and without OpenMP) is made once per machine
     script = _THREADS_SCRIPT
     if case == "thread limit 1":
         env["OMP_THREAD_LIMIT"] = "1"
     else:
-        script = "from rlflow.ops import cpu_kernels\ncpu_kernels._gomp_loaded = lambda: False\n" + script
+        script = "from rlflow.ops.backends import cpu\ncpu._gomp_loaded = lambda: False\n" + script
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     err, omp = out.stdout.split()
     assert float(err) < 1e-5, out.stdout

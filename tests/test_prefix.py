@@ -6,7 +6,7 @@ from helpers import random_prompts
 from rlflow.algos import stages
 from rlflow.models import qwen3_moe as model
 from rlflow.models.config import get_config
-from rlflow.ops import cpu_kernels
+from rlflow.ops.backends import cpu as cpu_kernels
 from rlflow.rollout import SamplingConfig, generate
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlflow.ops import cpu_kernels
+from rlflow.ops import registry
 
 # CPU flash attention's backward in bfloat16/float16 has a large cost per (batch, head) pair: for the
 # tiny preset's training shapes (128 rows x 4 heads, 44 tokens) forward + backward take 52 ms against
@@ -43,6 +43,13 @@ def attention(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor 
     A single query token (decode) takes three batched matmul-sized kernels over [B, K, H/K, S] instead
     of SDPA's general path, which dominates a decode step for small models.
     """
+    fused = registry.run("attention", q_BHTd.device, q_BHTd, k_BKSd, v_BKSd, mask_B1TS, is_causal=is_causal)
+    return fused if fused is not None else attention_reference(q_BHTd, k_BKSd, v_BKSd, mask_B1TS, is_causal=is_causal)
+
+
+@registry.reference("attention")
+def attention_reference(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | None,
+                        *, is_causal: bool = False) -> Tensor:
     B, H, T, d = q_BHTd.shape
     K = k_BKSd.shape[1]
     if T == 1 and mask_B1TS is not None:
@@ -86,14 +93,17 @@ class PrefixLayout:
 
     def __init__(self, prompt_valid_PT: Tensor, resp_valid_BR: Tensor, counts_P: Tensor):
         self.prompt_valid_PT, self.resp_valid_BR, self.counts_P = prompt_valid_PT, resp_valid_BR, counts_P
+        self._derived: dict = {}
+
+    def derived(self, key: str, make):
+        """``make()``, computed on the first call for ``key`` and shared by the layers (a backend's plan)."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
     def per_row(self, t_P: Tensor) -> Tensor:
         """A per-prompt tensor repeated for each of the prompt's rows."""
         return t_P.repeat_interleave(self.counts_P, 0)
-
-    @functools.cached_property
-    def kernel_plan(self) -> tuple[Tensor, Tensor, Tensor] | None:
-        return cpu_kernels.prefix_plan(self.prompt_valid_PT, self.resp_valid_BR, self.counts_P)
 
     @functools.cached_property
     def masks(self) -> tuple[Tensor, Tensor]:
@@ -108,13 +118,14 @@ def prefix_attention(qk_NHd: Tensor, v_NKd: Tensor, n_q: int, layout: PrefixLayo
     query heads, then its key heads; ``v_NKd`` [N, K, d]. Returns [N, n_q, d].
 
     Prompt tokens attend causally among their prompt's valid tokens; response tokens to their prompt's
-    valid tokens and causally to their row's; every token sees itself (``causal_padding_mask``). One fused
-    kernel on a CPU in float32 (``cpu_kernels``); else two attention calls, the prompts' keys and values
-    repeated for each of their rows."""
-    if cpu_kernels.usable(qk_NHd, v_NKd) and layout.kernel_plan is not None:
-        fused = cpu_kernels.prefix_attention(qk_NHd, v_NKd, n_q, layout.kernel_plan)
-        if fused is not None:
-            return fused
+    valid tokens and causally to their row's; every token sees itself (``causal_padding_mask``)."""
+    fused = registry.run("prefix_attention", qk_NHd.device, qk_NHd, v_NKd, n_q, layout)
+    return fused if fused is not None else prefix_attention_reference(qk_NHd, v_NKd, n_q, layout)
+
+
+@registry.reference("prefix_attention")
+def prefix_attention_reference(qk_NHd: Tensor, v_NKd: Tensor, n_q: int, layout: PrefixLayout) -> Tensor:
+    """Two attention calls, the prompts' keys and values repeated for each of their rows."""
     (P, Tp), (B, R) = layout.prompt_valid_PT.shape, layout.resp_valid_BR.shape
     Np, Nr = P * Tp, B * R
 

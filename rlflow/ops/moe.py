@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlflow.ops import cpu_kernels
+from rlflow.ops import registry
 
 
 def route(x_ND: Tensor, gate_ED: Tensor, top_k: int, norm_topk_prob: bool, *,
@@ -20,23 +20,29 @@ def route(x_ND: Tensor, gate_ED: Tensor, top_k: int, norm_topk_prob: bool, *,
     given (the caller drops padding first; a zero scalar when ``with_aux`` is False).
     """
     logits_NE = F.linear(x_ND, gate_ED)
-    if not with_aux:
-        fused = cpu_kernels.route(logits_NE, top_k, norm_topk_prob)  # float32 CPU: one kernel each way
-        if fused is not None:
-            return fused[0], fused[1], x_ND.new_zeros((), dtype=torch.float32)
+    fused = registry.run("route_logits", logits_NE.device, logits_NE, top_k, norm_topk_prob, with_aux)
+    if fused is not None:
+        return fused[0].to(x_ND.dtype), fused[1], x_ND.new_zeros((), dtype=torch.float32)
+    return route_logits_reference(logits_NE, top_k, norm_topk_prob, with_aux, x_ND.dtype)
+
+
+@registry.reference("route_logits")
+def route_logits_reference(logits_NE: Tensor, top_k: int, norm_topk_prob: bool, with_aux: bool,
+                           dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """``route`` from the router logits [N, E]; the weights in ``dtype``."""
     probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float32)
     w_NK, idx_NK = torch.topk(probs_NE, top_k, dim=-1)
     if norm_topk_prob:
         w_NK = w_NK / w_NK.sum(dim=-1, keepdim=True)
     if not with_aux:
-        return w_NK.to(x_ND.dtype), idx_NK, x_ND.new_zeros((), dtype=torch.float32)
-    E = gate_ED.shape[0]
+        return w_NK.to(dtype), idx_NK, logits_NE.new_zeros((), dtype=torch.float32)
+    E = logits_NE.shape[1]
     with torch.no_grad():
         onehot_NE = torch.zeros_like(probs_NE).scatter_(1, idx_NK, 1.0)
     f_E = onehot_NE.mean(0) / top_k
     p_E = probs_NE.mean(0)
     aux = E * (f_E * p_E).sum()
-    return w_NK.to(x_ND.dtype), idx_NK, aux
+    return w_NK.to(dtype), idx_NK, aux
 
 
 # Few tokens (decode) on small experts: every expert runs on every token in a few large kernels and the
@@ -54,31 +60,30 @@ def moe_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_E2FD: Tensor
     Many tokens, or large experts: the N*K (token, slot) pairs are sorted by expert so each expert runs
     one matmul over a contiguous block of its tokens (one grouped GEMM for all experts where torch has
     it, see ``_grouped_mm_ok``; else a loop over experts). Few tokens on small experts
-    (see DENSE_MAX_TOKENS): on a CPU in float32 without gradients, each token through its own experts in
-    one kernel (``cpu_kernels.moe_small_experts``, given ``prepared``: what ``prepare_experts``
-    returned for these weights); else all experts on all tokens, weighted by the sparse
-    routing weights.
+    (see DENSE_MAX_TOKENS), when N*K >= E: all experts on all tokens, weighted by the sparse routing
+    weights. A device's fused entry may do better (the CPU's: each token through its own experts in one
+    kernel, given ``prepared``: what ``prepare_experts`` returned for these weights).
     """
+    fused = registry.run("moe_experts", x_ND.device, x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, prepared)
+    return fused if fused is not None else moe_experts_reference(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
+
+
+@registry.reference("moe_experts")
+def moe_experts_reference(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_E2FD: Tensor, down_EDF: Tensor
+                          ) -> Tensor:
     N, K = idx_NK.shape
     E = gate_up_E2FD.shape[0]
-    if N <= DENSE_MAX_TOKENS and _small(gate_up_E2FD, down_EDF):
-        y = None if prepared is None else cpu_kernels.moe_small_experts(x_ND, w_NK, idx_NK, *prepared)
-        if y is not None:
-            return y
-        if N * K >= E:
-            return _moe_dense(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
+    if N <= DENSE_MAX_TOKENS and _small(gate_up_E2FD, down_EDF) and N * K >= E:
+        return _moe_dense(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
     return _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
 
 
 def prepare_experts(gate_up_E2FD: Tensor, down_EDF: Tensor) -> tuple | None:
     """What the inference path of ``moe_experts(prepared=...)`` wants of a layer's expert weights, computed
     once per rollout (``qwen3_moe.fuse_for_inference``) and opaque to the caller; None where no
-    inference kernel would use it, so nothing is copied for nothing. Today: the CPU small-experts kernel's
-    transposed weights (gate_up [E, D, 2F], down [E, F, D])."""
-    if not (gate_up_E2FD.device.type == "cpu" and gate_up_E2FD.dtype == torch.float32 and _small(gate_up_E2FD, down_EDF)
-            and cpu_kernels.available()):
-        return None
-    return gate_up_E2FD.transpose(1, 2).contiguous(), down_EDF.transpose(1, 2).contiguous()
+    inference kernel would use it, so nothing is copied for nothing (the device's ``prepare_experts``
+    entry decides: today the CPU small-experts kernel's transposed weights)."""
+    return registry.run("prepare_experts", gate_up_E2FD.device, gate_up_E2FD, down_EDF)
 
 
 def _small(gate_up_E2FD: Tensor, down_EDF: Tensor) -> bool:
@@ -86,12 +91,14 @@ def _small(gate_up_E2FD: Tensor, down_EDF: Tensor) -> bool:
     return (gate_up_E2FD.numel() + down_EDF.numel()) * gate_up_E2FD.element_size() <= DENSE_MAX_EXPERT_BYTES
 
 
-def _moe_dense(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
+def _moe_dense(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, swiglu=None):
+    """All experts on all tokens; ``swiglu(gu [M, 2F], w [M])``, a fused ``silu(g) * u * w`` (None where it
+    does not apply), from a backend."""
     E, F2, D = gate_up_E2FD.shape
     N = x_ND.shape[0]
     gu = F.linear(x_ND, gate_up_E2FD.reshape(E * F2, D))  # [N, E * 2F]
     w_NE = torch.zeros(N, E, dtype=w_NK.dtype, device=w_NK.device).scatter_(1, idx_NK, w_NK)
-    a_NEF = cpu_kernels.swiglu_weighted(gu.view(N * E, F2), w_NE.view(-1))  # float32 CPU: one kernel
+    a_NEF = None if swiglu is None else swiglu(gu.view(N * E, F2), w_NE.view(-1))
     if a_NEF is None:
         g, u = gu.view(N, E, F2).chunk(2, dim=-1)  # [N, E, F]
         a_NEF = F.silu(g) * u * w_NE[:, :, None]  # routing weight 0 for experts a token does not use
@@ -111,23 +118,9 @@ def _grouped_mm_ok(x: Tensor, down_EDF: Tensor) -> bool:
             and (D * x.element_size()) % 16 == 0 and (Fd * x.element_size()) % 16 == 0)
 
 
-def _moe_grouped_cpu(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
-    """The grouped path in float32 on a CPU with the fused kernels (``cpu_kernels``): pairs sorted by a
-    counting sort, the SwiGLU with the routing weight folded in ((w a) down = w (a down)), each token's rows
-    summed; None where they do not apply."""
-    _, F2, D = gate_up_E2FD.shape
-    if (not _grouped_mm_ok(x_ND, down_EDF) or D % cpu_kernels.WIDTH or F2 % (2 * cpu_kernels.WIDTH)
-            or not cpu_kernels.usable(x_ND, w_NK, gate_up_E2FD, down_EDF)):
-        return None
-    K = idx_NK.shape[1]
-    order, tok, inv, offs = cpu_kernels.moe_plan(idx_NK, gate_up_E2FD.shape[0])
-    xs = cpu_kernels.gather_rows(x_ND, tok, inv, K)
-    gu = F.grouped_mm(xs, gate_up_E2FD.transpose(1, 2), offs=offs)
-    a = cpu_kernels.swiglu_weighted(gu, w_NK.reshape(-1).index_select(0, order))
-    return cpu_kernels.combine_rows(F.grouped_mm(a, down_EDF.transpose(1, 2), offs=offs), tok, inv, K)
-
-
-def _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
+def _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, fused_f32=None):
+    """Experts on their own tokens; ``fused_f32`` (from a backend): the same in float32 with fused
+    kernels, or None where they do not apply."""
     if (x_ND.device.type == "cpu" and x_ND.dtype in (torch.bfloat16, torch.float16) and not torch.compiler.is_compiling()
             and _small(gate_up_E2FD, down_EDF)):
         # On the CPU, oneDNN compiles a half-precision GEMM kernel for every new shape (~5 ms each), and
@@ -136,8 +129,9 @@ def _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
         # the experts in float32 (MKL, no per-shape compilation). Only for small experts, whose
         # conversion is cheap and whose GEMMs are short next to a compilation; not in a torch.compile
         # graph (static shapes, and its grouped GEMM wants bfloat16).
-        return _moe_grouped(x_ND.float(), w_NK.float(), idx_NK, gate_up_E2FD.float(), down_EDF.float()).to(x_ND.dtype)
-    y = _moe_grouped_cpu(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
+        return _moe_grouped(x_ND.float(), w_NK.float(), idx_NK, gate_up_E2FD.float(), down_EDF.float(),
+                            fused_f32).to(x_ND.dtype)
+    y = None if fused_f32 is None else fused_f32(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
     if y is not None:
         return y
     N, K = idx_NK.shape

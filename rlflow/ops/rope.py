@@ -6,7 +6,7 @@ Legend: B batch, T tokens, H heads, d head dim; ... any leading dims.
 import torch
 from torch import Tensor
 
-from rlflow.ops import cpu_kernels
+from rlflow.ops import registry
 from rlflow.ops.norm import rmsnorm
 
 
@@ -23,6 +23,12 @@ def rope_cos_sin(positions_BT: Tensor, head_dim: int, theta: float, dtype: torch
 def apply_rope(x_THd: Tensor, cos_Td: Tensor, sin_Td: Tensor) -> Tensor:
     """x cos + rotate_half(x) sin, with rotate_half(x) = [-x2, x1] = roll(x, d/2) * [-1, 1] (sign in sin).
     Token-major: x is [..., T, heads, d] and cos/sin [..., T, d] (the same angles for every head)."""
+    fused = registry.run("apply_rope", x_THd.device, x_THd, cos_Td, sin_Td)
+    return fused if fused is not None else apply_rope_reference(x_THd, cos_Td, sin_Td)
+
+
+@registry.reference("apply_rope")
+def apply_rope_reference(x_THd: Tensor, cos_Td: Tensor, sin_Td: Tensor) -> Tensor:
     cos, sin = cos_Td.unsqueeze(-2), sin_Td.unsqueeze(-2)
     return x_THd * cos + x_THd.roll(x_THd.shape[-1] // 2, -1) * sin
 
@@ -31,10 +37,14 @@ def qk_norm_rope(qkv_THd: Tensor, norm_Hd: Tensor | None, cos_Td: Tensor, sin_Td
                  eps: float) -> tuple[Tensor, Tensor]:
     """From the fused q/k/v projection's heads [..., T, n_qk + n_v, d] (q and k heads first): the q/k heads
     [..., T, n_qk, d] per-head RMSNorm'ed with ``norm_Hd`` [n_qk, d] (None: not normed, as Qwen2) and
-    rotated, and the v heads [..., T, n_v, d]. One fused kernel on a CPU in float32 (``cpu_kernels``)."""
-    fused = cpu_kernels.qk_norm_rope(qkv_THd, norm_Hd, cos_Td, sin_Td, n_qk, eps)
-    if fused is not None:
-        return fused
+    rotated, and the v heads [..., T, n_v, d]."""
+    fused = registry.run("qk_norm_rope", qkv_THd.device, qkv_THd, norm_Hd, cos_Td, sin_Td, n_qk, eps)
+    return fused if fused is not None else qk_norm_rope_reference(qkv_THd, norm_Hd, cos_Td, sin_Td, n_qk, eps)
+
+
+@registry.reference("qk_norm_rope")
+def qk_norm_rope_reference(qkv_THd: Tensor, norm_Hd: Tensor | None, cos_Td: Tensor, sin_Td: Tensor, n_qk: int,
+                           eps: float) -> tuple[Tensor, Tensor]:
     qk, v = qkv_THd.split([n_qk, qkv_THd.shape[-2] - n_qk], dim=-2)  # split: the backward is one cat
     if norm_Hd is not None:
         qk = rmsnorm(qk, norm_Hd, eps)

@@ -1,0 +1,121 @@
+"""Ascend NPU backend: torch_npu's fused operators. NOT RUN HERE: no NPU (nor torch_npu) was available
+where this was written; tests/test_ops_registry.py checks only the wiring (which torch_npu function each
+op reaches, with which arguments) against a stand-in module, nothing about numerics.
+
+torch_npu is imported on the first call of an entry, only where it is installed; without it every
+entry returns None and the ops run their torch references. Signatures as torch_npu's documentation
+(Ascend "ptaoplist" API pages) gives them:
+
+- ``npu_rms_norm(x, gamma, epsilon) -> (y, rstd)``
+- ``npu_rotary_mul(x, r1, r2)``: x * r1 + rotate_half(x) * r2, x [B, S, N, D], r1/r2 [B, S, 1, D]
+- ``npu_fusion_attention(query, key, value, head_num, input_layout, ..., atten_mask, scale, ...)``:
+  returns a tuple whose first element is the attention; atten_mask True where a query may NOT attend
+- ``npu_moe_gating_top_k_softmax(x, finished=None, k=1) -> (y, expert_idx int32, row_idx int32)``
+- ``npu_moe_init_routing(x, row_idx, expert_idx, active_num) -> (expanded_x, expanded_row_idx,
+  expanded_expert_idx)``
+- ``npu_grouped_matmul(x: list, weight: list, *, group_list, split_item, group_type, ...) -> list``
+- ``npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
+  export_for_source_row) -> Tensor``
+
+The MoE routing operators are documented for inference only: those entries decline under autograd.
+``prefix_attention``'s NPU entry is the CUDA backend's torch path (no per-row copies).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import Tensor
+
+from rlflow.ops import registry
+from rlflow.ops.backends import cuda  # noqa: F401  (registers the shared prefix_attention entry for npu too)
+
+
+def _npu():
+    """torch_npu, or None where it is not installed."""
+    try:
+        return importlib.import_module("torch_npu")
+    except ImportError:
+        return None
+
+
+def _needs_grad(*ts: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+@registry.fused("rmsnorm", "npu")
+def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+    npu = _npu()
+    if npu is None or weight.dim() > x.dim() or tuple(x.shape[-weight.dim():]) != tuple(weight.shape):
+        return None
+    return npu.npu_rms_norm(x, weight, epsilon=eps)[0]
+
+
+@registry.fused("apply_rope", "npu")
+def apply_rope(x_THd: Tensor, cos_Td: Tensor, sin_Td: Tensor) -> Tensor | None:
+    npu = _npu()
+    if npu is None or x_THd.dim() < 3:
+        return None
+    *lead, T, H, d = x_THd.shape
+    h = d // 2
+    # ours folds rotate-half's sign into sin's first half ([-sin, sin]); npu_rotary_mul takes [sin, sin]
+    sin_plain = torch.cat([-sin_Td[..., :h], sin_Td[..., h:]], -1)
+    x4 = x_THd.reshape(-1, T, H, d)
+    r1, r2 = (t.reshape(-1, T, 1, d) for t in (cos_Td, sin_plain))
+    return npu.npu_rotary_mul(x4, r1, r2).view(x_THd.shape)
+
+
+@registry.fused("attention", "npu")
+def attention(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | None, *,
+              is_causal: bool = False) -> Tensor | None:
+    npu = _npu()
+    if npu is None:
+        return None
+    B, H, T, d = q_BHTd.shape
+    S = k_BKSd.shape[2]
+    if mask_B1TS is not None:
+        masked = ~mask_B1TS
+    elif is_causal:  # SDPA's top-left aligned causal mask
+        masked = torch.ones(T, S, dtype=torch.bool, device=q_BHTd.device).triu(1)
+    else:
+        masked = None
+    return npu.npu_fusion_attention(q_BHTd, k_BKSd, v_BKSd, H, "BNSD", atten_mask=masked, scale=d ** -0.5,
+                                    keep_prob=1.0)[0]
+
+
+@registry.fused("route_logits", "npu")
+def route(logits_NE: Tensor, k: int, norm: bool, with_aux: bool) -> tuple[Tensor, Tensor] | None:
+    npu = _npu()
+    if npu is None or with_aux or _needs_grad(logits_NE):
+        return None
+    w, idx, _row_idx = npu.npu_moe_gating_top_k_softmax(logits_NE.float(), None, k=k)
+    if norm:
+        w = w / w.sum(-1, keepdim=True)
+    return w, idx.long()
+
+
+@registry.fused("prepare_experts", "npu")
+def prepare_experts(gate_up_E2FD: Tensor, down_EDF: Tensor) -> tuple:
+    """The grouped matmul's weight layout (x @ w): gate_up [E, D, 2F], down [E, F, D]."""
+    return gate_up_E2FD.transpose(1, 2).contiguous(), down_EDF.transpose(1, 2).contiguous()
+
+
+@registry.fused("moe_experts", "npu")
+def moe_experts(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, prepared):
+    npu = _npu()
+    if npu is None or _needs_grad(x_ND, w_NK, gate_up_E2FD, down_EDF):
+        return None
+    N, K = idx_NK.shape
+    E = gate_up_E2FD.shape[0]
+    gu_t, dn_t = prepared if prepared is not None else prepare_experts(gate_up_E2FD, down_EDF)
+    idx32 = idx_NK.to(torch.int32)
+    row_idx = torch.arange(N * K, dtype=torch.int32, device=x_ND.device).view(K, N).t().contiguous()
+    xs, expanded_row_idx, expanded_expert_idx = npu.npu_moe_init_routing(x_ND, row_idx, idx32, N)
+    ends = torch.zeros(E, dtype=torch.int64, device=x_ND.device).index_add_(
+        0, idx_NK.reshape(-1), torch.ones(N * K, dtype=torch.int64, device=x_ND.device)).cumsum(0)
+    gu = npu.npu_grouped_matmul([xs], [gu_t], group_list=ends, split_item=2, group_type=0)[0]
+    g, u = gu.chunk(2, dim=-1)
+    ys = npu.npu_grouped_matmul([torch.nn.functional.silu(g) * u], [dn_t], group_list=ends, split_item=2,
+                                group_type=0)[0]
+    return npu.npu_moe_finalize_routing(ys, None, None, None, w_NK.to(ys.dtype), expanded_row_idx, idx32)
