@@ -3,25 +3,16 @@ values and gradients, for any routing (including experts no token reaches)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers import moe_reference
 from hypothesis import given, settings, strategies as st
 
 from rlflow.ops import moe
 
 
-def _reference(x, w, idx, gate_up, down):
-    out = torch.zeros_like(x)
-    for n in range(x.shape[0]):
-        for k in range(idx.shape[1]):
-            g, u = (gate_up[idx[n, k]] @ x[n]).chunk(2)
-            out[n] = out[n] + w[n, k] * (down[idx[n, k]] @ (F.silu(g) * u))
-    return out
-
-
 @pytest.mark.parametrize("path", ["dense", "grouped_mm", "loop"])
 @settings(max_examples=15, deadline=None)
 @given(N=st.integers(1, 12), E=st.integers(1, 6), K=st.integers(1, 3), skew=st.booleans(), seed=st.integers(0, 99))
-def test_expert_paths_equal_the_per_token_reference(path, N, E, K, skew, seed):
+def test_expert_paths_equal_the_per_tokenmoe_reference(path, N, E, K, skew, seed):
     K = min(K, E)
     g = torch.Generator().manual_seed(seed)
     D, Fd = 8, 4  # rows of 32 and 16 bytes: grouped_mm's alignment
@@ -39,7 +30,7 @@ def test_expert_paths_equal_the_per_token_reference(path, N, E, K, skew, seed):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(moe, "_grouped_mm_ok", lambda *_: path == "grouped_mm")
             y = moe._moe_grouped(leaves[0], leaves[1], idx, leaves[2], leaves[3])
-    ref = _reference(ref_leaves[0], ref_leaves[1], idx, ref_leaves[2], ref_leaves[3])
+    ref = moe_reference(ref_leaves[0], ref_leaves[1], idx, ref_leaves[2], ref_leaves[3])
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
     gy = torch.randn(N, D, generator=g)
     for a, b in zip(torch.autograd.grad(y, leaves, gy), torch.autograd.grad(ref, ref_leaves, gy)):

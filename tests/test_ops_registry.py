@@ -8,8 +8,9 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
+
+from helpers import moe_reference
 
 from rlflow import ops
 from rlflow.ops import PrefixLayout, moe, registry
@@ -123,15 +124,6 @@ def test_disabled_by_environment_the_suite_path():
 
 # ---- CUDA entries (plain torch) on CPU tensors ----
 
-def _per_token(x, w, idx, gate_up, down):
-    out = torch.zeros_like(x)
-    for n in range(x.shape[0]):
-        for k in range(idx.shape[1]):
-            g, u = (gate_up[idx[n, k]] @ x[n]).chunk(2)
-            out[n] = out[n] + w[n, k] * (down[idx[n, k]] @ (F.silu(g) * u))
-    return out
-
-
 @pytest.mark.parametrize("mode", ["sort_and_index", "sort_and_index_chunked", "grouped_mm"])
 @settings(max_examples=8)
 @given(N=st.integers(1, 20), E=st.integers(1, 6), K=st.integers(1, 3), skew=st.booleans(), seed=st.integers(0, 99))
@@ -153,7 +145,7 @@ def test_cuda_moe_paths_equal_the_reference(mode, N, E, K, skew, seed):
     y = cuda.moe_experts_nosync(leaves[0], leaves[1], idx, leaves[2], leaves[3], grouped_mm=mode == "grouped_mm",
                                 chunk_bytes=chunk)
     ref_leaves = [t.clone().requires_grad_(True) for t in (x, w, gate_up, down)]
-    ref = _per_token(ref_leaves[0], ref_leaves[1], idx, ref_leaves[2], ref_leaves[3])
+    ref = moe_reference(ref_leaves[0], ref_leaves[1], idx, ref_leaves[2], ref_leaves[3])
     tol = 1e-4 if mode == "grouped_mm" else 1e-10
     torch.testing.assert_close(y, ref, atol=tol, rtol=tol)
     gy = torch.randn(N, D, generator=g, dtype=x.dtype)
@@ -167,7 +159,7 @@ def test_cuda_moe_sort_and_index_has_no_host_sync():
     x, gate_up, down = torch.randn(12, 16, generator=g), torch.randn(4, 16, 16, generator=g), torch.randn(4, 16, 8, generator=g)
     w, idx = torch.softmax(torch.randn(12, 4, generator=g), -1).topk(2, -1)
     f = torch.compile(lambda *a: cuda.moe_experts_nosync(*a, grouped_mm=False), backend="eager", fullgraph=True)
-    torch.testing.assert_close(f(x, w, idx, gate_up, down), _per_token(x, w, idx, gate_up, down), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(f(x, w, idx, gate_up, down), moe_reference(x, w, idx, gate_up, down), atol=1e-4, rtol=1e-4)
 
 
 @settings(max_examples=15)
