@@ -28,6 +28,7 @@ them: ``any_rank`` lets the rollout engine keep them in lockstep.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -138,15 +139,23 @@ class LayoutExec(Exec):
     def collective_forward(self) -> bool:
         return self.tp is not None or self.ep is not None
 
+    @functools.cached_property
+    def _effective(self) -> dict[str, tuple[tuple[str, ...], ...]]:
+        """``effective`` of every parameter, once: the seams ask at every layer of every decode step."""
+        return {p.name: effective(self.layout, p.name) for p in self.layout.params}
+
+    def _split(self, name: str, dim: int, axis: str) -> bool:
+        return axis in self._effective[name][dim]
+
     def _tp_if(self, name: str, dim: int):
-        return self.tp if self.tp is not None and _on(self.layout, name, dim, "tp") else None
+        return self.tp if self.tp is not None and self._split(name, dim, "tp") else None
 
     # ---- attention ----
     def _kv_slice(self, cfg: ModelConfig, layer: int) -> tuple[int, int] | None:
         """[lo, hi) of the kv heads this rank's query heads use, when kv heads are replicated over a tp
         that splits the query heads; None when they are split alike (or tp does not split them)."""
         a = f"model.layers.{layer}.self_attn."
-        if self._tp_if(a + "q_proj.weight", 0) is None or _on(self.layout, a + "k_proj.weight", 0, "tp"):
+        if self._tp_if(a + "q_proj.weight", 0) is None or self._split(a + "k_proj.weight", 0, "tp"):
             return None
         n, ti = self.layout.mesh.tp, self.coords["tp"]
         Hl, per_kv = cfg.num_attention_heads // n, cfg.num_attention_heads // cfg.num_key_value_heads
@@ -197,7 +206,7 @@ class LayoutExec(Exec):
                 idx_NK: Tensor) -> Tensor:
         m = f"model.layers.{layer}.mlp."
         gt = self._tp_if(m + "experts.gate_up_proj", 2)
-        ge = self.ep if self.ep is not None and _on(self.layout, m + "experts.gate_up_proj", 0, "ep") else None
+        ge = self.ep if self.ep is not None and self._split(m + "experts.gate_up_proj", 0, "ep") else None
         if gt is None and ge is None:
             return super().experts(params, cfg, layer, x_ND, w_NK, idx_NK)
         y = ep.moe(copy_to(x_ND, gt), copy_to(w_NK, gt), idx_NK, params[m + "experts.gate_up_proj"],
