@@ -229,10 +229,11 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
     # ``ex.any_rank`` is the flag itself in one process; with expert parallelism every rank makes the same
     # calls in the same order (the same admissions and decode steps, with no rows where it has none)
     while True:
-        while ex.any_rank(bool(done.any())):  # free finished slots and refill them (an admitted row may end at once)
+        # free finished slots and refill them (an admitted row may end at once)
+        while ex.any_rank(any_done := bool(done.any())):
             out.slot_row[done] = -1
             cache.lengths_B[done] = 0
-            refill = bool(done.any()) and admitted < B
+            refill = any_done and admitted < B
             peers_refill = ex.any_rank(refill)
             if refill:
                 done = admit(torch.nonzero(out.slot_row < 0)[:, 0])
