@@ -22,7 +22,7 @@ import torch
 from rlflow.models import qwen3_moe
 from rlflow.models.config import get_config
 from rlflow.rollout import SamplingConfig, generate
-from rlflow.sharding.dist import spawn
+from rlflow.runtime.launch import spawn
 
 DEFINITION = ("tokens/s = rows x new tokens / wall time of one generate call (prefill included), median of "
               "repeats; ratio = tp2 (2 processes x 1 thread, gloo) / one process (2 threads)")

@@ -20,7 +20,7 @@ from rlflow.batch import PromptBatch, RolloutBatch, extend
 from rlflow.models import qwen3_moe as model
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import LOCAL, Exec
-from rlflow.ops import exponential_noise, sample
+from rlflow.ops import counter_keys, counter_noise, sample
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,27 +104,6 @@ def _compiled_step(device: torch.device):
     return _COMPILED[device.type]
 
 
-class _Noise:
-    """Exp(1) sampling noise [rows, V] per call, drawn from the seeded generator several steps at a time
-    (one kernel per chunk instead of one per token): up to 32 steps, no more than ``steps`` (the calls
-    expected), within ``budget`` bytes, at least one (a large vocabulary gets one step per draw, the size
-    of the step's logits). None when greedy."""
-
-    def __init__(self, gen: torch.Generator, rows: int, vocab: int, device, greedy: bool, steps: int,
-                 budget: int = 16 * 2**20):
-        self.chunk = max(1, min(32, steps, budget // (4 * rows * vocab)))
-        self.gen, self.shape, self.device, self.greedy = gen, (rows, vocab), device, greedy
-        self.buf, self.i = None, self.chunk
-
-    def next(self) -> torch.Tensor | None:
-        if self.greedy:
-            return None
-        if self.i == self.chunk:
-            self.buf, self.i = exponential_noise((self.chunk, *self.shape), generator=self.gen, device=self.device), 0
-        self.i += 1
-        return self.buf[self.i - 1]
-
-
 def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg: SamplingConfig, *,
              group_size: int = 1, seed: int = 0, max_batch: int | None = None,
              compile_decode: bool = False, ex: Exec = LOCAL) -> RolloutBatch:
@@ -133,16 +112,17 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
     A response ends at EOS (included in the mask) or after ``max_new_tokens``. At most ``max_batch``
     rows decode at once (default: all); when a row finishes, its slot is refilled with the next waiting
     row (continuous batching). Each admission prefills its prompts once and copies their KV to their
-    samples (a prompt whose G rows are admitted in two refills is prefilled twice). Reproducible: the
-    same params, prompts, config, seed and max_batch give the same tokens.
+    samples (a prompt whose G rows are admitted in two refills is prefilled twice). Batch-invariant: a
+    row's sampling noise is a function of (``seed``, its row id ``index_B * group_size + k``, token
+    position) (``ops.counter_noise``), so the same params, prompts, config and seed give a row the same
+    tokens whatever ``max_batch``, the other rows of the batch, or the rank it is generated on.
 
     ``compile_decode``: run the decode step compiled with static shapes (attention spans the whole
     cache, masked), for launch-bound small models; the first call per shape pays the compilation.
 
     ``ex``: the execution context of a layout (``params`` then hold this rank's shards): tensor and
     expert parallel, not a pipeline stage. Each rank samples its own ``prompts`` (the tp ranks of a
-    group the same ones) with its own ``seed``; a row's tokens are those one process gives for the same
-    prompts, seed and ``max_batch``.
+    group the same ones); a row's tokens are those one process gives for it.
     """
     with torch.inference_mode():  # less per-op work than no_grad (no version counters or view tracking)
         ids, mask, lp = _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_decode, ex)
@@ -169,7 +149,6 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
     B = P * G
     slots = min(B, max_batch or B)
     dtype = params["model.embed_tokens.weight"].dtype
-    gen = torch.Generator(device=dev).manual_seed(seed)
     params = model.fuse_for_inference(params, cfg, ex)
     ids_r, mask_r = right_align(prompts.prompt_ids_BTp, prompts.prompt_mask_BTp)
     plen_P = mask_r.sum(-1)
@@ -182,7 +161,8 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
                slot_row=torch.full((slots,), -1, dtype=torch.long, device=dev),
                n_gen=torch.zeros(slots, dtype=torch.long, device=dev))
     tok_S = torch.zeros(slots, dtype=torch.long, device=dev)  # each slot's last token, fed next step
-    noise = _Noise(gen, slots, cfg.vocab_size, dev, greedy=scfg.temperature == 0, steps=Tn)  # Tn per admission
+    greedy = scfg.temperature == 0
+    keys_B = counter_keys(seed, (prompts.index_B.to(dev).repeat_interleave(G) * G + torch.arange(G, device=dev).repeat(P)))
     sampling = dict(temperature=scfg.temperature, top_k=scfg.top_k, top_p=scfg.top_p)
     admitted = 0  # rows are admitted in order
 
@@ -203,8 +183,8 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
             cache.v[layer][sl, :, :Tp] = tmp.v[layer][src]
         cache.lengths_B[sl] = plen_P[p0:p1][src]
         cache.bound = max(cache.bound, Tp)
-        nz = noise.next()
-        t_n, lp_n = sample(last[src], noise_BV=None if nz is None else nz[:n], **sampling)
+        nz = None if greedy else counter_noise(keys_B[rows], torch.zeros_like(rows), cfg.vocab_size)
+        t_n, lp_n = sample(last[src], noise_BV=nz, **sampling)
         out.slot_row[sl] = rows
         out.n_gen[sl] = 0
         new = torch.zeros(slots, dtype=torch.bool, device=dev)
@@ -250,4 +230,5 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
         if compile_decode:
             cache.bound = cache.max_len - 1
         valid = (out.slot_row >= 0) if masked else None
-        tok_S, done = step(params, cfg, scfg, tok_S, valid, noise.next(), cache, out, ex)
+        nz = None if greedy else counter_noise(keys_B[out.slot_row.clamp_min(0)], out.n_gen, cfg.vocab_size)
+        tok_S, done = step(params, cfg, scfg, tok_S, valid, nz, cache, out, ex)

@@ -3,7 +3,7 @@ against the values they must give (exact). Fast: one process start."""
 
 import torch
 
-from rlflow.sharding.dist import spawn
+from rlflow.runtime.launch import spawn
 
 
 def collectives_check(rank: int, world: int) -> dict[str, float]:

@@ -9,7 +9,8 @@ from rlflow.algos import stages
 from rlflow.algos.grpo import GRPOConfig
 from rlflow.models import sharding as model_sharding
 from rlflow.sharding import Mesh
-from rlflow.sharding.dist import create_groups, spawn
+from rlflow.runtime.launch import spawn
+from rlflow.sharding.dist import create_groups
 
 
 def _case():

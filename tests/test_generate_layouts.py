@@ -13,7 +13,7 @@ from helpers import random_prompts
 from rlflow.models import qwen3_moe as qm
 from rlflow.models.config import get_config
 from rlflow.rollout import SamplingConfig, generate
-from rlflow.sharding.dist import spawn
+from rlflow.runtime.launch import spawn
 
 CFG = get_config("qwen3-moe-tiny")  # 4 heads, 2 kv heads, 8 experts (top 2), 4 layers, vocab 32
 P_PER_DATA_RANK, G, MAX_BATCH = 3, 2, 4  # 6 rows over 4 slots: refills

@@ -58,12 +58,13 @@ def _opcheck_cases():
         "moe_plan": (idx, 3),
         "gather_rows": (grad(r(3, 8)), tok, inv, 2),
         "combine_rows": (grad(r(6, 8)), tok, inv, 2),
+        "counter_noise": (torch.tensor([3, -7, 1 << 62]), torch.tensor([0, 5, 2]), 40),
     }
 
 
 OPS = ("swiglu_weighted", "swiglu_weighted_backward", "rmsnorm", "rmsnorm_backward", "qk_norm_rope",
        "qk_norm_rope_backward", "prefix_attention", "prefix_attention_backward", "moe_small_experts", "route",
-       "route_backward", "moe_plan", "gather_rows", "combine_rows")
+       "route_backward", "moe_plan", "gather_rows", "combine_rows", "counter_noise")
 
 
 @needs_kernels
@@ -295,3 +296,20 @@ def test_npu_entries_decline_without_torch_npu(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # import raises ImportError
     x, w = torch.randn(2, 16), torch.randn(16)
     assert registry.lookup("rmsnorm", "npu")(x, w, 1e-6) is None
+
+
+@needs_kernels
+def test_counter_noise_kernel_matches_the_reference_and_is_batch_invariant():
+    """The CPU kernel computes the reference's integers (so the same draws up to float32 log rounding), and a
+    row's noise depends only on its key, position and the token id: a sub-batch draws the same values."""
+    keys = ops.counter_keys(11, torch.arange(37) * 977)
+    pos = torch.randint(0, 50, (37,), generator=_g(2))
+    got = ops.counter_noise(keys, pos, 129)
+    ref = registry.get_reference("counter_noise")(keys, pos, 129)
+    assert got.shape == (37, 129) and got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=2e-6, atol=1e-6)
+    assert torch.equal(ops.counter_noise(keys[5:9], pos[5:9], 129), got[5:9])
+    u = torch.exp(-got)  # Exp(1) -> U(0, 1)
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(got.mean()) - 1.0) < 0.03
+    a, b = ops.counter_noise(keys, pos, 2048), ops.counter_noise(keys, pos + 1, 2048)  # the next position: fresh
+    assert abs(float(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1])) < 0.03  # draws (6 sigma)

@@ -17,7 +17,7 @@ from rlflow.algos import grpo, stages
 from rlflow.batch import TrainBatch, pad
 from rlflow.models import qwen3_moe as qm
 from rlflow.models.config import get_config
-from rlflow.sharding.dist import spawn
+from rlflow.runtime.launch import spawn
 
 CFG = get_config("qwen3-moe-tiny")  # 4 heads, 2 kv heads, 8 experts (top 2), 4 layers, vocab 32
 GCFG = grpo.GRPOConfig(group_size=2, entropy_coef=0.01)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlflow.models.config import ModelConfig
-from rlflow.sharding.dist import spawn
+from rlflow.runtime.launch import spawn
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 

@@ -14,7 +14,7 @@ import torch
 from test_plan_cases import cases, collect
 
 from rlflow.models.config import ModelConfig
-from rlflow.sharding.dist import spawn
+from rlflow.runtime.launch import spawn
 from rlflow.sharding.mesh import AXES, Mesh
 
 WORLD = 4

@@ -159,3 +159,23 @@ def test_compiled_decode_step_gives_the_eager_tokens():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert torch.equal(first.response_ids_BTr, compiled.response_ids_BTr)
     assert torch.equal(again.response_ids_BTr, compiled.response_ids_BTr)
+
+
+def test_sampled_rows_do_not_depend_on_the_batch():
+    """Sampling noise is keyed by row id and position: the same prompts sampled as one batch, with few slots
+    (refills), or split in two calls (as two rollout ranks would) give each row the same tokens; another
+    seed gives other tokens."""
+    params, prompts = _params(3), _prompts(3, P=6)
+    scfg = SamplingConfig(max_new_tokens=10, eos_id=5, temperature=1.0)
+    full = generate(params, CFG, prompts, scfg, group_size=3, seed=7)
+    lens = full.response_mask_BTr.sum(-1)
+    assert lens.min() < lens.max(), "test needs rows of different lengths"
+    few = generate(params, CFG, prompts, scfg, group_size=3, seed=7, max_batch=4)
+    halves = [generate(params, CFG, prompts.select(torch.arange(a, b)), scfg, group_size=3, seed=7) for a, b in ((0, 2), (2, 6))]
+    for name, got in (("max_batch=4", few), ("halves", None)):
+        ids = torch.cat([h.response_ids_BTr[:, :10] for h in halves]) if got is None else got.response_ids_BTr
+        mask = torch.cat([h.response_mask_BTr[:, :10] for h in halves]) if got is None else got.response_mask_BTr
+        assert torch.equal(mask, full.response_mask_BTr), name
+        assert torch.equal(ids * mask, full.response_ids_BTr * full.response_mask_BTr), name
+    other = generate(params, CFG, prompts, scfg, group_size=3, seed=8)
+    assert not torch.equal(other.response_ids_BTr, full.response_ids_BTr)

@@ -1,4 +1,4 @@
-"""The torch.distributed executor, process groups, and a local process launcher.
+"""The torch.distributed executor and process groups.
 
 ``execute(plan, shards, state)`` runs on every rank (gloo on CPU, nccl on CUDA, hccl on NPU): the same
 per-rank packing as the simulated executor (``rlflow.sharding.execute``), with real collectives:
@@ -13,19 +13,15 @@ partitions of ``GROUP_AXES`` of each mesh, its layouts' and the transitions' bet
 in one fixed order on every rank, as ``dist.new_group`` requires; ``mesh_group(mesh, axes)`` then hands
 out the calling rank's group. ``new_groups(partition)`` is the cached primitive underneath (the plan
 executor makes its plan's groups with it, in the plan's order).
-``spawn(fn, world)`` runs ``fn(rank, world, *args)`` in ``world`` local processes joined by
-``torch.distributed`` and returns what each returned.
+Processes are launched by ``rlflow.runtime.launch``.
 """
 
 from __future__ import annotations
 
 import os
-import socket
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rlflow.sharding import execute as ex
 from rlflow.sharding.plan import COLLECTIVES, Bucket, Plan
@@ -229,41 +225,3 @@ def _local_devices() -> int:
     if torch.cuda.is_available():
         return torch.cuda.device_count()
     return 1
-
-
-# ---- launcher ----
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, fn, world, port, backend, outdir, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    elif backend == "hccl":  # NOT RUN HERE (no Ascend NPU)
-        torch.npu.set_device(rank % torch.npu.device_count())
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        res = fn(rank, world, *args)
-        torch.save(res, os.path.join(outdir, f"{rank}.pt"))
-    finally:
-        clear_groups()
-        dist.destroy_process_group()
-
-
-def spawn(fn, world: int, *args, backend: str | None = None) -> list:
-    """Run ``fn(rank, world, *args)`` in ``world`` processes (torch.distributed initialised; the backend
-    ``rlflow.device.backend_for(world)`` by default: nccl / hccl with a device per process, else gloo; a
-    process's device is ``rlflow.device.process_device()``); returns the list of results, rank order.
-    ``fn`` must be importable (module level)."""
-    if backend is None:
-        from rlflow import device as rd
-        backend = rd.backend_for(world)
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_entry, args=(fn, world, free_port(), backend, d, args), nprocs=world,
-                           join=True, start_method="spawn")
-        return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(world)]

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from rlflow.sharding.dist import spawn
+from rlflow.runtime.launch import spawn
 
 
 def _worker(rank: int, world: int, model: str, src: str, dst: str, repeat: int, bucket: int) -> dict:

@@ -52,7 +52,8 @@ _SOURCES = (os.path.join(_DIR, "cpu_ops.cpp"), os.path.join(_DIR, "cpu_kernels.c
 WIDTH = 8  # floats per vector in the C source: row widths must be multiples of it
 # the C++ side's counters, in its order (cpu_ops.cpp: enum Kernel)
 KERNELS = ("swiglu_fwd", "swiglu_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "qk_norm_rope_fwd", "qk_norm_rope_bwd",
-           "prefix_attn_fwd", "prefix_attn_bwd", "moe_small_fwd", "moe_plan", "gather_sum", "router_fwd", "router_bwd")
+           "prefix_attn_fwd", "prefix_attn_bwd", "moe_small_fwd", "moe_plan", "gather_sum", "router_fwd", "router_bwd",
+           "counter_noise")
 _lock = threading.Lock()
 _state: bool | None = None  # None: not tried yet
 unavailable_reason: str | None = None
@@ -195,6 +196,7 @@ def _register_python_parts() -> None:
     def new(t: Tensor, *shape, dtype=None):
         return torch.empty(shape, dtype=dtype or t.dtype, device=t.device)
 
+    fake(lib + "counter_noise")(lambda keys, pos, vocab: new(keys, keys.shape[0], vocab, dtype=torch.float32))
     fake(lib + "swiglu_weighted")(lambda gu, w: new(gu, gu.shape[0], gu.shape[1] // 2))
     fake(lib + "swiglu_weighted_backward")(lambda gu, w, dout: (new(gu, *gu.shape), new(w, *w.shape)))
     fake(lib + "rmsnorm")(lambda x, w, eps: (new(x, *x.shape), new(x, x.numel() // x.shape[-1])))
@@ -409,6 +411,14 @@ def route(logits_NE: Tensor, k: int, norm: bool, with_aux: bool = False) -> tupl
         return None
     w, idx, _ = _call("route", logits_NE, k, norm)
     return w, idx
+
+
+@registry.fused("counter_noise", "cpu")
+def counter_noise(keys_B: Tensor, pos_B: Tensor, vocab: int) -> Tensor | None:
+    """``rlflow.ops.counter_noise`` in one pass per row (the reference makes ~15 passes over [B, V] int64)."""
+    if keys_B.dim() != 1 or keys_B.device.type != "cpu" or not available():
+        return None
+    return _call("counter_noise", keys_B.long(), pos_B.long(), vocab)
 
 
 def moe_plan(idx_NK: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:

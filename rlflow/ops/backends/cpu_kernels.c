@@ -692,3 +692,25 @@ void router_bwd(const float* probs, const int64_t* idx, const float* w, const fl
     for (int64_t s = 0; s < k; s++) dl[idx[r * k + s]] += p[idx[r * k + s]] * dp[s];
   }
 }
+
+
+/* ---- counter-based sampling noise (rlflow.ops.counter_noise) ---- */
+static inline uint64_t mix64(uint64_t x) {
+  x ^= x >> 30; x *= 0xbf58476d1ce4e5b9ULL;
+  x ^= x >> 27; x *= 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+/* out[b, v] = -log(U), U = (bits 40..63 of mix(mix(key_b + pos_b * M2) + v) + 0.5) / 2^24: the same
+   integers as the torch reference (wrapping uint64 arithmetic). */
+void counter_noise_fwd(const int64_t* keys, const int64_t* pos, int64_t n, int64_t vocab, float* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < n; b++) {
+    const uint64_t k = mix64((uint64_t)keys[b] + (uint64_t)pos[b] * 0x94d049bb133111ebULL);
+    float* o = out + b * vocab;
+    for (int64_t v = 0; v < vocab; v++) {
+      const uint64_t x = mix64(k + (uint64_t)v);
+      o[v] = -logf(((float)(x >> 40) + 0.5f) * (1.0f / 16777216.0f));
+    }
+  }
+}

@@ -22,7 +22,7 @@ using at::Tensor;
 
 // Calls per C kernel, for tests that check which kernels ran (also inside a compiled graph).
 enum Kernel { SWIGLU_FWD, SWIGLU_BWD, RMSNORM_FWD, RMSNORM_BWD, QK_NORM_ROPE_FWD, QK_NORM_ROPE_BWD, PREFIX_ATTN_FWD,
-              PREFIX_ATTN_BWD, MOE_SMALL_FWD, MOE_PLAN, GATHER_SUM, ROUTER_FWD, ROUTER_BWD, N_KERNELS };
+              PREFIX_ATTN_BWD, MOE_SMALL_FWD, MOE_PLAN, GATHER_SUM, ROUTER_FWD, ROUTER_BWD, COUNTER_NOISE, N_KERNELS };
 std::atomic<int64_t> calls[N_KERNELS];
 inline void count(Kernel k) { calls[k].fetch_add(1, std::memory_order_relaxed); }
 
@@ -244,6 +244,16 @@ Tensor op_combine_rows(const Tensor& ys_, const Tensor& tok, const Tensor& inv_,
   return out;
 }
 
+Tensor op_counter_noise(const Tensor& keys_, const Tensor& pos_, int64_t vocab) {
+  TORCH_CHECK(keys_.scalar_type() == at::kLong && pos_.scalar_type() == at::kLong && keys_.device().is_cpu() &&
+              keys_.dim() == 1 && pos_.sizes() == keys_.sizes() && vocab >= 0, "counter_noise: keys, pos int64 [B] on a CPU");
+  Tensor keys = keys_.contiguous(), pos = pos_.contiguous();
+  Tensor out = at::empty({keys.size(0), vocab}, keys.options().dtype(at::kFloat));
+  count(COUNTER_NOISE);
+  counter_noise_fwd(keys.const_data_ptr<int64_t>(), pos.const_data_ptr<int64_t>(), keys.size(0), vocab, f32m(out));
+  return out;
+}
+
 std::vector<int64_t> kernel_calls() {
   std::vector<int64_t> out(N_KERNELS);
   for (int i = 0; i < N_KERNELS; i++) out[i] = calls[i].load(std::memory_order_relaxed);
@@ -271,6 +281,7 @@ TORCH_LIBRARY(rlflow, m) {
   m.def("moe_plan(Tensor idx, int n_experts) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("gather_rows(Tensor x, Tensor tok, Tensor inv, int k) -> Tensor");
   m.def("combine_rows(Tensor ys, Tensor tok, Tensor inv, int k) -> Tensor");
+  m.def("counter_noise(Tensor keys, Tensor pos, int vocab) -> Tensor");
   m.def("_kernel_calls() -> int[]", &kernel_calls);
   m.def("_kernels_openmp() -> int", &kernels_openmp);
   m.def("_kernels_max_threads() -> int", &kernels_max_threads);
@@ -287,6 +298,7 @@ TORCH_LIBRARY_IMPL(rlflow, CPU, m) {
   m.impl("prefix_attention_backward", &op_prefix_attention_backward);
   m.impl("moe_small_experts", &op_moe_small_experts);
   m.impl("route", &op_route);
+  m.impl("counter_noise", &op_counter_noise);
   m.impl("route_backward", &op_route_backward);
   m.impl("moe_plan", &op_moe_plan);
   m.impl("gather_rows", &op_gather_rows);
