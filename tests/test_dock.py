@@ -1,4 +1,5 @@
-"""Transfer dock, in-process: put/get semantics, options, bad input, samplers, the cost model."""
+"""Transfer dock: put/get semantics, options, bad input, samplers, the cost model; in-process and with the
+warehouses and controllers in processes of their own (``proc_dock``, what the distributed runtime uses)."""
 
 import threading
 import time
@@ -10,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlflow.dock import CentralizedBuffer, Column, Dock, Schema
+from rlflow.dock.proc_backend import proc_dock
 from rlflow.dock.cost import GRPO_FLOW, Shape, centralized_bytes, dock_bytes, stage_bytes
 from rlflow.dock.samplers import balance, imbalance, pick_groups
 from rlflow.dock.schema import take_rows
@@ -19,12 +21,15 @@ MAKERS = {
     "dock1": lambda: Dock.local(capacity=CAP, warehouses=1, group_size=G),
     "dock3": lambda: Dock.local(capacity=CAP, warehouses=3, group_size=G),
     "central": lambda: CentralizedBuffer.local(capacity=CAP, group_size=G),
+    "procs2": lambda: proc_dock(capacity=CAP, warehouses=2, group_size=G),
 }
 
 
 @pytest.fixture(params=list(MAKERS))
 def dock(request):
-    return MAKERS[request.param]()
+    d = MAKERS[request.param]()
+    yield d
+    d.close()
 
 
 def prompts(rows, seed=0):

@@ -20,7 +20,7 @@ def _case():
 
 
 def _update(params, cfg, tb, world, layout=None):
-    ucfg = stages.UpdateConfig(mini_batch_size=tb.size, micro_batch_size=max(1, tb.size // 2), dp_layout=layout)
+    ucfg = stages.UpdateConfig(mini_batch_size=tb.size, micro_batch_size=max(1, tb.size // 2), layout=layout)
     p = {k: v.clone() for k, v in params.items()}
     new, _, met = stages.update(p, optim.init(p), tb, cfg, GRPOConfig(group_size=4, loss_agg="token-mean"), ucfg,
                                 optim.AdamWConfig(lr=1e-2, eps=1e-3))

@@ -104,13 +104,14 @@ def _token_logprobs(params, cfg, batch, h_resp, temperature, with_entropy, ex: E
 
 @torch.no_grad()
 def batched_logprobs(params, cfg: ModelConfig, batch: RolloutBatch, *, micro_batch_size: int,
-                     temperature: float = 1.0) -> Tensor:
-    """response_logprobs over micro-batches without gradients (old and reference log-probs)."""
+                     temperature: float = 1.0, ex: Exec = LOCAL) -> Tensor:
+    """response_logprobs over micro-batches without gradients (old and reference log-probs); ``ex``: the
+    execution context of a layout without pp (every rank of an ep group the same number of micro-batches)."""
     out = torch.zeros(batch.response_ids_BTr.shape, dtype=torch.float32, device=batch.response_ids_BTr.device)
     for s in range(0, batch.size, micro_batch_size):
         rows = torch.arange(s, min(s + micro_batch_size, batch.size))
         mb = _trim(batch.select(rows))
-        lp, _, _ = response_logprobs(params, cfg, mb, temperature=temperature, with_aux=False)
+        lp, _, _ = response_logprobs(params, cfg, mb, temperature=temperature, with_aux=False, ex=ex)
         out[rows, :lp.shape[1]] = lp
     return out
 
@@ -125,10 +126,11 @@ class UpdateConfig:
     # instead of micro_batch_size samples. None: fixed micro_batch_size.
     max_tokens_per_micro_batch: int | None = None
     remat: bool = False  # recompute layer activations in the backward (long sequences)
-    # Data parallelism: the layout whose ("dp", "ep") ranks each hold a share of the batch. The loss takes
-    # the normalizers of the whole (all-rank) mini-batch and gradients are summed over those ranks, so
-    # the step equals the one-process step on the whole batch. None: one rank. Parameters replicated.
-    dp_layout: object = None
+    # The train layout (None: one process, unsharded). Its ("dp", "ep") ranks each hold a share of the
+    # batch (tp ranks the same rows); the loss takes the normalizers of the whole (all-rank) mini-batch,
+    # gradients are summed over the ranks that share a parameter shard and the gradient norm is that of
+    # the full gradient, so the step equals the one-process step on the whole batch. No pp (yet).
+    layout: object = None
 
 
 def micro_batches(batch: RolloutBatch, rows: Tensor, ucfg: UpdateConfig) -> list[Tensor]:
@@ -155,7 +157,7 @@ def micro_batches(batch: RolloutBatch, rows: Tensor, ucfg: UpdateConfig) -> list
 
 def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch, cfg: ModelConfig,
            gcfg: grpo.GRPOConfig, ucfg: UpdateConfig, ocfg: optim.AdamWConfig, *, seed: int = 0,
-           lr: float | None = None, old_is_current: bool = False, max_len: int | None = None
+           lr: float | None = None, old_is_current: bool = False, max_len: int | None = None, ex: Exec = LOCAL
            ) -> tuple[model.Params, optim.AdamWState, dict[str, float]]:
     """``gcfg.epochs`` passes over the batch in shuffled mini-batches; one AdamW step per mini-batch with
     gradients accumulated over micro-batches (normalizers of the whole mini-batch, so accumulation is exact).
@@ -164,7 +166,12 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
     ``old_is_current``: the batch was sampled by exactly these params and this call makes one optimizer
     step, so the ratio's denominator is the current log-prob detached (exact; saves a forward pass).
     ``max_len``: the response-length constant of ``seq-mean-token-sum-norm`` (the generation budget;
-    default: the batch's padded response length)."""
+    default: the batch's padded response length).
+    ``ex``: this rank's execution context in ``ucfg.layout`` (``params``: its shards)."""
+    layout = ucfg.layout
+    if layout is not None and layout.mesh.pp > 1:
+        raise ValueError(f"update: the train layout {layout.mesh} has pp > 1; the GRPO update runs pp = 1 layouts "
+                         "(the pipeline schedule is in rlflow.parallel.train, not wired into the update yet)")
     if old_is_current and (gcfg.epochs != 1 or ucfg.mini_batch_size < batch.size):
         raise ValueError(f"update: old_is_current needs exactly one optimizer step, but epochs={gcfg.epochs} and "
                          f"mini_batch_size={ucfg.mini_batch_size} (batch {batch.size}) give several")
@@ -182,14 +189,14 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
             mini = perm[s:s + ucfg.mini_batch_size]
             n_tokens = float(batch.response_mask_BTr[mini].sum())
             n_seqs = len(mini)
-            if ucfg.dp_layout is not None:
-                n_tokens, n_seqs = dp.batch_total(n_tokens, ucfg.dp_layout), dp.batch_total(n_seqs, ucfg.dp_layout)
+            if layout is not None:
+                n_tokens, n_seqs = dp.batch_total(n_tokens, layout), dp.batch_total(n_seqs, layout)
             grads: list[Tensor | None] = [None] * len(leaves)
             for rows in micro_batches(batch, mini, ucfg):
                 mb = _trim(batch.select(rows))
                 lp, ent, aux = response_logprobs(live, cfg, mb, temperature=gcfg.temperature,
                                                  with_entropy=bool(gcfg.entropy_coef), remat=ucfg.remat,
-                                                 with_aux=bool(ucfg.router_aux_coef))
+                                                 with_aux=bool(ucfg.router_aux_coef), ex=ex)
                 old = lp.detach() if old_is_current else mb.old_logprobs_BTr  # the trainer's, at the sampling weights
                 sample, rmask = mb.sample_logprobs_BTr, mb.response_mask_BTr
                 w = corrections.is_weights(sample, old, rmask, level=gcfg.rollout_is, cap=gcfg.rollout_is_cap,
@@ -213,10 +220,12 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
                     sums[k] = sums.get(k, 0.0) + float(v) * mb.size / len(mini)
             gdict = {k: torch.zeros_like(p, dtype=torch.float32) if gr is None else gr
                      for k, p, gr in zip(names, leaves, grads)}
-            if ucfg.dp_layout is not None:
-                gdict = dp.all_reduce_grads(gdict, ucfg.dp_layout)  # sum of the ranks' shares
-            gdict, norm = optim.clip_by_global_norm(gdict, ucfg.max_grad_norm)
-            norm_f = float(norm)  # the same on every data-parallel rank: computed from the summed gradients
+            if layout is not None:
+                gdict = dp.all_reduce_grads(gdict, layout)  # sum of the ranks' shares
+                gdict, norm = dp.clip_grads(gdict, layout, ucfg.max_grad_norm)  # the full gradient's norm
+            else:
+                gdict, norm = optim.clip_by_global_norm(gdict, ucfg.max_grad_norm)
+            norm_f = float(norm)  # the same on every rank: computed from the summed gradients
             sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm_f
             n_mb += 1
             if not math.isfinite(norm_f):  # a NaN/inf reward, loss or gradient: this step is skipped, the
@@ -224,8 +233,8 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
                 continue
             with torch.no_grad():
                 _, opt_state = optim.step(live, gdict, opt_state, ocfg, lr=lr)
-    if ucfg.dp_layout is not None:
-        sums["loss"] = dp.batch_total(sums.get("loss", 0.0), ucfg.dp_layout)  # the ranks' shares add up
+    if layout is not None:
+        sums["loss"] = dp.batch_total(sums.get("loss", 0.0), layout)  # the ranks' shares add up
     new_params = {k: p.detach() for k, p in live.items()}
     sums.setdefault("update_skipped", 0.0)  # the share of this call's optimizer steps skipped
     metrics = {**{k: v / max(n_mb, 1) for k, v in sums.items()}, **maxes}

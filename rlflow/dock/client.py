@@ -29,9 +29,10 @@ import torch
 from torch import Tensor
 
 from rlflow.dock.controller import Controller
-from rlflow.dock.samplers import balance
+from rlflow.dock.routing import route
 from rlflow.dock.schema import GRPO_COLUMNS, GRPO_CONSUMERS, Schema, Wire, concat_cells, take_rows
 from rlflow.dock.warehouse import Warehouse
+from rlflow.sharding.mesh import Mesh
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -182,21 +183,23 @@ class _Client:
             raise ValueError(f"dock.get: dp_size must be a positive integer, got {dp_size!r}")
         return columns
 
-    def _split(self, columns, lengths: dict[str, np.ndarray], k: int, groups: bool, dp_size: int) -> list[np.ndarray]:
-        """Positions of each DP rank: equal counts, total sequence length balanced (groups kept whole)."""
-        if dp_size == 1:
-            return [np.arange(k)]
+    def _cost(self, columns, lengths: dict[str, np.ndarray], k: int) -> np.ndarray:
+        """Each row's sequence length over the length groups of ``columns`` (1 each when none is var)."""
         seen, cost = set(), np.zeros(k)
         for c in columns:
             g = self.schema[c].length_group or c
             if c in lengths and g not in seen:
                 seen.add(g)
                 cost += lengths[c]
-        if not seen:
-            cost += 1
-        G = self.group_size if groups else 1
-        parts = balance(cost.reshape(-1, G).sum(axis=1), dp_size)
-        return [(p[:, None] * G + np.arange(G)).reshape(-1) for p in parts]
+        return cost if seen else cost + 1
+
+    def _split(self, columns, lengths: dict[str, np.ndarray], k: int, groups: bool, dp_size: int) -> list[np.ndarray]:
+        """Positions of each DP rank: equal counts, total sequence length balanced (groups kept whole)."""
+        if dp_size == 1:
+            return [np.arange(k)]
+        plan = route(np.arange(k), np.zeros(k), self._cost(columns, lengths, k), np.zeros(k), Mesh(dp=dp_size),
+                     group_size=self.group_size if groups else 1)
+        return [plan.positions(p) for p in range(dp_size)]
 
     def _assemble(self, columns, index: np.ndarray, chunks: list[tuple[np.ndarray, Wire]], packed: bool) -> DockBatch:
         """Build a DockBatch of rows ``index`` from wire chunks, each (positions in the batch, wire)."""

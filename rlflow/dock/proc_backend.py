@@ -1,0 +1,89 @@
+"""Local-process backend: each warehouse in a server process of its own, the controllers in one more.
+
+The dock processes are ``multiprocessing.managers`` servers started by the process that makes the dock
+(the driver); the ``Dock`` it returns holds proxies and pickles, so the ranks of a run (spawned
+processes) are handed the same dock and call the servers directly: rows go from the producing rank to a
+warehouse process and from there to the consuming rank, never through the driver. A server runs each
+client connection in a thread of its own, so a take blocked in a controller waiting for rows does not
+stop the puts that will make them ready (the controllers and warehouses lock internally). An error
+raised in a dock process is raised again, unchanged, in the caller.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
+from multiprocessing.managers import BaseManager
+from typing import Sequence
+
+from rlflow.dock.client import Dock
+from rlflow.dock.controller import Controller
+from rlflow.dock.schema import GRPO_COLUMNS, GRPO_CONSUMERS, Schema
+from rlflow.dock.warehouse import Warehouse
+
+
+class _Server(BaseManager):
+    pass
+
+
+_Server.register("Warehouse", Warehouse)
+_Server.register("Controller", Controller)
+
+
+class ProcTransport:
+    """Calls become proxy calls to the dock processes; ``close`` (in the process that started them) stops
+    them."""
+
+    nodes: tuple = ()
+
+    def __init__(self, servers: list):
+        self._servers = servers
+
+    def __getstate__(self):
+        return {"_servers": []}  # a copy in another process does not own the servers
+
+    def call(self, target, method: str, *args):
+        return getattr(target, method)(*args)
+
+    def call_many(self, calls) -> list:
+        out = []
+        for target, method, args in calls:
+            try:
+                out.append(getattr(target, method)(*args))
+            except Exception as e:  # noqa: BLE001 - returned to the caller, who re-raises
+                out.append(e)
+        return out
+
+    def here(self):
+        return None
+
+    def close(self, targets) -> None:
+        for s in self._servers:
+            s.shutdown()
+        self._servers = []
+
+
+def proc_dock(schema: Schema = GRPO_COLUMNS, consumers: Sequence[str] = GRPO_CONSUMERS, *, capacity: int,
+              warehouses: int = 1, group_size: int = 1) -> Dock:
+    """A dock whose ``warehouses`` warehouses run in processes of their own and whose controllers share one
+    more; ``close()`` stops them."""
+    if warehouses < 1:
+        raise ValueError(f"proc_dock: warehouses must be >= 1, got {warehouses}")
+    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    servers = []
+    try:
+        for _ in range(warehouses + 1):
+            s = _Server(ctx=ctx)
+            s.start()
+            servers.append(s)
+        var = [c.name for c in schema if c.kind == "var"]
+        whs = [servers[i].Warehouse(f"w{i}", schema.wire_spec()) for i in range(warehouses)]
+        ctrls = {c: servers[-1].Controller(c, capacity, schema.names, var, group_size) for c in consumers}
+    except BaseException:
+        for s in servers:
+            s.shutdown()
+        raise
+    return Dock(schema, consumers, capacity, group_size, ProcTransport(servers), whs, ctrls)
+
+
+__all__ = ["ProcTransport", "proc_dock"]

@@ -1,0 +1,86 @@
+"""The actor's weights between the train layout and the rollout layout, every step.
+
+Before each rollout, ``to_rollout`` runs the allgather-swap plan (``sharding.plan.allgather_swap``) with
+the torch.distributed executor: each rank's rollout shards are built bucket by bucket from the train
+shards, and the train state (weights, the AdamW moments and float32 masters) goes to host memory
+(pinned on an accelerator; on a CPU it stays where it is, the same tensors). ``to_train`` is the plan's
+way back (``swap_back``): the train state comes in again and the rollout weights are freed. Nothing
+moves between ranks on the way back: the train state did not change while the rollout ran.
+
+Identical layouts need no transition: ``to_rollout`` hands the train weights to the rollout as they are.
+Every transition's wall time and bytes (sent and received by this rank) are recorded for the metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from rlflow import optim
+from rlflow.sharding import dist as sdist
+from rlflow.sharding.execute import TrainState
+from rlflow.sharding.layout import Layout
+from rlflow.sharding.plan import DEFAULT_BUCKET_BYTES, allgather_swap, swap_back
+
+
+def same_layout(a: Layout, b: Layout) -> bool:
+    return a.mesh == b.mesh and a.names == b.names and all(a[n].spec == b[n].spec and a[n].stage == b[n].stage
+                                                           for n in a.names)
+
+
+@dataclass
+class Transition:
+    """The last transition's figures on this rank."""
+    seconds: float = 0.0
+    sent: int = 0
+    recv: int = 0
+
+
+class Weights:
+    """Moves one rank's actor weights train layout -> rollout layout -> train layout (see the module)."""
+
+    def __init__(self, train: Layout, rollout: Layout, rank: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.train, self.rollout, self.rank = train, rollout, rank
+        self.identity = same_layout(train, rollout)
+        self.forward = None if self.identity else allgather_swap(train, rollout, bucket_bytes=bucket_bytes)
+        self.back = None if self.identity else swap_back(self.forward)
+        self.state = TrainState()
+        self.out, self.ret = Transition(), Transition()
+        self._opt: optim.AdamWState | None = None
+
+    def to_rollout(self, params: dict, opt_state: optim.AdamWState) -> dict:
+        """This rank's rollout shards. The train weights and ``opt_state`` are swapped out (owned by this
+        object until ``to_train``)."""
+        if self.identity:
+            return params
+        t0 = time.perf_counter()
+        self.state.optim = {n: (opt_state.m[n], opt_state.v[n]) + ((opt_state.master[n],) if n in opt_state.master
+                                                                   else ()) for n in opt_state.m}
+        self._opt = optim.AdamWState(step=opt_state.step, m={}, v={}, master={})
+        out = sdist.execute(self.forward, dict(params), self.state)
+        self.out = Transition(time.perf_counter() - t0, int(self.forward.bytes_sent()[self.rank]),
+                              int(self.forward.bytes_received()[self.rank]))
+        return out
+
+    def to_train(self, rollout_params: dict) -> tuple[dict, optim.AdamWState]:
+        """The train weights and optimizer state back; ``rollout_params`` is emptied (freed)."""
+        if self.identity:
+            raise RuntimeError("to_train: identical layouts keep the train weights in place (nothing to bring back)")
+        t0 = time.perf_counter()
+        params = sdist.execute(self.back, rollout_params, self.state)
+        opt = self._opt
+        for n, v in self.state.optim.items():
+            opt.m[n], opt.v[n] = v[0], v[1]
+            if len(v) == 3:
+                opt.master[n] = v[2]
+        self.state.optim, self._opt = {}, None
+        self.ret = Transition(time.perf_counter() - t0, 0, 0)
+        return params, opt
+
+    def figures(self) -> dict[str, float]:
+        """The step's transition figures for the metrics (this rank's)."""
+        return {"transition_out_s": self.out.seconds, "transition_back_s": self.ret.seconds,
+                "transition_sent_bytes": float(self.out.sent), "transition_recv_bytes": float(self.out.recv)}
+
+
+__all__ = ["Transition", "Weights", "same_layout"]
