@@ -81,15 +81,24 @@ class Recipe:
     top_p: float = _f(1.0, "nucleus sampling")
     seed: int = _f(0, "seed for init, prompts and sampling")
     dtype: str = _f("float32", "parameter dtype: float32 or bfloat16 (AdamW keeps float32 masters)")
-    dock: int = _f(0, "route every stage's rows through a transfer dock with this many warehouses "
-                      "(0: stages hand batches over in memory)")
-    dock_backend: str = _f("local", "transfer dock backend: local (threads) or ray (warehouses and controllers "
-                                    "as Ray actors, spread over the cluster's nodes)")
-    ray_address: str | None = _f(None, "Ray cluster to join (e.g. auto); default: start a local Ray")
+    world: int = _f(2, "ranks (one device each; on a CPU one process and one thread each): the stages run in "
+                       "their layouts over all of them and take turns; 1: one process, unsharded")
+    train_layout: str | None = _f(None, "layout of the update and the old/ref log-probs, e.g. tp=2, ep=2,tp=2, dp=4 "
+                                        "(axes not named are 1, dp fills the world; default: tp=2 when world >= 2)")
+    rollout_layout: str | None = _f(None, "layout of generation, e.g. dp=2, dp=2,tp=2 (default: dp over the world); "
+                                          "the weights move train -> rollout layout before every rollout")
+    launcher: str = _f("local", "how the ranks start: local (processes on this machine) or ray (one actor per "
+                                "rank in a placement group; see --ray-address); under torchrun or Slurm the ranks "
+                                "are those processes")
+    dock: int | None = _f(None, "route every stage's rows through a transfer dock with this many warehouses "
+                                "(default: one per rank when world > 1; 0 with world 1: batches in memory)")
+    dock_backend: str | None = _f(None, "transfer dock backend: local (threads, world 1), procs (warehouses and "
+                                        "controllers in processes of their own) or ray (as Ray actors spread over "
+                                        "the cluster's nodes); default: procs when world > 1, else local")
+    ray_address: str | None = _f(None, "Ray cluster to join (e.g. auto: the one `ray start --head` runs here); "
+                                       "default: start a local Ray")
     compile_decode: bool = _f(False, "compile the rollout's decode step with torch.compile (static shapes; "
                                      "pays off on long runs with fixed shapes, CUDA graphs on CUDA)")
-    nproc: int = _f(1, "data-parallel processes on this machine (torch.distributed: gloo on CPU, nccl on CUDA); "
-                       "each runs its share of the prompts and gradients are summed")
     max_bad_steps: int = _f(3, "stop after this many steps in a row whose updates were skipped for non-finite "
                                "rewards, losses or gradients (a skipped update leaves the parameters unchanged)")
     out: str | None = _f(None, "directory for metrics.jsonl, reward.png and the final checkpoint")
@@ -128,7 +137,8 @@ def grpo_config(r: Recipe) -> grpo.GRPOConfig:
                            rollout_is=r.rollout_is, rollout_is_cap=r.rollout_is_cap, rollout_is_mode=r.rollout_is_mode)
 
 
-CHOICES = {"dtype": {"choices": ["float32", "bfloat16"]}, "dock_backend": {"choices": ["local", "ray"]},
+CHOICES = {"dtype": {"choices": ["float32", "bfloat16"]}, "dock_backend": {"choices": ["local", "procs", "ray"]},
+           "launcher": {"choices": ["local", "ray"]},
            "kl_estimator": {"choices": list(grpo.KL_ESTIMATORS)}, "loss_agg": {"choices": list(grpo.LOSS_AGGS)},
            "policy_loss": {"choices": list(grpo.POLICY_LOSSES)}, "adv_estimator": {"choices": list(ADV_ESTIMATORS)},
            "rollout_is": {"choices": list(IS_LEVELS)}, "rollout_is_mode": {"choices": list(IS_MODES)}}
@@ -138,15 +148,15 @@ def problems(r: Recipe) -> list[tuple[str, str]]:
     """(field, why) for every value the recipe cannot run with; a size of 0 is refused, never replaced by a
     default."""
     out = []
-    for name in ("steps", "prompts_per_step", "epochs", "max_new_tokens", "nproc", "max_bad_steps"):
+    for name in ("steps", "prompts_per_step", "epochs", "max_new_tokens", "world", "max_bad_steps"):
         if getattr(r, name) < 1:
             out.append((name, "must be >= 1"))
-    for name in ("mini_batch_size", "micro_batch_size", "max_prompt_len"):
+    for name in ("mini_batch_size", "micro_batch_size", "max_prompt_len", "dock"):
         if getattr(r, name) is not None and getattr(r, name) < 1:
             out.append((name, "must be >= 1 (leave it out for the default)"))
     if r.group_size < 2:
         out.append(("group_size", "must be >= 2 (GRPO compares the samples of a prompt)"))
-    for name in ("warmup_lr_steps", "dock", "kl_coef", "clip_high", "entropy_coef", "weight_decay", "save_every",
+    for name in ("warmup_lr_steps", "kl_coef", "clip_high", "entropy_coef", "weight_decay", "save_every",
                  "keep_last"):
         if getattr(r, name) < 0:
             out.append((name, "must be >= 0"))
@@ -159,8 +169,40 @@ def problems(r: Recipe) -> list[tuple[str, str]]:
         out.append(("top_p", "must be in (0, 1]"))
     if (r.save_every or r.resume == "auto") and not r.out:
         out.append(("save_every" if r.save_every else "resume", "needs --out (where checkpoints go)"))
-    if r.nproc > 1 and r.dock and r.dock_backend == "ray":
-        out.append(("nproc", "with --dock-backend ray is not supported yet: use --dock-backend local"))
+    if r.world > 1 and r.dock == 0:
+        out.append(("dock", "must be >= 1 with --world > 1 (the stages' rows go through the dock)"))
+    if r.world > 1 and r.dock_backend == "local":
+        out.append(("dock_backend", "local keeps the dock in one process; with --world > 1 use procs or ray"))
+    if r.world == 1 and (r.train_layout or r.rollout_layout):
+        out.append(("train_layout" if r.train_layout else "rollout_layout", "needs --world > 1"))
+    if r.world > 1 and not out:
+        for name, spec in (("train_layout", r.train_layout), ("rollout_layout", r.rollout_layout)):
+            try:
+                mesh_of(r, spec, name)
+            except ValueError as e:
+                out.append((name, str(e)))
+    return out
+
+
+def mesh_of(r: Recipe, spec: str | None, name: str):
+    """The mesh of --train-layout / --rollout-layout (their defaults: tp=2, and dp over the world)."""
+    from rlflow.sharding import Mesh
+    if spec is None:
+        spec = "tp=2" if name == "train_layout" else ""
+    return Mesh.parse(spec, r.world)
+
+
+def placement(r: Recipe, cfg, dtype):
+    """The train and rollout layouts of a --world > 1 run (ValueError naming what the model cannot run)."""
+    from rlflow.models.sharding import layout
+    from rlflow.parallel.context import check_layout
+    out = loop.Placement(layout(cfg, mesh_of(r, r.train_layout, "train_layout"), dtype=dtype),
+                         layout(cfg, mesh_of(r, r.rollout_layout, "rollout_layout"), dtype=dtype))
+    for name, lay in (("train_layout", out.train), ("rollout_layout", out.rollout)):
+        try:
+            check_layout(lay, cfg)
+        except ValueError as e:
+            raise ValueError(f"--{name.replace('_', '-')} {lay.mesh}: {e}") from None
     return out
 
 
@@ -204,23 +246,22 @@ def build(r: Recipe, rank: int = 0):
 
 
 def make_dock(r: Recipe, capacity: int):
-    """The transfer dock the stages exchange rows through, or None (in memory)."""
-    if not r.dock:
+    """The transfer dock the stages exchange rows through, or None (in memory). Made by the driver; the ranks
+    are handed it (its processes or actors outlive them)."""
+    warehouses = r.dock if r.dock is not None else (r.world if r.world > 1 else 0)
+    backend = r.dock_backend or ("procs" if r.world > 1 else "local")
+    if not warehouses:
         return None
-    if r.dock_backend == "local":
+    if backend == "local":
         from rlflow.dock import Dock
-        return Dock.local(capacity=capacity, warehouses=r.dock, group_size=r.group_size)
-    if r.dock_backend != "ray":
-        raise ValueError(f"--dock-backend {r.dock_backend!r}: expected local or ray")
-    try:
-        import ray
-    except ImportError:
-        raise RuntimeError("--dock-backend ray needs Ray: pip install 'rlflow[ray]'") from None
+        return Dock.local(capacity=capacity, warehouses=warehouses, group_size=r.group_size)
+    if backend == "procs":
+        from rlflow.dock.proc_backend import proc_dock
+        return proc_dock(capacity=capacity, warehouses=warehouses, group_size=r.group_size)
+    from rlflow.runtime.launch import ray_init
+    ray_init(r.ray_address)
     from rlflow.dock.ray_backend import ray_dock
-    if not ray.is_initialized():
-        ray.init(address=r.ray_address, include_dashboard=False, log_to_driver=False,
-                 **({} if r.ray_address else {"num_cpus": os.cpu_count()}))
-    return ray_dock(capacity=capacity, warehouses=r.dock, group_size=r.group_size)
+    return ray_dock(capacity=capacity, warehouses=warehouses, group_size=r.group_size)
 
 
 def plot_rewards(history: list[dict], path: str) -> None:
@@ -268,11 +309,33 @@ def prepare_out(r: Recipe) -> None:
 
 def main(argv=None) -> list[dict]:
     r = parse_args(argv)
-    prepare_out(r)
-    if r.nproc > 1:
-        from rlflow.sharding.dist import spawn
-        return spawn(run, r.nproc, r)[0]  # torch.distributed: gloo on CPU, nccl on CUDA, hccl on NPU
-    return run(0, 1, r)
+    from rlflow.runtime import launch
+    where = launch.env_world()  # started by torchrun / Slurm: this process is one rank
+    if where is not None:
+        r = dataclasses.replace(r, world=where[1])
+    if r.world > 1:  # what the layouts cannot run is refused here, once, before any process starts
+        cfg = hf.load_config(r.model) if r.model else get_config(r.preset)
+        try:
+            placement(r, cfg, torch.float32)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+    if where is None or where[0] == 0:
+        prepare_out(r)
+    dock = make_dock(r, r.prompts_per_step * r.group_size) if where is None or r.world == 1 else None
+    try:
+        if where is not None:
+            if r.world > 1 and dock is None:
+                raise SystemExit("error: under torchrun / Slurm with more than one rank the dock is not built yet "
+                                 "(its processes are started by the driver of a local or Ray launch)")
+            return launch.from_env(run, r, dock)
+        if r.world == 1:
+            return run(0, 1, r, dock)
+        if r.launcher == "ray":
+            return launch.ray_spawn(run, r.world, r, dock, address=r.ray_address)[0]
+        return launch.spawn(run, r.world, r, dock)[0]  # torch.distributed: gloo on CPU, nccl on CUDA, hccl on NPU
+    finally:
+        if dock is not None:
+            dock.close()
 
 
 def resume_point(r: Recipe, cfg, source, dev, dtype, say):
@@ -322,31 +385,40 @@ class Interrupt:
         return self.signal is not None
 
 
-def run(rank: int, world: int, r: Recipe) -> list[dict]:
-    """The recipe on one rank of ``world`` data-parallel ranks (rank 0 prints and writes the outputs)."""
+def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
+    """The recipe on rank ``rank`` of ``world`` (rank 0 prints and writes the outputs); ``dock``: the
+    transfer dock the driver made (None: in memory, one process)."""
     torch.manual_seed(r.seed)
     cfg, params, tok, source, reward_fn, lcfg, dev = build(r, rank)
     interrupt = Interrupt()
-    dp_layout = None
-    if world > 1:
-        from rlflow.models.sharding import layout
-        from rlflow.sharding import Mesh
-        dp_layout = layout(cfg, Mesh(dp=world), dtype=next(iter(params.values())).dtype)
+    dtype = next(iter(params.values())).dtype
+    where = None if world == 1 else placement(r, cfg, dtype)
     lead = rank == 0
     say = print if lead else (lambda *a, **k: None)
     n = sum(p.numel() for p in params.values())
     say(f"model: {r.model or r.preset} ({cfg.model_type}, {n / 1e6:.2f}M params, "
         f"{cfg.num_experts} experts top-{cfg.num_experts_per_tok}) on {dev} x {world}; task: {r.dataset or r.task}")
     say(f"sizes: {r.prompts_per_step} prompts x {r.group_size} samples = {lcfg.global_batch} per step, "
-        f"mini-batch {lcfg.mini_batch_size}, micro-batch {lcfg.micro_batch_size}"
-        + (f", over {world} data-parallel ranks" if world > 1 else ""))
+        f"mini-batch {lcfg.mini_batch_size}, micro-batch {lcfg.micro_batch_size}")
+    if where is not None:
+        say(f"layouts: train {where.train.mesh}, rollout {where.rollout.mesh} on {world} ranks; transfer dock "
+            f"{type(dock.transport).__name__.removesuffix('Transport').lower()} with {len(dock.warehouses)} "
+            "warehouses")
     say(loop.TPS_DEFINITION)
-    dtype = next(iter(params.values())).dtype
     init = {k: v.clone() for k, v in params.items()} if r.kl_coef else None  # the reference: the run's start
     ck = resume_point(r, cfg, source, dev, dtype, say)
     done = 0 if ck is None else ck.steps_done
+    opt_state = None if ck is None else ck.opt_state
     if ck is not None:
         params = ck.params
+    if where is not None:  # this rank's shards of the train layout
+        from rlflow.parallel.context import shard_params
+        mine = lambda full: shard_params(full, where.train, rank)  # noqa: E731
+        params, init = mine(params), (None if init is None else mine(init))
+        if opt_state is not None:
+            opt_state = optim.AdamWState(step=opt_state.step, m=mine(opt_state.m), v=mine(opt_state.v),
+                                         master={k: v for k, v in mine(opt_state.master).items()}
+                                         if opt_state.master else {})
     if done >= r.steps:
         say(f"nothing to do: {done} of {r.steps} steps are done")
         return []
@@ -363,11 +435,16 @@ def run(rank: int, world: int, r: Recipe) -> list[dict]:
             json.dump(dataclasses.asdict(r), f, indent=2)
 
     def save(name, steps_done, p, state, keep=None):
+        """Every rank calls it (with shards, gathering them is a collective); the lead writes."""
+        if where is not None:
+            p, state = full_state(cfg, where, p, state)
+        if not lead:
+            return None
         return checkpoint.save(r.out, name, steps_done=steps_done, cfg=cfg, params=p, opt_state=state, source=source,
                                args=dataclasses.asdict(r), tokenizer=tok, keep_last=keep)
 
     def after_step(steps_done, p, state):
-        if r.out and lead and r.save_every and steps_done % r.save_every == 0 and steps_done < r.steps:
+        if r.out and r.save_every and steps_done % r.save_every == 0 and steps_done < r.steps:
             save(f"checkpoint-{steps_done:06d}", steps_done, p, state, keep=r.keep_last)
     bar = None
     if lead:
@@ -388,12 +465,10 @@ def run(rank: int, world: int, r: Recipe) -> list[dict]:
                             refresh=False)
             bar.update(1)
 
-    dock = make_dock(r, lcfg.global_batch)
     try:
         params, opt_state, history = loop.train(
-            params, cfg, tok, source, reward_fn, lcfg, on_step=on_step, device=dev, dock=dock, dp_layout=dp_layout,
-            opt_state=None if ck is None else ck.opt_state, first_step=done, ref_params=init, after_step=after_step,
-            should_stop=interrupt)
+            params, cfg, tok, source, reward_fn, lcfg, on_step=on_step, device=dev, dock=dock, placement=where,
+            opt_state=opt_state, first_step=done, ref_params=init, after_step=after_step, should_stop=interrupt)
     except loop.NonFiniteError as e:
         raise SystemExit(f"error: {e}") from None
     finally:
@@ -402,8 +477,8 @@ def run(rank: int, world: int, r: Recipe) -> list[dict]:
         bar.close()
     steps_done = done + len(history)
     if steps_done < r.steps:  # interrupted: keep what was done, say how to go on
-        if r.out and lead:
-            path = save(f"checkpoint-{steps_done:06d}", steps_done, params, opt_state)
+        path = save(f"checkpoint-{steps_done:06d}", steps_done, params, opt_state) if r.out else None
+        if path is not None:
             print(f"interrupted after step {steps_done - 1}: wrote {path}; continue with --resume auto "
                   f"(or --resume {path})", file=sys.stderr)
         raise SystemExit(128 + int(interrupt.signal or 0))
@@ -413,17 +488,42 @@ def run(rank: int, world: int, r: Recipe) -> list[dict]:
     tps = sum(m["prompt_tokens"] + m["response_tokens"] for m in history) / sum(m["step_time_s"] for m in history)
     say(f"done: {len(history)} steps in {wall:.1f}s; mean reward first 10 steps {first:.3f} -> last 10 "
         f"{last:.3f} (+{last - first:.3f}); mean TPS {tps / world:.0f}")
+    mean = lambda k: sum(m.get(k, 0.0) for m in history) / len(history)  # noqa: E731
+    if where is not None and not _same_layouts(where):
+        say(f"weights train -> rollout layout (allgather-swap): {mean('transition_out_s') * 1e3:.1f} ms per step, "
+            f"{mean('transition_recv_bytes') / 2**20:.2f} MiB received by rank 0; back (swap-in): "
+            f"{mean('transition_back_s') * 1e3:.1f} ms")
     if dock is not None:
-        busiest = max(v["bytes_in"] + v["bytes_out"] for v in dock.traffic().values())
-        say(f"transfer dock ({r.dock_backend}): {r.dock} warehouses, busiest dock process moved "
-            f"{busiest / 2**20:.1f} MiB in all")
-    if r.out and lead:
-        metrics_f.close()
-        plot_rewards([json.loads(ln) for ln in open(os.path.join(r.out, "metrics.jsonl"))],
-                     os.path.join(r.out, "reward.png"))
+        say(f"transfer dock: {len(dock.warehouses)} warehouses, busiest dock process moved "
+            f"{sum(m.get('dock_busiest_bytes', 0.0) for m in history) / 2**20:.1f} MiB in all "
+            f"({mean('dock_busiest_bytes') / 2**10:.1f} KiB per step)")
+    if r.out:
+        if lead:
+            metrics_f.close()
+            plot_rewards([json.loads(ln) for ln in open(os.path.join(r.out, "metrics.jsonl"))],
+                         os.path.join(r.out, "reward.png"))
         path = save("checkpoint-final", steps_done, params, opt_state)
         say(f"wrote {r.out}/metrics.jsonl, {r.out}/reward.png, {path}/ (--model {path} loads it)")
     return history
+
+
+def _same_layouts(where) -> bool:
+    from rlflow.runtime.weights import same_layout
+    return same_layout(where.train, where.rollout)
+
+
+def full_state(cfg, where, params, state):
+    """The whole weights and AdamW state from every rank's train shards (a collective; checkpoints)."""
+    from rlflow.models.sharding import RULES, layout
+    from rlflow.runtime.weights import gather_full
+
+    def full(ts):
+        if not ts:
+            return {}
+        dt = next(iter(ts.values())).dtype
+        mesh = where.train.mesh
+        return gather_full(ts, layout(cfg, mesh, dtype=dt), layout(cfg, mesh, {k: None for k in RULES}, dtype=dt))
+    return full(params), optim.AdamWState(step=state.step, m=full(state.m), v=full(state.v), master=full(state.master))
 
 
 if __name__ == "__main__":

@@ -223,5 +223,6 @@ GRPO_COLUMNS = Schema(
     Column("rewards", torch.float32, "scalar"),
     Column("advantages", torch.float32, "scalar"),
     Column("group", torch.int64, "scalar"),
+    Column("answer", torch.uint8, "var"),  # the reference answer (UTF-8), read by the scoring ranks
 )
 GRPO_CONSUMERS = ("rollout", "score", "ref_logprob", "old_logprob", "advantage", "update")

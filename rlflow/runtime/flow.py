@@ -1,34 +1,50 @@
-"""The sample flow of one GRPO iteration: how each stage's outputs reach the next stage.
+"""The sample flow of one GRPO iteration: how each stage's rows reach the ranks of the next stage.
 
-``MemoryFlow`` hands the batch from stage to stage in this process (no copies; the one-process fast
-path). ``DockFlow`` routes every stage through a transfer dock (``rlflow.dock``), as separate worker
-groups would: a stage ``put``s the columns it produced for its rows, and the next stage's consumer
-``get``s the rows that are ready in the columns it reads. Both give the loop the same typed batches, so
-the stage code is written once (``runtime/loop.py``); tests check the two flows train identically.
+``DockFlow`` routes every stage through a transfer dock (``rlflow.dock``): a stage ``put``s the columns
+it produced for its rows, and the ranks of the next stage ``get`` theirs. A get is a routing
+transition (``dock.routing``): the lead rank takes every row of the step that is ready for the
+consumer (metadata: indices, warehouses, lengths), plans which data-parallel part of the stage's mesh
+reads which rows (balanced by sequence length, GRPO groups whole), and hands the plan to every rank
+(metadata again); each rank then reads its part straight from the warehouses, its tp and pp peers
+the same rows. Rows never pass through the lead or the driver. With one process the same calls run
+on a world of one.
 
-Dock rows are the step's samples, indexed ``prompt * G + k`` from 0 each iteration (``clear()``
-between iterations). Answers (strings) are prompt metadata held by the driver, keyed by group id.
+``MemoryFlow`` is the one-process path without a dock: the batch goes from stage to stage in memory
+(no copies); the loop's code is the same, and tests check the two flows train identically.
+
+Dock rows are the step's samples, indexed ``prompt * G + k`` from 0 each step (``clear()`` at the start
+of a step); batches carry the run's global sample indices (``index_B``), the dock's plus
+``first prompt * G``. The reference answers travel as dock data (UTF-8 bytes), so a scoring rank in
+another process reads them with the rows.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from rlflow.batch import PromptBatch, RolloutBatch, TrainBatch, extend, unpad
+from rlflow.dock.client import Ticket
+from rlflow.dock.routing import RowPlan, route
+from rlflow.sharding.mesh import Mesh
 
 # dock column -> batch field (var columns come back padded with their masks)
 _FIELDS = {"prompt_ids": "prompt_ids_BTp", "response_ids": "response_ids_BTr",
            "sample_logprobs": "sample_logprobs_BTr", "old_logprobs": "old_logprobs_BTr",
            "ref_logprobs": "ref_logprobs_BTr", "rewards": "rewards_B", "advantages": "advantages_B"}
+_ROWS = ["prompt_ids", "response_ids", "sample_logprobs", "group", "answer"]  # every stage after the rollout
 
 
 class MemoryFlow:
-    """Stages share one batch in memory; ``put`` adds columns to it, ``get`` returns it."""
+    """One process: stages share one batch in memory; ``put`` adds columns to it, ``get`` returns it."""
 
-    def begin(self, prompts: PromptBatch, group_size: int) -> PromptBatch:
-        self._cols: dict[str, Tensor] = {}
-        return prompts
+    def begin(self, prompts: PromptBatch, group_size: int) -> None:
+        self._prompts, self._cols = prompts, {}
+
+    def rollout_prompts(self, mesh: Mesh, rank: int) -> PromptBatch:
+        _one(mesh)
+        return self._prompts
 
     def put_rollout(self, rollout: RolloutBatch) -> None:
         self._batch = rollout
@@ -36,50 +52,94 @@ class MemoryFlow:
     def put(self, rows: RolloutBatch, **cols: Tensor) -> None:
         self._cols.update(cols)
 
-    def get(self, consumer: str, columns: list[str]) -> tuple[RolloutBatch, dict[str, Tensor]]:
+    def get(self, consumer: str, columns: list[str], mesh: Mesh, rank: int) -> tuple[RolloutBatch, dict[str, Tensor]]:
+        _one(mesh)
         return self._batch, {c: self._cols[c] for c in columns}
 
 
+def _one(mesh: Mesh) -> None:
+    if mesh.size != 1:
+        raise ValueError(f"MemoryFlow is the one-process flow; {mesh} has {mesh.size} ranks (use a dock)")
+
+
 class DockFlow:
-    """Stages exchange rows through ``dock`` (in-process or Ray); each ``get`` takes whole groups."""
+    """Stages exchange rows through ``dock`` (in-process, local processes or Ray); rank ``rank`` of
+    ``world`` (rank 0 leads: it clears the dock, puts the prompts and plans every get)."""
 
-    def __init__(self, dock):
-        self.dock = dock
+    def __init__(self, dock, rank: int = 0, world: int = 1):
+        self.dock, self.rank, self.world = dock, rank, world
+        self.plans: dict[str, RowPlan] = {}
 
-    def begin(self, prompts: PromptBatch, group_size: int) -> PromptBatch:
-        self.G = group_size
-        local = prompts.replace(index_B=torch.arange(prompts.size, device=prompts.index_B.device),
-                                group_B=torch.arange(prompts.size, device=prompts.group_B.device))
-        self.answers = local.answers
-        rows = local.repeat(group_size)
-        self.dock.clear()
-        self.dock.put(rows.index_B.cpu(), {"prompt_ids": unpad(rows.prompt_ids_BTp.cpu(), rows.prompt_mask_BTp.cpu()),
-                                           "group": rows.group_B.cpu()})
-        b = self.dock.get("rollout", ["prompt_ids", "group"], rows.size, groups=True)
-        first = (b.index_B % group_size == 0).nonzero()[:, 0]  # the rollout stage reads one row per prompt
-        g = b["group"][first]
+    def begin(self, prompts: PromptBatch, group_size: int) -> None:
+        """The step's prompts (the same on every rank) become dock rows; only the lead writes them."""
+        self.G, self.P = group_size, prompts.size
+        self.base = int(prompts.index_B[0]) * group_size  # global sample index of dock row 0
         self.device = prompts.prompt_ids_BTp.device
+        if self.rank == 0:
+            rows = prompts.repeat(group_size)
+            self.dock.clear()
+            self.dock.put(rows.index_B.cpu() - self.base, {
+                "prompt_ids": unpad(rows.prompt_ids_BTp.cpu(), rows.prompt_mask_BTp.cpu()),
+                "group": rows.group_B.cpu(),
+                "answer": [torch.tensor(list(a.encode()), dtype=torch.uint8) for a in rows.answers]})
+        if self.world > 1:
+            dist.barrier()  # no rank takes before this step's rows are there
+
+    def _take(self, consumer: str, columns: list[str], mesh: Mesh) -> tuple[Ticket, RowPlan]:
+        """The lead's take of every row of the step and its routing onto ``mesh``; every rank gets both."""
+        msg = [None]
+        if self.rank == 0:
+            (t,) = self.dock.take(consumer, columns, self.P * self.G, groups=True)
+            cost = sum(t.lengths.get(c, 0) for c in ("prompt_ids", "response_ids"))
+            sizes = {c: self.dock.schema[c].dtype.itemsize for c in columns}
+            row_bytes = sum(t.lengths[c] * sizes[c] if c in t.lengths else sizes[c] for c in columns)
+            msg = [(t, route(t.index, t.warehouse, cost, row_bytes, mesh, group_size=self.G))]
+        if self.world > 1:
+            dist.broadcast_object_list(msg, src=0)
+        t, plan = msg[0]
+        self.plans[consumer] = plan
+        return t, plan
+
+    def _read(self, consumer: str, columns: list[str], mesh: Mesh, rank: int):
+        t, plan = self._take(consumer, columns, mesh)
+        pos = plan.positions(mesh.data_parallel_index(rank))
+        return self.dock.read(Ticket(consumer, t.columns, t.index[pos], t.warehouse[pos],
+                                     {c: v[pos] for c, v in t.lengths.items()}))
+
+    def _answers(self, b) -> tuple[str, ...]:
+        return tuple(bytes(r.tolist()).decode() for r in b.rows("answer"))
+
+    def rollout_prompts(self, mesh: Mesh, rank: int) -> PromptBatch:
+        """This rank's prompts of the step: its data-parallel part of the rollout mesh (one row per prompt)."""
+        b = self._read("rollout", ["prompt_ids", "group", "answer"], mesh, rank)
+        first = (b.index_B % self.G == 0).nonzero()[:, 0]
+        ans = self._answers(b)
         return PromptBatch(prompt_ids_BTp=b["prompt_ids"][first], prompt_mask_BTp=b.mask["prompt_ids"][first],
-                           index_B=b.index_B[first] // group_size, group_B=g,
-                           answers=tuple(self.answers[i] for i in g.tolist())).to(self.device)
+                           index_B=(b.index_B[first] + self.base) // self.G, group_B=b["group"][first],
+                           answers=tuple(ans[i] for i in first.tolist())).to(self.device)
 
     def put_rollout(self, rollout: RolloutBatch) -> None:
         self.put(rollout, response_ids=rollout.response_ids_BTr, sample_logprobs=rollout.sample_logprobs_BTr)
 
     def put(self, rows: RolloutBatch, **cols: Tensor) -> None:
         m = rows.response_mask_BTr.cpu()
-        self.dock.put(rows.index_B.cpu(), {c: (unpad(v.cpu(), m) if v.dim() == 2 else v.cpu()) for c, v in cols.items()})
+        self.dock.put(rows.index_B.cpu() - self.base,
+                      {c: (unpad(v.cpu(), m) if v.dim() == 2 else v.cpu()) for c, v in cols.items()})
 
-    def get(self, consumer: str, columns: list[str]) -> tuple[RolloutBatch, dict[str, Tensor]]:
-        base = ["prompt_ids", "response_ids", "sample_logprobs", "group"]
-        b = self.dock.get(consumer, base + [c for c in columns if c not in base], self.G * len(self.answers),
-                          groups=True)
-        g = b["group"]
+    def get(self, consumer: str, columns: list[str], mesh: Mesh, rank: int) -> tuple[RolloutBatch, dict[str, Tensor]]:
+        """This rank's rows for ``consumer``: its data-parallel part of ``mesh`` (``rank``: its rank there)."""
+        b = self._read(consumer, _ROWS + [c for c in columns if c not in _ROWS], mesh, rank)
         rollout = RolloutBatch(prompt_ids_BTp=b["prompt_ids"], prompt_mask_BTp=b.mask["prompt_ids"],
-                               index_B=b.index_B, group_B=g, answers=tuple(self.answers[i] for i in g.tolist()),
+                               index_B=b.index_B + self.base, group_B=b["group"], answers=self._answers(b),
                                response_ids_BTr=b["response_ids"], response_mask_BTr=b.mask["response_ids"],
                                sample_logprobs_BTr=b["sample_logprobs"])
         return rollout.to(self.device), {c: b[c].to(self.device) for c in columns}
+
+    def busiest_bytes(self) -> float:
+        """Bytes in + out of the busiest dock process since the last reset (then reset)."""
+        t = self.dock.traffic()
+        self.dock.reset_traffic()
+        return float(max(v["bytes_in"] + v["bytes_out"] for v in t.values()))
 
 
 def train_batch(rollout: RolloutBatch, cols: dict[str, Tensor]) -> TrainBatch:
@@ -88,3 +148,6 @@ def train_batch(rollout: RolloutBatch, cols: dict[str, Tensor]) -> TrainBatch:
     fields = {_FIELDS[c]: v for c, v in cols.items()}
     fields.setdefault("old_logprobs_BTr", rollout.sample_logprobs_BTr)
     return extend(rollout, TrainBatch, **fields)
+
+
+__all__ = ["DockFlow", "MemoryFlow", "train_batch"]

@@ -1,4 +1,6 @@
-"""The GRPO iteration, one process: rollout -> score -> (ref / old log-probs) -> advantages -> update.
+"""The GRPO iteration: rollout -> score -> (ref / old log-probs) -> advantages -> update, on one process or on
+every rank of a world (each stage in its layout, the rows through the dock, the weights moved between
+the train and rollout layouts every step).
 
 Sizes are stated once in ``LoopConfig`` and validated at start. Metrics per step go to a callback; the
 throughput figure is the paper's Eq. (5), ``TPS_DEFINITION``.
@@ -18,9 +20,13 @@ from rlflow.algos import estimators, grpo, stages
 from rlflow.data import PromptSource, prompt_batch
 from rlflow.models.config import ModelConfig
 from rlflow.rollout import SamplingConfig, generate
-from rlflow.parallel import dp
+from rlflow.models.execution import LOCAL
+from rlflow.parallel.context import context
 from rlflow.runtime.flow import DockFlow, MemoryFlow, train_batch
+from rlflow.runtime.weights import Weights
 from rlflow.sharding.dist import create_groups
+from rlflow.sharding.layout import Layout
+from rlflow.sharding.mesh import Mesh
 
 log = logging.getLogger("rlflow")
 
@@ -93,20 +99,47 @@ def check_positions(prompts, max_new_tokens: int, cfg: ModelConfig) -> None:
                          f"{cfg.max_position_embeddings} (truncate with max_prompt_len)")
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the stages run when the world has more than one rank: the rollout in ``rollout``, the old and
+    reference log-probs and the update in ``train``; both layouts over the same ranks (colocated: the
+    stages take turns on every device), scoring and advantages on every rank. The actor's weights move
+    between the two layouts every step (``runtime/weights.py``)."""
+
+    train: Layout
+    rollout: Layout
+
+    def __post_init__(self):
+        if self.train.mesh.size != self.rollout.mesh.size:
+            raise ValueError(f"Placement: the train layout's {self.train.mesh} and the rollout layout's "
+                             f"{self.rollout.mesh} must span the same ranks (separate device pools are not built)")
+        if self.rollout.mesh.pp > 1:
+            raise ValueError(f"Placement: rollout layout {self.rollout.mesh}: generation runs every layer on each "
+                             "rank (no pp)")
+        if self.train.mesh.pp > 1:
+            raise ValueError(f"Placement: train layout {self.train.mesh}: the GRPO update does not run pipeline "
+                             "stages yet (use tp, ep and dp)")
+
+    @property
+    def world(self) -> int:
+        return self.train.mesh.size
+
+
 def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, lcfg: LoopConfig, *,
           on_step: Callable[[dict], None] | None = None, device: torch.device | str = "cpu",
-          dock=None, dp_layout=None, opt_state: optim.AdamWState | None = None, first_step: int | None = None,
-          ref_params=None, after_step: Callable | None = None, should_stop: Callable[[], bool] | None = None):
+          dock=None, placement: Placement | None = None, opt_state: optim.AdamWState | None = None,
+          first_step: int | None = None, ref_params=None, after_step: Callable | None = None,
+          should_stop: Callable[[], bool] | None = None):
     """Run ``lcfg.steps`` GRPO steps; returns (params, opt_state, list of per-step metrics).
 
     ``dock``: a transfer dock (``rlflow.dock.Dock``) that every stage's rows go through
-    (``runtime/flow.py``); None hands batches from stage to stage in memory.
+    (``runtime/flow.py``); None hands batches from stage to stage in memory (one process only).
+    ``placement``: the train and rollout layouts of a world of several ranks (torch.distributed
+    initialised; every rank calls ``train`` with its shards of the train layout as ``params``, and of
+    ``ref_params``); None: one process, unsharded. Sizes in ``lcfg`` are global; metrics are global.
     ``opt_state``: the optimizer state to continue from (what an earlier call returned); None starts
     fresh (zero moments). The LR warm-up (``lcfg.warmup_lr_steps``) counts the optimizer steps already
     in it, so a continued run does not warm up again.
-    ``dp_layout``: data parallelism over torch.distributed (a ``Layout`` on a ``Mesh(dp=N)``): every rank
-    runs the stages on its share of the step's prompts (the sizes in ``lcfg`` are global) and the
-    update sums gradients over the ranks, so all ranks keep identical parameters. Metrics are global.
     ``first_step``: the run's index of this call's first GRPO step (a resumed run: the steps done), so
     that seeds, sample indices, the metrics' ``step`` and the LR warm-up continue as in an
     uninterrupted run. ``ref_params``: the reference policy when KL is on (default: ``params`` as given;
@@ -114,18 +147,31 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
     after each step (checkpoints). ``should_stop()``: checked after each step (on every rank; any rank
     asking stops all); True ends the call early, after that step.
     """
-    flow = MemoryFlow() if dock is None else DockFlow(dock)
     gcfg = lcfg.grpo
-    world, rank = 1, 0
-    if dp_layout is not None:
-        world, rank = dp_layout.mesh.axis_size(("dp", "ep")), torch.distributed.get_rank()
-        create_groups([dp_layout.mesh])
+    world = 1 if placement is None else placement.world
+    if placement is None:
+        rank, tctx, rctx, weights = 0, LOCAL, LOCAL, None
+        train_mesh = rollout_mesh = every = Mesh()
+        flow = MemoryFlow() if dock is None else DockFlow(dock)
+    else:
+        if dock is None:
+            raise ValueError("train: a placement over several ranks needs a dock (the stages' rows go through it)")
+        rank = torch.distributed.get_rank()
+        create_groups([placement.train.mesh, placement.rollout.mesh])
+        tctx, rctx = context(placement.train, cfg), context(placement.rollout, cfg)
+        weights = Weights(placement.train, placement.rollout, rank)
+        train_mesh, rollout_mesh, every = placement.train.mesh, placement.rollout.mesh, Mesh(dp=world)
+        flow = DockFlow(dock, rank, world)
         for name, v in dict(prompts_per_step=lcfg.prompts_per_step, mini_batch_size=lcfg.mini_batch_size,
                             micro_batch_size=lcfg.micro_batch_size).items():
-            if v % world:
-                raise ValueError(f"{name} {v} is not divisible by the {world} data-parallel ranks")
-    P = lcfg.prompts_per_step // world  # this rank's prompts
-    batch_sum = (lambda t: t) if dp_layout is None else (lambda t: dp.batch_sum(t, dp_layout))  # batch statistics
+            if v % train_mesh.data_parallel_size:
+                raise ValueError(f"{name} {v} is not divisible by the train layout's "
+                                 f"{train_mesh.data_parallel_size} data-parallel ranks ({train_mesh})")
+        if lcfg.prompts_per_step % world:
+            raise ValueError(f"prompts_per_step {lcfg.prompts_per_step} is not divisible by the {world} ranks "
+                             "(each scores an equal share of the groups)")
+    nd = train_mesh.data_parallel_size
+    world_sum = (lambda t: t) if world == 1 else (lambda t: _all_sum(t))
     opt_state = optim.init(params) if opt_state is None else opt_state
     start = opt_state.step  # one optimizer step per GRPO step when warming up (the recipe's case)
     if gcfg.kl_coef:
@@ -133,71 +179,86 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
     else:
         ref_params = None
     base = 0 if first_step is None else first_step
-    ucfg = stages.UpdateConfig(mini_batch_size=lcfg.mini_batch_size // world,
-                               micro_batch_size=lcfg.micro_batch_size // world, max_grad_norm=lcfg.max_grad_norm,
-                               router_aux_coef=lcfg.router_aux_coef, dp_layout=dp_layout)
+    ucfg = stages.UpdateConfig(mini_batch_size=lcfg.mini_batch_size // nd, micro_batch_size=lcfg.micro_batch_size // nd,
+                               max_grad_norm=lcfg.max_grad_norm, router_aux_coef=lcfg.router_aux_coef,
+                               layout=None if placement is None else placement.train)
     single_update = gcfg.epochs == 1 and lcfg.mini_batch_size == lcfg.global_batch
+    roll_writer = rollout_mesh.coords(rank)["tp"] == 0  # tp peers hold the same rows: one of them writes
+    train_writer = train_mesh.coords(rank)["tp"] == 0
     history = []
     bad_streak = 0
     for local in range(lcfg.steps):
         step = base + local  # the run's step index
         t0 = time.perf_counter()
-        examples = source.take(lcfg.prompts_per_step)[rank * P:(rank + 1) * P]  # same stream on every rank
-        prompts = prompt_batch(examples, tokenizer, first_index=step * lcfg.prompts_per_step + rank * P,
+        examples = source.take(lcfg.prompts_per_step)  # the same stream on every rank
+        prompts = prompt_batch(examples, tokenizer, first_index=step * lcfg.prompts_per_step,
                                max_prompt_len=lcfg.max_prompt_len).to(device)
         check_positions(prompts, lcfg.sampling.max_new_tokens, cfg)
-        rollout = generate(params, cfg, flow.begin(prompts, gcfg.group_size), lcfg.sampling,
-                           group_size=gcfg.group_size, seed=(lcfg.seed * 1_000_003 + step) * world + rank,
-                           compile_decode=lcfg.compile_decode)
-        flow.put_rollout(rollout)
+        flow.begin(prompts, gcfg.group_size)
+        mine = flow.rollout_prompts(rollout_mesh, rank)
+        roll_params = params if weights is None else weights.to_rollout(params, opt_state)
+        rollout = generate(roll_params, cfg, mine, lcfg.sampling, group_size=gcfg.group_size,
+                           seed=lcfg.seed * 1_000_003 + step, compile_decode=lcfg.compile_decode, ex=rctx)
+        if weights is not None and not weights.identity:
+            params, opt_state = weights.to_train(roll_params)
+        del roll_params
+        if roll_writer:
+            flow.put_rollout(rollout)
         t_roll = time.perf_counter()
-        rows, _ = flow.get("score", [])
+        rows, _ = flow.get("score", [], every, rank)
         scores = stages.score(rows, tokenizer, reward_fn)
         bad = (~torch.isfinite(scores)).nonzero()[:, 0]
         if len(bad):  # their groups' advantages, hence the gradient, are non-finite: the update is skipped
             log.warning("step %d: non-finite rewards %s at sample indices %s; the update is skipped", step,
                         scores[bad][:8].tolist(), rows.index_B[bad.to(rows.index_B.device)][:8].tolist())
         flow.put(rows, rewards=scores.to(device))
-        rows, c = flow.get("advantage", ["rewards"])
+        r_sum, r_sq = float(scores.sum()), float((scores ** 2).sum())
+        rows, c = flow.get("advantage", ["rewards"], every, rank)
         flow.put(rows, advantages=estimators.advantages(gcfg.adv_estimator, c["rewards"], rows.group_B,
-                                                        scale=gcfg.scale_rewards, total=batch_sum))
+                                                        scale=gcfg.scale_rewards, total=world_sum))
         # With one optimizer step per batch the policy that sampled is the policy being updated, so the
         # ratio's denominator is the current log-prob, detached (update() does that); otherwise recompute.
         cols = ["rewards", "advantages"]
-        for consumer, col, weights in (("old_logprob", "old_logprobs", None if single_update else params),
-                                       ("ref_logprob", "ref_logprobs", ref_params)):
-            if weights is not None:
-                rows, _ = flow.get(consumer, [])
-                flow.put(rows, **{col: stages.batched_logprobs(weights, cfg, rows, micro_batch_size=lcfg.micro_batch_size,
-                                                               temperature=gcfg.temperature)})
+        for consumer, col, w in (("old_logprob", "old_logprobs", None if single_update else params),
+                                 ("ref_logprob", "ref_logprobs", ref_params)):
+            if w is not None:
+                rows, _ = flow.get(consumer, [], train_mesh, rank)
+                lp = stages.batched_logprobs(w, cfg, rows, micro_batch_size=ucfg.micro_batch_size,
+                                             temperature=gcfg.temperature, ex=tctx)
+                if train_writer:
+                    flow.put(rows, **{col: lp})
                 cols.append(col)
-        rows, c = flow.get("update", cols)
+        rows, c = flow.get("update", cols, train_mesh, rank)
         batch = train_batch(rows, c)
-        rewards = batch.rewards_B
         done_steps = step if first_step is not None else local + start  # GRPO steps before this one
         lr = lcfg.optim.lr * min(1.0, (done_steps + 1) / lcfg.warmup_lr_steps) if lcfg.warmup_lr_steps else None
         params, opt_state, upd = stages.update(params, opt_state, batch, cfg, gcfg, ucfg, lcfg.optim,
                                                seed=lcfg.seed + step, lr=lr, old_is_current=single_update,
-                                               max_len=lcfg.sampling.max_new_tokens)
+                                               max_len=lcfg.sampling.max_new_tokens, ex=tctx)
         t1 = time.perf_counter()
-        n_prompt, n_resp = int(rollout.prompt_mask_BTp.sum()), int(rollout.response_mask_BTr.sum())
-        r_sum, r_sq = float(rewards.sum()), float((rewards ** 2).sum())
-        if dp_layout is not None:  # global figures: sums over the ranks, slowest rank's wall time
-            tot = torch.tensor([n_prompt, n_resp, r_sum, r_sq], dtype=torch.float64)
-            slowest = torch.tensor([t1 - t0], dtype=torch.float64)
-            torch.distributed.all_reduce(tot)
-            torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+        n_prompt = int(rollout.prompt_mask_BTp.sum()) if roll_writer else 0
+        n_resp = int(rollout.response_mask_BTr.sum()) if roll_writer else 0
+        stage_s = {"rollout_time_s": t_roll - t0, "update_time_s": t1 - t_roll}
+        if weights is not None:
+            stage_s.update(weights.figures())
+        if world > 1:  # global figures: sums over the ranks, slowest rank's times
+            tot = _all_sum(torch.tensor([n_prompt, n_resp, r_sum, r_sq], dtype=torch.float64))
             n_prompt, n_resp, r_sum, r_sq = int(tot[0]), int(tot[1]), float(tot[2]), float(tot[3])
-            t1 = t0 + float(slowest[0])
+            slow = torch.tensor([t1 - t0, *stage_s.values()], dtype=torch.float64)
+            torch.distributed.all_reduce(slow, op=torch.distributed.ReduceOp.MAX)
+            t1 = t0 + float(slow[0])
+            stage_s = dict(zip(stage_s, slow[1:].tolist()))
         wall = t1 - t0
-        n = rollout.size * world
+        n = lcfg.global_batch
         mean = r_sum / n
         std = (max(r_sq / n - mean * mean, 0.0) * n / max(n - 1, 1)) ** 0.5  # unbiased, as torch.std
         m = {"step": step, "reward_mean": mean, "reward_std": std,
              "tps": tps(n_prompt, n_resp, world, wall), "step_time_s": wall,  # one device per rank
-             "rollout_time_s": t_roll - t0, "update_time_s": t1 - t_roll, "lr": lcfg.optim.lr if lr is None else lr,
+             **stage_s, "lr": lcfg.optim.lr if lr is None else lr,
              "response_len_mean": n_resp / n, "prompt_tokens": n_prompt, "response_tokens": n_resp,
              **{k: v for k, v in upd.items()}}
+        if isinstance(flow, DockFlow):
+            m["dock_busiest_bytes"] = flow.busiest_bytes() if rank == 0 else 0.0
         m["bad_rewards"] = int(len(bad))  # this rank's
         history.append(m)
         if on_step is not None:
@@ -212,9 +273,15 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
                                  f"{step - bad_streak + 1}")
         if should_stop is not None and local + 1 < lcfg.steps:
             stop = torch.tensor([float(should_stop())], dtype=torch.float64)
-            if float(batch_sum(stop)[0]) > 0:
+            if float(world_sum(stop)[0]) > 0:
                 break
     return params, opt_state, history
+
+
+def _all_sum(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    torch.distributed.all_reduce(t)
+    return t
 
 
 class NonFiniteError(RuntimeError):

@@ -83,4 +83,15 @@ class Weights:
                 "transition_sent_bytes": float(self.out.sent), "transition_recv_bytes": float(self.out.recv)}
 
 
-__all__ = ["Transition", "Weights", "same_layout"]
+
+
+def gather_full(tensors: dict, src: Layout, full: Layout) -> dict:
+    """Every rank's copy of the whole tensors from its shards ``tensors`` under ``src`` (``full``: the same
+    parameters replicated on the same mesh); a collective: every rank calls it (checkpoints)."""
+    if same_layout(src, full):
+        return dict(tensors)
+    from rlflow.sharding.plan import plan
+    return sdist.execute(plan(src, full), dict(tensors))
+
+
+__all__ = ["Transition", "Weights", "gather_full", "same_layout"]
