@@ -196,13 +196,16 @@ def placement(r: Recipe, cfg, dtype):
     """The train and rollout layouts of a --world > 1 run (ValueError naming what the model cannot run)."""
     from rlflow.models.sharding import layout
     from rlflow.parallel.context import check_layout
-    out = loop.Placement(layout(cfg, mesh_of(r, r.train_layout, "train_layout"), dtype=dtype),
-                         layout(cfg, mesh_of(r, r.rollout_layout, "rollout_layout"), dtype=dtype))
-    for name, lay in (("train_layout", out.train), ("rollout_layout", out.rollout)):
+    lays = {}
+    for name in ("train_layout", "rollout_layout"):
+        mesh = mesh_of(r, getattr(r, name), name)
         try:
-            check_layout(lay, cfg)
+            lays[name] = layout(cfg, mesh, dtype=dtype)
+            check_layout(lays[name], cfg)
         except ValueError as e:
-            raise ValueError(f"--{name.replace('_', '-')} {lay.mesh}: {e}") from None
+            given = getattr(r, name) or f"{mesh} (the default)"
+            raise ValueError(f"--{name.replace('_', '-')} {given}: {e}") from None
+    out = loop.Placement(lays["train_layout"], lays["rollout_layout"])
     return out
 
 
@@ -214,13 +217,6 @@ def build(r: Recipe, rank: int = 0):
     if r.model:
         cfg, params = hf.load(r.model, dtype=dtype, device=dev)
         tok = HFTokenizer(r.model)
-        if tok.vocab_size > cfg.vocab_size:
-            raise SystemExit(f"error: --model {r.model}: the tokenizer has {tok.vocab_size} tokens but the model's "
-                             f"vocab_size is {cfg.vocab_size}")
-        for name in ("eos_id", "pad_id"):
-            if not 0 <= getattr(tok, name) < cfg.vocab_size:
-                raise SystemExit(f"error: --model {r.model}: the tokenizer's {name} {getattr(tok, name)} is outside "
-                                 f"the model's vocabulary [0, {cfg.vocab_size})")
     else:
         tok = CharTokenizer()
         cfg = get_config(r.preset)
@@ -243,6 +239,18 @@ def build(r: Recipe, rank: int = 0):
         max_prompt_len=r.max_prompt_len, warmup_lr_steps=r.warmup_lr_steps, seed=r.seed,
         compile_decode=r.compile_decode, max_bad_steps=r.max_bad_steps)
     return cfg, params, tok, source, reward_fn, lcfg, dev
+
+
+def check_tokenizer(r: Recipe, cfg) -> None:
+    """--model's tokenizer must fit its model's vocabulary (SystemExit naming the flag)."""
+    tok = HFTokenizer(r.model)
+    if tok.vocab_size > cfg.vocab_size:
+        raise SystemExit(f"error: --model {r.model}: the tokenizer has {tok.vocab_size} tokens but the model's "
+                         f"vocab_size is {cfg.vocab_size}")
+    for name in ("eos_id", "pad_id"):
+        if not 0 <= getattr(tok, name) < cfg.vocab_size:
+            raise SystemExit(f"error: --model {r.model}: the tokenizer's {name} {getattr(tok, name)} is outside "
+                             f"the model's vocabulary [0, {cfg.vocab_size})")
 
 
 def make_dock(r: Recipe, capacity: int):
@@ -313,14 +321,21 @@ def main(argv=None) -> list[dict]:
     where = launch.env_world()  # started by torchrun / Slurm: this process is one rank
     if where is not None:
         r = dataclasses.replace(r, world=where[1])
+    cfg = hf.load_config(r.model) if r.model else get_config(r.preset)
+    if r.model:
+        check_tokenizer(r, cfg)
     if r.world > 1:  # what the layouts cannot run is refused here, once, before any process starts
-        cfg = hf.load_config(r.model) if r.model else get_config(r.preset)
         try:
             placement(r, cfg, torch.float32)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
     if where is None or where[0] == 0:
         prepare_out(r)
+    if r.resume and r.resume != "auto":  # a damaged checkpoint is refused before any rank starts
+        try:
+            checkpoint.verify(r.resume)
+        except (checkpoint.CheckpointError, FileNotFoundError) as e:
+            raise SystemExit(f"error: --resume {r.resume}: {e}") from None
     dock = make_dock(r, r.prompts_per_step * r.group_size) if where is None or r.world == 1 else None
     try:
         if where is not None:

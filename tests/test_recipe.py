@@ -19,6 +19,9 @@ def test_recipe_two_steps_writes_metrics_plot_and_checkpoint(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "TPS = (prompt tokens + response tokens" in res.stdout
+    # the default: 2 processes, the weights moved between two layouts every step, the rows through the dock
+    assert "layouts: train mesh(pp=1,dp=1,ep=1,tp=2), rollout mesh(pp=1,dp=2,ep=1,tp=1) on 2 ranks" in res.stdout
+    assert "weights train -> rollout layout (allgather-swap)" in res.stdout and "transfer dock: 2 warehouses" in res.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
@@ -30,20 +33,20 @@ def test_recipe_two_steps_writes_metrics_plot_and_checkpoint(tmp_path):
 
 def test_recipe_through_the_dock(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--steps", "2",
-           "--prompts-per-step", "4", "--group-size", "4", "--dock", "2"]
+           "--prompts-per-step", "4", "--group-size", "4", "--world", "1", "--dock", "2"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "transfer dock (local): 2 warehouses" in res.stdout
+    assert "transfer dock: 2 warehouses" in res.stdout
 
 
 @pytest.mark.slow
 def test_recipe_through_the_ray_dock(tmp_path):
     pytest.importorskip("ray")
     cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--steps", "2",
-           "--prompts-per-step", "4", "--group-size", "4", "--dock", "2", "--dock-backend", "ray"]
+           "--prompts-per-step", "4", "--group-size", "4", "--world", "1", "--dock", "2", "--dock-backend", "ray"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "transfer dock (ray): 2 warehouses" in res.stdout
+    assert "transfer dock: 2 warehouses" in res.stdout
     assert "done: 2 steps" in res.stdout
 
 
@@ -72,10 +75,12 @@ def test_sizes_validated_with_numbers(kw, msg):
 def test_recipe_data_parallel_two_processes(tmp_path):
     out = tmp_path / "dp"
     cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--steps", "2",
-           "--prompts-per-step", "4", "--group-size", "4", "--nproc", "2", "--out", str(out)]
+           "--prompts-per-step", "4", "--group-size", "4", "--train-layout", "dp=2", "--rollout-layout", "dp=2",
+           "--out", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "over 2 data-parallel ranks" in res.stdout
+    assert "layouts: train mesh(pp=1,dp=2,ep=1,tp=1), rollout mesh(pp=1,dp=2,ep=1,tp=1)" in res.stdout
+    assert "weights train -> rollout" not in res.stdout  # the same layout: nothing to move
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["prompt_tokens"] for r in rows] == [4 * 4 * 12] * 2  # global token counts (both ranks' rows)
 
@@ -105,12 +110,15 @@ def _recipe_module():
 @pytest.mark.parametrize("flags, named", [
     (["--mini-batch-size", "0"], "--mini-batch-size 0"),  # fell back to the default
     (["--micro-batch-size", "0"], "--micro-batch-size 0"),
-    (["--nproc", "0"], "--nproc 0"),
+    (["--world", "0"], "--world 0"),
     (["--max-prompt-len", "-3"], "--max-prompt-len -3"),  # dropped the first tokens of every prompt
     (["--dtype", "float16"], "--dtype"),  # a bare KeyError
     (["--group-size", "1"], "--group-size 1"),
     (["--top-p", "0"], "--top-p 0.0"),
-    (["--nproc", "2", "--dock", "2", "--dock-backend", "ray"], "--nproc 2"),
+    (["--world", "2", "--dock-backend", "local"], "--dock-backend local"),
+    (["--world", "2", "--dock", "0"], "--dock 0"),
+    (["--world", "2", "--train-layout", "tp=3"], "--train-layout tp=3"),
+    (["--world", "1", "--rollout-layout", "tp=2"], "--rollout-layout tp=2"),
     (["--dual-clip", "0.5"], "--dual-clip must be > 1, got 0.5"),
     (["--rollout-is-cap", "1"], "--rollout-is-cap must be > 1"),
     (["--adv-estimator", "ppo"], "--adv-estimator"),
@@ -157,18 +165,19 @@ def _rise(history) -> float:
 
 
 def test_the_default_run_learns():
-    """The recipe's default task from scratch on a fixed seed: the mean reward of the last 10 steps is clearly
+    """The recipe's default task from scratch on a fixed seed, one process: the mean reward of the last 10 steps is clearly
     above the first 10. A flipped advantage sign, a zero learning rate or a detached loss keep it near 0."""
     recipe = _recipe_module()
-    rise = _rise(recipe.main(["--steps", str(LEARN_STEPS)]))
+    rise = _rise(recipe.main(["--world", "1", "--steps", str(LEARN_STEPS)]))
     assert rise >= LEARN_MARGIN, rise
 
 
 @pytest.mark.slow
-def test_the_default_run_learns_on_two_data_parallel_processes(tmp_path):
+def test_the_default_run_learns_on_its_two_processes(tmp_path):
+    """The default: train tp=2, rollout dp=2, the weights moved every step, the rows through the dock."""
     out = tmp_path / "run"
     cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--steps", str(LEARN_STEPS),
-           "--nproc", "2", "--out", str(out)]
+           "--out", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     rise = _rise([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()])

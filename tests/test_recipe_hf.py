@@ -31,6 +31,12 @@ def test_recipe_with_hf_checkpoint_and_jsonl_dataset(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--model", str(model_dir),
            "--dataset", str(data), "--steps", "2", "--prompts-per-step", "2", "--group-size", "4",
            "--max-new-tokens", "4", "--kl-coef", "0.01", "--out", str(out)]
+    # the default train layout (tp=2) cannot split this model's 19-token vocabulary: refused naming the flag
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines()[-1].startswith("error: --train-layout mesh(pp=1,dp=1,ep=1,tp=2) (the default)")
+    assert "size 19 does not divide by tp=2" in res.stderr and not out.exists()
+    cmd += ["--train-layout", "ep=2"]  # experts over 2 ranks for the update, dp=2 generation
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "task: " + str(data) in res.stdout

@@ -136,10 +136,10 @@ class DockFlow:
         return rollout.to(self.device), {c: b[c].to(self.device) for c in columns}
 
     def busiest_bytes(self) -> float:
-        """Bytes in + out of the busiest dock process since the last reset (then reset)."""
-        t = self.dock.traffic()
-        self.dock.reset_traffic()
-        return float(max(v["bytes_in"] + v["bytes_out"] for v in t.values()))
+        """Bytes in + out of the dock process that moved the most since the last call."""
+        now = {k: v["bytes_in"] + v["bytes_out"] for k, v in self.dock.traffic().items()}
+        before, self._seen = getattr(self, "_seen", {}), now
+        return float(max(n - before.get(k, 0) for k, n in now.items()))
 
 
 def train_batch(rollout: RolloutBatch, cols: dict[str, Tensor]) -> TrainBatch:

@@ -18,8 +18,10 @@ NPU) unless given; each process runs with one intra-op thread (one thread per ra
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import tempfile
+import threading
 
 import torch
 import torch.distributed as dist
@@ -64,11 +66,45 @@ def spawn(fn, world: int, *args, backend: str | None = None) -> list:
     """Run ``fn(rank, world, *args)`` in ``world`` local processes (torch.distributed initialised; a
     process's device is ``rlflow.device.process_device()``); returns the results in rank order. ``fn``
     must be importable (module level). A process that fails makes the call raise
-    (``torch.multiprocessing.ProcessRaisedException`` with its traceback) and the others are stopped."""
+    (``torch.multiprocessing.ProcessRaisedException`` with its traceback, or ``SystemExit`` with the exit
+    code of a rank that exited) and the others are stopped.
+
+    SIGINT and SIGTERM (Ctrl-C, a scheduler's preemption) sent to this process are forwarded to every
+    rank, and the ranks are then waited for (they agree to stop after the same step and may still be
+    writing a checkpoint); when they all end with 0 or ``128 + signal`` this raises ``SystemExit(128 +
+    signal)``."""
     backend = backend or rd.backend_for(world)
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_entry, args=(fn, world, free_port(), backend, d, args), nprocs=world,
-                           join=True, start_method="spawn")
+        ctx = mp.start_processes(_entry, args=(fn, world, free_port(), backend, d, args), nprocs=world,
+                                 join=False, start_method="spawn")
+        got: list[int] = []
+
+        def forward(sig, _frame):
+            got.append(sig)
+            for p in ctx.processes:
+                if p.is_alive():
+                    os.kill(p.pid, sig)
+        old = {}
+        if threading.current_thread() is threading.main_thread():
+            old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while not got:
+                try:
+                    if ctx.join(timeout=0.2):
+                        break
+                except mp.ProcessExitedException as e:
+                    if not got:  # a rank ended with sys.exit(code) (it said why): end the same way
+                        raise SystemExit(e.exit_code) from None
+            if got:
+                for p in ctx.processes:
+                    p.join()
+                codes = {p.exitcode for p in ctx.processes}
+                if codes <= {0, 128 + got[0]}:
+                    raise SystemExit(128 + got[0])
+                raise RuntimeError(f"ranks ended with exit codes {sorted(codes)} after signal {got[0]}")
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
         return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(world)]
 
 
