@@ -94,7 +94,8 @@ class Recipe:
                                 "(default: one per rank when world > 1; 0 with world 1: batches in memory)")
     dock_backend: str | None = _f(None, "transfer dock backend: local (threads, world 1), procs (warehouses and "
                                         "controllers in processes of their own) or ray (as Ray actors spread over "
-                                        "the cluster's nodes); default: procs when world > 1, else local")
+                                        "the cluster's nodes); default: local with world 1, ray with --launcher ray, "
+                                        "else procs")
     ray_address: str | None = _f(None, "Ray cluster to join (e.g. auto: the one `ray start --head` runs here); "
                                        "default: start a local Ray")
     compile_decode: bool = _f(False, "compile the rollout's decode step with torch.compile (static shapes; "
@@ -173,6 +174,8 @@ def problems(r: Recipe) -> list[tuple[str, str]]:
         out.append(("dock", "must be >= 1 with --world > 1 (the stages' rows go through the dock)"))
     if r.world > 1 and r.dock_backend == "local":
         out.append(("dock_backend", "local keeps the dock in one process; with --world > 1 use procs or ray"))
+    if r.launcher == "ray" and r.dock_backend == "procs":
+        out.append(("dock_backend", "procs serves local processes; the Ray launcher's ranks use --dock-backend ray"))
     if r.world == 1 and (r.train_layout or r.rollout_layout):
         out.append(("train_layout" if r.train_layout else "rollout_layout", "needs --world > 1"))
     if r.world > 1 and not out:
@@ -257,7 +260,7 @@ def make_dock(r: Recipe, capacity: int):
     """The transfer dock the stages exchange rows through, or None (in memory). Made by the driver; the ranks
     are handed it (its processes or actors outlive them)."""
     warehouses = r.dock if r.dock is not None else (r.world if r.world > 1 else 0)
-    backend = r.dock_backend or ("procs" if r.world > 1 else "local")
+    backend = r.dock_backend or ("local" if r.world == 1 else "ray" if r.launcher == "ray" else "procs")
     if not warehouses:
         return None
     if backend == "local":
