@@ -57,11 +57,13 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--rlflow-src", default=ROOT)
+    p.add_argument("--only", default="", help="run only the world-2 configurations whose name contains this")
     a = p.parse_args()
-    steps: dict[str, list[dict]] = {k: [] for k in CONFIGS}
+    configs = {k: v for k, v in CONFIGS.items() if k == "world1" or a.only in k}
+    steps: dict[str, list[dict]] = {k: [] for k in configs}
     with tempfile.TemporaryDirectory() as d:
         for _ in range(a.repeat):
-            for name, flags in CONFIGS.items():
+            for name, flags in configs.items():
                 steps[name] += run(a.rlflow_src, flags, a, os.path.join(d, "run"))[a.warmup:]
     print(f"workload: qwen3-moe-tiny, {a.prompts_per_step} prompts x {a.group_size} samples, {a.max_new_tokens} new "
           f"tokens; {a.repeat} rounds x {a.steps - a.warmup} timed steps; one thread per process")

@@ -5,7 +5,8 @@ The dock processes are ``multiprocessing.managers`` servers started by the proce
 processes) are handed the same dock and call the servers directly: rows go from the producing rank to a
 warehouse process and from there to the consuming rank, never through the driver. A server runs each
 client connection in a thread of its own, so a take blocked in a controller waiting for rows does not
-stop the puts that will make them ready (the controllers and warehouses lock internally). An error
+stop the puts that will make them ready (the controllers and warehouses lock internally). The
+controllers sit on one hub object, so a put's readiness flips for every consumer are one round trip. An error
 raised in a dock process is raised again, unchanged, in the caller.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import sys
 from multiprocessing.managers import BaseManager
+from dataclasses import dataclass
 from typing import Sequence
 
 from rlflow.dock.client import Dock
@@ -22,36 +24,72 @@ from rlflow.dock.schema import GRPO_COLUMNS, GRPO_CONSUMERS, Schema
 from rlflow.dock.warehouse import Warehouse
 
 
+class ControllerHub:
+    """Every consumer's controller, in one dock process: a put's readiness flips for all consumers are one
+    round trip (``each``), not one per consumer."""
+
+    def __init__(self, consumers, capacity: int, columns, var_columns, group_size: int):
+        self._c = {c: Controller(c, capacity, columns, var_columns, group_size) for c in consumers}
+
+    def call(self, consumer: str, method: str, args: tuple):
+        return getattr(self._c[consumer], method)(*args)
+
+    def each(self, calls: list) -> list:
+        """``[(consumer, method, args)]`` -> results, a failed call's exception in its place."""
+        out = []
+        for consumer, method, args in calls:
+            try:
+                out.append(self.call(consumer, method, args))
+            except Exception as e:  # noqa: BLE001 - returned to the caller, who re-raises
+                out.append(e)
+        return out
+
+
+@dataclass(frozen=True)
+class _Ctrl:
+    """A consumer's controller on the hub (what the ``Dock`` holds as its controller target)."""
+    consumer: str
+
+
 class _Server(BaseManager):
     pass
 
 
 _Server.register("Warehouse", Warehouse)
-_Server.register("Controller", Controller)
+_Server.register("ControllerHub", ControllerHub)
 
 
 class ProcTransport:
-    """Calls become proxy calls to the dock processes; ``close`` (in the process that started them) stops
-    them."""
+    """Calls become proxy calls to the dock processes (controller calls go through the hub; several in one
+    ``call_many`` are one round trip); ``close`` (in the process that started them) stops them."""
 
     nodes: tuple = ()
 
-    def __init__(self, servers: list):
-        self._servers = servers
+    def __init__(self, servers: list, hub):
+        self._servers, self.hub = servers, hub
 
     def __getstate__(self):
-        return {"_servers": []}  # a copy in another process does not own the servers
+        return {"_servers": [], "hub": self.hub}  # a copy in another process does not own the servers
 
     def call(self, target, method: str, *args):
+        if isinstance(target, _Ctrl):
+            return self.hub.call(target.consumer, method, args)
         return getattr(target, method)(*args)
 
     def call_many(self, calls) -> list:
-        out = []
-        for target, method, args in calls:
+        calls = list(calls)
+        out: list = [None] * len(calls)
+        ctrl = [i for i, (t, _, _) in enumerate(calls) if isinstance(t, _Ctrl)]
+        if ctrl:
+            for i, r in zip(ctrl, self.hub.each([(calls[i][0].consumer, calls[i][1], calls[i][2]) for i in ctrl])):
+                out[i] = r
+        for i, (target, method, args) in enumerate(calls):
+            if isinstance(target, _Ctrl):
+                continue
             try:
-                out.append(getattr(target, method)(*args))
+                out[i] = getattr(target, method)(*args)
             except Exception as e:  # noqa: BLE001 - returned to the caller, who re-raises
-                out.append(e)
+                out[i] = e
         return out
 
     def here(self):
@@ -78,12 +116,13 @@ def proc_dock(schema: Schema = GRPO_COLUMNS, consumers: Sequence[str] = GRPO_CON
             servers.append(s)
         var = [c.name for c in schema if c.kind == "var"]
         whs = [servers[i].Warehouse(f"w{i}", schema.wire_spec()) for i in range(warehouses)]
-        ctrls = {c: servers[-1].Controller(c, capacity, schema.names, var, group_size) for c in consumers}
+        hub = servers[-1].ControllerHub(list(consumers), capacity, schema.names, var, group_size)
     except BaseException:
         for s in servers:
             s.shutdown()
         raise
-    return Dock(schema, consumers, capacity, group_size, ProcTransport(servers), whs, ctrls)
+    return Dock(schema, consumers, capacity, group_size, ProcTransport(servers, hub), whs,
+                {c: _Ctrl(c) for c in consumers})
 
 
-__all__ = ["ProcTransport", "proc_dock"]
+__all__ = ["ControllerHub", "ProcTransport", "proc_dock"]

@@ -64,7 +64,10 @@ def _one(mesh: Mesh) -> None:
 
 class DockFlow:
     """Stages exchange rows through ``dock`` (in-process, local processes or Ray); rank ``rank`` of
-    ``world`` (rank 0 leads: it clears the dock, puts the prompts and plans every get)."""
+    ``world`` (rank 0 leads: it clears the dock, puts the prompts and plans every get). Only the lead
+    takes, so no rank waits for another before a get: the others read what the lead's plan hands them,
+    and the lead clears the dock for step s + 1 only after the update of step s, which every rank's
+    last read of step s precedes."""
 
     def __init__(self, dock, rank: int = 0, world: int = 1):
         self.dock, self.rank, self.world = dock, rank, world
@@ -82,8 +85,6 @@ class DockFlow:
                 "prompt_ids": unpad(rows.prompt_ids_BTp.cpu(), rows.prompt_mask_BTp.cpu()),
                 "group": rows.group_B.cpu(),
                 "answer": [torch.tensor(list(a.encode()), dtype=torch.uint8) for a in rows.answers]})
-        if self.world > 1:
-            dist.barrier()  # no rank takes before this step's rows are there
 
     def _take(self, consumer: str, columns: list[str], mesh: Mesh) -> tuple[Ticket, RowPlan]:
         """The lead's take of every row of the step and its routing onto ``mesh``; every rank gets both."""
