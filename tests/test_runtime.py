@@ -67,11 +67,20 @@ def worker(rank: int, world: int, train: str, rollout: str, kl: float, dock):
     return [m["reward_mean"] for m in hist], full, hist[-1]
 
 
-def compare(world: int, train: str, rollout: str, kl: float = 0.0):
+def compare(world: int, train: str, rollout: str, kl: float = 0.0, ray: bool = False):
     want_r, want_p = one_process(kl)
-    dock = proc_dock(capacity=P * G, warehouses=2, group_size=G)
+    if ray:  # the ranks as Ray actors (a local Ray), the dock's warehouses and controllers too
+        import sys
+
+        import ray as ray_mod
+        from rlflow.dock.ray_backend import ray_dock
+        launch.ray_init(None)
+        ray_mod.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import tests/
+        dock = ray_dock(capacity=P * G, warehouses=2, group_size=G)
+    else:
+        dock = proc_dock(capacity=P * G, warehouses=2, group_size=G)
     try:
-        res = launch.spawn(worker, world, train, rollout, kl, dock)
+        res = (launch.ray_spawn if ray else launch.spawn)(worker, world, train, rollout, kl, dock)
     finally:
         dock.close()
     got_r, got_p, last = res[0]
@@ -98,6 +107,16 @@ def test_one_process_with_and_without_the_dock_train_identically():
 @pytest.mark.parametrize("train,rollout,kl", [("tp=2", "dp=2", 0.0), ("ep=2", "dp=2", 0.1)])
 def test_world_2_matches_one_process(train, rollout, kl):
     compare(2, train, rollout, kl)
+
+
+@pytest.mark.slow
+def test_world_2_on_ray_actors_matches_one_process():
+    pytest.importorskip("ray")
+    try:
+        compare(2, "tp=2", "dp=2", ray=True)
+    finally:
+        import ray
+        ray.shutdown()
 
 
 @pytest.mark.slow
