@@ -534,13 +534,15 @@ def full_state(cfg, where, params, state):
     """The whole weights and AdamW state from every rank's train shards (a collective; checkpoints)."""
     from rlflow.models.sharding import RULES, layout
     from rlflow.runtime.weights import gather_full
+    from rlflow.sharding import Mesh
 
     def full(ts):
         if not ts:
             return {}
         dt = next(iter(ts.values())).dtype
-        mesh = where.train.mesh
-        return gather_full(ts, layout(cfg, mesh, dtype=dt), layout(cfg, mesh, {k: None for k in RULES}, dtype=dt))
+        mesh = where.train.mesh  # the whole model on every rank: no pp stages, nothing split
+        return gather_full(ts, layout(cfg, mesh, dtype=dt), layout(cfg, Mesh(dp=mesh.size), {k: None for k in RULES},
+                                                                   dtype=dt))
     return full(params), optim.AdamWState(step=state.step, m=full(state.m), v=full(state.v), master=full(state.master))
 
 

@@ -62,7 +62,7 @@ def worker(rank: int, world: int, train: str, rollout: str, kl: float, dock):
     mine = shard_params(full_params(), where.train, rank)
     params, _, hist = loop.train(mine, CFG, TOK, PromptSource(task="max_digit", seed=1), reward, lcfg(kl),
                                  dock=dock, placement=where)
-    full = gather_full(params, where.train, layout(CFG, where.train.mesh, {k: None for k in RULES},
+    full = gather_full(params, where.train, layout(CFG, Mesh(dp=world), {k: None for k in RULES},
                                                    dtype=torch.float32))
     return [m["reward_mean"] for m in hist], full, hist[-1]
 
@@ -120,15 +120,14 @@ def test_world_2_on_ray_actors_matches_one_process():
 
 
 @pytest.mark.slow
-def test_world_4_matches_one_process():
-    compare(4, "ep=2,tp=2", "dp=2,tp=2")
+@pytest.mark.parametrize("train", ["ep=2,tp=2", "pp=2,tp=2"])
+def test_world_4_matches_one_process(train):
+    compare(4, train, "dp=2,tp=2", kl=0.1 if train.startswith("pp") else 0.0)
 
 
 def test_a_layout_pair_the_runtime_cannot_run_is_refused_by_name():
     from rlflow.models.sharding import layout
     lay = lambda s: layout(CFG, Mesh.parse(s, 2), dtype=torch.float32)  # noqa: E731
-    with pytest.raises(ValueError, match="train layout .*pp > 1|pipeline"):
-        loop.Placement(lay("pp=2"), lay("dp=2"))
     with pytest.raises(ValueError, match="rollout layout .*no pp"):
         loop.Placement(lay("tp=2"), lay("pp=2"))
     with pytest.raises(ValueError, match="same ranks"):

@@ -106,12 +106,17 @@ def _token_logprobs(params, cfg, batch, h_resp, temperature, with_entropy, ex: E
 def batched_logprobs(params, cfg: ModelConfig, batch: RolloutBatch, *, micro_batch_size: int,
                      temperature: float = 1.0, ex: Exec = LOCAL) -> Tensor:
     """response_logprobs over micro-batches without gradients (old and reference log-probs); ``ex``: the
-    execution context of a layout without pp (every rank of an ep group the same number of micro-batches)."""
+    execution context of a layout (every rank of an ep group the same number of micro-batches). With pp the
+    micro-batches go through the pipeline and the log-probs are those of the last stage (zeros elsewhere)."""
     out = torch.zeros(batch.response_ids_BTr.shape, dtype=torch.float32, device=batch.response_ids_BTr.device)
-    for s in range(0, batch.size, micro_batch_size):
-        rows = torch.arange(s, min(s + micro_batch_size, batch.size))
-        mb = _trim(batch.select(rows))
-        lp, _, _ = response_logprobs(params, cfg, mb, temperature=temperature, with_aux=False, ex=ex)
+    parts = [torch.arange(s, min(s + micro_batch_size, batch.size)) for s in range(0, batch.size, micro_batch_size)]
+    mbs = [_trim(batch.select(rows)) for rows in parts]
+    if not (ex.first and ex.last):
+        from rlflow.parallel import train as ptrain  # the pipeline glue (it imports this module)
+        lps = [lp for lp, _ in ptrain.forward_only(params, ex, mbs, temperature=temperature)]
+    else:
+        lps = [response_logprobs(params, cfg, mb, temperature=temperature, with_aux=False, ex=ex)[0] for mb in mbs]
+    for rows, lp in zip(parts, lps):
         out[rows, :lp.shape[1]] = lp
     return out
 
@@ -129,7 +134,8 @@ class UpdateConfig:
     # The train layout (None: one process, unsharded). Its ("dp", "ep") ranks each hold a share of the
     # batch (tp ranks the same rows); the loss takes the normalizers of the whole (all-rank) mini-batch,
     # gradients are summed over the ranks that share a parameter shard and the gradient norm is that of
-    # the full gradient, so the step equals the one-process step on the whole batch. No pp (yet).
+    # the full gradient, so the step equals the one-process step on the whole batch. With pp the
+    # micro-batches go through the pipeline schedule (``parallel/train.py``).
     layout: object = None
 
 
@@ -169,9 +175,9 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
     default: the batch's padded response length).
     ``ex``: this rank's execution context in ``ucfg.layout`` (``params``: its shards)."""
     layout = ucfg.layout
-    if layout is not None and layout.mesh.pp > 1:
-        raise ValueError(f"update: the train layout {layout.mesh} has pp > 1; the GRPO update runs pp = 1 layouts "
-                         "(the pipeline schedule is in rlflow.parallel.train, not wired into the update yet)")
+    pipelined = not (ex.first and ex.last)
+    if pipelined:
+        from rlflow.parallel import train as ptrain  # the pipeline glue (it imports this module)
     if old_is_current and (gcfg.epochs != 1 or ucfg.mini_batch_size < batch.size):
         raise ValueError(f"update: old_is_current needs exactly one optimizer step, but epochs={gcfg.epochs} and "
                          f"mini_batch_size={ucfg.mini_batch_size} (batch {batch.size}) give several")
@@ -192,11 +198,9 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
             if layout is not None:
                 n_tokens, n_seqs = dp.batch_total(n_tokens, layout), dp.batch_total(n_seqs, layout)
             grads: list[Tensor | None] = [None] * len(leaves)
-            for rows in micro_batches(batch, mini, ucfg):
-                mb = _trim(batch.select(rows))
-                lp, ent, aux = response_logprobs(live, cfg, mb, temperature=gcfg.temperature,
-                                                 with_entropy=bool(gcfg.entropy_coef), remat=ucfg.remat,
-                                                 with_aux=bool(ucfg.router_aux_coef), ex=ex)
+
+            def mb_loss(lp, ent, aux, mb, n_tokens=n_tokens, n_seqs=n_seqs, mini=mini):
+                """Micro-batch ``mb``'s loss with the mini-batch normalizers; records its metrics."""
                 old = lp.detach() if old_is_current else mb.old_logprobs_BTr  # the trainer's, at the sampling weights
                 sample, rmask = mb.sample_logprobs_BTr, mb.response_mask_BTr
                 w = corrections.is_weights(sample, old, rmask, level=gcfg.rollout_is, cap=gcfg.rollout_is_cap,
@@ -207,17 +211,32 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
                 mis = corrections.mismatch(sample, old, rmask, cap=gcfg.rollout_is_cap)
                 maxes["logp_diff_max"] = max(maxes.get("logp_diff_max", 0.0), float(mis.pop("logp_diff_max")))
                 met = {**met, **mis}
-                if ucfg.router_aux_coef:
+                if aux is not None and ucfg.router_aux_coef:
                     loss = loss + ucfg.router_aux_coef * aux * (mb.size / n_seqs)
+                # the loss already carries the mini-batch normalizers: its micro-batch parts add up;
+                # per-token means (clip_frac, kl, ...) are weighted by the micro-batch's share of rows
+                sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+                extra = {} if aux is None else {"router_aux": aux.detach()}
+                for k, v in {**met, **extra}.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * mb.size / len(mini)
+                return loss
+
+            mbs = [_trim(batch.select(rows)) for rows in micro_batches(batch, mini, ucfg)]
+            if pipelined:  # the pipeline schedule: each stage its layers; the loss on the last stage
+                aux_w = [ucfg.router_aux_coef * mb.size / n_seqs for mb in mbs] if ucfg.router_aux_coef else None
+                _, got = ptrain.forward_backward(live, ex, mbs, lambda lp, ent, mb: mb_loss(lp, ent, None, mb),
+                                                 aux_weights=aux_w, temperature=gcfg.temperature,
+                                                 with_entropy=bool(gcfg.entropy_coef), remat=ucfg.remat)
+                grads = [got[k].float() for k in names]
+            for mb in [] if pipelined else mbs:
+                lp, ent, aux = response_logprobs(live, cfg, mb, temperature=gcfg.temperature,
+                                                 with_entropy=bool(gcfg.entropy_coef), remat=ucfg.remat,
+                                                 with_aux=bool(ucfg.router_aux_coef), ex=ex)
+                loss = mb_loss(lp, ent, aux, mb)
                 for j, gr in enumerate(torch.autograd.grad(loss, leaves, allow_unused=True)):
                     if gr is not None:
                         gr = gr.float()  # accumulate in float32 whatever the parameter dtype
                         grads[j] = gr if grads[j] is None else grads[j].add_(gr)
-                # the loss already carries the mini-batch normalizers: its micro-batch parts add up;
-                # per-token means (clip_frac, kl, ...) are weighted by the micro-batch's share of rows
-                sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
-                for k, v in {**met, "router_aux": aux.detach()}.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) * mb.size / len(mini)
             gdict = {k: torch.zeros_like(p, dtype=torch.float32) if gr is None else gr
                      for k, p, gr in zip(names, leaves, grads)}
             if layout is not None:
@@ -233,6 +252,11 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
                 continue
             with torch.no_grad():
                 _, opt_state = optim.step(live, gdict, opt_state, ocfg, lr=lr)
+    if pipelined:  # the loss and its metrics were computed on the last stage: every stage reports them
+        got = [(sums, maxes)]
+        torch.distributed.broadcast_object_list(got, src=ex.peer(ex.pp_stages - 1), group=ex.pp_group)
+        sums, maxes = {**got[0][0], "grad_norm": sums["grad_norm"], "update_skipped": sums.get("update_skipped", 0.0)}, \
+            got[0][1]
     if layout is not None:
         sums["loss"] = dp.batch_total(sums.get("loss", 0.0), layout)  # the ranks' shares add up
     new_params = {k: p.detach() for k, p in live.items()}

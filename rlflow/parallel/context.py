@@ -108,6 +108,7 @@ class LayoutExec(Exec):
     tp: object
     ep: object
     loss_group: object  # ranks with this rank's tp index: every loss term once
+    pp_group: object  # this rank's pipeline peers (the same data and tp index)
     stage_layers: tuple[int, ...]
 
     # ---- where the rank sits ----
@@ -250,6 +251,7 @@ def context(layout: Layout, cfg: ModelConfig, rank: int | None = None) -> Layout
     c = mesh.coords(rank)
     return LayoutExec(cfg=cfg, layout=layout, rank=rank, coords=c, tp=mesh_group(mesh, ("tp",)),
                       ep=mesh_group(mesh, ("ep",)), loss_group=mesh_group(mesh, ("pp", "dp", "ep")),
+                      pp_group=mesh_group(mesh, ("pp",)),
                       stage_layers=pp.layers_of_stage(layout, cfg.num_hidden_layers, c["pp"]))
 
 

@@ -116,9 +116,6 @@ class Placement:
         if self.rollout.mesh.pp > 1:
             raise ValueError(f"Placement: rollout layout {self.rollout.mesh}: generation runs every layer on each "
                              "rank (no pp)")
-        if self.train.mesh.pp > 1:
-            raise ValueError(f"Placement: train layout {self.train.mesh}: the GRPO update does not run pipeline "
-                             "stages yet (use tp, ep and dp)")
 
     @property
     def world(self) -> int:
@@ -184,7 +181,8 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
                                layout=None if placement is None else placement.train)
     single_update = gcfg.epochs == 1 and lcfg.mini_batch_size == lcfg.global_batch
     roll_writer = rollout_mesh.coords(rank)["tp"] == 0  # tp peers hold the same rows: one of them writes
-    train_writer = train_mesh.coords(rank)["tp"] == 0
+    tc = train_mesh.coords(rank)
+    train_writer = tc["tp"] == 0 and tc["pp"] == train_mesh.pp - 1  # the last pp stage has the log-probs
     history = []
     bad_streak = 0
     for local in range(lcfg.steps):
