@@ -83,7 +83,7 @@ class Recipe:
     dtype: str = _f("float32", "parameter dtype: float32 or bfloat16 (AdamW keeps float32 masters)")
     world: int = _f(2, "ranks (one device each; on a CPU one process and one thread each): the stages run in "
                        "their layouts over all of them and take turns; 1: one process, unsharded")
-    train_layout: str | None = _f(None, "layout of the update and the old/ref log-probs, e.g. tp=2, ep=2,tp=2, dp=4 "
+    train_layout: str | None = _f(None, "layout of the update and the old/ref log-probs, e.g. tp=2, ep=2,tp=2, pp=2,tp=2, dp=4 "
                                         "(axes not named are 1, dp fills the world; default: tp=2 when world >= 2)")
     rollout_layout: str | None = _f(None, "layout of generation, e.g. dp=2, dp=2,tp=2 (default: dp over the world); "
                                           "the weights move train -> rollout layout before every rollout")
