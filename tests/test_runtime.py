@@ -92,6 +92,8 @@ def compare(world: int, train: str, rollout: str, kl: float = 0.0, ray: bool = F
     worst = max(diff, key=diff.get)
     assert diff[worst] < TOL, (worst, diff[worst])
     assert last["transition_recv_bytes"] > 0 and last["dock_busiest_bytes"] > 0
+    # the allgather-swap ledger's peak (train state swapped out bucket by bucket) below the naive one's
+    assert 0 < last["transition_peak_bytes"] < last["transition_naive_peak_bytes"]
     return res
 
 

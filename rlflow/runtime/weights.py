@@ -8,7 +8,10 @@ way back (``swap_back``): the train state comes in again and the rollout weights
 moves between ranks on the way back: the train state did not change while the rollout ran.
 
 Identical layouts need no transition: ``to_rollout`` hands the train weights to the rollout as they are.
-Every transition's wall time and bytes (sent and received by this rank) are recorded for the metrics.
+Every transition's wall time and bytes (sent and received by this rank) are recorded for the metrics,
+with the ledger's peak for this rank (``sharding.memory``: the plan's bytes of train weights, optimizer
+state, rollout weights and buffers at its worst step) beside the naive transition's (which keeps the
+train state on the device), and on an accelerator the allocator's own peak during the transition.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from rlflow import optim
 from rlflow.sharding import dist as sdist
 from rlflow.sharding.execute import TrainState
 from rlflow.sharding.layout import Layout
+from rlflow.sharding.memory import StateBytes, ledger
 from rlflow.sharding.plan import DEFAULT_BUCKET_BYTES, allgather_swap, swap_back
 
 
@@ -44,6 +50,12 @@ class Weights:
         self.identity = same_layout(train, rollout)
         self.forward = None if self.identity else allgather_swap(train, rollout, bucket_bytes=bucket_bytes)
         self.back = None if self.identity else swap_back(self.forward)
+        self.peak = self.naive_peak = 0
+        if not self.identity:  # no gradients are kept between steps; AdamW: two float32 moments (+ a master)
+            state = StateBytes(grad_bytes=0, optim_bytes=8 + (4 if train.params[0].dtype != torch.float32 else 0))
+            self.peak = int(ledger(self.forward, state).peak[rank])
+            self.naive_peak = int(ledger(self.forward, state, naive=True).peak[rank])
+        self.device_peak = None
         self.state = TrainState()
         self.out, self.ret = Transition(), Transition()
         self._opt: optim.AdamWState | None = None
@@ -53,6 +65,9 @@ class Weights:
         object until ``to_train``)."""
         if self.identity:
             return params
+        dev = next(iter(params.values())).device
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
         t0 = time.perf_counter()
         self.state.optim = {n: (opt_state.m[n], opt_state.v[n]) + ((opt_state.master[n],) if n in opt_state.master
                                                                    else ()) for n in opt_state.m}
@@ -60,6 +75,8 @@ class Weights:
         out = sdist.execute(self.forward, dict(params), self.state)
         self.out = Transition(time.perf_counter() - t0, int(self.forward.bytes_sent()[self.rank]),
                               int(self.forward.bytes_received()[self.rank]))
+        if dev.type == "cuda":
+            self.device_peak = int(torch.cuda.max_memory_allocated(dev))
         return out
 
     def to_train(self, rollout_params: dict) -> tuple[dict, optim.AdamWState]:
@@ -79,8 +96,12 @@ class Weights:
 
     def figures(self) -> dict[str, float]:
         """The step's transition figures for the metrics (this rank's)."""
-        return {"transition_out_s": self.out.seconds, "transition_back_s": self.ret.seconds,
-                "transition_sent_bytes": float(self.out.sent), "transition_recv_bytes": float(self.out.recv)}
+        out = {"transition_out_s": self.out.seconds, "transition_back_s": self.ret.seconds,
+               "transition_sent_bytes": float(self.out.sent), "transition_recv_bytes": float(self.out.recv),
+               "transition_peak_bytes": float(self.peak), "transition_naive_peak_bytes": float(self.naive_peak)}
+        if self.device_peak is not None:
+            out["transition_device_peak_bytes"] = float(self.device_peak)
+        return out
 
 
 
