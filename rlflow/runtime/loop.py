@@ -209,24 +209,23 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         if len(bad):  # their groups' advantages, hence the gradient, are non-finite: the update is skipped
             log.warning("step %d: non-finite rewards %s at sample indices %s; the update is skipped", step,
                         scores[bad][:8].tolist(), rows.index_B[bad.to(rows.index_B.device)][:8].tolist())
-        flow.put(rows, rewards=scores.to(device))
         r_sum, r_sq = float(scores.sum()), float((scores ** 2).sum())
-        rows, c = flow.get("advantage", ["rewards"], every, rank)
-        flow.put(rows, advantages=estimators.advantages(gcfg.adv_estimator, c["rewards"], rows.group_B,
-                                                        scale=gcfg.scale_rewards, total=world_sum))
+        # the advantage stage runs on the same ranks and rows (whole groups): handed over in memory; the dock
+        # gets both columns. Between worker groups (rollout -> score -> train) rows go through the dock.
+        adv = estimators.advantages(gcfg.adv_estimator, scores.to(device), rows.group_B, scale=gcfg.scale_rewards,
+                                    total=world_sum)
+        flow.put(rows, rewards=scores.to(device), advantages=adv)
+        rows, c = flow.get("update", ["rewards", "advantages"], train_mesh, rank)
         # With one optimizer step per batch the policy that sampled is the policy being updated, so the
         # ratio's denominator is the current log-prob, detached (update() does that); otherwise recompute.
-        cols = ["rewards", "advantages"]
-        for consumer, col, w in (("old_logprob", "old_logprobs", None if single_update else params),
-                                 ("ref_logprob", "ref_logprobs", ref_params)):
+        # The old / ref log-prob stages run in the train layout on the update's rows: computed here, put in
+        # the dock (the last pp stage's tp rank 0 writes) and handed to the update in memory.
+        for col, w in (("old_logprobs", None if single_update else params), ("ref_logprobs", ref_params)):
             if w is not None:
-                rows, _ = flow.get(consumer, [], train_mesh, rank)
-                lp = stages.batched_logprobs(w, cfg, rows, micro_batch_size=ucfg.micro_batch_size,
-                                             temperature=gcfg.temperature, ex=tctx)
+                c[col] = stages.batched_logprobs(w, cfg, rows, micro_batch_size=ucfg.micro_batch_size,
+                                                 temperature=gcfg.temperature, ex=tctx)
                 if train_writer:
-                    flow.put(rows, **{col: lp})
-                cols.append(col)
-        rows, c = flow.get("update", cols, train_mesh, rank)
+                    flow.put(rows, **{col: c[col]})
         batch = train_batch(rows, c)
         done_steps = step if first_step is not None else local + start  # GRPO steps before this one
         lr = lcfg.optim.lr * min(1.0, (done_steps + 1) / lcfg.warmup_lr_steps) if lcfg.warmup_lr_steps else None
