@@ -3,7 +3,7 @@
     .venv/bin/python bench/dock.py                       # 256 prompts x 8, 1k prompt / 2k response tokens
     .venv/bin/python bench/dock.py --prompts 32 --iters 1  # quick
 
-The driver puts the prompts; W worker actors (default 4) run every stage of GRPO_FLOW in turn
+The driver puts the prompts; W worker actors (default 4) run every stage of GRPO.flow (rlflow/runtime/graph.py) in turn
 (rollout, score, ref_logprob, old_logprob, advantage, update), each taking whole groups in
 micro-batches from the dock as soon as they are ready and putting the stage's outputs back. Stage
 compute is trivial (random tokens and log-probs, real group-normalized advantages), so the figures
@@ -31,9 +31,9 @@ import time
 import ray
 import torch
 
-from rlflow.dock import GRPO_COLUMNS, GRPO_CONSUMERS
-from rlflow.dock.cost import GRPO_FLOW, Shape, centralized_bytes, dock_bytes, project
+from rlflow.dock.cost import Shape, centralized_bytes, dock_bytes, project
 from rlflow.dock.ray_backend import ray_centralized, ray_dock
+from rlflow.runtime.graph import GRPO
 
 EPS = 1e-6
 
@@ -52,7 +52,7 @@ class StageWorker:
     def run(self, dock, response_len: int, micro_batch: int, gets_per_stage: int, it: int) -> float:
         g = torch.Generator().manual_seed(self.seed * 1000 + it * 10 + self.rank)
         busy = 0.0
-        for stage in GRPO_FLOW[1:]:
+        for stage in GRPO.flow[1:]:
             for _ in range(gets_per_stage):
                 t = time.perf_counter()
                 b = dock.get(stage.name, list(stage.reads), micro_batch, groups=True, timeout=600)
@@ -87,7 +87,8 @@ def put_prompts(dock, shape: Shape, chunk: int, seed: int) -> None:
         rows = list(range(start, min(start + chunk, shape.rows)))
         lens = {p: int(torch.randint(PL // 2, PL + PL // 2 + 1, (1,), generator=g)) for p in {r // n for r in rows}}
         ids = {p: torch.randint(0, 150_000, (lens[p],), generator=g) for p in lens}
-        dock.put(rows, {"prompt_ids": [ids[r // n] for r in rows], "group": torch.tensor(rows) // n})
+        dock.put(rows, {"prompt_ids": [ids[r // n] for r in rows], "group": torch.tensor(rows) // n,
+                        "answer": [torch.zeros(8, dtype=torch.uint8) for _ in rows]})
 
 
 def run_config(name: str, dock, workers, shape: Shape, args) -> dict:
@@ -136,19 +137,19 @@ def main() -> None:
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     workers = [StageWorker.remote(r, args.seed) for r in range(args.workers)]
     ray.get([w.ping.remote() for w in workers])
-    kw = dict(schema=GRPO_COLUMNS, consumers=GRPO_CONSUMERS, capacity=shape.rows, group_size=shape.group_size)
+    kw = dict(schema=GRPO.schema, consumers=GRPO.consumers, capacity=shape.rows, group_size=shape.group_size)
     results = []
     c = ray_centralized(**kw)
-    results.append(run_config("centralized", c, workers, shape, args) | {"model": centralized_bytes(shape)})
+    results.append(run_config("centralized", c, workers, shape, args) | {"model": centralized_bytes(shape, GRPO.flow, GRPO.schema)})
     c.close()
     for S in S_list:
         d = ray_dock(**kw, warehouses=S)
-        results.append(run_config(f"dock S={S}", d, workers, shape, args) | {"model": dock_bytes(shape, S)["busiest"]})
+        results.append(run_config(f"dock S={S}", d, workers, shape, args) | {"model": dock_bytes(shape, S, GRPO.flow, GRPO.schema)["busiest"]})
         d.close()
     ray.shutdown()
 
     print(f"shape: {args.prompts} prompts x {args.group_size} samples = {shape.rows} rows, prompt ~{args.prompt_len} "
-          f"tokens, response ~{args.response_len} tokens (uniform in [L/2, 3L/2]), columns {list(GRPO_COLUMNS.names)}, "
+          f"tokens, response ~{args.response_len} tokens (uniform in [L/2, 3L/2]), columns {list(GRPO.schema.names)}, "
           f"{args.workers} worker actors, micro-batch {args.micro_batch}, Ray on {args.num_cpus} CPUs, one node")
     print("busiest_bytes = max over dock processes (warehouses + controllers, or the centralized store) of bytes in + "
           "out per iteration, measured as serialized payload sizes; total = all dock processes; ctrl = busiest "
@@ -166,12 +167,12 @@ def main() -> None:
     wall_ratio = central["wall_s"] / top["wall_s"]
     print(f"\nbusiest-process bytes, centralized / {top['name']}: {ratio:.2f}x   wall, centralized / {top['name']}: "
           f"{wall_ratio:.2f}x")
-    print(f"\nmodel projection (this shape, one warehouse per 8-device node, C = {len(GRPO_CONSUMERS)} controllers; "
+    print(f"\nmodel projection (this shape, one warehouse per 8-device node, C = {len(GRPO.consumers)} controllers; "
           f"time = busiest bytes / {args.link_GBps:g} GB/s):")
     print(f"{'devices':>8}{'S':>5}{'central GB':>12}{'dock GB':>10}{'ratio':>8}{'central s':>11}{'dock s':>9}")
     proj = []
     for D in (16, 64, 192, 384):
-        p = project(shape, D)
+        p = project(shape, D, GRPO.flow, GRPO.schema)
         proj.append(p)
         print(f"{D:>8}{p['S']:>5}{p['central_busiest'] / 1e9:>12.3f}{p['dock_busiest'] / 1e9:>10.3f}{p['ratio']:>8.1f}"
               f"{p['central_busiest'] / 1e9 / args.link_GBps:>11.4f}{p['dock_busiest'] / 1e9 / args.link_GBps:>9.4f}")

@@ -259,20 +259,23 @@ def check_tokenizer(r: Recipe, cfg) -> None:
 def make_dock(r: Recipe, capacity: int):
     """The transfer dock the stages exchange rows through, or None (in memory). Made by the driver; the ranks
     are handed it (its processes or actors outlive them)."""
+    from rlflow.runtime.graph import GRPO
     warehouses = r.dock if r.dock is not None else (r.world if r.world > 1 else 0)
     backend = r.dock_backend or ("local" if r.world == 1 else "ray" if r.launcher == "ray" else "procs")
     if not warehouses:
         return None
     if backend == "local":
         from rlflow.dock import Dock
-        return Dock.local(capacity=capacity, warehouses=warehouses, group_size=r.group_size)
+        return Dock.local(GRPO.schema, GRPO.consumers, capacity=capacity, warehouses=warehouses,
+                          group_size=r.group_size)
     if backend == "procs":
         from rlflow.dock.proc_backend import proc_dock
-        return proc_dock(capacity=capacity, warehouses=warehouses, group_size=r.group_size)
+        return proc_dock(GRPO.schema, GRPO.consumers, capacity=capacity, warehouses=warehouses,
+                         group_size=r.group_size)
     from rlflow.runtime.launch import ray_init
     ray_init(r.ray_address)
     from rlflow.dock.ray_backend import ray_dock
-    return ray_dock(capacity=capacity, warehouses=warehouses, group_size=r.group_size)
+    return ray_dock(GRPO.schema, GRPO.consumers, capacity=capacity, warehouses=warehouses, group_size=r.group_size)
 
 
 def plot_rewards(history: list[dict], path: str) -> None:

@@ -12,16 +12,17 @@ from hypothesis import strategies as st
 
 from rlflow.dock import CentralizedBuffer, Column, Dock, Schema
 from rlflow.dock.proc_backend import proc_dock
-from rlflow.dock.cost import GRPO_FLOW, Shape, centralized_bytes, dock_bytes, stage_bytes
+from rlflow.dock.cost import Shape, centralized_bytes, dock_bytes, stage_bytes
+from rlflow.runtime.graph import GRPO
 from rlflow.dock.samplers import balance, imbalance, pick_groups
 from rlflow.dock.schema import take_rows
 
 CAP, G = 16, 4
 MAKERS = {
-    "dock1": lambda: Dock.local(capacity=CAP, warehouses=1, group_size=G),
-    "dock3": lambda: Dock.local(capacity=CAP, warehouses=3, group_size=G),
-    "central": lambda: CentralizedBuffer.local(capacity=CAP, group_size=G),
-    "procs2": lambda: proc_dock(capacity=CAP, warehouses=2, group_size=G),
+    "dock1": lambda: Dock.local(GRPO.schema, GRPO.consumers, capacity=CAP, warehouses=1, group_size=G),
+    "dock3": lambda: Dock.local(GRPO.schema, GRPO.consumers, capacity=CAP, warehouses=3, group_size=G),
+    "central": lambda: CentralizedBuffer.local(GRPO.schema, GRPO.consumers, capacity=CAP, group_size=G),
+    "procs2": lambda: proc_dock(GRPO.schema, GRPO.consumers, capacity=CAP, warehouses=2, group_size=G),
 }
 
 
@@ -146,7 +147,7 @@ def test_bfloat16_and_fixed_columns():
 
 
 def test_puts_spread_rows_round_robin_by_group():
-    d = Dock.local(capacity=CAP, warehouses=2, group_size=G)
+    d = Dock.local(GRPO.schema, GRPO.consumers, capacity=CAP, warehouses=2, group_size=G)
     put_prompts(d, list(range(CAP)))
     held = [w["prompt_ids"] for w in d.snapshot()["warehouses"]]
     assert held == [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]]
@@ -230,7 +231,7 @@ def test_bad_schema_declarations():
     with pytest.raises(ValueError, match="length is required"):
         Column("a", torch.long, "fixed")
     with pytest.raises(ValueError, match="capacity=10 must be a positive multiple of group_size=4"):
-        Dock.local(capacity=10, group_size=4)
+        Dock.local(GRPO.schema, GRPO.consumers, capacity=10, group_size=4)
 
 
 # ---- samplers and wire helpers ----
@@ -267,8 +268,9 @@ def test_take_rows_matches_python(lens, data):
 def run_grpo(d, shape: Shape, mb: int):
     """One GRPO-shaped iteration in this process; fixed lengths so the model is exact up to headers."""
     R, PL, SL = shape.rows, int(shape.prompt_len), int(shape.response_len)
-    d.put(range(R), {"prompt_ids": [torch.zeros(PL, dtype=torch.long)] * R, "group": torch.arange(R) // G})
-    for s in GRPO_FLOW[1:]:
+    d.put(range(R), {"prompt_ids": [torch.zeros(PL, dtype=torch.long)] * R, "group": torch.arange(R) // G,
+                     "answer": [torch.zeros(int(shape.answer_len), dtype=torch.uint8)] * R})
+    for s in GRPO.flow[1:]:
         for _ in range(R // mb):
             b = d.get(s.name, list(s.reads), mb, groups=True, timeout=0)
             k = b.size
@@ -282,16 +284,17 @@ def run_grpo(d, shape: Shape, mb: int):
 @pytest.mark.parametrize("S", [1, 2, 4])
 def test_cost_model_matches_measured_bytes(S):
     shape = Shape(prompts=8, group_size=G, prompt_len=512, response_len=1024)
-    d = Dock.local(capacity=shape.rows, warehouses=S, group_size=G)
+    d = Dock.local(GRPO.schema, GRPO.consumers, capacity=shape.rows, warehouses=S, group_size=G)
     run_grpo(d, shape, mb=8)
     t = d.traffic()
     wh = max(v["bytes_in"] + v["bytes_out"] for k, v in t.items() if k.startswith("warehouse"))
-    model = dock_bytes(shape, S)
+    model = dock_bytes(shape, S, GRPO.flow, GRPO.schema)
     assert abs(wh - model["warehouse"]) / model["warehouse"] < 0.02, (wh, model)
     ctl = max(v["bytes_in"] + v["bytes_out"] for k, v in t.items() if k.startswith("controller"))
     assert ctl < wh / 10, "controllers carry metadata only"
-    c = CentralizedBuffer.local(capacity=shape.rows, group_size=G)
+    c = CentralizedBuffer.local(GRPO.schema, GRPO.consumers, capacity=shape.rows, group_size=G)
     run_grpo(c, shape, mb=8)
     cb = sum(c.traffic()["central"][k] for k in ("bytes_in", "bytes_out"))
-    assert abs(cb - centralized_bytes(shape)) / centralized_bytes(shape) < 0.02
-    assert sum(stage_bytes(shape, s) for s in GRPO_FLOW) == centralized_bytes(shape)
+    central = centralized_bytes(shape, GRPO.flow, GRPO.schema)
+    assert abs(cb - central) / central < 0.02
+    assert sum(stage_bytes(shape, s, GRPO.schema) for s in GRPO.flow) == central

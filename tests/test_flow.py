@@ -10,6 +10,7 @@ from rlflow import optim
 from rlflow.algos.grpo import GRPOConfig
 from rlflow.data import PromptSource
 from rlflow.dock import Dock
+from rlflow.runtime.graph import GRPO
 from rlflow.models import qwen3_moe
 from rlflow.models.config import get_config
 from rlflow.rollout import SamplingConfig
@@ -27,7 +28,7 @@ def _run(dock, **gkw):
     lcfg = loop.LoopConfig(steps=3, prompts_per_step=P, grpo=gcfg, mini_batch_size=mini, micro_batch_size=mini // 2,
                            optim=optim.AdamWConfig(lr=3e-3),
                            sampling=SamplingConfig(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id))
-    d = None if dock is None else Dock.local(capacity=P * G, warehouses=dock, group_size=G)
+    d = None if dock is None else Dock.local(GRPO.schema, GRPO.consumers, capacity=P * G, warehouses=dock, group_size=G)
     # a dense reward (response length) so that groups differ and every step has a gradient
     params, _, hist = loop.train(params, cfg, tok, PromptSource(task="sum_mod10", seed=1),
                                  lambda resp, ans: len(resp) / 4, lcfg, dock=d)

@@ -19,6 +19,7 @@ from rlflow.models import qwen3_moe
 from rlflow.models.config import get_config
 from rlflow.rollout import SamplingConfig
 from rlflow.runtime import launch, loop
+from rlflow.runtime.graph import GRPO
 from rlflow.sharding.mesh import Mesh
 from rlflow.tokenizer import CharTokenizer
 
@@ -76,9 +77,9 @@ def compare(world: int, train: str, rollout: str, kl: float = 0.0, ray: bool = F
         from rlflow.dock.ray_backend import ray_dock
         launch.ray_init(None)
         ray_mod.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import tests/
-        dock = ray_dock(capacity=P * G, warehouses=2, group_size=G)
+        dock = ray_dock(GRPO.schema, GRPO.consumers, capacity=P * G, warehouses=2, group_size=G)
     else:
-        dock = proc_dock(capacity=P * G, warehouses=2, group_size=G)
+        dock = proc_dock(GRPO.schema, GRPO.consumers, capacity=P * G, warehouses=2, group_size=G)
     try:
         res = (launch.ray_spawn if ray else launch.spawn)(worker, world, train, rollout, kl, dock)
     finally:
@@ -100,7 +101,7 @@ def compare(world: int, train: str, rollout: str, kl: float = 0.0, ray: bool = F
 def test_one_process_with_and_without_the_dock_train_identically():
     from rlflow.dock import Dock
     want_r, want_p = one_process(0.0)
-    got_r, got_p = one_process(0.0, Dock.local(capacity=P * G, warehouses=2, group_size=G))
+    got_r, got_p = one_process(0.0, Dock.local(GRPO.schema, GRPO.consumers, capacity=P * G, warehouses=2, group_size=G))
     assert got_r == want_r
     assert all(torch.equal(got_p[k], want_p[k]) for k in want_p)
 
@@ -171,3 +172,18 @@ def test_routing_sends_every_row_to_exactly_its_readers(mesh, groups, group_size
     assert plan.bytes_per_rank().sum() == nbytes.sum() * readers
     assert plan.bytes_per_warehouse(3).sum() == nbytes.sum() * readers
     assert f"{k} rows" in str(plan)
+
+
+def test_the_graph_declares_every_stage_and_column_once():
+    """The one declaration the dock, the flow and the cost model read: every column a stage names is declared,
+    the dock's consumers are the stages that read, and each column's batch field is a field of the batches."""
+    from rlflow.batch import TrainBatch
+    from rlflow.runtime.graph import Graph, Stage
+    assert GRPO.consumers == ("rollout", "score", "advantage", "ref_logprob", "old_logprob", "update")
+    assert [s.name for s in GRPO.flow] == [s.name for s in GRPO.stages]
+    fields = {f.name for f in __import__("dataclasses").fields(TrainBatch)}
+    assert set(GRPO.fields.values()) <= fields, set(GRPO.fields.values()) - fields
+    written = {c for s in GRPO.stages for c in s.writes}
+    assert {c for s in GRPO.stages for c in s.reads} <= written  # every column read is produced by a stage
+    with pytest.raises(ValueError, match="names columns \\['nope'\\]"):
+        Graph(columns=GRPO.columns, stages=(Stage("x", ("nope",), (), "every", len),))

@@ -4,7 +4,7 @@ S warehouses hold the rows' tensors; one controller per consumer stage holds sca
 A get asks the consumer's controller for ready, unconsumed rows, then reads them straight from the
 warehouses. See docs/dock.md.
 
-    schema.py       Column, Schema, GRPO_COLUMNS, GRPO_CONSUMERS, the wire format
+    schema.py       Column, Schema, the wire format (the GRPO columns: rlflow.runtime.graph)
     warehouse.py    Warehouse (rows, unpadded), Meter / payload_bytes (bytes through a process)
     controller.py   Controller (readiness, consumed bits, warehouse ids, lengths)
     samplers.py     row / whole-group selection, DP length balancing
@@ -20,8 +20,7 @@ import importlib
 # numpy-only modules, not torch.
 _EXPORTS = {
     "CentralizedBuffer": "centralized", "CentralStore": "centralized", "Dock": "client", "DockBatch": "client",
-    "LocalTransport": "client", "Ticket": "client", "Controller": "controller", "GRPO_COLUMNS": "schema",
-    "GRPO_CONSUMERS": "schema", "Column": "schema", "Schema": "schema", "Meter": "warehouse",
+    "LocalTransport": "client", "Ticket": "client", "Controller": "controller", "Column": "schema", "Schema": "schema", "Meter": "warehouse",
     "Warehouse": "warehouse", "payload_bytes": "warehouse",
 }
 __all__ = sorted(_EXPORTS)

@@ -19,7 +19,7 @@ import numpy as np
 
 from rlflow.dock.client import DockBatch, LocalTransport, _Client
 from rlflow.dock.controller import Controller
-from rlflow.dock.schema import GRPO_COLUMNS, GRPO_CONSUMERS, Schema, Wire, take_rows
+from rlflow.dock.schema import Schema, Wire, take_rows
 from rlflow.dock.warehouse import Meter, Warehouse
 
 
@@ -91,7 +91,7 @@ class CentralizedBuffer(_Client):
                 group_size)
 
     @classmethod
-    def local(cls, schema: Schema = GRPO_COLUMNS, consumers: Sequence[str] = GRPO_CONSUMERS, *, capacity: int,
+    def local(cls, schema: Schema, consumers: Sequence[str], *, capacity: int,
               group_size: int = 1) -> "CentralizedBuffer":
         _Client(schema, consumers, capacity, group_size)  # validate before building the store
         store = CentralStore(*cls.make_store(schema, consumers, capacity, group_size))

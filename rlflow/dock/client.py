@@ -1,6 +1,6 @@
 """The dock's client API: ``put`` rows, ``get`` typed batches, ``clear`` between iterations.
 
-    dock = Dock.local(GRPO_COLUMNS, GRPO_CONSUMERS, capacity=2048, warehouses=4, group_size=8)
+    dock = Dock.local(GRPO.schema, GRPO.consumers, capacity=2048, warehouses=4, group_size=8)  # runtime/graph.py
     dock.put(idx, {"prompt_ids": prompts, "group": group})          # rows go to warehouses
     b = dock.get("rollout", ["prompt_ids"], 64, groups=True)         # DockBatch, padded
     dock.put(b.index_B, {"response_ids": resp, "sample_logprobs": lp})
@@ -30,7 +30,7 @@ from torch import Tensor
 
 from rlflow.dock.controller import Controller
 from rlflow.dock.routing import route
-from rlflow.dock.schema import GRPO_COLUMNS, GRPO_CONSUMERS, Schema, Wire, concat_cells, take_rows
+from rlflow.dock.schema import Schema, Wire, concat_cells, take_rows
 from rlflow.dock.warehouse import Warehouse
 from rlflow.sharding.mesh import Mesh
 
@@ -256,7 +256,7 @@ class Dock(_Client):
         self.lead = self.controllers[self.consumers[0]]
 
     @classmethod
-    def local(cls, schema: Schema = GRPO_COLUMNS, consumers: Sequence[str] = GRPO_CONSUMERS, *, capacity: int,
+    def local(cls, schema: Schema, consumers: Sequence[str], *, capacity: int,
               warehouses: int = 1, group_size: int = 1) -> "Dock":
         """In-process dock (threads): warehouses and controllers are plain objects in this process."""
         if warehouses < 1:

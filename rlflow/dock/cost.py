@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlflow.dock.schema import GRPO_COLUMNS, Schema
+from rlflow.dock.schema import Schema
 
 LENGTH_BYTES = 8  # int64 length per var cell on the wire
 INDEX_BYTES, WH_BYTES = 8, 4
@@ -48,24 +48,13 @@ INDEX_BYTES, WH_BYTES = 8, 4
 
 @dataclass(frozen=True, slots=True)
 class Stage:
-    """One stage of the flow: the columns it reads (as a consumer) and writes (puts)."""
+    """One stage of the flow: the columns it reads (as a consumer) and writes (puts). The GRPO flow is
+    ``rlflow.runtime.graph.GRPO.flow``."""
 
     name: str
     reads: tuple[str, ...]
     writes: tuple[str, ...]
 
-
-# The GRPO iteration (DESIGN.md): the first entry is the producer's put of the prompts.
-GRPO_FLOW = (
-    Stage("prompts", (), ("prompt_ids", "group")),
-    Stage("rollout", ("prompt_ids",), ("response_ids", "sample_logprobs")),
-    Stage("score", ("prompt_ids", "response_ids"), ("rewards",)),
-    Stage("ref_logprob", ("prompt_ids", "response_ids"), ("ref_logprobs",)),
-    Stage("old_logprob", ("prompt_ids", "response_ids"), ("old_logprobs",)),
-    Stage("advantage", ("rewards", "group"), ("advantages",)),
-    Stage("update", ("prompt_ids", "response_ids", "sample_logprobs", "old_logprobs", "ref_logprobs",
-                     "advantages"), ()),
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,13 +66,14 @@ class Shape:
     prompt_len: float  # PL, mean tokens
     response_len: float  # SL, mean tokens
     bytes_per_token: int | None = None  # None: each column's dtype itemsize; 4: the paper's B
+    answer_len: float = 8  # mean bytes of a reference answer (UTF-8; the scorers read it with the rows)
 
     @property
     def rows(self) -> int:
         return self.prompts * self.group_size
 
 
-def cell_bytes(shape: Shape, column: str, schema: Schema = GRPO_COLUMNS) -> float:
+def cell_bytes(shape: Shape, column: str, schema: Schema) -> float:
     """w_c: payload bytes of one cell of ``column``."""
     col = schema[column]
     b = shape.bytes_per_token or col.dtype.itemsize
@@ -91,29 +81,29 @@ def cell_bytes(shape: Shape, column: str, schema: Schema = GRPO_COLUMNS) -> floa
         return b
     if col.kind == "fixed":
         return col.length * b
-    tokens = {"prompt": shape.prompt_len, "response": shape.response_len}.get(col.length_group)
+    tokens = {"prompt": shape.prompt_len, "response": shape.response_len, "answer": shape.answer_len}.get(col.length_group)
     if tokens is None:
         raise ValueError(f"cell_bytes: var column {column!r} has length group {col.length_group!r}; "
-                         f"the model knows 'prompt' and 'response'")
+                         f"the model knows 'prompt', 'response' and 'answer'")
     return tokens * b + LENGTH_BYTES
 
 
-def stage_bytes(shape: Shape, stage: Stage, schema: Schema = GRPO_COLUMNS) -> float:
+def stage_bytes(shape: Shape, stage: Stage, schema: Schema) -> float:
     """Eq. (1): bytes stage ``stage`` reads plus writes in one iteration."""
     return shape.rows * sum(cell_bytes(shape, c, schema) for c in (*stage.reads, *stage.writes))
 
 
-def centralized_bytes(shape: Shape, flow=GRPO_FLOW, schema: Schema = GRPO_COLUMNS) -> float:
+def centralized_bytes(shape: Shape, flow, schema: Schema) -> float:
     """Eq. (2): bytes through the centralized buffer's one process per iteration (= the whole flow)."""
     return sum(stage_bytes(shape, s, schema) for s in flow)
 
 
-def worker_bytes(shape: Shape, stage: Stage, workers: int, schema: Schema = GRPO_COLUMNS) -> float:
+def worker_bytes(shape: Shape, stage: Stage, workers: int, schema: Schema) -> float:
     """Bytes one of ``workers`` DP ranks of ``stage`` moves (the same in both designs)."""
     return stage_bytes(shape, stage, schema) / workers
 
 
-def controller_bytes(shape: Shape, consumer: str, flow=GRPO_FLOW, schema: Schema = GRPO_COLUMNS,
+def controller_bytes(shape: Shape, consumer: str, flow, schema: Schema,
                      lead: bool = False) -> float:
     """Metadata bytes through ``consumer``'s controller per iteration (see Eq. (4))."""
     var = {c.name for c in schema if c.kind == "var"}
@@ -128,7 +118,7 @@ def controller_bytes(shape: Shape, consumer: str, flow=GRPO_FLOW, schema: Schema
     return shape.rows * per_row
 
 
-def dock_bytes(shape: Shape, warehouses: int, flow=GRPO_FLOW, schema: Schema = GRPO_COLUMNS) -> dict[str, float]:
+def dock_bytes(shape: Shape, warehouses: int, flow, schema: Schema) -> dict[str, float]:
     """Eq. (4): bytes through the busiest warehouse, the busiest controller and the busiest dock process;
     ``total`` is every dock process together (C controllers)."""
     consumers = [s.name for s in flow if s.reads]
@@ -138,8 +128,8 @@ def dock_bytes(shape: Shape, warehouses: int, flow=GRPO_FLOW, schema: Schema = G
             "total": wh * warehouses + sum(ctl), "controllers": len(consumers)}
 
 
-def project(shape: Shape, devices: int, devices_per_node: int = 8, warehouses_per_node: int = 1,
-            flow=GRPO_FLOW, schema: Schema = GRPO_COLUMNS) -> dict[str, float]:
+def project(shape: Shape, devices: int, flow, schema: Schema, devices_per_node: int = 8,
+            warehouses_per_node: int = 1) -> dict[str, float]:
     """The model at ``devices`` devices: one warehouse per node (S = devices / devices_per_node), every
     device a worker of each stage (N = devices), global batch fixed at ``shape``."""
     if devices % devices_per_node:

@@ -20,7 +20,7 @@ from typing import Sequence
 
 from rlflow.dock.client import Dock
 from rlflow.dock.controller import Controller
-from rlflow.dock.schema import GRPO_COLUMNS, GRPO_CONSUMERS, Schema
+from rlflow.dock.schema import Schema
 from rlflow.dock.warehouse import Warehouse
 
 
@@ -101,7 +101,7 @@ class ProcTransport:
         self._servers = []
 
 
-def proc_dock(schema: Schema = GRPO_COLUMNS, consumers: Sequence[str] = GRPO_CONSUMERS, *, capacity: int,
+def proc_dock(schema: Schema, consumers: Sequence[str], *, capacity: int,
               warehouses: int = 1, group_size: int = 1) -> Dock:
     """A dock whose ``warehouses`` warehouses run in processes of their own and whose controllers share one
     more; ``close()`` stops them."""

@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rlflow.dock.centralized import CentralizedBuffer, CentralStore
 from rlflow.dock.client import Dock, _Client
 from rlflow.dock.controller import Controller
-from rlflow.dock.schema import GRPO_COLUMNS, GRPO_CONSUMERS, Schema
+from rlflow.dock.schema import Schema
 from rlflow.dock.warehouse import Warehouse
 
 
@@ -68,7 +68,7 @@ def alive_nodes() -> list[str]:
     return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
 
 
-def ray_dock(schema: Schema = GRPO_COLUMNS, consumers: Sequence[str] = GRPO_CONSUMERS, *, capacity: int,
+def ray_dock(schema: Schema, consumers: Sequence[str], *, capacity: int,
              warehouses: int = 1, group_size: int = 1, nodes: Sequence[str] | None = None,
              max_concurrency: int = 64) -> Dock:
     """A dock whose ``warehouses`` warehouses are spread round-robin over ``nodes`` (default: all live
@@ -90,7 +90,7 @@ def ray_dock(schema: Schema = GRPO_COLUMNS, consumers: Sequence[str] = GRPO_CONS
     return Dock(schema, consumers, capacity, group_size, RayTransport(placed), whs, ctrls)
 
 
-def ray_centralized(schema: Schema = GRPO_COLUMNS, consumers: Sequence[str] = GRPO_CONSUMERS, *, capacity: int,
+def ray_centralized(schema: Schema, consumers: Sequence[str], *, capacity: int,
                     group_size: int = 1, node: str | None = None, max_concurrency: int = 64) -> CentralizedBuffer:
     """The centralized replay buffer as one Ray actor (on ``node``, default: the first live node)."""
     _Client(schema, consumers, capacity, group_size)

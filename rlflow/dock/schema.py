@@ -211,18 +211,3 @@ def concat_cells(cells: Sequence[Cell]) -> Cell:
     if cells[0][1] is None:
         return np.concatenate([c[0] for c in cells]), None
     return np.concatenate([c[0] for c in cells]), np.concatenate([c[1] for c in cells])
-
-
-# ---- the standard GRPO columns ----
-GRPO_COLUMNS = Schema(
-    Column("prompt_ids", torch.int64, "var", length_group="prompt", pad_left=True),
-    Column("response_ids", torch.int64, "var", length_group="response"),
-    Column("sample_logprobs", torch.float32, "var", length_group="response"),
-    Column("old_logprobs", torch.float32, "var", length_group="response"),
-    Column("ref_logprobs", torch.float32, "var", length_group="response"),
-    Column("rewards", torch.float32, "scalar"),
-    Column("advantages", torch.float32, "scalar"),
-    Column("group", torch.int64, "scalar"),
-    Column("answer", torch.uint8, "var"),  # the reference answer (UTF-8), read by the scoring ranks
-)
-GRPO_CONSUMERS = ("rollout", "score", "ref_logprob", "old_logprob", "advantage", "update")

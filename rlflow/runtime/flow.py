@@ -27,13 +27,9 @@ from torch import Tensor
 from rlflow.batch import PromptBatch, RolloutBatch, TrainBatch, extend, unpad
 from rlflow.dock.client import Ticket
 from rlflow.dock.routing import RowPlan, route
+from rlflow.runtime.graph import GRPO, PROMPT, ROWS
 from rlflow.sharding.mesh import Mesh
 
-# dock column -> batch field (var columns come back padded with their masks)
-_FIELDS = {"prompt_ids": "prompt_ids_BTp", "response_ids": "response_ids_BTr",
-           "sample_logprobs": "sample_logprobs_BTr", "old_logprobs": "old_logprobs_BTr",
-           "ref_logprobs": "ref_logprobs_BTr", "rewards": "rewards_B", "advantages": "advantages_B"}
-_ROWS = ["prompt_ids", "response_ids", "sample_logprobs", "group", "answer"]  # every stage after the rollout
 
 
 class MemoryFlow:
@@ -112,7 +108,7 @@ class DockFlow:
 
     def rollout_prompts(self, mesh: Mesh, rank: int) -> PromptBatch:
         """This rank's prompts of the step: its data-parallel part of the rollout mesh (one row per prompt)."""
-        b = self._read("rollout", ["prompt_ids", "group", "answer"], mesh, rank)
+        b = self._read("rollout", list(PROMPT), mesh, rank)
         first = (b.index_B % self.G == 0).nonzero()[:, 0]
         ans = self._answers(b)
         return PromptBatch(prompt_ids_BTp=b["prompt_ids"][first], prompt_mask_BTp=b.mask["prompt_ids"][first],
@@ -129,7 +125,7 @@ class DockFlow:
 
     def get(self, consumer: str, columns: list[str], mesh: Mesh, rank: int) -> tuple[RolloutBatch, dict[str, Tensor]]:
         """This rank's rows for ``consumer``: its data-parallel part of ``mesh`` (``rank``: its rank there)."""
-        b = self._read(consumer, _ROWS + [c for c in columns if c not in _ROWS], mesh, rank)
+        b = self._read(consumer, list(ROWS) + [c for c in columns if c not in ROWS], mesh, rank)
         rollout = RolloutBatch(prompt_ids_BTp=b["prompt_ids"], prompt_mask_BTp=b.mask["prompt_ids"],
                                index_B=b.index_B + self.base, group_B=b["group"], answers=self._answers(b),
                                response_ids_BTr=b["response_ids"], response_mask_BTr=b.mask["response_ids"],
@@ -146,7 +142,7 @@ class DockFlow:
 def train_batch(rollout: RolloutBatch, cols: dict[str, Tensor]) -> TrainBatch:
     """The update's TrainBatch from the rollout rows and the dock columns (``old_logprobs`` defaults to
     the sampling log-probs: with one optimizer step per batch the update uses the current ones)."""
-    fields = {_FIELDS[c]: v for c, v in cols.items()}
+    fields = {GRPO.fields[c]: v for c, v in cols.items()}
     fields.setdefault("old_logprobs_BTr", rollout.sample_logprobs_BTr)
     return extend(rollout, TrainBatch, **fields)
 

@@ -23,6 +23,7 @@ from rlflow.rollout import SamplingConfig, generate
 from rlflow.models.execution import LOCAL
 from rlflow.parallel.context import context
 from rlflow.runtime.flow import DockFlow, MemoryFlow, train_batch
+from rlflow.runtime.graph import GRPO
 from rlflow.runtime.weights import Weights
 from rlflow.sharding.dist import create_groups
 from rlflow.sharding.layout import Layout
@@ -168,6 +169,8 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
             raise ValueError(f"prompts_per_step {lcfg.prompts_per_step} is not divisible by the {world} ranks "
                              "(each scores an equal share of the groups)")
     nd = train_mesh.data_parallel_size
+    mesh_of = {"rollout": rollout_mesh, "every": every, "train": train_mesh}  # where GRPO's stages run
+    on = lambda stage: mesh_of[GRPO[stage].runs_on]  # noqa: E731
     world_sum = (lambda t: t) if world == 1 else (lambda t: _all_sum(t))
     opt_state = optim.init(params) if opt_state is None else opt_state
     start = opt_state.step  # one optimizer step per GRPO step when warming up (the recipe's case)
@@ -193,7 +196,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
                                max_prompt_len=lcfg.max_prompt_len).to(device)
         check_positions(prompts, lcfg.sampling.max_new_tokens, cfg)
         flow.begin(prompts, gcfg.group_size)
-        mine = flow.rollout_prompts(rollout_mesh, rank)
+        mine = flow.rollout_prompts(on("rollout"), rank)
         roll_params = params if weights is None else weights.to_rollout(params, opt_state)
         rollout = generate(roll_params, cfg, mine, lcfg.sampling, group_size=gcfg.group_size,
                            seed=lcfg.seed * 1_000_003 + step, compile_decode=lcfg.compile_decode, ex=rctx)
@@ -203,7 +206,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         if roll_writer:
             flow.put_rollout(rollout)
         t_roll = time.perf_counter()
-        rows, _ = flow.get("score", [], every, rank)
+        rows, _ = flow.get("score", [], on("score"), rank)
         scores = stages.score(rows, tokenizer, reward_fn)
         bad = (~torch.isfinite(scores)).nonzero()[:, 0]
         if len(bad):  # their groups' advantages, hence the gradient, are non-finite: the update is skipped
@@ -215,7 +218,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         adv = estimators.advantages(gcfg.adv_estimator, scores.to(device), rows.group_B, scale=gcfg.scale_rewards,
                                     total=world_sum)
         flow.put(rows, rewards=scores.to(device), advantages=adv)
-        rows, c = flow.get("update", ["rewards", "advantages"], train_mesh, rank)
+        rows, c = flow.get("update", ["rewards", "advantages"], on("update"), rank)
         # With one optimizer step per batch the policy that sampled is the policy being updated, so the
         # ratio's denominator is the current log-prob, detached (update() does that); otherwise recompute.
         # The old / ref log-prob stages run in the train layout on the update's rows: computed here, put in

@@ -33,9 +33,12 @@ BATCH_AXES = ("dp", "ep")
 
 
 def _axes_tuple(axes) -> tuple[str, ...]:
-    if isinstance(axes, str):
-        axes = (axes,)
-    axes = tuple(axes)
+    return _checked((axes,) if isinstance(axes, str) else tuple(axes))
+
+
+@functools.lru_cache(maxsize=None)
+def _checked(axes: tuple) -> tuple[str, ...]:
+    """``axes`` validated (the plan executor asks for the same few axis sets thousands of times)."""
     for a in axes:
         if a not in AXES:
             raise ValueError(f"unknown mesh axis {a!r}; axes are {AXES}")
@@ -100,7 +103,10 @@ class Mesh:
         return self.pp * self.dp * self.ep * self.tp
 
     def axis_size(self, axes) -> int:
-        return int(np.prod([getattr(self, a) for a in _axes_tuple(axes)], dtype=np.int64))
+        n = 1
+        for a in _axes_tuple(axes):
+            n *= getattr(self, a)
+        return n
 
     def coords(self, rank: int) -> dict[str, int]:
         if not 0 <= rank < self.size:

@@ -1,0 +1,112 @@
+"""The GRPO iteration as data: each stage declared once, with the dock columns it reads and writes, where
+it runs and its pure function; each column once, with its dtype and the batch field it fills.
+
+Everything that names stages or columns reads this declaration: the dock's schema and consumers
+(``GRPO.schema``, ``GRPO.consumers``), the sample flow's column <-> batch-field mapping
+(``runtime/flow.py``), the dock cost model's flow (``GRPO.flow``, ``dock/cost.py``), and the loop (which
+stage runs in which layout). Where a stage runs:
+
+- ``lead``: rank 0 puts the step's prompts;
+- ``rollout``: the rollout layout's ranks, each its data-parallel part;
+- ``every``: every rank an equal share of the groups (scoring on the CPU);
+- ``train``: the train layout's ranks, each its data-parallel part (tp and pp peers the same rows).
+
+Rows cross the dock between worker groups; stages of one group on the same rows (score -> advantage,
+old/ref log-probs -> update) hand over in memory and put their columns in the dock too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from rlflow.algos import estimators, stages
+from rlflow.data import prompt_batch
+from rlflow.dock.cost import Stage as FlowStage
+from rlflow.dock.schema import Column, Schema
+from rlflow.rollout import generate
+
+RUNS_ON = ("lead", "rollout", "every", "train")
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    runs_on: str
+    fn: Callable
+
+    def __post_init__(self):
+        if self.runs_on not in RUNS_ON:
+            raise ValueError(f"Stage {self.name!r}: runs_on must be one of {RUNS_ON}, got {self.runs_on!r}")
+
+
+@dataclass(frozen=True)
+class Graph:
+    columns: tuple[tuple[Column, str], ...]  # (dock column, the batch field it fills)
+    stages: tuple[Stage, ...]
+
+    def __post_init__(self):
+        names = {c.name for c, _ in self.columns}
+        for s in self.stages:
+            unknown = sorted(set(s.reads + s.writes) - names)
+            if unknown:
+                raise ValueError(f"Stage {s.name!r} names columns {unknown} the graph does not declare")
+
+    @property
+    def schema(self) -> Schema:
+        return Schema(*(c for c, _ in self.columns))
+
+    @property
+    def fields(self) -> dict[str, str]:
+        """Dock column -> batch field."""
+        return {c.name: f for c, f in self.columns}
+
+    @property
+    def consumers(self) -> tuple[str, ...]:
+        """The stages that read from the dock (one controller each)."""
+        return tuple(s.name for s in self.stages if s.reads)
+
+    @property
+    def flow(self) -> tuple[FlowStage, ...]:
+        """The stages as the dock cost model counts them (the first: the producer's put of the prompts)."""
+        return tuple(FlowStage(s.name, s.reads, s.writes) for s in self.stages)
+
+    def __getitem__(self, name: str) -> Stage:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(f"no stage {name!r}; stages: {[s.name for s in self.stages]}")
+
+
+PROMPT = ("prompt_ids", "group", "answer")
+ROWS = PROMPT + ("response_ids", "sample_logprobs")  # a sample after the rollout
+
+GRPO = Graph(
+    columns=(
+        (Column("prompt_ids", torch.int64, "var", length_group="prompt", pad_left=True), "prompt_ids_BTp"),
+        (Column("response_ids", torch.int64, "var", length_group="response"), "response_ids_BTr"),
+        (Column("sample_logprobs", torch.float32, "var", length_group="response"), "sample_logprobs_BTr"),
+        (Column("old_logprobs", torch.float32, "var", length_group="response"), "old_logprobs_BTr"),
+        (Column("ref_logprobs", torch.float32, "var", length_group="response"), "ref_logprobs_BTr"),
+        (Column("rewards", torch.float32, "scalar"), "rewards_B"),
+        (Column("advantages", torch.float32, "scalar"), "advantages_B"),
+        (Column("group", torch.int64, "scalar"), "group_B"),
+        (Column("answer", torch.uint8, "var", length_group="answer"), "answers"),  # the reference answer (UTF-8), read by the scorers
+    ),
+    stages=(
+        Stage("prompts", (), PROMPT, "lead", prompt_batch),
+        Stage("rollout", PROMPT, ("response_ids", "sample_logprobs"), "rollout", generate),
+        Stage("score", ROWS, ("rewards",), "every", stages.score),
+        Stage("advantage", ("rewards", "group"), ("advantages",), "every", estimators.advantages),
+        Stage("ref_logprob", ROWS, ("ref_logprobs",), "train", stages.batched_logprobs),
+        Stage("old_logprob", ROWS, ("old_logprobs",), "train", stages.batched_logprobs),
+        Stage("update", ROWS + ("rewards", "advantages", "old_logprobs", "ref_logprobs"), (), "train",
+              stages.update),
+    ),
+)
+
+__all__ = ["GRPO", "Graph", "PROMPT", "ROWS", "RUNS_ON", "Stage"]
