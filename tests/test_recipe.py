@@ -182,3 +182,37 @@ def test_the_default_run_learns_on_its_two_processes(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     rise = _rise([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()])
     assert rise >= LEARN_MARGIN, rise
+
+
+@pytest.mark.slow
+def test_a_killed_rank_stops_the_run_at_once_naming_it(tmp_path):
+    """A rank that dies (SIGKILL: the OOM killer, a lost node) must not leave the others blocked in a collective
+    until its timeout: the driver stops them, says which rank died and how, and exits non-zero."""
+    import signal as sig
+    import time
+
+    import psutil
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--steps", "100000",
+           "--prompts-per-step", "4", "--group-size", "4"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        ranks = []
+        while time.monotonic() < deadline and len(ranks) < 2:  # the two rank processes (not the dock's)
+            time.sleep(0.5)
+            ranks = [c for c in psutil.Process(p.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(ranks) == 2, "the ranks did not start"
+        time.sleep(8)  # well into training
+        victim = ranks[1]
+        victim.send_signal(sig.SIGKILL)
+        t0 = time.monotonic()
+        _, err = p.communicate(timeout=60)
+        assert time.monotonic() - t0 < 30, "the other rank was left waiting"
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode != 0
+    assert "killed by signal SIGKILL" in err.strip().splitlines()[-1], err[-2000:]
+    time.sleep(1)
+    alive = [r.pid for r in ranks if r.is_running() and r.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"ranks {alive} outlived the run"

@@ -65,9 +65,10 @@ def _entry(rank, fn, world, port, backend, outdir, args):
 def spawn(fn, world: int, *args, backend: str | None = None) -> list:
     """Run ``fn(rank, world, *args)`` in ``world`` local processes (torch.distributed initialised; a
     process's device is ``rlflow.device.process_device()``); returns the results in rank order. ``fn``
-    must be importable (module level). A process that fails makes the call raise
-    (``torch.multiprocessing.ProcessRaisedException`` with its traceback, or ``SystemExit`` with the exit
-    code of a rank that exited) and the others are stopped.
+    must be importable (module level). A process that fails makes the call raise at once and the others
+    are stopped (none is left waiting in a collective): ``torch.multiprocessing.ProcessRaisedException``
+    with its traceback, ``SystemExit`` with the exit code of a rank that exited, or ``SystemExit`` naming
+    the rank and the signal that killed it.
 
     SIGINT and SIGTERM (Ctrl-C, a scheduler's preemption) sent to this process are forwarded to every
     rank, and the ranks are then waited for (they agree to stop after the same step and may still be
@@ -92,9 +93,13 @@ def spawn(fn, world: int, *args, backend: str | None = None) -> list:
                 try:
                     if ctx.join(timeout=0.2):
                         break
-                except mp.ProcessExitedException as e:
-                    if not got:  # a rank ended with sys.exit(code) (it said why): end the same way
-                        raise SystemExit(e.exit_code) from None
+                except mp.ProcessExitedException as e:  # the other ranks were stopped by now
+                    if got:
+                        continue
+                    if e.signal_name:  # killed (the OOM killer, a lost node): no rank said why
+                        raise SystemExit(f"error: rank {e.error_index} was killed by signal {e.signal_name}; "
+                                         "the other ranks were stopped") from None
+                    raise SystemExit(e.exit_code) from None  # it exited with a code and said why
             if got:
                 for p in ctx.processes:
                     p.join()
