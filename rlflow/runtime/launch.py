@@ -91,7 +91,9 @@ def spawn(fn, world: int, *args, backend: str | None = None) -> list:
         try:
             while not got:
                 try:
-                    if ctx.join(timeout=0.2):
+                    # after a failure the others get 3 s, SIGTERM, 3 s, SIGKILL (one whose peer died is stuck
+                    # in a collective and cannot act on SIGTERM)
+                    if ctx.join(timeout=0.2, grace_period=3):
                         break
                 except mp.ProcessExitedException as e:  # the other ranks were stopped by now
                     if got:
