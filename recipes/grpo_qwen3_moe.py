@@ -438,8 +438,7 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
         params, init = mine(params), (None if init is None else mine(init))
         if opt_state is not None:
             opt_state = optim.AdamWState(step=opt_state.step, m=mine(opt_state.m), v=mine(opt_state.v),
-                                         master={k: v for k, v in mine(opt_state.master).items()}
-                                         if opt_state.master else {})
+                                         master=mine(opt_state.master) if opt_state.master else {})
     if done >= r.steps:
         say(f"nothing to do: {done} of {r.steps} steps are done")
         return []

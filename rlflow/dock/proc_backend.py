@@ -18,7 +18,7 @@ from multiprocessing.managers import BaseManager
 from dataclasses import dataclass
 from typing import Sequence
 
-from rlflow.dock.client import Dock
+from rlflow.dock.client import Dock, LocalTransport
 from rlflow.dock.controller import Controller
 from rlflow.dock.schema import Schema
 from rlflow.dock.warehouse import Warehouse
@@ -36,13 +36,7 @@ class ControllerHub:
 
     def each(self, calls: list) -> list:
         """``[(consumer, method, args)]`` -> results, a failed call's exception in its place."""
-        out = []
-        for consumer, method, args in calls:
-            try:
-                out.append(self.call(consumer, method, args))
-            except Exception as e:  # noqa: BLE001 - returned to the caller, who re-raises
-                out.append(e)
-        return out
+        return LocalTransport().call_many([(self._c[c], method, args) for c, method, args in calls])
 
 
 @dataclass(frozen=True)
@@ -83,13 +77,9 @@ class ProcTransport:
         if ctrl:
             for i, r in zip(ctrl, self.hub.each([(calls[i][0].consumer, calls[i][1], calls[i][2]) for i in ctrl])):
                 out[i] = r
-        for i, (target, method, args) in enumerate(calls):
-            if isinstance(target, _Ctrl):
-                continue
-            try:
-                out[i] = getattr(target, method)(*args)
-            except Exception as e:  # noqa: BLE001 - returned to the caller, who re-raises
-                out[i] = e
+        rest = sorted(set(range(len(calls))) - set(ctrl))
+        for i, r in zip(rest, LocalTransport().call_many([calls[i] for i in rest])):
+            out[i] = r
         return out
 
     def here(self):

@@ -67,7 +67,7 @@ class DockFlow:
 
     def __init__(self, dock, rank: int = 0, world: int = 1):
         self.dock, self.rank, self.world = dock, rank, world
-        self.plans: dict[str, RowPlan] = {}
+        self._seen: dict[str, int] = {}  # dock traffic at the last busiest_bytes()
 
     def begin(self, prompts: PromptBatch, group_size: int) -> None:
         """The step's prompts (the same on every rank) become dock rows; only the lead writes them."""
@@ -93,9 +93,7 @@ class DockFlow:
             msg = [(t, route(t.index, t.warehouse, cost, row_bytes, mesh, group_size=self.G))]
         if self.world > 1:
             dist.broadcast_object_list(msg, src=0)
-        t, plan = msg[0]
-        self.plans[consumer] = plan
-        return t, plan
+        return msg[0]
 
     def _read(self, consumer: str, columns: list[str], mesh: Mesh, rank: int):
         t, plan = self._take(consumer, columns, mesh)
@@ -135,7 +133,7 @@ class DockFlow:
     def busiest_bytes(self) -> float:
         """Bytes in + out of the dock process that moved the most since the last call."""
         now = {k: v["bytes_in"] + v["bytes_out"] for k, v in self.dock.traffic().items()}
-        before, self._seen = getattr(self, "_seen", {}), now
+        before, self._seen = self._seen, now
         return float(max(n - before.get(k, 0) for k, n in now.items()))
 
 

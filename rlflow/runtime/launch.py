@@ -136,7 +136,7 @@ def from_env(fn, *args, backend: str | None = None):
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
         raise RuntimeError("from_env: MASTER_ADDR and MASTER_PORT must be set (torchrun sets them)")
-    _init(rank, world, local, addr, int(port), backend or rd.backend_for(rd.device_count() or world))
+    _init(rank, world, local, addr, int(port), backend or rd.backend())  # torchrun gives each rank a device
     try:
         return fn(rank, world, *args)
     finally:

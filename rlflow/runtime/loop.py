@@ -171,7 +171,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
     nd = train_mesh.data_parallel_size
     mesh_of = {"rollout": rollout_mesh, "every": every, "train": train_mesh}  # where GRPO's stages run
     on = lambda stage: mesh_of[GRPO[stage].runs_on]  # noqa: E731
-    world_sum = (lambda t: t) if world == 1 else (lambda t: _all_sum(t))
+    world_sum = _all_sum if world > 1 else (lambda t: t)
     opt_state = optim.init(params) if opt_state is None else opt_state
     start = opt_state.step  # one optimizer step per GRPO step when warming up (the recipe's case)
     if gcfg.kl_coef:
