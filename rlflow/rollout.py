@@ -178,10 +178,7 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
                                 ex=ex)
         last = model.logits(params, cfg, h[torch.arange(p1 - p0, device=dev), plen_P[p0:p1] - 1], ex)
         src = rows // G - p0  # prefix sharing: each prompt's KV goes to all its sampled rows
-        for layer in ex.layers(cfg):
-            cache.k[layer][sl, :, :Tp] = tmp.k[layer][src]
-            cache.v[layer][sl, :, :Tp] = tmp.v[layer][src]
-        cache.lengths_B[sl] = plen_P[p0:p1][src]
+        cache.copy_rows(sl, tmp, src, Tp)
         cache.bound = max(cache.bound, Tp)
         nz = None if greedy else counter_noise(keys_B[rows], torch.zeros_like(rows), cfg.vocab_size)
         t_n, lp_n = sample(last[src], noise_BV=nz, **sampling)
@@ -201,7 +198,7 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
 
     if compile_decode and dev.type == "cuda":  # NOT RUN HERE (no GPU was available): CUDA graph trees skip a
         # graph whose inputs it mutates unless their addresses are static; the cache is, for this call
-        for t in (*cache.k, *cache.v, cache.lengths_B, out.ids, out.lp, out.mask, out.n_gen):
+        for t in (*cache.buffers(), out.ids, out.lp, out.mask, out.n_gen):
             torch._dynamo.mark_static_address(t, guard=False)
     step = _compiled_step(dev) if compile_decode else _decode_step
     done = admit(torch.arange(slots, device=dev))

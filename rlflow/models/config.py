@@ -1,10 +1,14 @@
-"""Model configuration for the Qwen family (Qwen2 / Qwen2.5 dense, Qwen3 dense, Qwen3-MoE).
+"""Model configuration for the model families rlflow runs: Qwen2 / Qwen2.5 dense, Qwen3 dense, Qwen3-MoE
+and DeepSeek-V3 / R1.
 
-One frozen dataclass covers all of them: ``num_experts == 0`` is a dense model, ``qk_norm`` is Qwen3's
-per-head RMSNorm on q and k, ``attention_bias`` is Qwen2's bias on q/k/v. ``from_hf`` / ``to_hf`` read
-and write transformers' ``config.json`` (both the 4.x keys and 5.x's ``rope_parameters`` /
-``num_local_experts``). ``param_shapes`` gives every parameter's shape from the config alone, so the
-sharding planner can work on full-size models without allocating them.
+One frozen dataclass covers all of them, each family a set of switches over one decoder:
+``num_experts == 0`` is a dense model; ``qk_norm`` is Qwen3's per-head RMSNorm on q and k;
+``attention_bias`` Qwen2's bias on q/k/v; ``kv_lora_rank > 0`` is DeepSeek's Multi-head Latent Attention
+(``mla``); ``scoring_func == "sigmoid"`` DeepSeek-V3's group-limited sigmoid routing, with
+``n_shared_experts`` and ``first_k_dense_replace``. ``from_hf`` / ``to_hf`` read and write transformers'
+``config.json`` (both the 4.x keys and 5.x's ``rope_parameters`` / ``num_local_experts``), refusing by
+name any field value rlflow does not implement. ``param_shapes`` gives every parameter's shape from the
+config alone, so the sharding planner can work on full-size models without allocating them.
 
 Parameter names are transformers' module names. Experts are stacked, as transformers 5 holds them in
 memory: ``mlp.experts.gate_up_proj`` [E, 2F, D] and ``mlp.experts.down_proj`` [E, D, F]; checkpoints on
@@ -17,22 +21,35 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from rlflow.ops.rope import RopeScaling, yarn_mscale
+
+ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
-    intermediate_size: int  # dense MLP width (dense models and mlp_only_layers)
+    intermediate_size: int  # dense MLP width (dense models, mlp_only_layers, first_k_dense_replace layers)
     num_hidden_layers: int
     num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
+    num_key_value_heads: int = 0  # 0: as many as query heads
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads; with MLA, the rotary dims (qk_rope_head_dim)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
+    rope_scaling: RopeScaling | None = None
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = True  # Qwen3: RMSNorm over head_dim on q and k
+    # MLA (DeepSeek): kv_lora_rank > 0. q_lora_rank None: a direct q_proj
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True  # DeepSeek's rotary dims in adjacent pairs
     # MoE (num_experts == 0: dense)
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -41,20 +58,48 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001
+    # DeepSeekMoE: sigmoid scores, group-limited top-k, shared experts, the first layers dense
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
     model_type: str = "qwen3_moe"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim"):
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {v!r}")
+        if self.model_type not in ARCHITECTURES:
+            raise ValueError(f"ModelConfig.model_type={self.model_type!r} is not supported; known: {sorted(ARCHITECTURES)}")
+        if not self.num_key_value_heads:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.qk_rope_head_dim if self.mla else
+                               self.hidden_size // self.num_attention_heads)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"ModelConfig.num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}")
+        if self.mla:
+            for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, name) <= 0:
+                    raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be > 0 with MLA (kv_lora_rank > 0)")
+            if self.qk_rope_head_dim % 2:
+                raise ValueError(f"ModelConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+            if self.head_dim != self.qk_rope_head_dim or self.num_key_value_heads != self.num_attention_heads:
+                raise ValueError(f"ModelConfig: with MLA head_dim={self.head_dim} must be qk_rope_head_dim="
+                                 f"{self.qk_rope_head_dim} and num_key_value_heads={self.num_key_value_heads} "
+                                 f"num_attention_heads={self.num_attention_heads}")
+            if self.qk_norm or self.attention_bias:
+                raise ValueError("ModelConfig: MLA has no qk_norm nor attention_bias (set both False)")
+        if self.scoring_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"ModelConfig.scoring_func={self.scoring_func!r} is not implemented by rlflow "
+                             "(softmax: Qwen3-MoE; sigmoid: DeepSeek-V3)")
         if self.num_experts:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} must be in "
@@ -62,13 +107,45 @@ class ModelConfig:
             if self.moe_intermediate_size <= 0:
                 raise ValueError(f"ModelConfig.moe_intermediate_size={self.moe_intermediate_size} must be > 0 "
                                  "for an MoE model")
+            if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+                raise ValueError(f"ModelConfig.n_group={self.n_group} must divide num_experts={self.num_experts} "
+                                 f"and topk_group={self.topk_group} be in [1, n_group]")
+            per_group = self.num_experts // self.n_group
+            if self.n_group > 1 and (per_group < 2 or self.num_experts_per_tok > self.topk_group * per_group):
+                raise ValueError(f"ModelConfig: {self.n_group} groups of {per_group} experts, {self.topk_group} "
+                                 f"kept, cannot give num_experts_per_tok={self.num_experts_per_tok} (a group "
+                                 "scores its two best experts)")
+            if self.n_group > 1 and self.scoring_func != "sigmoid":
+                raise ValueError(f"ModelConfig.n_group={self.n_group}: group-limited routing is DeepSeek's "
+                                 "(scoring_func='sigmoid')")
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head Latent Attention (DeepSeek-V2/V3)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention's score scale: 1/sqrt(q·k dims), times YaRN's mscale(mscale_all_dim)^2 with MLA
+        (transformers' ``yarn_apply_mscale``)."""
+        if not self.mla:
+            return self.head_dim ** -0.5
+        scale = self.qk_head_dim ** -0.5
+        r = self.rope_scaling
+        if r is not None and r.mscale_all_dim:
+            scale *= yarn_mscale(r.factor, r.mscale_all_dim) ** 2
+        return scale
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
     def is_moe_layer(self, layer: int) -> bool:
-        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers and layer >= self.first_k_dense_replace
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
     def replace(self, **kw) -> "ModelConfig":
@@ -78,34 +155,36 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, d: dict) -> "ModelConfig":
         mt = d.get("model_type", "qwen3_moe")
-        if mt not in ("qwen3_moe", "qwen3", "qwen2"):
-            raise ValueError(f"config.json model_type={mt!r} is not supported (qwen2, qwen3, qwen3_moe)")
-        rope = d.get("rope_parameters") or {}
-        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        scaling = d.get("rope_scaling") or {}
-        for where, r in (("rope_parameters", rope), ("rope_scaling", scaling)):
-            kind = r.get("rope_type") or r.get("type") or "default"  # "type": the key before transformers 4.45
-            if kind != "default":
-                raise ValueError(f"config.json {where}: rope type {kind!r} is not implemented by rlflow (only "
-                                 "'default'); a model trained on it would get wrong logits")
+        if mt not in ARCHITECTURES:
+            raise ValueError(f"config.json model_type={mt!r} is not supported ({', '.join(sorted(ARCHITECTURES))})")
+        theta, scaling = _rope_from_hf(d)
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"config.json hidden_act={act!r} is not implemented by rlflow (only 'silu')")
         if d.get("use_sliding_window"):
             raise ValueError("config.json use_sliding_window=true is not implemented by rlflow (full attention "
                              "only); set it to false only if the model was trained without it")
-        n_exp = d.get("num_experts", d.get("num_local_experts", 0)) if mt.endswith("moe") else 0
+        if d.get("quantization_config"):
+            q = d["quantization_config"]
+            raise ValueError(f"config.json quantization_config (quant_method="
+                             f"{q.get('quant_method') if isinstance(q, dict) else q!r}) is not implemented by rlflow: "
+                             "dequantize the checkpoint to bfloat16 first")
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
-        return cls(
+        common = dict(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d.get("intermediate_size", 0) or 0,
             num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads", heads),
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
             max_position_embeddings=d.get("max_position_embeddings", 32768),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            tie_word_embeddings=d.get("tie_word_embeddings", False), model_type=mt,
+            bos_token_id=d.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos)
+        if mt == "deepseek_v3":
+            return cls(**common, **_deepseek_from_hf(d))
+        n_exp = d.get("num_experts", d.get("num_local_experts", 0)) if mt.endswith("moe") else 0
+        return cls(
+            **common, num_key_value_heads=d.get("num_key_value_heads", heads),
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             attention_bias=d.get("attention_bias", mt.startswith("qwen2")),
             qk_norm=mt.startswith("qwen3"),
             num_experts=n_exp or 0, num_experts_per_tok=d.get("num_experts_per_tok", 0) if n_exp else 0,
@@ -113,25 +192,37 @@ class ModelConfig:
             # transformers' Qwen3MoeConfig defaults it to False when config.json leaves it out
             norm_topk_prob=d.get("norm_topk_prob", False), decoder_sparse_step=d.get("decoder_sparse_step", 1),
             mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
-            router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001), model_type=mt,
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001),
         )
 
     def to_hf(self) -> dict:
-        arch = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "qwen2": "Qwen2ForCausalLM"}[self.model_type]
+        rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling is not None:
+            r = self.rope_scaling
+            rope = {**rope, "rope_type": r.kind, "factor": r.factor,
+                    **{k: v for k, v in dataclasses.asdict(r).items() if k not in ("kind", "factor") and v is not None}}
         d = dict(
-            architectures=[arch], model_type=self.model_type, vocab_size=self.vocab_size,
+            architectures=[ARCHITECTURES[self.model_type]], model_type=self.model_type, vocab_size=self.vocab_size,
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, hidden_act="silu",
-            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-            rope_parameters={"rope_theta": self.rope_theta, "rope_type": "default"},
+            num_key_value_heads=self.num_key_value_heads, hidden_act="silu",
+            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_parameters=rope,
             max_position_embeddings=self.max_position_embeddings,
             tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.attention_bias,
             bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id, torch_dtype="float32",
         )
+        if self.model_type == "deepseek_v3":
+            d.update(q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+                     qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                     v_head_dim=self.v_head_dim, rope_interleave=self.rope_interleave,
+                     n_routed_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                     moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                     n_shared_experts=self.n_shared_experts, first_k_dense_replace=self.first_k_dense_replace,
+                     n_group=self.n_group, topk_group=self.topk_group,
+                     routed_scaling_factor=self.routed_scaling_factor, scoring_func="sigmoid",
+                     topk_method="noaux_tc", num_nextn_predict_layers=0)
+            return d
+        d["head_dim"] = self.head_dim
         if self.model_type == "qwen3_moe":
             d.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
                      num_experts_per_tok=self.num_experts_per_tok,
@@ -139,6 +230,60 @@ class ModelConfig:
                      decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
                      router_aux_loss_coef=self.router_aux_loss_coef)
         return d
+
+
+def _rope_from_hf(d: dict) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from config.json's ``rope_parameters`` (transformers 5) or ``rope_scaling`` (4.x;
+    its key ``type`` before 4.45). A rope type rlflow does not implement is refused by name."""
+    rope = d.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    found = [(where, r) for where, r in (("rope_parameters", rope), ("rope_scaling", d.get("rope_scaling") or {}))
+             if (r.get("rope_type") or r.get("type") or "default") != "default"]
+    if not found:
+        return theta, None
+    where, r = found[0]
+    kind = r.get("rope_type") or r.get("type")
+    if kind not in RopeScaling.KINDS:
+        raise ValueError(f"config.json {where}: rope type {kind!r} is not implemented by rlflow (default, "
+                         f"{', '.join(RopeScaling.KINDS)}); a model trained on it would get wrong logits")
+    factor = r.get("factor")
+    orig = r.get("original_max_position_embeddings", d.get("original_max_position_embeddings",
+                                                             d.get("max_position_embeddings")))
+    if factor is None and kind == "yarn":
+        factor = d["max_position_embeddings"] / orig
+    known = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+             "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"}
+    extra = sorted(set(r) - known)
+    if extra:
+        raise ValueError(f"config.json {where}: field(s) {extra} of rope type {kind!r} are not implemented by rlflow")
+    return theta, RopeScaling(
+        kind=kind, factor=float(factor), original_max_position_embeddings=orig if kind == "yarn" else None,
+        beta_fast=float(r.get("beta_fast") or 32), beta_slow=float(r.get("beta_slow") or 1),
+        mscale=r.get("mscale"), mscale_all_dim=r.get("mscale_all_dim"), attention_factor=r.get("attention_factor"),
+        truncate=bool(r.get("truncate", True)))
+
+
+def _deepseek_from_hf(d: dict) -> dict:
+    """The DeepSeek-V3 fields of config.json; values rlflow does not implement are refused by name."""
+    refuse = {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",), "moe_layer_freq": (1,),
+              "attention_bias": (False,)}
+    for key, ok in refuse.items():
+        if key in d and d[key] not in ok:
+            raise ValueError(f"config.json {key}={d[key]!r} is not implemented by rlflow for deepseek_v3 "
+                             f"(only {', '.join(map(repr, ok))})")
+    # num_key_value_heads is not read: MLA has one latent per token, expanded to every query head
+    return dict(
+        num_key_value_heads=d["num_attention_heads"], head_dim=d.get("qk_rope_head_dim", 64), qk_norm=False,
+        q_lora_rank=d.get("q_lora_rank", 1536), kv_lora_rank=d.get("kv_lora_rank", 512),
+        qk_nope_head_dim=d.get("qk_nope_head_dim", 128), qk_rope_head_dim=d.get("qk_rope_head_dim", 64),
+        v_head_dim=d.get("v_head_dim", 128), rope_interleave=d.get("rope_interleave", True),
+        num_experts=d.get("n_routed_experts", d.get("num_local_experts", 256)),
+        num_experts_per_tok=d.get("num_experts_per_tok", 8),
+        moe_intermediate_size=d.get("moe_intermediate_size", 2048), norm_topk_prob=d.get("norm_topk_prob", True),
+        scoring_func="sigmoid", n_group=d.get("n_group", 8), topk_group=d.get("topk_group", 4),
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 2.5)),
+        n_shared_experts=d.get("n_shared_experts", 1), first_k_dense_replace=d.get("first_k_dense_replace", 3),
+        router_aux_loss_coef=0.0)
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -149,23 +294,42 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = (D,)
-        out[p + "self_attn.q_proj.weight"] = (H * hd, D)
-        out[p + "self_attn.k_proj.weight"] = (KV * hd, D)
-        out[p + "self_attn.v_proj.weight"] = (KV * hd, D)
-        if cfg.attention_bias:
-            out[p + "self_attn.q_proj.bias"] = (H * hd,)
-            out[p + "self_attn.k_proj.bias"] = (KV * hd,)
-            out[p + "self_attn.v_proj.bias"] = (KV * hd,)
-        out[p + "self_attn.o_proj.weight"] = (D, H * hd)
-        if cfg.qk_norm:
-            out[p + "self_attn.q_norm.weight"] = (hd,)
-            out[p + "self_attn.k_norm.weight"] = (hd,)
-        out[p + "post_attention_layernorm.weight"] = (D,)
-        if cfg.is_moe_layer(i):
-            out[p + "mlp.gate.weight"] = (cfg.num_experts, D)
-            out.update(expert_shapes(p + "mlp.", cfg.num_experts, cfg.moe_intermediate_size, D))
+        a = p + "self_attn."
+        if cfg.mla:
+            if cfg.q_lora_rank:
+                out[a + "q_a_proj.weight"] = (cfg.q_lora_rank, D)
+                out[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+                out[a + "q_b_proj.weight"] = (H * cfg.qk_head_dim, cfg.q_lora_rank)
+            else:
+                out[a + "q_proj.weight"] = (H * cfg.qk_head_dim, D)
+            out[a + "kv_a_proj_with_mqa.weight"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, D)
+            out[a + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+            out[a + "kv_b_proj.weight"] = (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+            out[a + "o_proj.weight"] = (D, H * cfg.v_head_dim)
         else:
-            out.update(swiglu_shapes(p + "mlp.", cfg.intermediate_size, D))
+            out[a + "q_proj.weight"] = (H * hd, D)
+            out[a + "k_proj.weight"] = (KV * hd, D)
+            out[a + "v_proj.weight"] = (KV * hd, D)
+            if cfg.attention_bias:
+                out[a + "q_proj.bias"] = (H * hd,)
+                out[a + "k_proj.bias"] = (KV * hd,)
+                out[a + "v_proj.bias"] = (KV * hd,)
+            out[a + "o_proj.weight"] = (D, H * hd)
+            if cfg.qk_norm:
+                out[a + "q_norm.weight"] = (hd,)
+                out[a + "k_norm.weight"] = (hd,)
+        out[p + "post_attention_layernorm.weight"] = (D,)
+        m = p + "mlp."
+        if cfg.is_moe_layer(i):
+            E, F = cfg.num_experts, cfg.moe_intermediate_size
+            out[m + "gate.weight"] = (E, D)
+            if cfg.scoring_func == "sigmoid":
+                out[m + "gate.e_score_correction_bias"] = (E,)
+            out.update(expert_shapes(m, E, F, D))
+            if cfg.n_shared_experts:
+                out.update(swiglu_shapes(m + "shared_experts.", F * cfg.n_shared_experts, D))
+        else:
+            out.update(swiglu_shapes(m, cfg.intermediate_size, D))
     out.update(head_shapes(cfg.vocab_size, D, cfg.tie_word_embeddings))
     return out
 
@@ -223,6 +387,25 @@ PRESETS: dict[str, ModelConfig] = {
         num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
         num_experts=16, num_experts_per_tok=2, moe_intermediate_size=704, norm_topk_prob=True,
         rope_theta=10000.0, max_position_embeddings=4096),
+    # The paper's largest model (DeepSeek-V3 architecture); its multi-token-prediction layer is not loaded.
+    "deepseek-r1-671b": ModelConfig(
+        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        num_hidden_layers=61, num_attention_heads=128, qk_norm=False, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=2048, norm_topk_prob=True, scoring_func="sigmoid", n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=3, router_aux_loss_coef=0.0,
+        rope_theta=10000.0, max_position_embeddings=163840,
+        rope_scaling=RopeScaling(kind="yarn", factor=40.0, original_max_position_embeddings=4096, mscale=1.0,
+                                 mscale_all_dim=1.0),
+        bos_token_id=0, eos_token_id=1),
+    # The same structure at the recipe's size: 1 dense layer + 3 MoE layers, 2 groups of 4 experts.
+    "deepseek-tiny": ModelConfig(
+        model_type="deepseek_v3", vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, qk_norm=False, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+        norm_topk_prob=True, scoring_func="sigmoid", n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        n_shared_experts=1, first_k_dense_replace=1, router_aux_loss_coef=0.0, rope_theta=10000.0,
+        max_position_embeddings=512),
 }
 
 

@@ -1,105 +1,96 @@
-"""DeepSeek-V3 / R1 parameter shapes (the forward pass is not written yet).
+"""DeepSeek-V3 / R1 Multi-head Latent Attention (MLA) as pure functions over a params dict.
 
-``param_shapes(cfg)`` has the same contract as ``rlflow.models.config.param_shapes``: every
-parameter's transformers name and shape, in forward order. Attention is MLA: q is low-rank
-(``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj``), k/v share one compressed latent
-(``kv_a_proj_with_mqa`` gives the latent and the shared rope key, ``kv_a_layernorm``, ``kv_b_proj``).
-The first ``first_k_dense_replace`` layers have a dense MLP; the others route to ``n_routed_experts``
-experts (stacked as ``mlp.experts.gate_up_proj`` [E, 2F, D] and ``mlp.experts.down_proj`` [E, D, F],
-as for Qwen3-MoE) plus ``n_shared_experts`` shared experts of width ``F * n_shared_experts``. The
-multi-token-prediction layer of the checkpoint (layer 61) is not part of the model transformers
-loads, and is left out.
+Legend: B batch, T tokens of this call, S key positions, D model dim, H the view's query heads, r the kv
+latent (``kv_lora_rank``), n / p the per-head non-rotary / rotary q·k dims (``qk_nope_head_dim`` /
+``qk_rope_head_dim``), v the value dims.
+
+The decoder around it is ``models/qwen3_moe.py`` (one decoder for every family; DeepSeekMoE is its MoE
+block with sigmoid group-limited routing and shared experts). MLA as transformers'
+``DeepseekV3Attention`` computes it:
+
+    q      = q_b(norm(q_a(x)))  (or q_proj(x) when q_lora_rank is None), per head [n | p]
+    c, k_p = kv_a_proj_with_mqa(x) split [r | p];  c = kv_a_layernorm(c)
+    k, v   = kv_b(c) per head [n | v];  k = [k | rope(k_p)] (one rotary key shared by all heads)
+    o      = o_proj(softmax(q k^T * scale) v)
+
+The KV cache holds only ``[c | rope(k_p)]`` per token (r + p numbers, not 2 H (n + v)). A decode step
+uses the inference form that never expands it: kv_b's key half folds into the query
+(q_lat = q_n W_uk, [H, r]), the scores are [q_lat | q_p] · [c | k_p] over the latent, attention runs as
+one key/value head (the latent), and kv_b's value half folds into the output (o = o_lat W_uv^T).
+Prefill (several tokens) expands the latent, which is cheaper there.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import torch
+import torch.nn.functional as F
+from torch import Tensor
 
-from rlflow.models.config import count, expert_shapes, head_shapes, swiglu_shapes
-
-
-@dataclass(frozen=True, kw_only=True)
-class DeepseekConfig:
-    vocab_size: int = 129280
-    hidden_size: int = 7168
-    intermediate_size: int = 18432  # dense MLP width (first_k_dense_replace layers)
-    moe_intermediate_size: int = 2048
-    num_hidden_layers: int = 61
-    num_attention_heads: int = 128
-    q_lora_rank: int = 1536
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
-    n_routed_experts: int = 256
-    n_shared_experts: int = 1
-    num_experts_per_tok: int = 8
-    first_k_dense_replace: int = 3
-    tie_word_embeddings: bool = False
-    model_type: str = "deepseek_v3"
-
-    def __post_init__(self):
-        for k, v in self.__dict__.items():
-            if isinstance(v, int) and not isinstance(v, bool) and v < 0:
-                raise ValueError(f"DeepseekConfig.{k}={v} must be >= 0")
-        if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
-            raise ValueError(f"DeepseekConfig.num_experts_per_tok={self.num_experts_per_tok} must be in "
-                             f"[1, n_routed_experts={self.n_routed_experts}]")
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return layer >= self.first_k_dense_replace
+from rlflow.models.config import ModelConfig
+from rlflow.models.execution import View
+from rlflow.ops import apply_rope, attention, deinterleave, rmsnorm
 
 
-def param_shapes(cfg: DeepseekConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter's name and shape, in forward order (embedding, layers, final norm, head)."""
-    D, H = cfg.hidden_size, cfg.num_attention_heads
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, D)}
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = (D,)
-        a = p + "self_attn."
-        out[a + "q_a_proj.weight"] = (cfg.q_lora_rank, D)
-        out[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
-        out[a + "q_b_proj.weight"] = (H * cfg.qk_head_dim, cfg.q_lora_rank)
-        out[a + "kv_a_proj_with_mqa.weight"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, D)
-        out[a + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
-        out[a + "kv_b_proj.weight"] = (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
-        out[a + "o_proj.weight"] = (D, H * cfg.v_head_dim)
-        out[p + "post_attention_layernorm.weight"] = (D,)
-        m = p + "mlp."
-        if cfg.is_moe_layer(i):
-            E, F = cfg.n_routed_experts, cfg.moe_intermediate_size
-            out[m + "gate.weight"] = (E, D)
-            out[m + "gate.e_score_correction_bias"] = (E,)
-            out.update(expert_shapes(m, E, F, D))
-            out.update(swiglu_shapes(m + "shared_experts.", F * cfg.n_shared_experts, D))
-        else:
-            out.update(swiglu_shapes(m, cfg.intermediate_size, D))
-    out.update(head_shapes(cfg.vocab_size, D, cfg.tie_word_embeddings))
-    return out
+def _queries(P: dict, cfg: ModelConfig, a: str, x: Tensor, heads: int) -> Tensor:
+    """[B, T, H, n + p]."""
+    if cfg.q_lora_rank:
+        q = F.linear(rmsnorm(F.linear(x, P[a + "q_a_proj.weight"]), P[a + "q_a_layernorm.weight"], cfg.rms_norm_eps),
+                     P[a + "q_b_proj.weight"])
+    else:
+        q = F.linear(x, P[a + "q_proj.weight"])
+    return q.unflatten(-1, (heads, cfg.qk_head_dim))
 
 
-def num_params(cfg: DeepseekConfig) -> int:
-    return count(param_shapes(cfg))
+def latent(P: dict, cfg: ModelConfig, a: str, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """What the cache stores of x's tokens: [B, T, r + p], the normed latent then the rotated shared key."""
+    c, k_p = F.linear(x, P[a + "kv_a_proj_with_mqa.weight"]).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
+    if cfg.rope_interleave:
+        k_p = deinterleave(k_p)
+    return torch.cat([rmsnorm(c, P[a + "kv_a_layernorm.weight"], cfg.rms_norm_eps),
+                      apply_rope(k_p[..., None, :], cos, sin)[..., 0, :]], -1)
 
 
-PRESETS: dict[str, DeepseekConfig] = {
-    "deepseek-r1-671b": DeepseekConfig(),
-    # Same structure, small enough for tests: 1 dense layer + 3 MoE layers.
-    "deepseek-tiny": DeepseekConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=4, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=8,
-        qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4, n_routed_experts=8, n_shared_experts=1,
-        num_experts_per_tok=2, first_k_dense_replace=1),
-}
+def _expanded(P: dict, cfg: ModelConfig, a: str, q: Tensor, kv_BSL: Tensor, heads: int, mask: Tensor | None
+              ) -> Tensor:
+    """Attention with the latent expanded to per-head keys and values: [B, T, H, v]."""
+    n, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    c, k_p = kv_BSL.split([r, cfg.qk_rope_head_dim], -1)
+    k_n, v = F.linear(c, P[a + "kv_b_proj.weight"]).unflatten(-1, (heads, n + cfg.v_head_dim)).split(
+        [n, cfg.v_head_dim], -1)  # [B, S, H, n], [B, S, H, v]
+    k = torch.cat([k_n, k_p[:, :, None].expand(-1, -1, heads, -1)], -1)
+    o = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, is_causal=True,
+                  scale=cfg.softmax_scale)
+    return o.transpose(1, 2)
 
 
-def get_config(name: str) -> DeepseekConfig:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise KeyError(f"unknown DeepSeek model name {name!r}; known: {sorted(PRESETS)}") from None
+def _absorbed(P: dict, cfg: ModelConfig, a: str, q: Tensor, kv_BSL: Tensor, heads: int, mask: Tensor | None
+              ) -> Tensor:
+    """Attention over the latent itself (kv_b folded into the query and the output): [B, T, H, v]."""
+    n, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    w_uk, w_uv = P[a + "kv_b_proj.weight"].view(heads, n + cfg.v_head_dim, r).split([n, cfg.v_head_dim], 1)
+    q_n, q_p = q.split([n, cfg.qk_rope_head_dim], -1)
+    q_lat = torch.einsum("bthn,hnr->bhtr", q_n, w_uk)
+    kv = kv_BSL[:, None]  # one key/value "head": [B, 1, S, r + p]
+    o_lat = attention(torch.cat([q_lat, q_p.transpose(1, 2)], -1), kv, kv[..., :r], mask, is_causal=True,
+                      scale=cfg.softmax_scale)  # [B, H, T, r]
+    return torch.einsum("bhtr,hvr->bthv", o_lat, w_uv)
+
+
+def attention_block(view: View, cfg: ModelConfig, layer: int, x_BTD: Tensor, cos: Tensor, sin: Tensor,
+                    mask: Tensor | None, cache=None, cache_slots=None) -> Tensor:
+    """MLA of x's tokens (and, with a cache, of the cached ones before them) on the view's heads, before
+    ``view.leave``. The cache's layer buffer is [B, 1, S_max, r + p] (``qwen3_moe.KVCache``)."""
+    a = f"model.layers.{layer}.self_attn."
+    P, H = view.params, view.heads
+    q = _queries(P, cfg, a, x_BTD, H)
+    q_n, q_p = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
+    q = torch.cat([q_n, apply_rope(deinterleave(q_p) if cfg.rope_interleave else q_p, cos, sin)], -1)
+    kv = latent(P, cfg, a, x_BTD, cos, sin)  # [B, T, r + p]
+    if cache is None:
+        o = _expanded(P, cfg, a, q, kv, H, mask)
+    else:
+        rows, cols, span = cache_slots
+        cache.k[layer][rows, :, cols] = kv[:, :, None]
+        kv_all = cache.k[layer][:, 0, :span]
+        o = (_absorbed if x_BTD.shape[1] == 1 else _expanded)(P, cfg, a, q, kv_all, H, mask)
+    return F.linear(o.flatten(2), P[a + "o_proj.weight"])

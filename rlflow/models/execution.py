@@ -13,7 +13,7 @@ computes:
     embed(ids)           the token embedding (vocab-parallel: a lookup in the local rows, summed)
     attention_view(p)    the attention weights of the local heads, and how the block enters and
                          leaves the region where each process computes its part (copy / all-reduce)
-    mlp_view(p)          the same for a dense MLP (column- then row-parallel)
+    mlp_view(p)          the same for a dense MLP or shared experts (column- then row-parallel)
     experts(p, x, w, i)  the routed experts of a MoE layer (expert-parallel: all-to-all dispatch)
     logits(h)            full-vocab logits, for sampling
     logprobs(h, t)       log-probs (and entropies) of target tokens, never gathering the full vocab
@@ -82,7 +82,7 @@ class Exec:
     def attention_view(self, params: Params, cfg: ModelConfig, layer: int) -> View:
         return View(params, *self.heads(cfg, layer))
 
-    def mlp_view(self, params: Params, cfg: ModelConfig, layer: int) -> View:
+    def mlp_view(self, params: Params, cfg: ModelConfig, layer: int, prefix: str = "mlp.") -> View:
         return View(params)
 
     def experts(self, params: Params, cfg: ModelConfig, layer: int, x_ND: Tensor, w_NK: Tensor,

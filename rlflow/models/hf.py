@@ -1,5 +1,6 @@
 """Checkpoints in transformers' own format: ``config.json`` + safetensors (one file, or shards with
-``model.safetensors.index.json``).
+``model.safetensors.index.json``), for every family of ``models/config.py`` (Qwen2/2.5, Qwen3,
+Qwen3-MoE, DeepSeek-V3; DeepSeek's multi-token-prediction layers are skipped on load, as transformers does).
 
 On disk experts are one tensor per expert (``mlp.experts.{e}.gate_proj.weight`` [F, D], ``up_proj``,
 ``down_proj`` [D, F]); in memory they are stacked (``mlp.experts.gate_up_proj`` [E, 2F, D],
@@ -9,6 +10,7 @@ On disk experts are one tensor per expert (``mlp.experts.{e}.gate_proj.weight`` 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 
@@ -20,6 +22,8 @@ from rlflow.models.config import ModelConfig, param_shapes
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+log = logging.getLogger(__name__)
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -52,6 +56,11 @@ def load(path: str, *, dtype: torch.dtype | None = torch.float32,
             raise FileNotFoundError(f"{file}: listed in the checkpoint but missing") from None
         except Exception as e:  # safetensors raises its own errors for a truncated or foreign file
             raise ValueError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    extra = sorted({int(m.group(1)) for k in raw if (m := _LAYER.match(k)) and int(m.group(1)) >= cfg.num_hidden_layers})
+    if extra and cfg.model_type == "deepseek_v3":  # the multi-token-prediction module(s), as transformers skips them
+        log.info("%s: skipping layer(s) %s (DeepSeek's multi-token-prediction module, not part of the model)",
+                 path, extra)
+        raw = {k: t for k, t in raw.items() if not ((m := _LAYER.match(k)) and int(m.group(1)) >= cfg.num_hidden_layers)}
     experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     params: dict[str, torch.Tensor] = {}
     for k, t in raw.items():

@@ -33,6 +33,8 @@ def forward(params: Params, cfg: ModelConfig, prompt_ids_PT: Tensor, prompt_vali
     (tensor and expert parallel; not a pipeline stage: the packed sequence runs every layer)."""
     if not (ex.first and ex.last):
         raise ValueError("prefix.forward runs every layer: a pipeline stage takes qwen3_moe.forward")
+    if cfg.mla:
+        raise ValueError("prefix.forward: MLA (DeepSeek) attention has no packed form here; use qwen3_moe.forward")
     P, Tp = prompt_ids_PT.shape
     B, R = resp_ids_BR.shape
     Np, Nr = P * Tp, B * R
@@ -41,7 +43,7 @@ def forward(params: Params, cfg: ModelConfig, prompt_ids_PT: Tensor, prompt_vali
     h = ex.embed(params, cfg, torch.cat([prompt_ids_PT.reshape(-1), resp_ids_BR.reshape(-1)]))
     pos_r = layout.per_row(prompt_valid_PT.sum(-1))[:, None] + torch.arange(R, device=resp_ids_BR.device)
     pos = torch.cat([positions_from_valid(prompt_valid_PT).reshape(-1), pos_r.reshape(-1)])
-    cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, h.dtype)  # [N, d]
+    cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, h.dtype, cfg.rope_scaling)  # [N, d]
     valid = torch.cat([prompt_valid_PT.reshape(-1), resp_valid_BR.reshape(-1)])[None]
     real = real_tokens(valid) if cfg.is_moe else None
 

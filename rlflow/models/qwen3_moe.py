@@ -1,4 +1,6 @@
-"""Qwen3-MoE (and dense Qwen2 / Qwen2.5 / Qwen3 through the same code) as pure functions over a params dict.
+"""The decoder of every model family rlflow runs, as pure functions over a params dict: Qwen3-MoE, dense
+Qwen2 / Qwen2.5 / Qwen3, and DeepSeek-V3 (its attention is MLA, ``models/deepseek.py``; its MoE block
+routes by sigmoid scores in groups and adds shared experts). The config's switches pick the variant.
 
 Legend: B batch, T tokens of this call, S key positions (cache), D model dim, H query heads,
 K key/value heads, d head dim, V vocab, N = B*T tokens, E experts.
@@ -20,9 +22,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from rlflow.models import deepseek
 from rlflow.models.config import ModelConfig, param_shapes
 from rlflow.models.execution import EXPERTS_PREPARED, LOCAL, Exec, Params, View, n_moe_layers
-from rlflow.ops import attention, causal_padding_mask, prepare_experts, qk_norm_rope, rmsnorm, rope_cos_sin, route
+from rlflow.ops import (attention, causal_padding_mask, prepare_experts, qk_norm_rope, rmsnorm, rope_cos_sin, route,
+                        route_grouped)
 
 
 def init_params(cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -33,7 +37,7 @@ def init_params(cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.f
     for name, shape in param_shapes(cfg).items():
         if name.endswith("norm.weight"):
             t = torch.ones(shape)
-        elif name.endswith(".bias"):
+        elif name.endswith(".bias") or name.endswith("e_score_correction_bias"):
             t = torch.zeros(shape)
         else:
             t = torch.randn(shape, generator=g) * std
@@ -44,7 +48,8 @@ def init_params(cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.f
 @dataclass
 class KVCache:
     """Preallocated keys/values per layer, [B, K, S_max, d] (K: the kv heads this process computes; None
-for the layers of other pipeline stages), written in place by ``forward``.
+for the layers of other pipeline stages), written in place by ``forward``. With MLA a layer's ``k`` is
+the latent and the shared rotary key [B, 1, S_max, r + p] and its ``v`` None (``models/deepseek.py``).
 
     Each row is stored unpadded from column 0; ``lengths_B`` counts its filled positions, so rows may be
     at different lengths (continuous batching refills a row while others decode). ``bound`` is a
@@ -61,16 +66,30 @@ for the layers of other pipeline stages), written in place by ``forward``.
                  device: torch.device | str, ex: Exec = LOCAL) -> "KVCache":
         mine = set(ex.layers(cfg))
 
-        def buf(i):
-            shape = (batch, ex.heads(cfg, i)[1], max_len, cfg.head_dim)
-            return torch.zeros(shape, dtype=dtype, device=device) if i in mine else None
+        def buf(i, width):
+            heads = 1 if cfg.mla else ex.heads(cfg, i)[1]
+            return torch.zeros((batch, heads, max_len, width), dtype=dtype, device=device) if i in mine else None
         L = cfg.num_hidden_layers
-        return cls(k=[buf(i) for i in range(L)], v=[buf(i) for i in range(L)],
-                   lengths_B=torch.zeros(batch, dtype=torch.long, device=device))
+        if cfg.mla:
+            k, v = [buf(i, cfg.kv_lora_rank + cfg.qk_rope_head_dim) for i in range(L)], [None] * L
+        else:
+            k, v = [buf(i, cfg.head_dim) for i in range(L)], [buf(i, cfg.head_dim) for i in range(L)]
+        return cls(k=k, v=v, lengths_B=torch.zeros(batch, dtype=torch.long, device=device))
 
     @property
     def max_len(self) -> int:
         return next(t for t in self.k if t is not None).shape[2]
+
+    def buffers(self) -> list[Tensor]:
+        """Every allocated buffer (the lengths included)."""
+        return [t for t in (*self.k, *self.v) if t is not None] + [self.lengths_B]
+
+    def copy_rows(self, dst_B: Tensor, src: "KVCache", src_B: Tensor, n: int) -> None:
+        """Rows ``dst_B`` take ``src``'s rows ``src_B``, their first n positions and their lengths."""
+        for mine, theirs in zip((*self.k, *self.v), (*src.k, *src.v)):
+            if mine is not None:
+                mine[dst_B, :, :n] = theirs[src_B]
+        self.lengths_B[dst_B] = src.lengths_B[src_B]
 
 
 def _linear(params: Params, name: str, x: Tensor) -> Tensor:
@@ -106,8 +125,12 @@ def fuse_for_inference(params: Params, cfg: ModelConfig, ex: Exec = LOCAL) -> Pa
     out = dict(params)
     for i in ex.layers(cfg):
         p = f"model.layers.{i}.self_attn."
-        w, b, n = fused_attention_weights(ex.attention_view(params, cfg, i), cfg, p)
-        out[p + QKV_W] = w
+        if cfg.mla:
+            w, b, n = None, None, None
+        else:
+            w, b, n = fused_attention_weights(ex.attention_view(params, cfg, i), cfg, p)
+        if w is not None:
+            out[p + QKV_W] = w
         if b is not None:
             out[p + QKV_B] = b
         if n is not None:
@@ -137,6 +160,9 @@ def attention_block(params: Params, cfg: ModelConfig, layer: int, x_BTD: Tensor,
     ``ex`` gives this process."""
     p = f"model.layers.{layer}.self_attn."
     view = ex.attention_view(params, cfg, layer)
+    if cfg.mla:
+        return view.leave(deepseek.attention_block(view, cfg, layer, view.enter(x_BTD), cos, sin, mask, cache,
+                                                   cache_slots))
     qk, v = qk_v_heads(view, cfg, p, view.enter(x_BTD), cos, sin)  # [B, T, heads, d]
     q, k = qk.split([view.heads, view.kv_heads], dim=-2)
     if cache is not None:
@@ -158,24 +184,40 @@ def real_tokens(valid_BT: Tensor | None) -> Tensor | None:
     return valid_BT.reshape(-1).nonzero()[:, 0]
 
 
+def swiglu(params: Params, cfg: ModelConfig, layer: int, x: Tensor, ex: Exec = LOCAL, *,
+           prefix: str = "mlp.") -> Tensor:
+    """A dense SwiGLU MLP (a layer's ``mlp.``, or DeepSeek's ``mlp.shared_experts.``) on this process's
+    part of its width."""
+    p = f"model.layers.{layer}.{prefix}"
+    view = ex.mlp_view(params, cfg, layer, prefix)
+    x = view.enter(x)
+    h = F.silu(_linear(view.params, p + "gate_proj", x)) * _linear(view.params, p + "up_proj", x)
+    return view.leave(_linear(view.params, p + "down_proj", h))
+
+
 def mlp_block(params: Params, cfg: ModelConfig, layer: int, x_BTD: Tensor, real_N: Tensor | None,
               with_aux: bool, ex: Exec = LOCAL) -> tuple[Tensor, Tensor]:
     """Dense SwiGLU MLP, or the MoE block: padding tokens dropped (``real_N``: ``real_tokens(valid)``),
-    softmax top-k routing with the (replicated) router, then the routed experts through ``ex.experts``."""
+    top-k routing with the (replicated) router (softmax; DeepSeek's sigmoid in groups), the routed
+    experts through ``ex.experts``, plus the shared experts when the model has them."""
     p = f"model.layers.{layer}.mlp."
     if not cfg.is_moe_layer(layer):
-        view = ex.mlp_view(params, cfg, layer)
-        x = view.enter(x_BTD)
-        h = F.silu(_linear(view.params, p + "gate_proj", x)) * _linear(view.params, p + "up_proj", x)
-        return view.leave(_linear(view.params, p + "down_proj", h)), x_BTD.new_zeros((), dtype=torch.float32)
+        return swiglu(params, cfg, layer, x_BTD, ex), x_BTD.new_zeros((), dtype=torch.float32)
     B, T, D = x_BTD.shape
     x_ND = x_BTD.reshape(B * T, D)
     sel = real_N
     if sel is not None:  # padding tokens are neither routed nor computed
         x_ND = x_ND.index_select(0, sel)
-    w_NK, idx_NK, aux = route(x_ND, params[p + "gate.weight"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                              with_aux=with_aux)
+    if cfg.scoring_func == "sigmoid":
+        w_NK, idx_NK, aux = route_grouped(x_ND, params[p + "gate.weight"], params[p + "gate.e_score_correction_bias"],
+                                          cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
+                                          cfg.routed_scaling_factor)
+    else:
+        w_NK, idx_NK, aux = route(x_ND, params[p + "gate.weight"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                  with_aux=with_aux)
     y = ex.experts(params, cfg, layer, x_ND, w_NK, idx_NK)
+    if cfg.n_shared_experts:
+        y = y + swiglu(params, cfg, layer, x_ND, ex, prefix="mlp.shared_experts.")
     if sel is not None:
         y = x_BTD.new_zeros(B * T, D).index_copy(0, sel, y)
     return y.view(B, T, D), aux
@@ -217,7 +259,7 @@ def forward(params: Params, cfg: ModelConfig, ids_BT: Tensor, positions_BT: Tens
         raise ValueError("forward: a pipeline stage after the first needs h_in, the previous stage's output")
     else:
         h = h_in
-    cos, sin = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta, h.dtype)
+    cos, sin = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta, h.dtype, cfg.rope_scaling)
     cache_slots = None
     if cache is not None:
         span = min(cache.bound + T, cache.max_len)

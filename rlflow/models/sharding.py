@@ -9,8 +9,8 @@ row matches is an error that names it. ``executes`` is the set of effective spec
 mesh axes of size > 1 splitting it) that ``rlflow.parallel`` runs the model in (``executable_specs``), or
 None where the parameter is planned but not executed yet.
 
-``model_shapes(name)`` and ``logical_params(name)`` know both the Qwen presets
-(``rlflow.models.config``) and the DeepSeek ones (``rlflow.models.deepseek``).
+``model_shapes(name)`` and ``logical_params(name)`` take a preset's name (``rlflow.models.config``) or a
+config; MLA models (DeepSeek) take ``MLA_TABLE``, the others ``QWEN_TABLE``.
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ import numpy as np
 import torch
 
 from rlflow.models import config as qwen
-from rlflow.models import deepseek
 from rlflow.sharding.layout import Layout, Logical
 from rlflow.sharding.mesh import Mesh
 
 # Effective specs (per view dim, the axes of size > 1 that split it) that ``rlflow.parallel`` executes;
-# None: planned only (no executor yet, e.g. DeepSeek's attention).
+# None: planned only (no executor yet).
 _N, _T, _E = (), ("tp",), ("ep",)
 _REPL2, _COL, _ROW = {(_N, _N)}, {(_N, _N), (_T, _N)}, {(_N, _N), (_N, _T)}
 
@@ -35,7 +34,7 @@ _COMMON = (
     (r"(^|\.)lm_head\.weight$", ("vocab", "embed"), _COL),
     (r"(input_layernorm|post_attention_layernorm|(^|\.)norm)\.weight$", ("embed",), {(_N,)}),
     (r"\.mlp\.gate\.weight$", ("router", "embed"), _REPL2),
-    (r"\.mlp\.gate\.e_score_correction_bias$", ("router",), None),
+    (r"\.mlp\.gate\.e_score_correction_bias$", ("router",), {(_N,)}),
     (r"\.mlp\.experts\.gate_up_proj$", ("experts", ("gate_up", "expert_mlp"), "embed"),
      {(e, _N, f, _N) for e in (_N, _E) for f in (_N, _T)}),
     (r"\.mlp\.experts\.down_proj$", ("experts", "embed", "expert_mlp"),
@@ -54,14 +53,16 @@ QWEN_TABLE = _COMMON + (
     (r"\.self_attn\.[qk]_norm\.weight$", ("head_dim",), {(_N,)}),
 )
 
-DEEPSEEK_TABLE = _COMMON + (
-    (r"\.self_attn\.q_a_proj\.weight$", ("q_lora", "embed"), None),
-    (r"\.self_attn\.q_a_layernorm\.weight$", ("q_lora",), None),
-    (r"\.self_attn\.q_b_proj\.weight$", (("heads", "qk_head_dim"), "q_lora"), None),
-    (r"\.self_attn\.kv_a_proj_with_mqa\.weight$", ("kv_a", "embed"), None),
-    (r"\.self_attn\.kv_a_layernorm\.weight$", ("kv_lora",), None),
-    (r"\.self_attn\.kv_b_proj\.weight$", (("heads", "kv_head_dim"), "kv_lora"), None),
-    (r"\.self_attn\.o_proj\.weight$", ("embed", ("heads", "v_head_dim")), None),
+# MLA: the query heads (q_b_proj or q_proj), the latent's expansion (kv_b_proj) and o_proj split by heads
+# over tp; the latent projections and their norms replicated (every head reads the whole latent).
+MLA_TABLE = _COMMON + (
+    (r"\.self_attn\.q_a_proj\.weight$", ("q_lora", "embed"), _REPL2),
+    (r"\.self_attn\.q_a_layernorm\.weight$", ("q_lora",), {(_N,)}),
+    (r"\.self_attn\.q_(b_)?proj\.weight$", (("heads", "qk_head_dim"), "q_in"), _HEADS),
+    (r"\.self_attn\.kv_a_proj_with_mqa\.weight$", ("kv_a", "embed"), _REPL2),
+    (r"\.self_attn\.kv_a_layernorm\.weight$", ("kv_lora",), {(_N,)}),
+    (r"\.self_attn\.kv_b_proj\.weight$", (("heads", "kv_head_dim"), "kv_lora"), _HEADS),
+    (r"\.self_attn\.o_proj\.weight$", ("embed", ("heads", "v_head_dim")), {(_N, _N, _N), (_N, _T, _N)}),
 )
 
 # Logical name -> None | axis | tuple of axes. Dense params never name ``ep``: they are replicated
@@ -69,29 +70,21 @@ DEEPSEEK_TABLE = _COMMON + (
 RULES: dict[str, object] = {
     "vocab": "tp", "embed": None, "heads": "tp", "kv_heads": "tp", "head_dim": None, "mlp": "tp",
     "experts": "ep", "expert_mlp": "tp", "gate_up": None, "router": None,
-    "q_lora": None, "kv_lora": None, "kv_a": None, "qk_head_dim": None, "kv_head_dim": None,
+    "q_lora": None, "q_in": None, "kv_lora": None, "kv_a": None, "qk_head_dim": None, "kv_head_dim": None,
     "v_head_dim": None,
 }
 
 
 def _family(name_or_cfg):
     """(config, shapes, table, known inner sizes) for a model name or config."""
-    cfg = name_or_cfg
-    if isinstance(name_or_cfg, str):
-        if name_or_cfg in qwen.PRESETS:
-            cfg = qwen.PRESETS[name_or_cfg]
-        elif name_or_cfg in deepseek.PRESETS:
-            cfg = deepseek.PRESETS[name_or_cfg]
-        else:
-            raise KeyError(f"unknown model name {name_or_cfg!r}; known: "
-                           f"{sorted(qwen.PRESETS) + sorted(deepseek.PRESETS)}")
-    if isinstance(cfg, deepseek.DeepseekConfig):
+    cfg = qwen.get_config(name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
+    if not isinstance(cfg, qwen.ModelConfig):
+        raise TypeError(f"expected a model name or a ModelConfig, got {type(cfg).__name__}")
+    if cfg.mla:
         sizes = {"qk_head_dim": cfg.qk_head_dim, "kv_head_dim": cfg.qk_nope_head_dim + cfg.v_head_dim,
                  "v_head_dim": cfg.v_head_dim, "gate_up": 2}
-        return cfg, deepseek.param_shapes(cfg), DEEPSEEK_TABLE, sizes
-    if isinstance(cfg, qwen.ModelConfig):
-        return cfg, qwen.param_shapes(cfg), QWEN_TABLE, {"head_dim": cfg.head_dim, "gate_up": 2}
-    raise TypeError(f"expected a model name, ModelConfig or DeepseekConfig, got {type(cfg).__name__}")
+        return cfg, qwen.param_shapes(cfg), MLA_TABLE, sizes
+    return cfg, qwen.param_shapes(cfg), QWEN_TABLE, {"head_dim": cfg.head_dim, "gate_up": 2}
 
 
 def model_shapes(name_or_cfg) -> dict[str, tuple[int, ...]]:

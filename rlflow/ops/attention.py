@@ -37,51 +37,55 @@ def causal_padding_mask(key_valid_BS: Tensor, q_offset: int, T: int) -> Tensor:
 
 
 def attention(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | None,
-              *, is_causal: bool = False) -> Tensor:
-    """softmax(q k^T / sqrt(d) + mask) v, with K < H key/value heads shared by groups of H/K queries.
+              *, is_causal: bool = False, scale: float | None = None) -> Tensor:
+    """softmax(q k^T * scale + mask) v, with K < H key/value heads shared by groups of H/K queries; scale
+    defaults to 1/sqrt(d). v's head dim may differ from q's and k's (MLA: [B, H, T, dv] out).
 
     A single query token (decode) takes three batched matmul-sized kernels over [B, K, H/K, S] instead
     of SDPA's general path, which dominates a decode step for small models.
     """
-    fused = registry.run("attention", q_BHTd.device, q_BHTd, k_BKSd, v_BKSd, mask_B1TS, is_causal=is_causal)
-    return fused if fused is not None else attention_reference(q_BHTd, k_BKSd, v_BKSd, mask_B1TS, is_causal=is_causal)
+    fused = registry.run("attention", q_BHTd.device, q_BHTd, k_BKSd, v_BKSd, mask_B1TS, is_causal=is_causal,
+                         scale=scale)
+    return fused if fused is not None else attention_reference(q_BHTd, k_BKSd, v_BKSd, mask_B1TS,
+                                                               is_causal=is_causal, scale=scale)
 
 
 @registry.reference("attention")
 def attention_reference(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | None,
-                        *, is_causal: bool = False) -> Tensor:
+                        *, is_causal: bool = False, scale: float | None = None) -> Tensor:
     B, H, T, d = q_BHTd.shape
     K = k_BKSd.shape[1]
     if T == 1 and mask_B1TS is not None:
-        return _attention_matmul(q_BHTd, k_BKSd, v_BKSd, mask_B1TS, False)
+        return _attention_matmul(q_BHTd, k_BKSd, v_BKSd, mask_B1TS, False, scale)
     S = k_BKSd.shape[2]
     if (q_BHTd.device.type == "cpu" and q_BHTd.dtype in (torch.bfloat16, torch.float16) and torch.is_grad_enabled()
             and (q_BHTd.requires_grad or k_BKSd.requires_grad or v_BKSd.requires_grad)
             and S <= F32_MAX_KEYS and B * H * T * S <= F32_MAX_SCORES):
-        return _attention_f32(q_BHTd, k_BKSd, v_BKSd, mask_B1TS, is_causal)
+        return _attention_f32(q_BHTd, k_BKSd, v_BKSd, mask_B1TS, is_causal, scale)
     return F.scaled_dot_product_attention(q_BHTd, k_BKSd, v_BKSd, attn_mask=mask_B1TS,
-                                          is_causal=is_causal and mask_B1TS is None, enable_gqa=H != K)
+                                          is_causal=is_causal and mask_B1TS is None, enable_gqa=H != K, scale=scale)
 
 
 def _attention_f32(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | None,
-                   is_causal: bool) -> Tensor:
+                   is_causal: bool, scale: float | None) -> Tensor:
     """``attention`` computed in float32 with plain matmuls, returned in q's dtype."""
-    return _attention_matmul(q_BHTd.float(), k_BKSd.float(), v_BKSd.float(), mask_B1TS, is_causal).to(q_BHTd.dtype)
+    return _attention_matmul(q_BHTd.float(), k_BKSd.float(), v_BKSd.float(), mask_B1TS, is_causal,
+                             scale).to(q_BHTd.dtype)
 
 
 def _attention_matmul(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | None,
-                      is_causal: bool) -> Tensor:
+                      is_causal: bool, scale: float | None) -> Tensor:
     """``attention`` as two batched matmuls with the query heads grouped by their key/value head
     ([B, K, H/K * T, d]); ``is_causal`` without a mask is SDPA's (top-left aligned: query t sees keys s <= t)."""
     B, H, T, d = q_BHTd.shape
     K, S = k_BKSd.shape[1], k_BKSd.shape[2]
     q = q_BHTd.reshape(B, K, H // K * T, d)
-    scores = (q @ k_BKSd.transpose(-1, -2) * d ** -0.5).view(B, H, T, S)
+    scores = (q @ k_BKSd.transpose(-1, -2) * (d ** -0.5 if scale is None else scale)).view(B, H, T, S)
     if mask_B1TS is None and is_causal:
         mask_B1TS = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
     if mask_B1TS is not None:
         scores = scores.masked_fill(~mask_B1TS, float("-inf"))
-    return (torch.softmax(scores, -1).view(B, K, H // K * T, S) @ v_BKSd).view(B, H, T, d)
+    return (torch.softmax(scores, -1).view(B, K, H // K * T, S) @ v_BKSd).view(B, H, T, v_BKSd.shape[-1])
 
 
 class PrefixLayout:

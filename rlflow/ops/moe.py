@@ -45,6 +45,32 @@ def route_logits_reference(logits_NE: Tensor, top_k: int, norm_topk_prob: bool, 
     return w_NK.to(dtype), idx_NK, aux
 
 
+def route_grouped(x_ND: Tensor, gate_ED: Tensor, bias_E: Tensor, top_k: int, n_group: int, topk_group: int,
+                  norm_topk_prob: bool, scaling: float) -> tuple[Tensor, Tensor, Tensor]:
+    """DeepSeek-V3's routing (``noaux_tc``). Returns (weights_NK in x's dtype, experts_NK, a zero aux loss).
+
+    s = sigmoid(x W_g^T) in float32. The selection uses s + bias (the load-balancing bias, trained by
+    no gradient): the E experts form ``n_group`` groups, a group scores the sum of its two best, the
+    ``topk_group`` best groups are kept and the top-k experts chosen among theirs. The weights are the
+    unbiased s of the chosen experts, renormalized when ``norm_topk_prob``, times ``scaling``. Balance
+    comes from the bias, not from a loss: the aux loss is zero.
+    """
+    N, E = x_ND.shape[0], gate_ED.shape[0]
+    s_NE = F.linear(x_ND.float(), gate_ED.float()).sigmoid()
+    with torch.no_grad():
+        choice = s_NE + bias_E.float()
+        if n_group > 1:
+            group_NG = choice.view(N, n_group, E // n_group).topk(2, dim=-1)[0].sum(-1)
+            keep_NG = torch.zeros_like(group_NG, dtype=torch.bool).scatter_(
+                1, group_NG.topk(topk_group, dim=-1)[1], True)
+            choice = choice.masked_fill(~keep_NG.repeat_interleave(E // n_group, 1), float("-inf"))
+        idx_NK = choice.topk(top_k, dim=-1)[1]
+    w_NK = s_NE.gather(1, idx_NK)
+    if norm_topk_prob:
+        w_NK = w_NK / (w_NK.sum(-1, keepdim=True) + 1e-20)
+    return (w_NK * scaling).to(x_ND.dtype), idx_NK, x_ND.new_zeros((), dtype=torch.float32)
+
+
 # Few tokens (decode) on small experts: every expert runs on every token in a few large kernels and the
 # top-k weights (zero elsewhere) combine them. E/K times the FLOPs of routing, but no host sync and no
 # per-expert launches, which is what bounds a decode step of small experts. Only when N*K >= E (all

@@ -1,7 +1,11 @@
-"""Rotary position embeddings (the "rotate half" form used by Qwen / Llama).
+"""Rotary position embeddings (the "rotate half" form used by Qwen / Llama / DeepSeek), with the frequency
+scalings transformers implements for these families (``RopeScaling``: linear, YaRN).
 
 Legend: B batch, T tokens, H heads, d head dim; ... any leading dims.
 """
+
+import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -10,14 +14,83 @@ from rlflow.ops import registry
 from rlflow.ops.norm import rmsnorm
 
 
-def rope_cos_sin(positions_BT: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin [B, T, d] for integer positions: angle = pos * theta^(-2i/d), duplicated over halves, with
-    the sign of rotate-half folded into sin's first half (what ``apply_rope`` expects)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions_BT.device, dtype=torch.float32)
-                                / head_dim))
-    ang = positions_BT.float()[..., None] * inv_freq  # [B, T, d/2]
+@dataclass(frozen=True)
+class RopeScaling:
+    """A long-context frequency scaling, as transformers' ``rope_parameters`` name it (``rope_type``
+    'linear' or 'yarn'; the YaRN fields keep transformers' names and defaults)."""
+
+    kind: str
+    factor: float
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    KINDS = ("linear", "yarn")
+
+    def __post_init__(self):
+        if self.kind not in self.KINDS:
+            raise ValueError(f"rope scaling rope_type={self.kind!r} is not implemented by rlflow; known: {self.KINDS}")
+        if not self.factor or self.factor <= 0:
+            raise ValueError(f"rope scaling factor={self.factor!r} must be > 0")
+        if self.kind == "yarn" and not self.original_max_position_embeddings:
+            raise ValueError("yarn rope scaling needs original_max_position_embeddings")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1 * mscale * ln(factor) + 1 (1 when the factor does not extend)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> tuple[Tensor, float]:
+    """(inv_freq [d/2] in float32, the factor cos/sin are scaled by), as transformers'
+    ``ROPE_INIT_FUNCTIONS`` compute them: default theta^(-2i/d); linear divides by the factor; YaRN
+    interpolates the low frequencies, keeps the high ones and ramps between them."""
+    exps = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    if scaling is None:
+        return 1.0 / (theta ** exps), 1.0
+    if scaling.kind == "linear":
+        return 1.0 / (theta ** exps) / scaling.factor, 1.0
+    s = scaling
+    att = s.attention_factor
+    if att is None:
+        att = (yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
+               if s.mscale and s.mscale_all_dim else yarn_mscale(s.factor))
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** exps
+    extrapolate = 1 - ramp
+    inv_freq = (1.0 / (s.factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv_freq, float(att)
+
+
+def rope_cos_sin(positions_BT: Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 scaling: RopeScaling | None = None) -> tuple[Tensor, Tensor]:
+    """cos, sin [B, T, d] for integer positions: angle = pos * inv_freq_i (``rope_frequencies``), duplicated
+    over halves, with the sign of rotate-half folded into sin's first half (what ``apply_rope`` expects)."""
+    inv_freq, att = rope_frequencies(head_dim, theta, scaling)
+    ang = positions_BT.float()[..., None] * inv_freq.to(positions_BT.device)  # [B, T, d/2]
     cos, sin = ang.cos(), ang.sin()
+    if att != 1.0:
+        cos, sin = cos * att, sin * att
     return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
+
+
+def deinterleave(x: Tensor) -> Tensor:
+    """[x0, x2, x4, ..., x1, x3, ...]: DeepSeek's rotary dims come in adjacent pairs (x0, x1), ...; reordered
+    so, rotate-half rotates the same pairs (q and k alike, so their dot products are unchanged)."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], -1)
 
 
 def apply_rope(x_THd: Tensor, cos_Td: Tensor, sin_Td: Tensor) -> Tensor:

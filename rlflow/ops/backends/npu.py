@@ -68,9 +68,9 @@ def apply_rope(x_THd: Tensor, cos_Td: Tensor, sin_Td: Tensor) -> Tensor | None:
 
 @registry.fused("attention", "npu")
 def attention(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | None, *,
-              is_causal: bool = False) -> Tensor | None:
+              is_causal: bool = False, scale: float | None = None) -> Tensor | None:
     npu = _npu()
-    if npu is None:
+    if npu is None or v_BKSd.shape[-1] != q_BHTd.shape[-1]:  # MLA's value width: left to the reference
         return None
     B, H, T, d = q_BHTd.shape
     S = k_BKSd.shape[2]
@@ -80,7 +80,8 @@ def attention(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor 
         masked = torch.ones(T, S, dtype=torch.bool, device=q_BHTd.device).triu(1)
     else:
         masked = None
-    return npu.npu_fusion_attention(q_BHTd, k_BKSd, v_BKSd, H, "BNSD", atten_mask=masked, scale=d ** -0.5,
+    return npu.npu_fusion_attention(q_BHTd, k_BKSd, v_BKSd, H, "BNSD", atten_mask=masked,
+                                    scale=d ** -0.5 if scale is None else scale,
                                     keep_prob=1.0)[0]
 
 
