@@ -119,9 +119,8 @@ def test_a_config_without_norm_topk_prob_loads_as_transformers_reads_it(tmp_path
 @pytest.mark.parametrize("field, value, match", [
     ("use_sliding_window", True, "use_sliding_window"),
     ("hidden_act", "gelu", "hidden_act='gelu'"),
-    ("rope_scaling", {"type": "linear", "factor": 4.0}, "rope type 'linear'"),
-    ("rope_scaling", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, "rope type 'yarn'"),
     ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope type 'dynamic'"),
+    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "rope type 'llama3'"),
 ])
 def test_config_fields_rlflow_does_not_implement_are_refused_by_name(field, value, match):
     """Each of these loaded without error and gave wrong logits against transformers."""
@@ -130,6 +129,34 @@ def test_config_fields_rlflow_does_not_implement_are_refused_by_name(field, valu
     d[field] = value
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf(d)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "beta_fast": 16, "beta_slow": 2,
+     "attention_factor": 1.3},
+])
+def test_rope_scalings_give_the_same_logits(rope, tmp_path):
+    """Linear and YaRN rope scaling (Qwen2.5's long-context setting) as transformers computes them."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+        max_position_embeddings=128, head_dim=8, intermediate_size=64, moe_intermediate_size=24, num_experts=4,
+        num_experts_per_tok=2, rope_parameters={"rope_theta": 10000.0, **rope})).float().eval()
+    _randomize(model, 3)
+    model.save_pretrained(tmp_path)
+    cfg, params = hf.load(str(tmp_path))
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.kind == rope["rope_type"]
+    ids, valid = _inputs()
+    pos = qwen3_moe.positions_from_valid(valid) + 20  # past the original context
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=valid.long(), position_ids=pos).logits
+        out = qwen3_moe.logits(params, cfg, qwen3_moe.forward(params, cfg, ids, pos, valid_BT=valid)[0])
+        plain = qwen3_moe.logits(params, cfg.replace(rope_scaling=None),
+                                 qwen3_moe.forward(params, cfg.replace(rope_scaling=None), ids, pos, valid_BT=valid)[0])
+    assert (out - ref)[valid].abs().max().item() < TOL
+    assert (plain - ref)[valid].abs().max().item() > 100 * TOL  # the scaling is really applied
 
 
 @pytest.mark.parametrize("damage", ["truncate", "random"])

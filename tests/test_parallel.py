@@ -1,6 +1,7 @@
-"""Model execution in a layout (rlflow.parallel) on real gloo processes: the tiny Qwen3-MoE's GRPO loss
-(clipped surrogate + entropy bonus + router aux loss) and its gradients, gathered from every rank's
-shards, equal one process's within 1e-5 in float32, for TP, EP, PP, DP and combinations of three axes.
+"""Model execution in a layout (rlflow.parallel) on real gloo processes: the tiny Qwen3-MoE's (and the tiny
+DeepSeek-V3's) GRPO loss (clipped surrogate + entropy bonus + router aux loss) and its gradients, gathered
+from every rank's shards, equal one process's within 1e-5 in float32, for TP, EP, PP, DP and combinations
+of three axes.
 
 One group of processes per world size runs all of that size's cases (process start dominates). The
 reference runs in the test process with ``stages.response_logprobs`` and ``grpo.policy_loss`` on the same
@@ -29,6 +30,8 @@ pytestmark = pytest.mark.slow
 
 # (name, mesh sizes, rule overrides, micro-batches per data rank, schedule, remat, config overrides)
 DENSE_BIAS = dict(mlp_only_layers=(1,), attention_bias=True)  # a dense MLP layer, Qwen2's q/k/v biases
+DEEPSEEK = dict(preset="deepseek-tiny")  # MLA, sigmoid group-limited routing, shared experts, a dense first layer
+DEEPSEEK_Q = dict(preset="deepseek-tiny", q_lora_rank=None)  # MLA with a direct q_proj
 CASES = {
     2: [
         ("tp2", dict(tp=2), {}, 1, "1f1b", False, {}),
@@ -41,6 +44,10 @@ CASES = {
         # replicated variants: all experts on every ep rank (summed over dp x ep); whole vocab and experts on tp
         ("ep2-experts-replicated", dict(ep=2), {"experts": None}, 1, "1f1b", False, {}),
         ("tp2-vocab-experts-replicated", dict(tp=2), {"vocab": None, "expert_mlp": None}, 1, "1f1b", False, {}),
+        ("deepseek-tp2", dict(tp=2), {}, 1, "1f1b", False, DEEPSEEK),
+        ("deepseek-ep2", dict(ep=2), {}, 2, "1f1b", False, DEEPSEEK),
+        ("deepseek-pp2", dict(pp=2), {}, 2, "1f1b", False, DEEPSEEK),
+        ("deepseek-tp2-no-q-lora", dict(tp=2), {}, 1, "1f1b", False, DEEPSEEK_Q),
     ],
     4: [
         ("tp4-kv-replicated", dict(tp=4), {"kv_heads": None}, 1, "1f1b", False, {}),
@@ -50,6 +57,7 @@ CASES = {
         ("dp2-ep2", dict(dp=2, ep=2), {}, 1, "1f1b", False, {}),
         ("pp2-tp2", dict(pp=2, tp=2), {}, 2, "1f1b", False, {}),
         ("ep2-tp2", dict(ep=2, tp=2), {}, 1, "1f1b", False, {}),
+        ("deepseek-ep2-tp2", dict(ep=2, tp=2), {}, 1, "1f1b", False, DEEPSEEK),
     ],
     8: [
         ("pp2-ep2-tp2", dict(pp=2, ep=2, tp=2), {}, 2, "1f1b", False, {}),
@@ -61,7 +69,8 @@ CASES = {
 
 
 def config(kw: dict):
-    return CFG.replace(**kw)
+    kw = dict(kw)
+    return get_config(kw.pop("preset", "qwen3-moe-tiny")).replace(**kw)
 
 
 def make_batch(seed: int = 0) -> TrainBatch:
@@ -83,7 +92,7 @@ def make_batch(seed: int = 0) -> TrainBatch:
 def params_full(cfg=CFG) -> qm.Params:
     p = qm.init_params(cfg, seed=1, std=0.2)
     g = torch.Generator().manual_seed(2)
-    return {k: (torch.randn(v.shape, generator=g) * 0.2 if k.endswith(".bias") else v) for k, v in p.items()}
+    return {k: (torch.randn(v.shape, generator=g) * 0.2 if k.endswith("bias") else v) for k, v in p.items()}
 
 
 def partition(n_data: int, n_micro: int) -> list[list[torch.Tensor]]:
@@ -112,7 +121,8 @@ def reference(batch: TrainBatch, n_data: int, n_micro: int, cfg=CFG):
             loss = f(lp, ent, mb) + AUX * aux * (mb.size / B)
             loss.backward()
             total += float(loss.detach())
-    return total, {k: v.grad for k, v in leaves.items()}
+    # DeepSeek's e_score_correction_bias only selects experts: no gradient reaches it
+    return total, {k: v.grad if v.grad is not None else torch.zeros_like(v) for k, v in leaves.items()}
 
 
 def worker(rank: int, world: int, cases: list, batch: TrainBatch) -> dict:

@@ -47,13 +47,14 @@ def response_logprobs(params: model.Params, cfg: ModelConfig, batch: RolloutBatc
     aux loss. The sequence is prompt (left-padded) + response (right-padded); hidden state t predicts t+1.
 
     Rows that share a prompt (same group id and prompt tokens) run it once (``models/prefix.py``),
-    unless the router aux loss or remat is asked for; the result is the same either way.
+    unless the router aux loss or remat is asked for, or the attention is MLA; the result is the same
+    either way.
 
     ``ex``: the execution context (one rank of a layout). On a pipeline stage other than the last
     (``ex.last`` False) the first value is the stage's output hidden states [B, Tp + Tr - 1, D] to
     send on, and the entropy None; a stage after the first starts from ``h_in``."""
     pipelined = not (ex.first and ex.last)
-    shared = None if (with_aux or remat or pipelined) else _prompt_groups(batch)
+    shared = None if (with_aux or remat or pipelined or cfg.mla) else _prompt_groups(batch)
     if shared is not None:
         order, first, counts = shared
         b = batch.select(order)

@@ -19,7 +19,10 @@ The seams, with tp > 1:
 - MoE: the router (replicated) runs on the replicated input; the experts' input and routing weights
   enter the expert region through ``copy_to`` (expert hidden dim over tp, experts over ep), ``ep.moe``
   dispatches by all-to-all, the output leaves through ``reduce_from`` over tp.
-- dense MLP: column-parallel gate/up, row-parallel down.
+- MLA (DeepSeek): the query heads (``q_b_proj`` or ``q_proj``), the latent's expansion ``kv_b_proj`` and
+  ``o_proj`` are split by heads; the latent projections and their norms are replicated and enter through
+  ``copy_to`` (each rank uses them for its heads only). The latent KV cache is whole on every rank.
+- dense MLP and DeepSeek's shared experts: column-parallel gate/up, row-parallel down.
 - embedding and head: vocab-parallel (``tp.vocab_embedding``, ``tp.vocab_logprobs``); the logits for
   sampling are all-gathered over tp.
 With ep > 1 the ranks of an ep group hold different rows, and every forward is an all-to-all among
@@ -56,9 +59,21 @@ def _on(layout: Layout, name: str, dim: int, axis: str) -> bool:
     return axis in effective(layout, name)[dim]
 
 
+def query_weight(cfg: ModelConfig, layer: int) -> str:
+    """The parameter that holds a layer's query heads (its split over tp is the attention's)."""
+    q = "q_b_proj" if cfg.mla and cfg.q_lora_rank else "q_proj"
+    return f"model.layers.{layer}.self_attn.{q}.weight"
+
+
+def _check_mlp(layout: Layout, m: str) -> None:
+    if effective(layout, m + "down_proj.weight")[1] != effective(layout, m + "gate_proj.weight")[0] or \
+            effective(layout, m + "up_proj.weight") != effective(layout, m + "gate_proj.weight"):
+        raise ValueError(f"params {m}gate/up/down_proj: the MLP width must be split alike")
+
+
 def check_layout(layout: Layout, cfg: ModelConfig) -> None:
     """Raise ``ValueError`` naming the parameter unless every spec is one the model executes and the
-    paired parameters agree (q_proj/o_proj heads, expert gate_up/down, dense gate/up/down)."""
+    paired parameters agree (query/o_proj heads, expert gate_up/down, dense gate/up/down)."""
     for p in layout.params:
         allowed = executable_specs(cfg, p.name)
         eff = effective(layout, p.name)
@@ -67,6 +82,22 @@ def check_layout(layout: Layout, cfg: ModelConfig) -> None:
                              f"rlflow.parallel executes; expected one of {sorted(allowed or ())}")
     for i in range(cfg.num_hidden_layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        if cfg.is_moe_layer(i):
+            gu, dn = effective(layout, m + "experts.gate_up_proj"), effective(layout, m + "experts.down_proj")
+            if (gu[0], gu[2]) != (dn[0], dn[2]):
+                raise ValueError(f"params {m}experts: gate_up_proj {gu} and down_proj {dn} are split differently")
+            if cfg.n_shared_experts:
+                _check_mlp(layout, m + "shared_experts.")
+        else:
+            _check_mlp(layout, m)
+        if cfg.mla:
+            q = query_weight(cfg, i)
+            q_tp = _on(layout, q, 0, "tp")
+            for n, d in ((a + "kv_b_proj.weight", 0), (a + "o_proj.weight", 1)):
+                if _on(layout, n, d, "tp") != q_tp:
+                    raise ValueError(f"param {n}: its heads must {'' if q_tp else 'not '}be split over tp, as "
+                                     f"those of {q}")
+            continue
         q_tp = _on(layout, a + "q_proj.weight", 0, "tp")
         kv_tp = _on(layout, a + "k_proj.weight", 0, "tp")
         want = {a + "o_proj.weight": (1, q_tp), a + "v_proj.weight": (0, kv_tp)}
@@ -84,13 +115,6 @@ def check_layout(layout: Layout, cfg: ModelConfig) -> None:
             if Hl % per_kv and per_kv % Hl:
                 raise ValueError(f"param {a}q_proj.weight: on tp={n}, {Hl} local query heads straddle groups of "
                                  f"{per_kv} query heads per kv head")
-        if cfg.is_moe_layer(i):
-            gu, dn = effective(layout, m + "experts.gate_up_proj"), effective(layout, m + "experts.down_proj")
-            if (gu[0], gu[2]) != (dn[0], dn[2]):
-                raise ValueError(f"params {m}experts: gate_up_proj {gu} and down_proj {dn} are split differently")
-        elif effective(layout, m + "down_proj.weight")[1] != effective(layout, m + "gate_proj.weight")[0] or \
-                effective(layout, m + "up_proj.weight") != effective(layout, m + "gate_proj.weight"):
-            raise ValueError(f"params {m}gate/up/down_proj: the MLP width must be split alike")
     if cfg.tie_word_embeddings and layout.mesh.pp > 1:
         raise ValueError("tied embeddings on pp > 1 stages are not supported (the head's gradient would "
                          "have to be summed between the first and the last stage)")
@@ -156,7 +180,7 @@ class LayoutExec(Exec):
         """[lo, hi) of the kv heads this rank's query heads use, when kv heads are replicated over a tp
         that splits the query heads; None when they are split alike (or tp does not split them)."""
         a = f"model.layers.{layer}.self_attn."
-        if self._tp_if(a + "q_proj.weight", 0) is None or self._split(a + "k_proj.weight", 0, "tp"):
+        if cfg.mla or self._tp_if(a + "q_proj.weight", 0) is None or self._split(a + "k_proj.weight", 0, "tp"):
             return None
         n, ti = self.layout.mesh.tp, self.coords["tp"]
         Hl, per_kv = cfg.num_attention_heads // n, cfg.num_attention_heads // cfg.num_key_value_heads
@@ -164,7 +188,7 @@ class LayoutExec(Exec):
 
     def heads(self, cfg: ModelConfig, layer: int) -> tuple[int, int]:
         H, K = cfg.num_attention_heads, cfg.num_key_value_heads
-        if self._tp_if(f"model.layers.{layer}.self_attn.q_proj.weight", 0) is None:
+        if self._tp_if(query_weight(cfg, layer), 0) is None:
             return H, K
         kv = self._kv_slice(cfg, layer)
         n = self.layout.mesh.tp
@@ -172,11 +196,18 @@ class LayoutExec(Exec):
 
     def attention_view(self, params: Params, cfg: ModelConfig, layer: int) -> View:
         a = f"model.layers.{layer}.self_attn."
-        g = self._tp_if(a + "q_proj.weight", 0)
+        g = self._tp_if(query_weight(cfg, layer), 0)
         Hl, Kl = self.heads(cfg, layer)
         if g is None:
             return View(params, Hl, Kl)
         enter, leave = (lambda x: copy_to(x, g)), (lambda y: reduce_from(y, g))
+        if cfg.mla:  # the replicated latent weights serve this rank's heads: their gradients sum over tp
+            shared = ("kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight") + (
+                ("q_a_proj.weight", "q_a_layernorm.weight") if cfg.q_lora_rank else ())
+            loc = {a + w: copy_to(params[a + w], g) for w in shared}
+            for w in (query_weight(cfg, layer), a + "kv_b_proj.weight", a + "o_proj.weight"):
+                loc[w] = params[w]
+            return View(loc, Hl, Kl, enter, leave)
         if a + QKV_W in params:  # ``fuse_for_inference`` stacked this rank's weights already
             return View(params, Hl, Kl, enter, leave)
         loc = {a + "q_proj.weight": params[a + "q_proj.weight"], a + "o_proj.weight": params[a + "o_proj.weight"]}
@@ -197,8 +228,8 @@ class LayoutExec(Exec):
         return View(loc, Hl, Kl, enter, leave)
 
     # ---- MLP and experts ----
-    def mlp_view(self, params: Params, cfg: ModelConfig, layer: int) -> View:
-        g = self._tp_if(f"model.layers.{layer}.mlp.gate_proj.weight", 0)
+    def mlp_view(self, params: Params, cfg: ModelConfig, layer: int, prefix: str = "mlp.") -> View:
+        g = self._tp_if(f"model.layers.{layer}.{prefix}gate_proj.weight", 0)
         if g is None:
             return View(params)
         return View(params, enter=lambda x: copy_to(x, g), leave=lambda y: reduce_from(y, g))
