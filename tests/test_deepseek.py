@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCa
 from rlflow.models import deepseek, hf, qwen3_moe
 from rlflow.models.config import ModelConfig, get_config
 from rlflow.rollout import SamplingConfig, generate
-from helpers import random_prompts
+from helpers import random_prompts, recipe_module
 
 TOL = 1e-4
 V = 97
@@ -178,3 +178,12 @@ def test_config_json_round_trips():
     for name in ("deepseek-tiny", "deepseek-r1-671b"):
         cfg = get_config(name)
         assert ModelConfig.from_hf(json.loads(json.dumps(cfg.to_hf()))) == cfg
+
+
+def test_the_recipe_learns_the_built_in_task_with_deepseek_tiny(tmp_path):
+    """``--preset deepseek-tiny`` from random init, one process: the mean reward of the last 10 of 150 steps is
+    clearly above the first 10 (+0.29 measured; the 2-process default run reaches +0.68 by step 300)."""
+    history = recipe_module().main(["--preset", "deepseek-tiny", "--world", "1", "--steps", "150",
+                                    "--out", str(tmp_path / "run")])
+    r = [m["reward_mean"] for m in history]
+    assert sum(r[-10:]) / 10 - sum(r[:10]) / 10 >= 0.15
