@@ -187,7 +187,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"initial weights differ: max |logits diff| = {init_diff:.3g}")
 
     def exact_match(completions, answer, **_):
-        return [float(reward_fn(c, ans)) for c, ans in zip(completions, answer)]
+        return [float(v) for v in reward_fn(completions, answer)]
 
     targs = GRPOConfig(
         output_dir=os.path.join(tmp.name, "trl"), seed=a.seed,

@@ -4,8 +4,10 @@ With no arguments: a small randomly initialized Qwen3-MoE (4 layers, 8 experts, 
 built-in task "max_digit" (prompt `max:381920=`, answer `9`, reward 1 for the exact answer) from scratch
 with GRPO on the CPU, and the reward rises within minutes.
 
-With flags: --model loads a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json),
---dataset a JSONL file of {"prompt", "answer"} (GSM8K's {"question", "answer"} works too; reward "math").
+With flags: --model loads a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json; its chat
+template renders the prompts), --dataset a JSONL, JSON, CSV or Parquet file or a Hugging Face datasets folder of
+{"prompt", "answer"} (GSM8K's {"question", "answer"} works too; reward "math"), --reward your own reward
+function (path/to/file.py:function). See docs/data.md.
 
 Edit the Recipe defaults below, or override any of them from the command line (see --help).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -31,12 +34,12 @@ from rlflow import optim, rewards
 from rlflow.algos import grpo
 from rlflow.algos.corrections import IS_LEVELS, IS_MODES
 from rlflow.algos.estimators import ADV_ESTIMATORS
-from rlflow.data import PromptSource, load_jsonl
+from rlflow.data import Example, PromptSource, apply_chat_template, load_examples
 from rlflow.models import hf, qwen3_moe
 from rlflow.models.config import get_config
 from rlflow.rollout import SamplingConfig
 from rlflow.runtime import checkpoint, loop
-from rlflow.tokenizer import CharTokenizer, HFTokenizer
+from rlflow.tokenizer import CharTokenizer, ChatTemplate, HFTokenizer, find_chat_template
 
 
 def _f(default, help):  # a field with its --help text
@@ -47,9 +50,23 @@ def _f(default, help):  # a field with its --help text
 class Recipe:
     model: str | None = _f(None, "Hugging Face checkpoint directory (default: random init of --preset)")
     preset: str = _f("qwen3-moe-tiny", "named model config used when --model is not given")
-    dataset: str | None = _f(None, "JSONL file of prompts and answers (default: the built-in --task)")
+    dataset: str | None = _f(None, "prompts and answers: a .jsonl, .json, .csv or .parquet file, or a Hugging Face "
+                                   "datasets folder (save_to_disk, or data files) (default: the built-in --task)")
+    dataset_split: str = _f("train", "split of --dataset (a data file's one split is train; slices like "
+                                     "train[:100] for files read by datasets)")
+    prompt_key: str = _f("prompt", "--dataset column of the prompts: text, or chat messages [{role, content}] "
+                                   "(when it is missing, GSM8K's question column)")
+    answer_key: str = _f("answer", "--dataset column of the reference answers")
     task: str = _f("max_digit", "built-in task: max_digit, sum_mod10, first_digit")
-    reward: str | None = _f(None, "reward function (default: 'exact' for tasks, 'math' for datasets)")
+    chat_template: bool = _f(True, "render each prompt with --model's chat template (chat_template.jinja or "
+                                   "tokenizer_config.json's), as transformers' apply_chat_template does; "
+                                   "--no-chat-template: the prompt text as it is")
+    system_prompt: str | None = _f(None, "system message put before each prompt's messages (needs a chat template)")
+    reward: tuple[str, ...] | None = _f(None, "reward function: exact, math, path/to/file.py:function or "
+                                              "module:function; repeat for several, summed with --reward-weights "
+                                              "(default: exact for tasks, math for datasets)")
+    reward_weights: str | None = _f(None, "weights of the --reward functions, comma-separated, e.g. 0.5,1 "
+                                          "(default: 1 each)")
     steps: int = _f(500, "GRPO steps")
     prompts_per_step: int = _f(16, "prompts per step")
     group_size: int = _f(8, "samples per prompt (G)")
@@ -117,12 +134,17 @@ def parse_args(argv=None) -> Recipe:
         if str(f.type) == "bool":
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
             continue
+        if str(f.type) == "tuple[str, ...] | None":
+            p.add_argument(flag, action="append", default=None, help=help)
+            continue
         typ = {"int | None": int, "str | None": str, "float | None": float}.get(str(f.type), None) or \
             {"int": int, "float": float, "str": str}[str(f.type)]
         p.add_argument(flag, type=typ, default=f.default, help=help, **CHOICES.get(f.name, {}))
-    r = Recipe(**vars(p.parse_args(argv)))
+    r = Recipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in vars(p.parse_args(argv)).items()})
     for name, why in problems(r):
-        p.error(f"--{name.replace('_', '-')} {getattr(r, name)}: {why}")  # one line, exit 2, nothing written
+        v = getattr(r, name)
+        shown = " ".join(v) if isinstance(v, tuple) else v
+        p.error(f"--{name.replace('_', '-')} {shown}: {why}")  # one line, exit 2, nothing written
     try:
         grpo_config(r)
     except ValueError as e:  # GRPOConfig names its fields; they are the recipe's flags
@@ -184,7 +206,95 @@ def problems(r: Recipe) -> list[tuple[str, str]]:
                 mesh_of(r, spec, name)
             except ValueError as e:
                 out.append((name, str(e)))
+    return out + data_problems(r)
+
+
+def data_problems(r: Recipe) -> list[tuple[str, str]]:
+    """(field, why) for the dataset, the chat template and the reward functions: each is loaded, the first
+    prompt rendered and the reward functions' signatures checked against the dataset's columns."""
+    out = []
+    if r.dataset is None:
+        out += [(name, "needs --dataset") for name, default in (("dataset_split", "train"), ("prompt_key", "prompt"),
+                                                               ("answer_key", "answer")) if getattr(r, name) != default]
+    specs = reward_specs(r)
+    if r.reward_weights is not None:
+        try:
+            weights = reward_weights(r)
+        except ValueError:
+            out.append(("reward_weights", "expected comma-separated numbers, e.g. 0.5,1"))
+        else:
+            if len(weights) != len(specs):
+                out.append(("reward_weights", f"gives {len(weights)} weights for {len(specs)} --reward functions "
+                                              f"({', '.join(specs)})"))
+            elif not all(math.isfinite(w) for w in weights):
+                out.append(("reward_weights", "weights must be finite"))
+    reward = None
+    try:
+        reward = rewards.CombinedReward.load(specs, None)
+    except ValueError as e:
+        out.append(("reward", str(e)))
+    try:
+        examples = load_examples(r.dataset, prompt_key=r.prompt_key, answer_key=r.answer_key,
+                                 split=r.dataset_split) if r.dataset else [PromptSource(task=r.task).take(1)[0]]
+    except ValueError as e:
+        return out + [("dataset" if r.dataset else "task", str(e))]
+    try:
+        chat = chat_template(r)
+    except ValueError as e:
+        return out + [("model", str(e))]
+    if chat is None:
+        if r.system_prompt is not None:
+            out.append(("system_prompt", "needs a chat template: a --model that has one, without --no-chat-template "
+                                         "(the built-in tasks use none)"))
+        chats = [i for i, ex in enumerate(examples) if ex.messages is not None]
+        if chats:
+            out.append(("dataset", f"its prompts are chat messages (row {chats[0]}, {len(chats)} in all); they need a "
+                                   "chat template: a --model that has one, without --no-chat-template"))
+    else:
+        try:
+            apply_chat_template(examples[:1], chat, system_prompt=r.system_prompt)
+        except ValueError as e:
+            out.append(("system_prompt" if r.system_prompt is not None else "dataset" if r.dataset else "model",
+                        str(e)))
+    if reward is not None:
+        try:
+            reward.check_columns(list(examples[0].extra))
+        except ValueError as e:
+            out.append(("reward", str(e)))
     return out
+
+
+def reward_specs(r: Recipe) -> list[str]:
+    return list(r.reward) if r.reward else ["math" if r.dataset else "exact"]
+
+
+def reward_weights(r: Recipe) -> list[float] | None:
+    return None if r.reward_weights is None else [float(w) for w in r.reward_weights.split(",")]
+
+
+def chat_template(r: Recipe) -> ChatTemplate | None:
+    """--model's chat template, unless --no-chat-template or the model has none."""
+    if not (r.model and r.chat_template and find_chat_template(r.model) is not None):
+        return None
+    return ChatTemplate(r.model)
+
+
+def prompts_and_reward(r: Recipe) -> tuple[PromptSource, rewards.RewardFn]:
+    """The prompt source (each batch rendered by the chat template, carrying what the reward functions are
+    called with) and the loop's reward (``CombinedReward.score``: one call per scorer's rows)."""
+    reward = rewards.CombinedReward.load(reward_specs(r), reward_weights(r))
+    chat = chat_template(r)
+
+    def prepare(batch: list[Example]) -> list[Example]:
+        if chat is not None:
+            batch = apply_chat_template(batch, chat, system_prompt=r.system_prompt)
+        return reward.carry(batch)
+    if r.dataset:
+        examples = load_examples(r.dataset, prompt_key=r.prompt_key, answer_key=r.answer_key, split=r.dataset_split)
+        source = PromptSource(examples=examples, seed=r.seed, transform=prepare)
+    else:
+        source = PromptSource(task=r.task, seed=r.seed, transform=prepare)
+    return source, reward.score
 
 
 def mesh_of(r: Recipe, spec: str | None, name: str):
@@ -227,9 +337,7 @@ def build(r: Recipe, rank: int = 0):
             raise ValueError(f"--preset {r.preset}: vocab_size {cfg.vocab_size} < built-in tokenizer's {tok.vocab_size}")
         cfg = cfg.replace(eos_token_id=tok.eos_id)
         params = qwen3_moe.init_params(cfg, seed=r.seed, dtype=dtype, device=dev)
-    source = (PromptSource(examples=load_jsonl(r.dataset), seed=r.seed) if r.dataset
-              else PromptSource(task=r.task, seed=r.seed))
-    reward_fn = rewards.get(r.reward or ("math" if r.dataset else "exact"))
+    source, reward_fn = prompts_and_reward(r)
     gb = r.prompts_per_step * r.group_size
     mini = r.mini_batch_size or gb
     lcfg = loop.LoopConfig(

@@ -96,3 +96,113 @@ class HFTokenizer:
         """Copy the tokenizer's files into ``path``."""
         for f in self._files:
             shutil.copy(f, path)
+
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def find_chat_template(path: str) -> str | None:
+    """The chat template of a model directory, found where transformers looks: ``chat_template.jinja``, the
+    ``default`` of ``chat_templates/*.jinja``, else ``tokenizer_config.json``'s ``chat_template`` (a string, or
+    a list of {name, template}); None when it has none."""
+    f = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(f):
+        with open(f, encoding="utf-8") as fh:
+            return fh.read()
+    f = os.path.join(path, "chat_templates", "default.jinja")
+    if os.path.isfile(f):
+        with open(f, encoding="utf-8") as fh:
+            return fh.read()
+    t = _tokenizer_config(path).get("chat_template")
+    if isinstance(t, list):
+        t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+    return t if isinstance(t, str) else None
+
+
+def _tokenizer_config(path: str) -> dict:
+    f = os.path.join(path, "tokenizer_config.json")
+    if not os.path.isfile(f):
+        return {}
+    with open(f, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+class ChatTemplate:
+    """A model directory's chat template, rendered as transformers' ``apply_chat_template(messages,
+    tokenize=False, add_generation_prompt=True)`` renders it: by transformers when it is installed, else by
+    jinja2 in the environment transformers builds (sandboxed; trim_blocks, lstrip_blocks, loopcontrols;
+    ``raise_exception``, ``strftime_now``, a ``tojson`` that does not escape HTML) with the directory's special
+    tokens (``bos_token``, ``eos_token``, ...) as variables and messages' None-valued keys dropped."""
+
+    def __init__(self, path: str):
+        self.path = path
+        text = find_chat_template(path)
+        if text is None:
+            raise ValueError(f"{path}: no chat template (chat_template.jinja, or chat_template in "
+                             "tokenizer_config.json)")
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            self._hf = None
+            self._template, self._tokens = _jinja_template(path, text), _special_tokens(path)
+            return
+        try:
+            self._hf = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: transformers cannot load the tokenizer to render its chat template "
+                             f"({e})") from None
+
+    def render(self, messages: list[dict]) -> str:
+        """The prompt text of one conversation, ending with the assistant's generation prompt."""
+        import jinja2
+        try:
+            if self._hf is not None:
+                return self._hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+            return self._template.render(messages=chat, tools=None, documents=None, add_generation_prompt=True,
+                                         **self._tokens)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"{self.path}: the chat template refused messages {list(messages)!r:.300}: {e}") from None
+
+
+def _special_tokens(path: str) -> dict[str, str]:
+    """The named special tokens as strings (tokenizer_config.json, then special_tokens_map.json for those it lacks)."""
+    conf = _tokenizer_config(path)
+    f = os.path.join(path, "special_tokens_map.json")
+    if os.path.isfile(f):
+        with open(f, encoding="utf-8") as fh:
+            conf = {**json.load(fh), **{k: v for k, v in conf.items() if v is not None}}
+    out = {}
+    for k in SPECIAL_TOKENS:
+        v = conf.get(k)
+        v = v.get("content") if isinstance(v, dict) else v
+        if isinstance(v, str):
+            out[k] = v
+    return out
+
+
+def _jinja_template(path: str, text: str):
+    """``text`` compiled in transformers' chat template environment (``chat_template_utils``)."""
+    from datetime import datetime
+    try:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise ValueError(f"{path}: rendering its chat template needs transformers or jinja2 "
+                         "(pip install jinja2)") from None
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"{path}: the chat template is not valid Jinja (line {e.lineno}: {e.message})") from None

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import recipe_module
 
 from rlflow.runtime.loop import validate_sizes
 
@@ -98,13 +99,6 @@ def test_recipe_with_rloo_gspo_and_token_is_runs_and_logs_the_mismatch(tmp_path)
         assert r["out_of_band"] == 0
 
 
-def _recipe_module():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("grpo_recipe", os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize("flags, named", [
@@ -125,7 +119,7 @@ def _recipe_module():
     (["--max-grad-norm", "0"], "--max-grad-norm 0.0"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag_and_write_nothing(flags, named, tmp_path, capsys):
-    recipe = _recipe_module()
+    recipe = recipe_module()
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as e:
         recipe.parse_args(flags + ["--out", str(out)])
@@ -137,7 +131,7 @@ def test_bad_flags_are_one_line_naming_the_flag_and_write_nothing(flags, named, 
 
 def test_an_earlier_run_in_out_is_refused_and_left_untouched(tmp_path, capsys):
     """A run that failed late truncated the previous metrics.jsonl to 0 bytes."""
-    recipe = _recipe_module()
+    recipe = recipe_module()
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 0}\n')
@@ -149,7 +143,7 @@ def test_an_earlier_run_in_out_is_refused_and_left_untouched(tmp_path, capsys):
 
 def test_an_unwritable_out_is_refused_before_training(tmp_path):
     """A run whose checkpoint path was unwritable trained to the end and then lost the weights."""
-    recipe = _recipe_module()
+    recipe = recipe_module()
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(SystemExit, match="cannot write there"):
@@ -167,7 +161,7 @@ def _rise(history) -> float:
 def test_the_default_run_learns():
     """The recipe's default task from scratch on a fixed seed, one process: the mean reward of the last 10 steps is clearly
     above the first 10. A flipped advantage sign, a zero learning rate or a detached loss keep it near 0."""
-    recipe = _recipe_module()
+    recipe = recipe_module()
     rise = _rise(recipe.main(["--world", "1", "--steps", str(LEARN_STEPS)]))
     assert rise >= LEARN_MARGIN, rise
 

@@ -23,11 +23,15 @@ from rlflow.parallel import dp
 
 
 def score(batch: RolloutBatch, tokenizer, reward_fn) -> Tensor:
-    """rewards_B: the verifier applied to each decoded response and its reference answer."""
+    """rewards_B: ``reward_fn(completions, answers) -> one float per row``, called once with the decoded
+    responses and the reference answers of all the batch's rows (``rewards.CombinedReward.score``)."""
     if len(batch.answers) != batch.size:
         raise ValueError(f"score: batch has {batch.size} rows but {len(batch.answers)} answers")
     texts = [tokenizer.decode(r.tolist()) for r in unpad(batch.response_ids_BTr.cpu(), batch.response_mask_BTr.cpu())]
-    return torch.tensor([float(reward_fn(t, a)) for t, a in zip(texts, batch.answers)], dtype=torch.float32)
+    got = reward_fn(texts, list(batch.answers))
+    if len(got) != batch.size:
+        raise ValueError(f"score: the reward gave {len(got)} values for {batch.size} rows")
+    return torch.tensor([float(v) for v in got], dtype=torch.float32)
 
 
 def _trim(batch: RolloutBatch) -> RolloutBatch:
