@@ -4,7 +4,7 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
-EXTRAS ?= test,ray,bench
+EXTRAS ?= test,ray,bench,logging
 OUT    ?= runs/latest
 
 .PHONY: run test bench clean

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlflow import device as rl_device
-from rlflow import optim, rewards
+from rlflow import metrics, optim, rewards
 from rlflow.algos import grpo
 from rlflow.algos.corrections import IS_LEVELS, IS_MODES
 from rlflow.algos.estimators import ADV_ESTIMATORS
@@ -77,6 +77,9 @@ class Recipe:
     max_prompt_len: int | None = _f(None, "truncate prompts to their last N tokens")
     lr: float = _f(3e-4, "AdamW learning rate")
     warmup_lr_steps: int = _f(10, "linear LR warm-up steps")
+    lr_schedule: str = _f("constant", "learning rate after the warm-up: constant, or a cosine or linear decay to "
+                                      "--lr x --min-lr-ratio at the last step (see docs/logging.md)")
+    min_lr_ratio: float = _f(0.0, "where --lr-schedule cosine/linear ends, as a fraction of --lr")
     kl_coef: float = _f(0.0, "KL(pi || pi_ref) coefficient; non-zero keeps a frozen reference copy")
     kl_estimator: str = _f("low_var_kl", "KL estimator: k1, k2, k3, low_var_kl (clamped k3)")
     adv_estimator: str = _f("grpo", "advantages: grpo (group-normalized), rloo (leave-one-out), reinforce++ "
@@ -92,6 +95,9 @@ class Recipe:
     rollout_is: str = _f("none", "importance-sample the rollout/trainer log-prob mismatch: none, token, seq")
     rollout_is_cap: float = _f(2.0, "rollout IS: truncate weights at c, or (mask) drop those outside [1/c, c]")
     rollout_is_mode: str = _f("truncate", "rollout IS: truncate (TIS) or mask (MIS)")
+    routing_replay: str = _f("off", "MoE Rollout Routing Replay: off; measure (report the share of tokens whose "
+                                    "experts differ from the rollout's); on (R3: the old log-probs and the update "
+                                    "route each token to the rollout's experts)")
     max_grad_norm: float = _f(1.0, "clip the global gradient norm to this")
     weight_decay: float = _f(0.0, "AdamW weight decay (matrices only)")
     temperature: float = _f(1.0, "sampling temperature")
@@ -119,8 +125,16 @@ class Recipe:
                                      "pays off on long runs with fixed shapes, CUDA graphs on CUDA)")
     max_bad_steps: int = _f(3, "stop after this many steps in a row whose updates were skipped for non-finite "
                                "rewards, losses or gradients (a skipped update leaves the parameters unchanged)")
-    out: str | None = _f(None, "directory for metrics.jsonl, reward.png and the final checkpoint")
+    out: str | None = _f(None, "directory for args.json, metrics.jsonl, reward.png, the --log-to files and the final "
+                               "checkpoint")
     overwrite: bool = _f(False, "let --out be a directory that holds an earlier run (its files are replaced)")
+    log_to: str = _f("jsonl", "metrics sinks, comma-separated: jsonl (--out/metrics.jsonl), tensorboard "
+                              "(--out/tensorboard), wandb (needs the logging extra for the last two)")
+    log_samples_every: int = _f(0, "every N steps log a table of rank 0's (prompt, response, reward) rows to the "
+                                   "sinks (jsonl: --out/samples.jsonl); 0: never")
+    wandb_project: str | None = _f(None, "W&B project of --log-to wandb (default: WANDB_PROJECT, else W&B's own)")
+    wandb_mode: str | None = _f(None, "W&B mode of --log-to wandb: online, or offline (wandb sync uploads it later) "
+                                      "(default: WANDB_MODE, else online)")
     save_every: int = _f(0, "also write a checkpoint every N steps into --out (0: only the final one)")
     keep_last: int = _f(2, "keep the newest K periodic checkpoints (the final one is always kept)")
     resume: str | None = _f(None, "continue a run: a checkpoint directory, or 'auto' (the newest good one under "
@@ -161,10 +175,12 @@ def grpo_config(r: Recipe) -> grpo.GRPOConfig:
 
 
 CHOICES = {"dtype": {"choices": ["float32", "bfloat16"]}, "dock_backend": {"choices": ["local", "procs", "ray"]},
-           "launcher": {"choices": ["local", "ray"]},
+           "launcher": {"choices": ["local", "ray"]}, "lr_schedule": {"choices": list(optim.LR_SCHEDULES)},
+           "wandb_mode": {"choices": ["online", "offline"]},
            "kl_estimator": {"choices": list(grpo.KL_ESTIMATORS)}, "loss_agg": {"choices": list(grpo.LOSS_AGGS)},
            "policy_loss": {"choices": list(grpo.POLICY_LOSSES)}, "adv_estimator": {"choices": list(ADV_ESTIMATORS)},
-           "rollout_is": {"choices": list(IS_LEVELS)}, "rollout_is_mode": {"choices": list(IS_MODES)}}
+           "rollout_is": {"choices": list(IS_LEVELS)}, "rollout_is_mode": {"choices": list(IS_MODES)},
+           "routing_replay": {"choices": list(loop.ROUTING_REPLAY)}}
 
 
 def problems(r: Recipe) -> list[tuple[str, str]]:
@@ -180,12 +196,16 @@ def problems(r: Recipe) -> list[tuple[str, str]]:
     if r.group_size < 2:
         out.append(("group_size", "must be >= 2 (GRPO compares the samples of a prompt)"))
     for name in ("warmup_lr_steps", "kl_coef", "clip_high", "entropy_coef", "weight_decay", "save_every",
-                 "keep_last"):
+                 "keep_last", "log_samples_every"):
         if getattr(r, name) < 0:
             out.append((name, "must be >= 0"))
     for name in ("lr", "max_grad_norm"):
         if not getattr(r, name) > 0:
             out.append((name, "must be > 0"))
+    if not 0 <= r.min_lr_ratio <= 1:
+        out.append(("min_lr_ratio", "must be in [0, 1]"))
+    elif r.min_lr_ratio and r.lr_schedule == "constant":
+        out.append(("min_lr_ratio", "needs --lr-schedule cosine or linear (constant does not decay)"))
     if not r.temperature > 0:
         out.append(("temperature", "must be > 0 (log-probs are recomputed at this temperature)"))
     if not 0 < r.top_p <= 1:
@@ -206,7 +226,32 @@ def problems(r: Recipe) -> list[tuple[str, str]]:
                 mesh_of(r, spec, name)
             except ValueError as e:
                 out.append((name, str(e)))
-    return out + data_problems(r)
+    return out + log_problems(r) + data_problems(r)
+
+
+def log_problems(r: Recipe) -> list[tuple[str, str]]:
+    """(field, why) for --log-to and the flags that go with it: a sink's missing package is named before
+    training, not after."""
+    try:
+        names = metrics.sink_names(r.log_to)
+    except ValueError as e:
+        return [("log_to", str(e))]
+    out = [("log_to", f"{n} needs the {pkg} package, which is not installed: {metrics.INSTALL_HINT}")
+           for n in names if (pkg := metrics.missing_package(n))]
+    if "tensorboard" in names and not r.out:
+        out.append(("log_to", "tensorboard needs --out (where its event files go)"))
+    if r.log_samples_every and not ("wandb" in names or (r.out and names)):
+        out.append(("log_samples_every", "needs a sink to write to: --out with --log-to jsonl or tensorboard, or "
+                                         "--log-to wandb"))
+    for name in ("wandb_project", "wandb_mode"):
+        if getattr(r, name) is not None and "wandb" not in names:
+            out.append((name, "needs --log-to wandb"))
+    return out
+
+
+def sink_spec(r: Recipe) -> str:
+    """--log-to less jsonl when there is no --out (nothing is written then, as the default run does)."""
+    return ",".join(n for n in metrics.sink_names(r.log_to) if r.out or n != "jsonl")
 
 
 def data_problems(r: Recipe) -> list[tuple[str, str]]:
@@ -347,8 +392,9 @@ def build(r: Recipe, rank: int = 0):
         max_grad_norm=r.max_grad_norm,
         sampling=SamplingConfig(max_new_tokens=r.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
                                 temperature=r.temperature, top_p=r.top_p),
-        max_prompt_len=r.max_prompt_len, warmup_lr_steps=r.warmup_lr_steps, seed=r.seed,
-        compile_decode=r.compile_decode, max_bad_steps=r.max_bad_steps)
+        max_prompt_len=r.max_prompt_len, warmup_lr_steps=r.warmup_lr_steps, lr_schedule=r.lr_schedule,
+        min_lr_ratio=r.min_lr_ratio, log_samples_every=r.log_samples_every, seed=r.seed,
+        compile_decode=r.compile_decode, max_bad_steps=r.max_bad_steps, routing_replay=r.routing_replay)
     return cfg, params, tok, source, reward_fn, lcfg, dev
 
 
@@ -407,7 +453,7 @@ def plot_rewards(history: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-RUN_FILES = ("metrics.jsonl", "reward.png", "checkpoint-final")
+RUN_FILES = ("args.json", "metrics.jsonl", "samples.jsonl", "tensorboard", "reward.png", "checkpoint-final")
 
 
 def prepare_out(r: Recipe) -> None:
@@ -551,16 +597,14 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
         say(f"nothing to do: {done} of {r.steps} steps are done")
         return []
     lcfg = dataclasses.replace(lcfg, steps=r.steps - done)
-    metrics_f = None
-    if r.out and lead:
-        path = os.path.join(r.out, "metrics.jsonl")
-        kept = []
-        if ck is not None and os.path.exists(path):  # the steps after the checkpoint are done again
-            kept = [ln for ln in open(path) if ln.strip() and json.loads(ln)["step"] < done]
-        metrics_f = open(path, "w")
-        metrics_f.writelines(kept)
-        with open(os.path.join(r.out, "args.json"), "w") as f:
-            json.dump(dataclasses.asdict(r), f, indent=2)
+    sinks: list[metrics.Sink] = []
+    if lead:
+        if r.out:
+            with open(os.path.join(r.out, "args.json"), "w") as f:
+                json.dump(dataclasses.asdict(r), f, indent=2)
+        # a resumed run does the steps after its checkpoint again: the sinks drop what they logged from there on
+        sinks = metrics.make_sinks(sink_spec(r), r.out, dataclasses.asdict(r), first_step=done,
+                                   wandb_project=r.wandb_project, wandb_mode=r.wandb_mode)
 
     def save(name, steps_done, p, state, keep=None):
         """Every rank calls it (with shards, gathering them is a collective); the lead writes."""
@@ -585,22 +629,28 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
     t0 = time.perf_counter()
 
     def on_step(m):
-        if metrics_f:
-            metrics_f.write(json.dumps(m) + "\n")
-            metrics_f.flush()
+        for s in sinks:
+            s.log(m["step"], m)
         if bar is not None:
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", tps=f"{m['tps']:.0f}", step_s=f"{m['step_time_s']:.2f}",
                             refresh=False)
             bar.update(1)
 
+    def on_samples(step, rows):
+        for s in sinks:
+            s.log_samples(step, rows)
+
     try:
         params, opt_state, history = loop.train(
             params, cfg, tok, source, reward_fn, lcfg, on_step=on_step, device=dev, dock=dock, placement=where,
-            opt_state=opt_state, first_step=done, ref_params=init, after_step=after_step, should_stop=interrupt)
+            opt_state=opt_state, first_step=done, ref_params=init, after_step=after_step, should_stop=interrupt,
+            on_samples=on_samples if lead else None)
     except loop.NonFiniteError as e:
         raise SystemExit(f"error: {e}") from None
     finally:
         interrupt.restore()
+        for s in sinks:
+            s.close()
     if bar is not None:
         bar.close()
     steps_done = done + len(history)
@@ -626,12 +676,15 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
             f"{sum(m.get('dock_busiest_bytes', 0.0) for m in history) / 2**20:.1f} MiB in all "
             f"({mean('dock_busiest_bytes') / 2**10:.1f} KiB per step)")
     if r.out:
-        if lead:
-            metrics_f.close()
-            plot_rewards([json.loads(ln) for ln in open(os.path.join(r.out, "metrics.jsonl"))],
+        names = metrics.sink_names(r.log_to)
+        if lead:  # metrics.jsonl holds a resumed run's earlier steps too; without it, this call's steps
+            jsonl = os.path.join(r.out, "metrics.jsonl")
+            plot_rewards([json.loads(ln) for ln in open(jsonl)] if "jsonl" in names else history,
                          os.path.join(r.out, "reward.png"))
         path = save("checkpoint-final", steps_done, params, opt_state)
-        say(f"wrote {r.out}/metrics.jsonl, {r.out}/reward.png, {path}/ (--model {path} loads it)")
+        shown = ["args.json", *("metrics.jsonl" if n == "jsonl" else "tensorboard/" for n in names if n != "wandb"),
+                 "reward.png"]
+        say(f"wrote {', '.join(f'{r.out}/{n}' for n in shown)}, {path}/ (--model {path} loads it)")
     return history
 
 

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 # field suffix -> dim symbols; dtypes per field below
-_DIMS = {"_BTp": ("B", "Tp"), "_BTr": ("B", "Tr"), "_B": ("B",)}
+_DIMS = {"_BTpMK": ("B", "Tp", "M", "K"), "_BTrMK": ("B", "Tr", "M", "K"), "_BTp": ("B", "Tp"), "_BTr": ("B", "Tr"),
+         "_B": ("B",)}
 
 
 def _dims_of(name: str) -> tuple[str, ...]:
@@ -120,9 +121,13 @@ class RolloutBatch(PromptBatch):
     response_ids_BTr: Tensor  # int64, right-padded
     response_mask_BTr: Tensor  # bool, True on generated tokens up to and including EOS
     sample_logprobs_BTr: Tensor  # float32, log-prob of each token under the sampling policy
+    # int16, an MoE rollout's experts per token and MoE layer (M), top-k (K); -1: none (routing replay only)
+    prompt_routes_BTpMK: Tensor | None = None
+    response_routes_BTrMK: Tensor | None = None
 
     _DTYPES = {**PromptBatch._DTYPES, "response_ids_BTr": torch.long, "response_mask_BTr": torch.bool,
-               "sample_logprobs_BTr": torch.float32}
+               "sample_logprobs_BTr": torch.float32, "prompt_routes_BTpMK": torch.int16,
+               "response_routes_BTrMK": torch.int16}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -12,6 +12,7 @@ smaller than the parameter's precision are not lost.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -97,3 +98,33 @@ def _like(g: Tensor, p: Tensor) -> Tensor:
     gradient whose strides differ from the weight's (grouped GEMM's weight gradients are transposed)
     silently updates the wrong elements, ``torch.optim.AdamW(fused=True)`` included."""
     return g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
+
+
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
+
+def lr_at(step: int, total: int, base_lr: float, warmup: int = 0, schedule: str = "constant",
+          min_ratio: float = 0.0) -> float:
+    """The learning rate of the run's step ``step`` (0-based) of ``total``: a pure function of the step, so a
+    resumed run continues the schedule where it stopped.
+
+    With eta = base_lr, W = warmup, T = total, rho = min_ratio:
+
+        s < W:   eta * (s + 1) / W                                  (linear warm-up, eta at s = W - 1)
+        s >= W:  p = clamp((s - W) / max(T - 1 - W, 1), 0, 1)       (decay progress: 0 at s = W, 1 at s = T - 1)
+                 constant  eta
+                 linear    eta * (rho + (1 - rho) * (1 - p))
+                 cosine    eta * (rho + (1 - rho) * (1 + cos(pi * p)) / 2)
+
+    so the last step runs at rho * eta (with rho = 0 its update is zero) and steps past T stay there."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr schedule {schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
+    if not 0.0 <= min_ratio <= 1.0:
+        raise ValueError(f"min lr ratio {min_ratio} must be in [0, 1]")
+    if step < warmup:
+        return base_lr * ((step + 1) / warmup)
+    if schedule == "constant":
+        return base_lr
+    p = min(max((step - warmup) / max(total - 1 - warmup, 1), 0.0), 1.0)
+    decay = 1.0 - p if schedule == "linear" else (1.0 + math.cos(math.pi * p)) / 2
+    return base_lr * (min_ratio + (1.0 - min_ratio) * decay)

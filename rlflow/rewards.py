@@ -97,6 +97,14 @@ def math_final_answer(response: str, answer: str) -> float:
     return float(got.strip() == ref.strip())
 
 
+def per_sample(fn: RewardFn) -> Callable[[list[str], list[str]], list[float]]:
+    """The loop's batched reward form, ``(completions, answers) -> one float per completion``
+    (``algos.stages.score``), of a per-sample ``fn(response, answer)``."""
+    def batched(completions: list[str], answers: list[str]) -> list[float]:
+        return [float(fn(c, a)) for c, a in zip(completions, answers)]
+    return batched
+
+
 class RewardError(RuntimeError):
     """A reward function raised, or returned something that is not a list of numbers or None, one per sample."""
 

@@ -41,19 +41,28 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
 
 
+def _right_order(mask_BT: torch.Tensor) -> torch.Tensor:
+    return torch.argsort((~mask_BT).to(torch.int8), dim=1, stable=True)
+
+
 def right_align(ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Move each row's real tokens to the front (left-padded -> right-padded), keeping their order."""
-    order = torch.argsort((~mask_BT).to(torch.int8), dim=1, stable=True)
+    order = _right_order(mask_BT)
     return ids_BT.gather(1, order), mask_BT.gather(1, order)
 
 
 def _decode_step(params, cfg, scfg, tok_S, valid_S, noise_SV, cache, out, ex=LOCAL):
     """One decode token for every slot: feeds ``tok_S`` (writing its KV and advancing the lengths of
     ``valid_S``'s slots; None: all), samples the next token and records it (``_record``). Returns
-    (tokens_S, done_S)."""
+    (tokens_S, done_S). With ``out.routes``, the fed tokens' experts are kept at their response columns."""
+    routing = None if out.routes is None else model.Routing(record=True)
     h, _, cache = model.forward(params, cfg, tok_S[:, None], cache.lengths_B[:, None].clone(),
                                 valid_BT=None if valid_S is None else valid_S[:, None], cache=cache, with_aux=False,
-                                ex=ex)
+                                ex=ex, routing=routing)
+    if routing is not None:  # the fed token is the slot's response token n_gen - 1
+        active = out.slot_row >= 0
+        r = torch.where(active, out.slot_row, out.ids.shape[0] - 1)
+        out.routes[r, (out.n_gen - 1).clamp_min(0)] = routing.chosen[:, 0]
     tok, lp = sample(model.logits(params, cfg, h[:, -1], ex), temperature=scfg.temperature, top_k=scfg.top_k,
                      top_p=scfg.top_p, noise_BV=noise_SV)
     return tok, _record(scfg, out, tok, lp, out.slot_row >= 0)
@@ -62,12 +71,16 @@ def _decode_step(params, cfg, scfg, tok_S, valid_S, noise_SV, cache, out, ex=LOC
 @dataclass
 class _Out:
     """The responses being written: ids / log-probs / mask [B + 1, Tn] (row B: a spare that free slots
-    write to), the output row each slot holds (-1: free) and the tokens each has generated."""
+    write to), the output row each slot holds (-1: free) and the tokens each has generated; with routing
+    recorded, each response token's experts [B + 1, Tn, M, K] (-1: none) and each prompt's [P, Tp, M, K]
+    in the prompts' left-padded columns."""
     ids: torch.Tensor
     lp: torch.Tensor
     mask: torch.Tensor
     slot_row: torch.Tensor
     n_gen: torch.Tensor
+    routes: torch.Tensor | None = None
+    prompt_routes: torch.Tensor | None = None
 
 
 def _record(scfg, out: _Out, tok_S, lp_S, where_S):
@@ -106,7 +119,7 @@ def _compiled_step(device: torch.device):
 
 def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg: SamplingConfig, *,
              group_size: int = 1, seed: int = 0, max_batch: int | None = None,
-             compile_decode: bool = False, ex: Exec = LOCAL) -> RolloutBatch:
+             compile_decode: bool = False, record_routes: bool = False, ex: Exec = LOCAL) -> RolloutBatch:
     """Sample ``group_size`` responses per prompt. Rows of one prompt are adjacent and share its group id.
 
     A response ends at EOS (included in the mask) or after ``max_new_tokens``. At most ``max_batch``
@@ -120,18 +133,27 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
     ``compile_decode``: run the decode step compiled with static shapes (attention spans the whole
     cache, masked), for launch-bound small models; the first call per shape pays the compilation.
 
+    ``record_routes``: an MoE model's expert choices for every prompt and response token the rollout
+    computed (``prompt_routes_BTpMK`` / ``response_routes_BTrMK``, -1 where none: padding, and the last
+    response token, which is never fed back), for Rollout Routing Replay in training.
+
     ``ex``: the execution context of a layout (``params`` then hold this rank's shards): tensor and
     expert parallel, not a pipeline stage. Each rank samples its own ``prompts`` (the tp ranks of a
     group the same ones); a row's tokens are those one process gives for it.
     """
+    if record_routes and not cfg.is_moe:
+        raise ValueError("generate: record_routes needs an MoE model (this one has no routed experts)")
     with torch.inference_mode():  # less per-op work than no_grad (no version counters or view tracking)
-        ids, mask, lp = _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_decode, ex)
+        out = _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_decode, record_routes, ex)
     # inference tensors cannot be saved for backward (the update embeds these ids): hand out normal ones
-    return extend(prompts.repeat(group_size), RolloutBatch, response_ids_BTr=ids.clone(),
-                  response_mask_BTr=mask.clone(), sample_logprobs_BTr=lp.clone())
+    B = prompts.size * group_size
+    routes = {} if out.routes is None else dict(prompt_routes_BTpMK=out.prompt_routes.repeat_interleave(group_size, 0),
+                                                response_routes_BTrMK=out.routes[:B].clone())
+    return extend(prompts.repeat(group_size), RolloutBatch, response_ids_BTr=out.ids[:B].clone(),
+                  response_mask_BTr=out.mask[:B].clone(), sample_logprobs_BTr=out.lp[:B].clone(), **routes)
 
 
-def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_decode, ex):
+def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_decode, record_routes, ex):
     if not (ex.first and ex.last):
         raise ValueError("generate: the rollout runs every layer on each rank; a layout with pp > 1 is for "
                          "training (use a rollout layout without pp)")
@@ -151,6 +173,7 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
     dtype = params["model.embed_tokens.weight"].dtype
     params = model.fuse_for_inference(params, cfg, ex)
     ids_r, mask_r = right_align(prompts.prompt_ids_BTp, prompts.prompt_mask_BTp)
+    order_r = _right_order(prompts.prompt_mask_BTp)  # right-aligned column j holds left-padded column order_r[j]
     plen_P = mask_r.sum(-1)
 
     max_len = _bucketed(Tp + Tn) if compile_decode else Tp + Tn  # compiled: one graph per cache length
@@ -160,6 +183,10 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
                mask=torch.zeros((B + 1, Tn), dtype=torch.bool, device=dev),
                slot_row=torch.full((slots,), -1, dtype=torch.long, device=dev),
                n_gen=torch.zeros(slots, dtype=torch.long, device=dev))
+    if record_routes:
+        M, K = model.n_moe_layers(cfg), cfg.num_experts_per_tok
+        out.routes = torch.full((B + 1, Tn, M, K), -1, dtype=torch.int16, device=dev)
+        out.prompt_routes = torch.full((P, Tp, M, K), -1, dtype=torch.int16, device=dev)
     tok_S = torch.zeros(slots, dtype=torch.long, device=dev)  # each slot's last token, fed next step
     greedy = scfg.temperature == 0
     keys_B = counter_keys(seed, (prompts.index_B.to(dev).repeat_interleave(G) * G + torch.arange(G, device=dev).repeat(P)))
@@ -174,8 +201,12 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
         p0, p1 = admitted // G, (admitted + n - 1) // G + 1  # prompts these rows sample from
         tmp = model.KVCache.allocate(cfg, p1 - p0, Tp, dtype=dtype, device=dev, ex=ex)
         pos = torch.arange(Tp, device=dev).expand(p1 - p0, Tp)
+        routing = model.Routing(record=True) if record_routes else None
         h, _, _ = model.forward(params, cfg, ids_r[p0:p1], pos, valid_BT=mask_r[p0:p1], cache=tmp, with_aux=False,
-                                ex=ex)
+                                ex=ex, routing=routing)
+        if routing is not None:
+            where = order_r[p0:p1, :, None, None].expand_as(routing.chosen)
+            out.prompt_routes[p0:p1] = out.prompt_routes[p0:p1].scatter(1, where, routing.chosen)
         last = model.logits(params, cfg, h[torch.arange(p1 - p0, device=dev), plen_P[p0:p1] - 1], ex)
         src = rows // G - p0  # prefix sharing: each prompt's KV goes to all its sampled rows
         cache.copy_rows(sl, tmp, src, Tp)
@@ -198,7 +229,7 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
 
     if compile_decode and dev.type == "cuda":  # NOT RUN HERE (no GPU was available): CUDA graph trees skip a
         # graph whose inputs it mutates unless their addresses are static; the cache is, for this call
-        for t in (*cache.buffers(), out.ids, out.lp, out.mask, out.n_gen):
+        for t in (*cache.buffers(), out.ids, out.lp, out.mask, out.n_gen, *([] if out.routes is None else [out.routes])):
             torch._dynamo.mark_static_address(t, guard=False)
     step = _compiled_step(dev) if compile_decode else _decode_step
     done = admit(torch.arange(slots, device=dev))
@@ -220,7 +251,7 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
                     take_part()
             active = out.slot_row >= 0
             if not ex.any_rank(bool(active.any())):
-                return out.ids[:B], out.mask[:B], out.lp[:B]
+                return out
             masked = compile_decode or not bool(active.all())
             if not compile_decode:
                 cache.bound = int(cache.lengths_B.max())  # this step syncs anyway: tighten the attention span

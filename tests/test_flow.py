@@ -10,6 +10,7 @@ from rlflow import optim
 from rlflow.algos.grpo import GRPOConfig
 from rlflow.data import PromptSource
 from rlflow.dock import Dock
+from rlflow.rewards import per_sample
 from rlflow.runtime.graph import GRPO
 from rlflow.models import qwen3_moe
 from rlflow.models.config import get_config
@@ -31,7 +32,7 @@ def _run(dock, **gkw):
     d = None if dock is None else Dock.local(GRPO.schema, GRPO.consumers, capacity=P * G, warehouses=dock, group_size=G)
     # a dense reward (response length) so that groups differ and every step has a gradient
     params, _, hist = loop.train(params, cfg, tok, PromptSource(task="sum_mod10", seed=1),
-                                 lambda resp, ans: len(resp) / 4, lcfg, dock=d)
+                                 per_sample(lambda resp, ans: len(resp) / 4), lcfg, dock=d)
     return params, hist, d
 
 
@@ -58,7 +59,7 @@ def test_a_continued_run_keeps_its_optimizer_state_and_lr_warm_up():
     lcfg = loop.LoopConfig(steps=4, prompts_per_step=4, grpo=GRPOConfig(group_size=4), mini_batch_size=16,
                            micro_batch_size=16, optim=optim.AdamWConfig(lr=3e-3), warmup_lr_steps=4,
                            sampling=SamplingConfig(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id))
-    reward = lambda resp, ans: len(resp) / 4  # noqa: E731
+    reward = per_sample(lambda resp, ans: len(resp) / 4)
     _, _, h = loop.train(qwen3_moe.init_params(cfg, seed=0), cfg, tok, PromptSource(task="sum_mod10", seed=1),
                          reward, lcfg)
     src = PromptSource(task="sum_mod10", seed=1)
@@ -88,19 +89,19 @@ def test_a_nan_reward_skips_the_update_and_repeated_ones_stop_the_run(caplog):
 
     seen = []
     with pytest.raises(loop.NonFiniteError, match="steps 1..3"):
-        loop.train({k: v.clone() for k, v in params.items()}, cfg, tok, PromptSource(task="sum_mod10", seed=1), reward,
-                   lcfg, on_step=lambda m: seen.append(m))
+        loop.train({k: v.clone() for k, v in params.items()}, cfg, tok, PromptSource(task="sum_mod10", seed=1),
+                   per_sample(reward), lcfg, on_step=lambda m: seen.append(m))
     assert [m["update_skipped"] for m in seen] == [0.0, 1.0, 1.0, 1.0]
     assert [m["bad_rewards"] for m in seen] == [0, 1, P * G, P * G]
     assert f"step 1: non-finite rewards [nan] at sample indices [{P * G + 5}]" in caplog.text  # global index
     # the parameters after the skipped steps are those of step 0's update, finite
     one = dataclasses.replace(lcfg, steps=1)
     p1, _, _ = loop.train({k: v.clone() for k, v in params.items()}, cfg, tok, PromptSource(task="sum_mod10", seed=1),
-                          lambda resp, ans: len(resp) / 4, one)
+                          per_sample(lambda resp, ans: len(resp) / 4), one)
     calls["n"] = 0
     lcfg2 = dataclasses.replace(lcfg, steps=2)
     p2, _, h2 = loop.train({k: v.clone() for k, v in params.items()}, cfg, tok, PromptSource(task="sum_mod10", seed=1),
-                           reward, lcfg2)
+                           per_sample(reward), lcfg2)
     assert h2[1]["update_skipped"] == 1.0
     assert all(torch.equal(p1[k], p2[k]) and torch.isfinite(p2[k]).all() for k in p1)
 
@@ -137,6 +138,6 @@ def test_bf16_training_accumulates_gradients_in_float32(monkeypatch):
     lcfg = loop.LoopConfig(steps=1, prompts_per_step=4, grpo=GRPOConfig(group_size=4), mini_batch_size=16,
                            micro_batch_size=4, optim=optim.AdamWConfig(lr=3e-3),
                            sampling=SamplingConfig(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id))
-    new, _, _ = loop.train(params, cfg, tok, PromptSource(task="sum_mod10", seed=1), lambda r, a: len(r) / 4, lcfg)
+    new, _, _ = loop.train(params, cfg, tok, PromptSource(task="sum_mod10", seed=1), per_sample(lambda r, a: len(r) / 4), lcfg)
     assert dtypes == {torch.float32}
     assert all(v.dtype == torch.bfloat16 for v in new.values())

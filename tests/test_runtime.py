@@ -17,6 +17,7 @@ from rlflow.dock.proc_backend import proc_dock
 from rlflow.dock.routing import route
 from rlflow.models import qwen3_moe
 from rlflow.models.config import get_config
+from rlflow.rewards import per_sample
 from rlflow.rollout import SamplingConfig
 from rlflow.runtime import launch, loop
 from rlflow.runtime.graph import GRPO
@@ -48,7 +49,7 @@ def full_params():
 
 
 def one_process(kl: float, dock=None):
-    params, _, hist = loop.train(full_params(), CFG, TOK, PromptSource(task="max_digit", seed=1), reward, lcfg(kl),
+    params, _, hist = loop.train(full_params(), CFG, TOK, PromptSource(task="max_digit", seed=1), per_sample(reward), lcfg(kl),
                                  dock=dock)
     return [m["reward_mean"] for m in hist], params
 
@@ -61,7 +62,7 @@ def worker(rank: int, world: int, train: str, rollout: str, kl: float, dock):
     where = loop.Placement(layout(CFG, Mesh.parse(train, world), dtype=torch.float32),
                            layout(CFG, Mesh.parse(rollout, world), dtype=torch.float32))
     mine = shard_params(full_params(), where.train, rank)
-    params, _, hist = loop.train(mine, CFG, TOK, PromptSource(task="max_digit", seed=1), reward, lcfg(kl),
+    params, _, hist = loop.train(mine, CFG, TOK, PromptSource(task="max_digit", seed=1), per_sample(reward), lcfg(kl),
                                  dock=dock, placement=where)
     full = gather_full(params, where.train, layout(CFG, Mesh(dp=world), {k: None for k in RULES},
                                                    dtype=torch.float32))

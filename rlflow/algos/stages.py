@@ -38,14 +38,15 @@ def _trim(batch: RolloutBatch) -> RolloutBatch:
     """Drop columns that are padding in every row (left of the prompts, right of the responses)."""
     tp = int(batch.prompt_mask_BTp.sum(-1).max())
     tr = max(int(batch.response_mask_BTr.sum(-1).max()), 1)
-    kw = {k: v[:, -tp:] for k, v in batch.tensors().items() if k.endswith("_BTp")}
-    kw.update({k: v[:, :tr] for k, v in batch.tensors().items() if k.endswith("_BTr")})
+    kw = {k: v[:, -tp:] for k, v in batch.tensors().items() if k.endswith(("_BTp", "_BTpMK"))}
+    kw.update({k: v[:, :tr] for k, v in batch.tensors().items() if k.endswith(("_BTr", "_BTrMK"))})
     return batch.replace(**kw)
 
 
 def response_logprobs(params: model.Params, cfg: ModelConfig, batch: RolloutBatch, *, temperature: float = 1.0,
                       with_entropy: bool = False, remat: bool = False,
-                      with_aux: bool = True, ex: Exec = LOCAL, h_in: Tensor | None = None
+                      with_aux: bool = True, ex: Exec = LOCAL, h_in: Tensor | None = None,
+                      replay: bool = True, routing_stats: dict | None = None
                       ) -> tuple[Tensor, Tensor | None, Tensor]:
     """log pi(response token | prefix) [B, Tr] (0 on padding), the entropy [B, Tr] if asked, and the router
     aux loss. The sequence is prompt (left-padded) + response (right-padded); hidden state t predicts t+1.
@@ -56,9 +57,19 @@ def response_logprobs(params: model.Params, cfg: ModelConfig, batch: RolloutBatc
 
     ``ex``: the execution context (one rank of a layout). On a pipeline stage other than the last
     (``ex.last`` False) the first value is the stage's output hidden states [B, Tp + Tr - 1, D] to
-    send on, and the entropy None; a stage after the first starts from ``h_in``."""
+    send on, and the entropy None; a stage after the first starts from ``h_in``.
+
+    A batch that carries the rollout's expert choices (``prompt_routes_BTpMK``, ``response_routes_BTrMK``)
+    routes its tokens by them (Rollout Routing Replay) when ``replay``, else only compares them; out of
+    "compared" (token, MoE layer) pairs, those routed to other experts than the rollout's ("flipped")
+    and those whose router top-k differs from the rollout's ("router_flipped") add up in
+    ``routing_stats``."""
     pipelined = not (ex.first and ex.last)
-    shared = None if (with_aux or remat or pipelined or cfg.mla) else _prompt_groups(batch)
+    routing = None
+    if batch.response_routes_BTrMK is not None:
+        routes = torch.cat([batch.prompt_routes_BTpMK, batch.response_routes_BTrMK], 1)[:, :-1]
+        routing = model.Routing(rollout=routes, replay=replay)
+    shared = None if (with_aux or remat or pipelined or cfg.mla or routing is not None) else _prompt_groups(batch)
     if shared is not None:
         order, first, counts = shared
         b = batch.select(order)
@@ -74,7 +85,10 @@ def response_logprobs(params: model.Params, cfg: ModelConfig, batch: RolloutBatc
     ids = torch.cat([batch.prompt_ids_BTp, batch.response_ids_BTr], 1)
     valid = torch.cat([batch.prompt_mask_BTp, batch.response_mask_BTr], 1)
     h, aux, _ = model.forward(params, cfg, ids[:, :-1], model.positions_from_valid(valid)[:, :-1],
-                              valid_BT=valid[:, :-1], remat=remat, with_aux=with_aux, ex=ex, h_in=h_in)
+                              valid_BT=valid[:, :-1], remat=remat, with_aux=with_aux, ex=ex, h_in=h_in, routing=routing)
+    if routing is not None and routing_stats is not None:
+        for k in ("flipped", "router_flipped", "compared"):
+            routing_stats[k] = routing_stats.get(k, 0) + getattr(routing, k)
     if not ex.last:
         return h, None, aux
     # h[Tp - 1] predicts response token 0
@@ -109,7 +123,7 @@ def _token_logprobs(params, cfg, batch, h_resp, temperature, with_entropy, ex: E
 
 @torch.no_grad()
 def batched_logprobs(params, cfg: ModelConfig, batch: RolloutBatch, *, micro_batch_size: int,
-                     temperature: float = 1.0, ex: Exec = LOCAL) -> Tensor:
+                     temperature: float = 1.0, replay: bool = True, ex: Exec = LOCAL) -> Tensor:
     """response_logprobs over micro-batches without gradients (old and reference log-probs); ``ex``: the
     execution context of a layout (every rank of an ep group the same number of micro-batches). With pp the
     micro-batches go through the pipeline and the log-probs are those of the last stage (zeros elsewhere)."""
@@ -120,7 +134,8 @@ def batched_logprobs(params, cfg: ModelConfig, batch: RolloutBatch, *, micro_bat
         from rlflow.parallel import train as ptrain  # the pipeline glue (it imports this module)
         lps = [lp for lp, _ in ptrain.forward_only(params, ex, mbs, temperature=temperature)]
     else:
-        lps = [response_logprobs(params, cfg, mb, temperature=temperature, with_aux=False, ex=ex)[0] for mb in mbs]
+        lps = [response_logprobs(params, cfg, mb, temperature=temperature, with_aux=False, ex=ex, replay=replay)[0]
+               for mb in mbs]
     for rows, lp in zip(parts, lps):
         out[rows, :lp.shape[1]] = lp
     return out
@@ -136,6 +151,10 @@ class UpdateConfig:
     # instead of micro_batch_size samples. None: fixed micro_batch_size.
     max_tokens_per_micro_batch: int | None = None
     remat: bool = False  # recompute layer activations in the backward (long sequences)
+    # Batches that carry the rollout's expert choices: route by them ("on", Rollout Routing Replay) or only
+    # measure how many differ ("measure"); the update reports the shares routed otherwise than in the
+    # rollout (routing_flip_frac) and top-k'ed otherwise by the router (routing_router_flip_frac).
+    routing_replay: str = "on"
     # The train layout (None: one process, unsharded). Its ("dp", "ep") ranks each hold a share of the
     # batch (tp ranks the same rows); the loss takes the normalizers of the whole (all-rank) mini-batch,
     # gradients are summed over the ranks that share a parameter shard and the gradient norm is that of
@@ -193,6 +212,7 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
     Tr = max_len or batch.response_ids_BTr.shape[1]
     sums: dict[str, float] = {}
     maxes: dict[str, float] = {}
+    routing_stats: dict = {}
     n_mb = 0
     for _ in range(gcfg.epochs):
         perm = torch.randperm(batch.size, generator=g)
@@ -236,7 +256,8 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
             for mb in [] if pipelined else mbs:
                 lp, ent, aux = response_logprobs(live, cfg, mb, temperature=gcfg.temperature,
                                                  with_entropy=bool(gcfg.entropy_coef), remat=ucfg.remat,
-                                                 with_aux=bool(ucfg.router_aux_coef), ex=ex)
+                                                 with_aux=bool(ucfg.router_aux_coef), ex=ex,
+                                                 replay=ucfg.routing_replay == "on", routing_stats=routing_stats)
                 loss = mb_loss(lp, ent, aux, mb)
                 for j, gr in enumerate(torch.autograd.grad(loss, leaves, allow_unused=True)):
                     if gr is not None:
@@ -267,5 +288,11 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
     new_params = {k: p.detach() for k, p in live.items()}
     sums.setdefault("update_skipped", 0.0)  # the share of this call's optimizer steps skipped
     metrics = {**{k: v / max(n_mb, 1) for k, v in sums.items()}, **maxes}
+    if routing_stats:  # (token, MoE layer) pairs routed / top-k'ed otherwise than in the rollout, all ranks' rows
+        n = {k: float(v) for k, v in routing_stats.items()}
+        if layout is not None:
+            n = {k: dp.batch_total(v, layout) for k, v in n.items()}
+        metrics["routing_flip_frac"] = n["flipped"] / max(n["compared"], 1.0)
+        metrics["routing_router_flip_frac"] = n["router_flipped"] / max(n["compared"], 1.0)
     metrics = {k: (v if math.isfinite(v) else float("nan")) for k, v in metrics.items()}
     return new_params, opt_state, metrics

@@ -25,8 +25,8 @@ from torch.utils.checkpoint import checkpoint
 from rlflow.models import deepseek
 from rlflow.models.config import ModelConfig, param_shapes
 from rlflow.models.execution import EXPERTS_PREPARED, LOCAL, Exec, Params, View, n_moe_layers
-from rlflow.ops import (attention, causal_padding_mask, prepare_experts, qk_norm_rope, rmsnorm, rope_cos_sin, route,
-                        route_grouped)
+from rlflow.ops import (attention, causal_padding_mask, prepare_experts, qk_norm_rope, replay_routes, rmsnorm,
+                        rope_cos_sin, route, route_grouped)
 
 
 def init_params(cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -90,6 +90,62 @@ the latent and the shared rotary key [B, 1, S_max, r + p] and its ``v`` None (``
             if mine is not None:
                 mine[dst_B, :, :n] = theirs[src_B]
         self.lengths_B[dst_B] = src.lengths_B[src_B]
+
+
+@dataclass
+class Routing:
+    """What one forward does with its MoE layers' expert choices (M: the model's MoE layers, K: top-k).
+
+    ``record``: the rollout keeps each token's experts in ``chosen`` [B, T, M, K] (int16, -1 on padding
+    and on the MoE layers of other pipeline stages). ``rollout`` [B, T, M, K] (-1: no record for that
+    token): the experts the rollout chose for these tokens; with ``replay`` the tokens go to them
+    (Rollout Routing Replay, ``ops.replay_routes``), otherwise they are only compared. Out of
+    ``compared`` (token, layer) pairs with a record, ``router_flipped`` counts those whose router top-k
+    (as a set) differs from the rollout's, ``flipped`` those routed to other experts than the rollout's
+    (the same without replay; none with it)."""
+
+    record: bool = False
+    rollout: Tensor | None = None
+    replay: bool = False
+    chosen: Tensor | None = None
+    flipped: Tensor | int = 0  # tensors: no host sync per layer
+    router_flipped: Tensor | int = 0
+    compared: Tensor | int = 0
+
+    def route(self, cfg: ModelConfig, layer: int, x_ND: Tensor, gate_ED: Tensor, w_NK: Tensor, idx_NK: Tensor,
+              sel_N: Tensor | None, BT: tuple[int, int]) -> tuple[Tensor, Tensor]:
+        """The weights and experts of MoE layer ``layer``'s tokens (``sel_N``: their positions in the [B*T]
+        flattening, None: all), given the router's own (w_NK, idx_NK)."""
+        m, K = moe_index(cfg, layer), idx_NK.shape[1]
+        if self.rollout is not None:
+            r_NK = self.rollout[:, :, m].reshape(-1, K)
+            r_NK = r_NK if sel_N is None else r_NK.index_select(0, sel_N)
+            seen = (r_NK >= 0).all(-1)
+            want = r_NK.long().sort(-1)[0]
+
+            def differs(idx):
+                return ((idx.sort(-1)[0] != want).any(-1) & seen).sum()
+            # a remat recompute counts twice, the numerators and the denominator alike: the shares hold
+            self.router_flipped = self.router_flipped + differs(idx_NK)
+            self.compared = self.compared + seen.sum()
+            if self.replay:
+                w_NK, idx_NK = replay_routes(x_ND, gate_ED, idx_NK, r_NK, sigmoid=cfg.scoring_func == "sigmoid",
+                                             norm_topk_prob=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
+            self.flipped = self.flipped + differs(idx_NK)
+        if self.record:
+            if self.chosen is None:
+                self.chosen = torch.full((*BT, n_moe_layers(cfg), K), -1, dtype=torch.int16, device=idx_NK.device)
+            flat = self.chosen.view(-1, self.chosen.shape[2], K)[:, m]
+            if sel_N is None:
+                flat.copy_(idx_NK)
+            else:
+                flat.index_copy_(0, sel_N, idx_NK.to(torch.int16))
+        return w_NK, idx_NK
+
+
+def moe_index(cfg: ModelConfig, layer: int) -> int:
+    """The ordinal of MoE layer ``layer`` among the model's MoE layers."""
+    return sum(cfg.is_moe_layer(i) for i in range(layer))
 
 
 def _linear(params: Params, name: str, x: Tensor) -> Tensor:
@@ -196,10 +252,11 @@ def swiglu(params: Params, cfg: ModelConfig, layer: int, x: Tensor, ex: Exec = L
 
 
 def mlp_block(params: Params, cfg: ModelConfig, layer: int, x_BTD: Tensor, real_N: Tensor | None,
-              with_aux: bool, ex: Exec = LOCAL) -> tuple[Tensor, Tensor]:
+              with_aux: bool, ex: Exec = LOCAL, routing: Routing | None = None) -> tuple[Tensor, Tensor]:
     """Dense SwiGLU MLP, or the MoE block: padding tokens dropped (``real_N``: ``real_tokens(valid)``),
-    top-k routing with the (replicated) router (softmax; DeepSeek's sigmoid in groups), the routed
-    experts through ``ex.experts``, plus the shared experts when the model has them."""
+    top-k routing with the (replicated) router (softmax; DeepSeek's sigmoid in groups; ``routing``:
+    recorded, or replayed from the rollout), the routed experts through ``ex.experts``, plus the shared
+    experts when the model has them."""
     p = f"model.layers.{layer}.mlp."
     if not cfg.is_moe_layer(layer):
         return swiglu(params, cfg, layer, x_BTD, ex), x_BTD.new_zeros((), dtype=torch.float32)
@@ -215,6 +272,8 @@ def mlp_block(params: Params, cfg: ModelConfig, layer: int, x_BTD: Tensor, real_
     else:
         w_NK, idx_NK, aux = route(x_ND, params[p + "gate.weight"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
                                   with_aux=with_aux)
+    if routing is not None:
+        w_NK, idx_NK = routing.route(cfg, layer, x_ND, params[p + "gate.weight"], w_NK, idx_NK, sel, (B, T))
     y = ex.experts(params, cfg, layer, x_ND, w_NK, idx_NK)
     if cfg.n_shared_experts:
         y = y + swiglu(params, cfg, layer, x_ND, ex, prefix="mlp.shared_experts.")
@@ -223,18 +282,19 @@ def mlp_block(params: Params, cfg: ModelConfig, layer: int, x_BTD: Tensor, real_
     return y.view(B, T, D), aux
 
 
-def decoder_layer(params, cfg, i, h, cos, sin, mask, cache, cache_slots, real_N, with_aux, ex):
+def decoder_layer(params, cfg, i, h, cos, sin, mask, cache, cache_slots, real_N, with_aux, ex, routing=None):
     p = f"model.layers.{i}."
     h = h + attention_block(params, cfg, i, rmsnorm(h, params[p + "input_layernorm.weight"], cfg.rms_norm_eps),
                             cos, sin, mask, cache, cache_slots, ex)
     m, aux = mlp_block(params, cfg, i, rmsnorm(h, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps),
-                       real_N, with_aux, ex)
+                       real_N, with_aux, ex, routing)
     return h + m, aux
 
 
 def forward(params: Params, cfg: ModelConfig, ids_BT: Tensor, positions_BT: Tensor, *,
             valid_BT: Tensor | None = None, cache: KVCache | None = None, with_aux: bool = True,
-            remat: bool = False, ex: Exec = LOCAL, h_in: Tensor | None = None) -> tuple[Tensor, Tensor, KVCache | None]:
+            remat: bool = False, ex: Exec = LOCAL, h_in: Tensor | None = None,
+            routing: Routing | None = None) -> tuple[Tensor, Tensor, KVCache | None]:
     """Final hidden states [B, T, D] (after the last norm), the router aux loss, and the cache.
 
     positions_BT: rotary positions (for left-padded rows, ``cumsum(valid) - 1``; with a cache,
@@ -251,6 +311,7 @@ def forward(params: Params, cfg: ModelConfig, ids_BT: Tensor, positions_BT: Tens
     ex: the execution context (``models/execution.py``). A pipeline stage other than the first starts
     from ``h_in`` [B, T, D] (the previous stage's output); one other than the last returns its layers'
     output without the final norm.
+    routing: the MoE layers' expert choices recorded, or replayed from the rollout (``Routing``).
     """
     B, T = ids_BT.shape
     if ex.first:
@@ -274,7 +335,7 @@ def forward(params: Params, cfg: ModelConfig, ids_BT: Tensor, positions_BT: Tens
     aux_total = h.new_zeros((), dtype=torch.float32)
     real_N = real_tokens(valid_BT) if cfg.is_moe else None
     for i in ex.layers(cfg):
-        args = (params, cfg, i, h, cos, sin, mask, cache, cache_slots, real_N, with_aux, ex)
+        args = (params, cfg, i, h, cos, sin, mask, cache, cache_slots, real_N, with_aux, ex, routing)
         if remat and torch.is_grad_enabled():
             h, aux = checkpoint(decoder_layer, *args, use_reentrant=False)
         else:

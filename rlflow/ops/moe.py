@@ -71,6 +71,21 @@ def route_grouped(x_ND: Tensor, gate_ED: Tensor, bias_E: Tensor, top_k: int, n_g
     return (w_NK * scaling).to(x_ND.dtype), idx_NK, x_ND.new_zeros((), dtype=torch.float32)
 
 
+def replay_routes(x_ND: Tensor, gate_ED: Tensor, idx_NK: Tensor, replay_NK: Tensor, *, sigmoid: bool,
+                  norm_topk_prob: bool, scaling: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Rollout Routing Replay (R3): each token whose ``replay_NK`` row is set (>= 0) goes to those experts
+    instead of its own top-k ``idx_NK``; every token's weights are the current router's probabilities
+    (softmax, or DeepSeek's sigmoid) gathered at its experts, normalized as ``route`` / ``route_grouped``
+    normalize them, so the router keeps its gradient. Returns (weights_NK in x's dtype, experts_NK)."""
+    idx = torch.where(replay_NK >= 0, replay_NK.long(), idx_NK)
+    logits = F.linear(x_ND.float(), gate_ED.float())
+    p_NE = logits.sigmoid() if sigmoid else torch.softmax(logits, dim=-1)
+    w = p_NE.gather(1, idx)
+    if norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + (1e-20 if sigmoid else 0.0))
+    return (w * scaling).to(x_ND.dtype), idx
+
+
 # Few tokens (decode) on small experts: every expert runs on every token in a few large kernels and the
 # top-k weights (zero elsewhere) combine them. E/K times the FLOPs of routing, but no host sync and no
 # per-expert launches, which is what bounds a decode step of small experts. Only when N*K >= E (all

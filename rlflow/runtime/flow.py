@@ -27,7 +27,7 @@ from torch import Tensor
 from rlflow.batch import PromptBatch, RolloutBatch, TrainBatch, extend, unpad
 from rlflow.dock.client import Ticket
 from rlflow.dock.routing import RowPlan, route
-from rlflow.runtime.graph import GRPO, PROMPT, ROWS
+from rlflow.runtime.graph import GRPO, PROMPT, ROUTES, ROWS
 from rlflow.sharding.mesh import Mesh
 
 
@@ -49,8 +49,8 @@ class MemoryFlow:
         self._cols.update(cols)
 
     def get(self, consumer: str, columns: list[str], mesh: Mesh, rank: int) -> tuple[RolloutBatch, dict[str, Tensor]]:
-        _one(mesh)
-        return self._batch, {c: self._cols[c] for c in columns}
+        _one(mesh)  # the rollout batch carries its routes, when recorded
+        return self._batch, {c: self._cols[c] for c in columns if c not in ROUTES}
 
 
 def _one(mesh: Mesh) -> None:
@@ -65,8 +65,9 @@ class DockFlow:
     and the lead clears the dock for step s + 1 only after the update of step s, which every rank's
     last read of step s precedes."""
 
-    def __init__(self, dock, rank: int = 0, world: int = 1):
+    def __init__(self, dock, rank: int = 0, world: int = 1, route_dims: tuple[int, int] | None = None):
         self.dock, self.rank, self.world = dock, rank, world
+        self.route_dims = route_dims  # (MoE layers, top-k) of the route columns, with routing replay
         self._seen: dict[str, int] = {}  # dock traffic at the last busiest_bytes()
 
     def begin(self, prompts: PromptBatch, group_size: int) -> None:
@@ -115,6 +116,11 @@ class DockFlow:
 
     def put_rollout(self, rollout: RolloutBatch) -> None:
         self.put(rollout, response_ids=rollout.response_ids_BTr, sample_logprobs=rollout.sample_logprobs_BTr)
+        if rollout.response_routes_BTrMK is not None:  # each row's routes flattened over its tokens
+            flat = {c: [t.reshape(-1) for t in unpad(v.cpu(), m.cpu())] for c, v, m in (
+                ("prompt_routes", rollout.prompt_routes_BTpMK, rollout.prompt_mask_BTp),
+                ("response_routes", rollout.response_routes_BTrMK, rollout.response_mask_BTr))}
+            self.dock.put(rollout.index_B.cpu() - self.base, flat)
 
     def put(self, rows: RolloutBatch, **cols: Tensor) -> None:
         m = rows.response_mask_BTr.cpu()
@@ -124,11 +130,15 @@ class DockFlow:
     def get(self, consumer: str, columns: list[str], mesh: Mesh, rank: int) -> tuple[RolloutBatch, dict[str, Tensor]]:
         """This rank's rows for ``consumer``: its data-parallel part of ``mesh`` (``rank``: its rank there)."""
         b = self._read(consumer, list(ROWS) + [c for c in columns if c not in ROWS], mesh, rank)
+        routes = {}
+        if "response_routes" in columns:  # [B, T * M * K] padded with -1 -> [B, T, M, K]
+            mk = self.route_dims
+            routes = {GRPO.fields[c]: b[c].view(b[c].shape[0], -1, *mk) for c in ROUTES}
         rollout = RolloutBatch(prompt_ids_BTp=b["prompt_ids"], prompt_mask_BTp=b.mask["prompt_ids"],
                                index_B=b.index_B + self.base, group_B=b["group"], answers=self._answers(b),
                                response_ids_BTr=b["response_ids"], response_mask_BTr=b.mask["response_ids"],
-                               sample_logprobs_BTr=b["sample_logprobs"])
-        return rollout.to(self.device), {c: b[c].to(self.device) for c in columns}
+                               sample_logprobs_BTr=b["sample_logprobs"], **routes)
+        return rollout.to(self.device), {c: b[c].to(self.device) for c in columns if c not in ROUTES}
 
     def busiest_bytes(self) -> float:
         """Bytes in + out of the dock process that moved the most since the last call."""

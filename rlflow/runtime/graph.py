@@ -84,6 +84,7 @@ class Graph:
 
 PROMPT = ("prompt_ids", "group", "answer")
 ROWS = PROMPT + ("response_ids", "sample_logprobs")  # a sample after the rollout
+ROUTES = ("prompt_routes", "response_routes")  # an MoE rollout's expert choices, with routing replay only
 
 GRPO = Graph(
     columns=(
@@ -96,17 +97,22 @@ GRPO = Graph(
         (Column("advantages", torch.float32, "scalar"), "advantages_B"),
         (Column("group", torch.int64, "scalar"), "group_B"),
         (Column("answer", torch.uint8, "var", length_group="answer"), "answers"),  # the reference answer (UTF-8), read by the scorers
+        # per token, its experts in every MoE layer (M x K values, -1: none), flattened
+        (Column("prompt_routes", torch.int16, "var", length_group="prompt_routes", pad_left=True, pad_value=-1),
+         "prompt_routes_BTpMK"),
+        (Column("response_routes", torch.int16, "var", length_group="response_routes", pad_value=-1),
+         "response_routes_BTrMK"),
     ),
     stages=(
         Stage("prompts", (), PROMPT, "lead", prompt_batch),
-        Stage("rollout", PROMPT, ("response_ids", "sample_logprobs"), "rollout", generate),
+        Stage("rollout", PROMPT, ("response_ids", "sample_logprobs") + ROUTES, "rollout", generate),
         Stage("score", ROWS, ("rewards",), "every", stages.score),
         Stage("advantage", ("rewards", "group"), ("advantages",), "every", estimators.advantages),
         Stage("ref_logprob", ROWS, ("ref_logprobs",), "train", stages.batched_logprobs),
-        Stage("old_logprob", ROWS, ("old_logprobs",), "train", stages.batched_logprobs),
-        Stage("update", ROWS + ("rewards", "advantages", "old_logprobs", "ref_logprobs"), (), "train",
+        Stage("old_logprob", ROWS + ROUTES, ("old_logprobs",), "train", stages.batched_logprobs),
+        Stage("update", ROWS + ROUTES + ("rewards", "advantages", "old_logprobs", "ref_logprobs"), (), "train",
               stages.update),
     ),
 )
 
-__all__ = ["GRPO", "Graph", "PROMPT", "ROWS", "RUNS_ON", "Stage"]
+__all__ = ["GRPO", "Graph", "PROMPT", "ROUTES", "ROWS", "RUNS_ON", "Stage"]

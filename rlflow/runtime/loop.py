@@ -15,15 +15,15 @@ from typing import Callable
 
 import torch
 
-from rlflow import optim
+from rlflow import metrics, optim
 from rlflow.algos import estimators, grpo, stages
 from rlflow.data import PromptSource, prompt_batch
 from rlflow.models.config import ModelConfig
 from rlflow.rollout import SamplingConfig, generate
-from rlflow.models.execution import LOCAL
+from rlflow.models.execution import LOCAL, n_moe_layers
 from rlflow.parallel.context import context
 from rlflow.runtime.flow import DockFlow, MemoryFlow, train_batch
-from rlflow.runtime.graph import GRPO
+from rlflow.runtime.graph import GRPO, ROUTES
 from rlflow.runtime.weights import Weights
 from rlflow.sharding.dist import create_groups
 from rlflow.sharding.layout import Layout
@@ -53,9 +53,16 @@ class LoopConfig:
     router_aux_coef: float = 0.0
     max_prompt_len: int | None = None
     warmup_lr_steps: int = 0  # linear LR warm-up over this many steps
+    lr_schedule: str = "constant"  # after the warm-up: constant, cosine or linear decay (optim.lr_at)
+    min_lr_ratio: float = 0.0  # the decay ends at optim.lr * this, on the run's last step
+    log_samples_every: int = 0  # hand rank 0's decoded scored rows to on_samples every N steps (0: never)
     compile_decode: bool = False  # rollout's decode step through torch.compile (see rollout.generate)
     seed: int = 0
     max_bad_steps: int = 3  # this many steps in a row whose updates were all skipped (non-finite) stop the run
+    # MoE Rollout Routing Replay: "off"; "measure": the rollout's expert choices travel with the rows and
+    # the update reports the share of (token, layer) pairs whose top-k differs; "on": the old log-probs and
+    # the update route by them (R3; the reference policy routes freely)
+    routing_replay: str = "off"
 
     @property
     def global_batch(self) -> int:
@@ -69,8 +76,19 @@ class LoopConfig:
             raise ValueError(f"max_bad_steps={self.max_bad_steps} must be >= 1")
         if self.warmup_lr_steps < 0:
             raise ValueError(f"warmup_lr_steps={self.warmup_lr_steps} must be >= 0")
+        if self.lr_schedule not in optim.LR_SCHEDULES:
+            raise ValueError(f"lr_schedule={self.lr_schedule!r} is not one of {', '.join(optim.LR_SCHEDULES)}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.log_samples_every < 0:
+            raise ValueError(f"log_samples_every={self.log_samples_every} must be >= 0")
+        if self.routing_replay not in ROUTING_REPLAY:
+            raise ValueError(f"routing_replay={self.routing_replay!r}: expected one of {ROUTING_REPLAY}")
         validate_sizes(steps=self.steps, prompts_per_step=self.prompts_per_step, group_size=self.grpo.group_size,
                        mini_batch_size=self.mini_batch_size, micro_batch_size=self.micro_batch_size)
+
+
+ROUTING_REPLAY = ("off", "measure", "on")
 
 
 def validate_sizes(*, steps: int, prompts_per_step: int, group_size: int, mini_batch_size: int,
@@ -127,7 +145,8 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
           on_step: Callable[[dict], None] | None = None, device: torch.device | str = "cpu",
           dock=None, placement: Placement | None = None, opt_state: optim.AdamWState | None = None,
           first_step: int | None = None, ref_params=None, after_step: Callable | None = None,
-          should_stop: Callable[[], bool] | None = None):
+          should_stop: Callable[[], bool] | None = None,
+          on_samples: Callable[[int, list[dict]], None] | None = None):
     """Run ``lcfg.steps`` GRPO steps; returns (params, opt_state, list of per-step metrics).
 
     ``dock``: a transfer dock (``rlflow.dock.Dock``) that every stage's rows go through
@@ -137,20 +156,30 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
     ``ref_params``); None: one process, unsharded. Sizes in ``lcfg`` are global; metrics are global.
     ``opt_state``: the optimizer state to continue from (what an earlier call returned); None starts
     fresh (zero moments). The LR warm-up (``lcfg.warmup_lr_steps``) counts the optimizer steps already
-    in it, so a continued run does not warm up again.
+    in it, so a continued run does not warm up again; the LR schedule (``optim.lr_at``) spans those steps
+    and this call's.
     ``first_step``: the run's index of this call's first GRPO step (a resumed run: the steps done), so
     that seeds, sample indices, the metrics' ``step`` and the LR warm-up continue as in an
     uninterrupted run. ``ref_params``: the reference policy when KL is on (default: ``params`` as given;
     a resumed run passes the run's initial weights). ``after_step(steps_done, params, opt_state)`` runs
     after each step (checkpoints). ``should_stop()``: checked after each step (on every rank; any rank
-    asking stops all); True ends the call early, after that step.
+    asking stops all); True ends the call early, after that step. ``on_samples(step, rows)``: every
+    ``lcfg.log_samples_every`` steps, on rank 0, its scored rows decoded (``metrics.sample_rows``).
     """
     gcfg = lcfg.grpo
     world = 1 if placement is None else placement.world
+    routes = lcfg.routing_replay != "off"
+    if routes and not cfg.is_moe:
+        raise ValueError(f"routing_replay={lcfg.routing_replay!r} needs an MoE model; {cfg.model_type} has no routed "
+                         "experts")
+    if lcfg.routing_replay == "measure" and placement is not None and placement.train.mesh.pp > 1:
+        raise ValueError("routing_replay='measure' compares in the update's forward, which a pp layout runs in "
+                         "its schedule: use 'on', or a layout without pp")
+    route_dims = (n_moe_layers(cfg), cfg.num_experts_per_tok) if routes else None
     if placement is None:
         rank, tctx, rctx, weights = 0, LOCAL, LOCAL, None
         train_mesh = rollout_mesh = every = Mesh()
-        flow = MemoryFlow() if dock is None else DockFlow(dock)
+        flow = MemoryFlow() if dock is None else DockFlow(dock, route_dims=route_dims)
     else:
         if dock is None:
             raise ValueError("train: a placement over several ranks needs a dock (the stages' rows go through it)")
@@ -159,7 +188,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         tctx, rctx = context(placement.train, cfg), context(placement.rollout, cfg)
         weights = Weights(placement.train, placement.rollout, rank)
         train_mesh, rollout_mesh, every = placement.train.mesh, placement.rollout.mesh, Mesh(dp=world)
-        flow = DockFlow(dock, rank, world)
+        flow = DockFlow(dock, rank, world, route_dims=route_dims)
         for name, v in dict(prompts_per_step=lcfg.prompts_per_step, mini_batch_size=lcfg.mini_batch_size,
                             micro_batch_size=lcfg.micro_batch_size).items():
             if v % train_mesh.data_parallel_size:
@@ -174,6 +203,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
     world_sum = _all_sum if world > 1 else (lambda t: t)
     opt_state = optim.init(params) if opt_state is None else opt_state
     start = opt_state.step  # one optimizer step per GRPO step when warming up (the recipe's case)
+    lr_total = (start if first_step is None else first_step) + lcfg.steps  # the LR schedule's length
     if gcfg.kl_coef:
         ref_params = {k: v.detach().clone() for k, v in (params if ref_params is None else ref_params).items()}
     else:
@@ -181,7 +211,8 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
     base = 0 if first_step is None else first_step
     ucfg = stages.UpdateConfig(mini_batch_size=lcfg.mini_batch_size // nd, micro_batch_size=lcfg.micro_batch_size // nd,
                                max_grad_norm=lcfg.max_grad_norm, router_aux_coef=lcfg.router_aux_coef,
-                               layout=None if placement is None else placement.train)
+                               layout=None if placement is None else placement.train,
+                               routing_replay=lcfg.routing_replay)
     single_update = gcfg.epochs == 1 and lcfg.mini_batch_size == lcfg.global_batch
     roll_writer = rollout_mesh.coords(rank)["tp"] == 0  # tp peers hold the same rows: one of them writes
     tc = train_mesh.coords(rank)
@@ -199,7 +230,8 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         mine = flow.rollout_prompts(on("rollout"), rank)
         roll_params = params if weights is None else weights.to_rollout(params, opt_state)
         rollout = generate(roll_params, cfg, mine, lcfg.sampling, group_size=gcfg.group_size,
-                           seed=lcfg.seed * 1_000_003 + step, compile_decode=lcfg.compile_decode, ex=rctx)
+                           seed=lcfg.seed * 1_000_003 + step, compile_decode=lcfg.compile_decode,
+                           record_routes=routes, ex=rctx)
         if weights is not None and not weights.identity:
             params, opt_state = weights.to_train(roll_params)
         del roll_params
@@ -208,6 +240,8 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         t_roll = time.perf_counter()
         rows, _ = flow.get("score", [], on("score"), rank)
         scores = stages.score(rows, tokenizer, reward_fn)
+        if on_samples is not None and rank == 0 and lcfg.log_samples_every and step % lcfg.log_samples_every == 0:
+            on_samples(step, metrics.sample_rows(rows, tokenizer, scores))
         bad = (~torch.isfinite(scores)).nonzero()[:, 0]
         if len(bad):  # their groups' advantages, hence the gradient, are non-finite: the update is skipped
             log.warning("step %d: non-finite rewards %s at sample indices %s; the update is skipped", step,
@@ -218,7 +252,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         adv = estimators.advantages(gcfg.adv_estimator, scores.to(device), rows.group_B, scale=gcfg.scale_rewards,
                                     total=world_sum)
         flow.put(rows, rewards=scores.to(device), advantages=adv)
-        rows, c = flow.get("update", ["rewards", "advantages"], on("update"), rank)
+        rows, c = flow.get("update", ["rewards", "advantages"] + (list(ROUTES) if routes else []), on("update"), rank)
         # With one optimizer step per batch the policy that sampled is the policy being updated, so the
         # ratio's denominator is the current log-prob, detached (update() does that); otherwise recompute.
         # The old / ref log-prob stages run in the train layout on the update's rows: computed here, put in
@@ -226,12 +260,14 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         for col, w in (("old_logprobs", None if single_update else params), ("ref_logprobs", ref_params)):
             if w is not None:
                 c[col] = stages.batched_logprobs(w, cfg, rows, micro_batch_size=ucfg.micro_batch_size,
-                                                 temperature=gcfg.temperature, ex=tctx)
+                                                 temperature=gcfg.temperature, ex=tctx,
+                                                 replay=col == "old_logprobs" and lcfg.routing_replay == "on")
                 if train_writer:
                     flow.put(rows, **{col: c[col]})
         batch = train_batch(rows, c)
         done_steps = step if first_step is not None else local + start  # GRPO steps before this one
-        lr = lcfg.optim.lr * min(1.0, (done_steps + 1) / lcfg.warmup_lr_steps) if lcfg.warmup_lr_steps else None
+        lr = optim.lr_at(done_steps, lr_total, lcfg.optim.lr, lcfg.warmup_lr_steps, lcfg.lr_schedule,
+                         lcfg.min_lr_ratio)
         params, opt_state, upd = stages.update(params, opt_state, batch, cfg, gcfg, ucfg, lcfg.optim,
                                                seed=lcfg.seed + step, lr=lr, old_is_current=single_update,
                                                max_len=lcfg.sampling.max_new_tokens, ex=tctx)
@@ -254,7 +290,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         std = (max(r_sq / n - mean * mean, 0.0) * n / max(n - 1, 1)) ** 0.5  # unbiased, as torch.std
         m = {"step": step, "reward_mean": mean, "reward_std": std,
              "tps": tps(n_prompt, n_resp, world, wall), "step_time_s": wall,  # one device per rank
-             **stage_s, "lr": lcfg.optim.lr if lr is None else lr,
+             **stage_s, "lr": lr,
              "response_len_mean": n_resp / n, "prompt_tokens": n_prompt, "response_tokens": n_resp,
              **{k: v for k, v in upd.items()}}
         if isinstance(flow, DockFlow):
