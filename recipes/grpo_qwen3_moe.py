@@ -32,7 +32,7 @@ import torch
 from rlflow import device as rl_device
 from rlflow import metrics, optim, rewards
 from rlflow.algos import grpo
-from rlflow.algos.corrections import IS_LEVELS, IS_MODES
+from rlflow.algos.corrections import IS_LEVELS, IS_MODES, LogprobMismatchError
 from rlflow.algos.estimators import ADV_ESTIMATORS
 from rlflow.data import Example, PromptSource, apply_chat_template, load_examples
 from rlflow.models import hf, qwen3_moe
@@ -95,6 +95,9 @@ class Recipe:
     rollout_is: str = _f("none", "importance-sample the rollout/trainer log-prob mismatch: none, token, seq")
     rollout_is_cap: float = _f(2.0, "rollout IS: truncate weights at c, or (mask) drop those outside [1/c, c]")
     rollout_is_mode: str = _f("truncate", "rollout IS: truncate (TIS) or mask (MIS)")
+    check_logprobs: float | None = _f(None, "fail the run when the trainer's log-probs of the sampled tokens differ "
+                                            "from the rollout's by more than this mean |d| per token (a consistency "
+                                            "gate for CI; reports the worst rows)")
     routing_replay: str = _f("off", "MoE Rollout Routing Replay: off; measure (report the share of tokens whose "
                                     "experts differ from the rollout's); on (R3: the old log-probs and the update "
                                     "route each token to the rollout's experts)")
@@ -394,7 +397,8 @@ def build(r: Recipe, rank: int = 0):
                                 temperature=r.temperature, top_p=r.top_p),
         max_prompt_len=r.max_prompt_len, warmup_lr_steps=r.warmup_lr_steps, lr_schedule=r.lr_schedule,
         min_lr_ratio=r.min_lr_ratio, log_samples_every=r.log_samples_every, seed=r.seed,
-        compile_decode=r.compile_decode, max_bad_steps=r.max_bad_steps, routing_replay=r.routing_replay)
+        compile_decode=r.compile_decode, max_bad_steps=r.max_bad_steps, routing_replay=r.routing_replay,
+        check_logprobs=r.check_logprobs)
     return cfg, params, tok, source, reward_fn, lcfg, dev
 
 
@@ -645,8 +649,8 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
             params, cfg, tok, source, reward_fn, lcfg, on_step=on_step, device=dev, dock=dock, placement=where,
             opt_state=opt_state, first_step=done, ref_params=init, after_step=after_step, should_stop=interrupt,
             on_samples=on_samples if lead else None)
-    except loop.NonFiniteError as e:
-        raise SystemExit(f"error: {e}") from None
+    except (loop.NonFiniteError, LogprobMismatchError) as e:  # the run's verdict, not a crash: no traceback;
+        raise SystemExit(f"error: {e}" if lead else 1) from None  # every rank reaches it, the lead says it
     finally:
         interrupt.restore()
         for s in sinks:

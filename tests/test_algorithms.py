@@ -135,3 +135,16 @@ def test_mismatch_is_zero_for_equal_log_probs_and_reports_a_difference():
     assert float(m["logp_diff_max"]) == pytest.approx(1.0, abs=1e-6)
     assert float(m["logp_diff_mean"]) == pytest.approx(1 / 6, abs=1e-6)
     assert float(m["out_of_band"]) == pytest.approx(1 / 6)  # e^1 > 2
+
+
+def test_the_logprob_gate_passes_a_consistent_run_and_fails_naming_the_worst_rows(tmp_path):
+    """The rollout (decode with a KV cache) and the trainer (one forward over prompt + response) differ by
+    float32 rounding only: a tolerance of 1e-3 passes, one below the rounding (1e-9) stops the first step."""
+    from helpers import recipe_module
+
+    flags = ["--world", "1", "--steps", "2", "--prompts-per-step", "2", "--group-size", "2"]
+    history = recipe_module().main(flags + ["--check-logprobs", "1e-3", "--out", str(tmp_path / "a")])
+    assert len(history) == 2 and 0 < max(h["logp_diff_mean"] for h in history) < 1e-3
+    with pytest.raises(SystemExit, match=r"error: step 0: .* mean \|d\| = .* above --check-logprobs 1e-09 .*worst "
+                                                   r"rows:\n  sample \d+: mean \|d\| .* over \d+ tokens, max .* at token"):
+        recipe_module().main(flags + ["--check-logprobs", "1e-9", "--out", str(tmp_path / "b")])

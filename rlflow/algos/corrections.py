@@ -16,6 +16,9 @@ Rollout importance sampling (the policy-gradient term of each token is multiplie
     truncate (TIS):  w <- min(w, c)                 (Yao et al. 2025, "Your efficient RL framework
                                                      secretly brings you off-policy RL training")
     mask (MIS):      w <- w if 1/c <= w <= c else 0 (tokens / sequences outside the band dropped)
+
+The consistency gate (``check_logprobs``): a run fails when mean |d| over all the step's real tokens
+exceeds a tolerance, with a report of the worst rows.
 """
 
 from __future__ import annotations
@@ -67,3 +70,31 @@ def is_weights(sample_lp_BT: Tensor, old_lp_BT: Tensor, mask_BT: Tensor, *, leve
 
 
 __all__ = ["IS_LEVELS", "IS_MODES", "is_weights", "mismatch"]
+
+
+class LogprobMismatchError(RuntimeError):
+    """The rollout's log-probs and the trainer's differ by more than the gate's tolerance."""
+
+
+def check_logprobs(sample_lp_BT: Tensor, old_lp_BT: Tensor, mask_BT: Tensor, index_B: Tensor, tol: float, *,
+                   step: int, total=lambda t: t, gather=lambda rows: [rows], worst: int = 5) -> float:
+    """mean |d| over the real tokens of every rank's rows (``total``: the sum over ranks); above ``tol``,
+    ``LogprobMismatchError`` on every rank with the ``worst`` rows by mean |d| (``gather``: every rank's
+    candidates; a row held by several ranks, e.g. tp peers, appears once). Returns the mean."""
+    with torch.no_grad():
+        m = mask_BT.bool()
+        d = ((old_lp_BT.float() - sample_lp_BT.float()).abs() * m).cpu()
+        n = m.sum(-1).cpu()
+        sums = total(torch.tensor([float(d.sum()), float(n.sum())], dtype=torch.float64))
+        mean = float(sums[0] / sums[1].clamp_min(1))
+        if mean <= tol:
+            return mean
+        row_mean = d.sum(-1) / n.clamp_min(1)
+        top = row_mean.argsort(descending=True)[:worst].tolist()
+        mine = [(float(row_mean[b]), int(index_B[b]), int(n[b]), float(d[b].max()), int(d[b].argmax())) for b in top]
+        rows = sorted({r[1]: r for part in gather(mine) for r in part}.values(), reverse=True)[:worst]
+    lines = [f"  sample {i}: mean |d| {mu:.3g} over {k} tokens, max {mx:.3g} at token {t}" for mu, i, k, mx, t in rows]
+    raise LogprobMismatchError(
+        f"step {step}: the trainer's log-probs differ from the rollout's by mean |d| = {mean:.3g} per token, above "
+        f"--check-logprobs {tol:g} (d = trainer - rollout log-prob of the sampled token); worst rows:\n"
+        + "\n".join(lines))

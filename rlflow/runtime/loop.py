@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from rlflow import metrics, optim
-from rlflow.algos import estimators, grpo, stages
+from rlflow.algos import corrections, estimators, grpo, stages
 from rlflow.data import PromptSource, prompt_batch
 from rlflow.models.config import ModelConfig
 from rlflow.rollout import SamplingConfig, generate
@@ -63,6 +63,10 @@ class LoopConfig:
     # the update reports the share of (token, layer) pairs whose top-k differs; "on": the old log-probs and
     # the update route by them (R3; the reference policy routes freely)
     routing_replay: str = "off"
+    # fail the run when the trainer's log-probs of the sampled tokens differ from the rollout's by more than
+    # this mean |d| per token (a consistency gate; costs one no-grad forward per step when the old
+    # log-probs are not computed anyway). None: off
+    check_logprobs: float | None = None
 
     @property
     def global_batch(self) -> int:
@@ -82,6 +86,8 @@ class LoopConfig:
             raise ValueError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         if self.log_samples_every < 0:
             raise ValueError(f"log_samples_every={self.log_samples_every} must be >= 0")
+        if self.check_logprobs is not None and not self.check_logprobs >= 0:
+            raise ValueError(f"check_logprobs={self.check_logprobs} must be >= 0")
         if self.routing_replay not in ROUTING_REPLAY:
             raise ValueError(f"routing_replay={self.routing_replay!r}: expected one of {ROUTING_REPLAY}")
         validate_sizes(steps=self.steps, prompts_per_step=self.prompts_per_step, group_size=self.grpo.group_size,
@@ -176,6 +182,9 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         raise ValueError("routing_replay='measure' compares in the update's forward, which a pp layout runs in "
                          "its schedule: use 'on', or a layout without pp")
     route_dims = (n_moe_layers(cfg), cfg.num_experts_per_tok) if routes else None
+    if lcfg.check_logprobs is not None and placement is not None and placement.train.mesh.pp > 1:
+        raise ValueError("check_logprobs compares on every train rank; a pp layout has the log-probs on its last "
+                         "stage only: use a layout without pp")
     if placement is None:
         rank, tctx, rctx, weights = 0, LOCAL, LOCAL, None
         train_mesh = rollout_mesh = every = Mesh()
@@ -264,6 +273,15 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
                                                  replay=col == "old_logprobs" and lcfg.routing_replay == "on")
                 if train_writer:
                     flow.put(rows, **{col: c[col]})
+        if lcfg.check_logprobs is not None:
+            old = c.get("old_logprobs")
+            if old is None:  # one optimizer step: the update would recompute them; the gate needs them first
+                old = stages.batched_logprobs(params, cfg, rows, micro_batch_size=ucfg.micro_batch_size,
+                                              temperature=gcfg.temperature, ex=tctx,
+                                              replay=lcfg.routing_replay == "on")
+            corrections.check_logprobs(rows.sample_logprobs_BTr, old, rows.response_mask_BTr, rows.index_B,
+                                       lcfg.check_logprobs, step=step, total=world_sum,
+                                       gather=_gather if world > 1 else (lambda rows: [rows]))
         batch = train_batch(rows, c)
         done_steps = step if first_step is not None else local + start  # GRPO steps before this one
         lr = optim.lr_at(done_steps, lr_total, lcfg.optim.lr, lcfg.warmup_lr_steps, lcfg.lr_schedule,
@@ -318,6 +336,13 @@ def _all_sum(t: torch.Tensor) -> torch.Tensor:
     t = t.clone()
     torch.distributed.all_reduce(t)
     return t
+
+
+def _gather(obj) -> list:
+    """Every rank's ``obj``."""
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
 
 
 class NonFiniteError(RuntimeError):
