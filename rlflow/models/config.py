@@ -21,7 +21,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from rlflow.ops.rope import RopeScaling, yarn_mscale
+from rlflow.ops import RopeScaling, yarn_mscale
 
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM"}
