@@ -260,22 +260,13 @@ class CombinedReward:
             out.append(replace(ex, answer=packed))
         return out
 
-    def score(self, completions: list[str], answers: list[str]) -> list[float]:
+    def score(self, completions: list[str], answers: list[str]) -> list[float | None]:
         """The rewards of a scorer's rows, each function called once for all of them: the loop's reward
-        (``stages.score``), the answers made by ``carry``. The loop cannot mask a sample out yet: one that no
-        function scores is an error."""
+        (``stages.score_rows``), the answers made by ``carry``. None: no function scored the sample; the loop
+        leaves it out of the advantages."""
         if self.needs_context:
             rows = [json.loads(a) for a in answers]
             keys = sorted({k for row in rows for k in row["extra"]})
-            got = self([row["prompt"] for row in rows], completions, [row["answer"] for row in rows],
-                       **{k: [row["extra"].get(k) for row in rows] for k in keys})
-        else:
-            rows = [{"prompt": ""} for _ in answers]
-            got = self([""] * len(answers), completions, answers)
-        missing = [i for i, v in enumerate(got) if v is None]
-        if missing:
-            names = ", ".join(r.name for r in self.rewards)
-            raise RewardError(f"no reward function scored {len(missing)} of {len(got)} samples (the first with prompt "
-                              f"{rows[missing[0]]['prompt']!r:.200}; {names} returned None); samples without a score "
-                              "are not supported yet: return a number")
-        return got
+            return self([row["prompt"] for row in rows], completions, [row["answer"] for row in rows],
+                        **{k: [row["extra"].get(k) for row in rows] for k in keys})
+        return self([""] * len(answers), completions, answers)

@@ -148,3 +148,49 @@ def test_the_logprob_gate_passes_a_consistent_run_and_fails_naming_the_worst_row
     with pytest.raises(SystemExit, match=r"error: step 0: .* mean \|d\| = .* above --check-logprobs 1e-09 .*worst "
                                                    r"rows:\n  sample \d+: mean \|d\| .* over \d+ tokens, max .* at token"):
         recipe_module().main(flags + ["--check-logprobs", "1e-9", "--out", str(tmp_path / "b")])
+
+
+@pytest.mark.parametrize("name", estimators.ADV_ESTIMATORS)
+def test_unscored_samples_get_zero_and_take_no_part_in_any_baseline(name):
+    """A reward's None ("no score"): the estimator on the scored rows alone, 0 for the others."""
+    r = torch.tensor([1.0, 0.0, 0.5, 7.0, 0.2, 0.9, 0.4, 3.0])
+    g = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2])
+    scored = torch.tensor([True, True, True, False, True, True, True, False])
+    got = estimators.advantages(name, r, g, scored_B=scored)
+    keep = scored.clone()
+    if name == "rloo":
+        keep[6] = False  # the one scored sample of group 2 has no leave-one-out baseline
+    want = torch.zeros(8)
+    want[keep] = estimators.advantages(name, r[keep], g[keep])
+    assert torch.equal(got, want)
+    assert got[3] == 0 and got[7] == 0
+    assert torch.equal(estimators.advantages(name, r, g, scored_B=torch.ones(8, dtype=torch.bool)),
+                       estimators.advantages(name, r, g))
+
+
+def test_a_reward_that_leaves_samples_unscored_trains_on_the_others():
+    from rlflow import optim
+    from rlflow.data import PromptSource
+    from rlflow.models import qwen3_moe
+    from rlflow.models.config import get_config
+    from rlflow.rollout import SamplingConfig
+    from rlflow.runtime import loop
+    from rlflow.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    cfg = get_config("qwen3-moe-tiny").replace(eos_token_id=tok.eos_id)
+    seen = []
+
+    def reward(completions, answers):  # every other sample unscored; the rest by length
+        out = [None if i % 2 else len(c) / 4 for i, c in enumerate(completions)]
+        seen.append(out)
+        return out
+    lcfg = loop.LoopConfig(steps=2, prompts_per_step=4, mini_batch_size=16, micro_batch_size=16,
+                           grpo=GRPOConfig(group_size=4), optim=optim.AdamWConfig(lr=1e-2),
+                           sampling=SamplingConfig(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id))
+    params, _, hist = loop.train(qwen3_moe.init_params(cfg, seed=0), cfg, tok, PromptSource(task="max_digit", seed=1),
+                                 reward, lcfg)
+    assert [h["unscored"] for h in hist] == [8, 8]
+    scored = [v for v in seen[0] if v is not None]
+    assert hist[0]["reward_mean"] == pytest.approx(sum(scored) / len(scored))
+    assert all(math.isfinite(h["loss"]) for h in hist) and hist[0]["update_skipped"] == 0

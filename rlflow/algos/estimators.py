@@ -52,9 +52,21 @@ def batch_whiten(x_B: Tensor, total: Callable[[Tensor], Tensor] = _same, eps: fl
 
 
 def advantages(name: str, rewards_B: Tensor, group_B: Tensor, *, scale: bool = True,
-               total: Callable[[Tensor], Tensor] = _same) -> Tensor:
+               total: Callable[[Tensor], Tensor] = _same, scored_B: Tensor | None = None) -> Tensor:
     """The advantages of estimator ``name`` (see the module docstring), float32 [B]; ``scale`` is GRPO's
-    std division (False: Dr.GRPO)."""
+    std division (False: Dr.GRPO). ``scored_B`` (bool): the rows a reward scored; the others get 0 and
+    take no part in any baseline (group means and stds, the batch whitening; RLOO needs two scored
+    samples in a group, else its scored one gets 0 too). None: every row."""
+    if scored_B is not None and not bool(scored_B.all()):
+        keep = scored_B.to(rewards_B.device)
+        if name == "rloo":  # a leave-one-out baseline needs another scored sample in the group
+            _, inv, counts = torch.unique(group_B[keep], return_inverse=True, return_counts=True)
+            keep = keep.clone()
+            keep[keep.nonzero()[:, 0][counts[inv] < 2]] = False
+        out = torch.zeros(rewards_B.shape, dtype=torch.float32, device=rewards_B.device)
+        idx = keep.nonzero()[:, 0]
+        out[idx] = advantages(name, rewards_B[idx], group_B[idx.to(group_B.device)], scale=scale, total=total)
+        return out
     if name == "grpo":
         return group_advantages(rewards_B, group_B, scale=scale)
     if name == "rloo":

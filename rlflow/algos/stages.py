@@ -24,14 +24,27 @@ from rlflow.parallel import dp
 
 def score(batch: RolloutBatch, tokenizer, reward_fn) -> Tensor:
     """rewards_B: ``reward_fn(completions, answers) -> one float per row``, called once with the decoded
-    responses and the reference answers of all the batch's rows (``rewards.CombinedReward.score``)."""
+    responses and the reference answers of all the batch's rows (``rewards.CombinedReward.score``). A row
+    the reward leaves unscored (None) is an error here; ``score_rows`` masks it instead."""
+    rewards_B, scored_B = score_rows(batch, tokenizer, reward_fn)
+    if not bool(scored_B.all()):
+        i = int((~scored_B).nonzero()[0, 0])
+        raise ValueError(f"score: the reward left {int((~scored_B).sum())} of {batch.size} rows unscored (None), "
+                         f"the first sample {int(batch.index_B[i])}; use score_rows to mask them")
+    return rewards_B
+
+
+def score_rows(batch: RolloutBatch, tokenizer, reward_fn) -> tuple[Tensor, Tensor]:
+    """(rewards_B, scored_B): ``score``'s rewards, 0 where the reward returned None ("no score"), and which
+    rows it scored (bool)."""
     if len(batch.answers) != batch.size:
         raise ValueError(f"score: batch has {batch.size} rows but {len(batch.answers)} answers")
     texts = [tokenizer.decode(r.tolist()) for r in unpad(batch.response_ids_BTr.cpu(), batch.response_mask_BTr.cpu())]
     got = reward_fn(texts, list(batch.answers))
     if len(got) != batch.size:
         raise ValueError(f"score: the reward gave {len(got)} values for {batch.size} rows")
-    return torch.tensor([float(v) for v in got], dtype=torch.float32)
+    scored = torch.tensor([v is not None for v in got], dtype=torch.bool)
+    return torch.tensor([0.0 if v is None else float(v) for v in got], dtype=torch.float32), scored
 
 
 def _trim(batch: RolloutBatch) -> RolloutBatch:

@@ -248,18 +248,18 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
             flow.put_rollout(rollout)
         t_roll = time.perf_counter()
         rows, _ = flow.get("score", [], on("score"), rank)
-        scores = stages.score(rows, tokenizer, reward_fn)
+        scores, scored = stages.score_rows(rows, tokenizer, reward_fn)
         if on_samples is not None and rank == 0 and lcfg.log_samples_every and step % lcfg.log_samples_every == 0:
-            on_samples(step, metrics.sample_rows(rows, tokenizer, scores))
+            on_samples(step, metrics.sample_rows(rows, tokenizer, scores.masked_fill(~scored, float("nan"))))
         bad = (~torch.isfinite(scores)).nonzero()[:, 0]
         if len(bad):  # their groups' advantages, hence the gradient, are non-finite: the update is skipped
             log.warning("step %d: non-finite rewards %s at sample indices %s; the update is skipped", step,
                         scores[bad][:8].tolist(), rows.index_B[bad.to(rows.index_B.device)][:8].tolist())
-        r_sum, r_sq = float(scores.sum()), float((scores ** 2).sum())
+        r_sum, r_sq, n_scored = float(scores.sum()), float((scores ** 2).sum()), int(scored.sum())  # unscored: 0
         # the advantage stage runs on the same ranks and rows (whole groups): handed over in memory; the dock
         # gets both columns. Between worker groups (rollout -> score -> train) rows go through the dock.
         adv = estimators.advantages(gcfg.adv_estimator, scores.to(device), rows.group_B, scale=gcfg.scale_rewards,
-                                    total=world_sum)
+                                    total=world_sum, scored_B=scored)
         flow.put(rows, rewards=scores.to(device), advantages=adv)
         rows, c = flow.get("update", ["rewards", "advantages"] + (list(ROUTES) if routes else []), on("update"), rank)
         # With one optimizer step per batch the policy that sampled is the policy being updated, so the
@@ -296,17 +296,18 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         if weights is not None:
             stage_s.update(weights.figures())
         if world > 1:  # global figures: sums over the ranks, slowest rank's times
-            tot = _all_sum(torch.tensor([n_prompt, n_resp, r_sum, r_sq], dtype=torch.float64))
-            n_prompt, n_resp, r_sum, r_sq = int(tot[0]), int(tot[1]), float(tot[2]), float(tot[3])
+            tot = _all_sum(torch.tensor([n_prompt, n_resp, r_sum, r_sq, n_scored], dtype=torch.float64))
+            n_prompt, n_resp, r_sum, r_sq, n_scored = int(tot[0]), int(tot[1]), float(tot[2]), float(tot[3]), int(tot[4])
             slow = torch.tensor([t1 - t0, *stage_s.values()], dtype=torch.float64)
             torch.distributed.all_reduce(slow, op=torch.distributed.ReduceOp.MAX)
             t1 = t0 + float(slow[0])
             stage_s = dict(zip(stage_s, slow[1:].tolist()))
         wall = t1 - t0
         n = lcfg.global_batch
-        mean = r_sum / n
-        std = (max(r_sq / n - mean * mean, 0.0) * n / max(n - 1, 1)) ** 0.5  # unbiased, as torch.std
-        m = {"step": step, "reward_mean": mean, "reward_std": std,
+        ns = max(n_scored, 1)  # the reward statistics are over the scored samples
+        mean = r_sum / ns
+        std = (max(r_sq / ns - mean * mean, 0.0) * ns / max(ns - 1, 1)) ** 0.5  # unbiased, as torch.std
+        m = {"step": step, "reward_mean": mean, "reward_std": std, "unscored": n - n_scored,
              "tps": tps(n_prompt, n_resp, world, wall), "step_time_s": wall,  # one device per rank
              **stage_s, "lr": lr,
              "response_len_mean": n_resp / n, "prompt_tokens": n_prompt, "response_tokens": n_resp,
