@@ -213,3 +213,28 @@ def test_a_killed_rank_stops_the_run_at_once_naming_it(tmp_path):
     time.sleep(1)
     alive = [r.pid for r in ranks if r.is_running() and r.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"ranks {alive} outlived the run"
+
+
+def _hang(rank, world):
+    import time
+
+    import torch
+    import torch.distributed as dist
+    if rank == 1:
+        time.sleep(60)  # a hung rank: alive, never reaching the collective
+    dist.all_reduce(torch.zeros(1))
+
+
+@pytest.mark.slow
+def test_a_hung_rank_fails_the_run_after_the_collective_timeout():
+    """A rank that stops answering (a deadlock, a stuck device) must not hold the others forever: with
+    --dist-timeout the waiting ranks' collective raises and the run ends."""
+    import time
+
+    import torch
+
+    from rlflow.runtime import launch
+    t0 = time.perf_counter()
+    with pytest.raises(torch.multiprocessing.ProcessRaisedException, match=r"Timed out waiting 3000ms"):
+        launch.spawn(_hang, 2, timeout_s=3)
+    assert time.perf_counter() - t0 < 40, "the run waited for the hung rank (it sleeps 60 s)"

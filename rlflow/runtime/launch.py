@@ -17,6 +17,7 @@ NPU) unless given; each process runs with one intra-op thread (one thread per ra
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import socket
@@ -36,7 +37,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init(rank: int, world: int, local_rank: int, addr: str, port: int, backend: str) -> None:
+def _init(rank: int, world: int, local_rank: int, addr: str, port: int, backend: str,
+          timeout_s: float | None = None) -> None:
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(local_rank))
     torch.set_num_threads(1)
@@ -44,7 +46,9 @@ def _init(rank: int, world: int, local_rank: int, addr: str, port: int, backend:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     elif backend == "hccl":  # NOT RUN HERE (no Ascend NPU)
         torch.npu.set_device(local_rank % torch.npu.device_count())
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world)
+    # timeout_s: how long a collective waits for a peer before it raises (None: torch's default)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world, timeout=timeout)
 
 
 def _finish() -> None:
@@ -53,8 +57,8 @@ def _finish() -> None:
     dist.destroy_process_group()
 
 
-def _entry(rank, fn, world, port, backend, outdir, args):
-    _init(rank, world, rank, "127.0.0.1", port, backend)
+def _entry(rank, fn, world, port, backend, timeout_s, outdir, args):
+    _init(rank, world, rank, "127.0.0.1", port, backend, timeout_s)
     try:
         res = fn(rank, world, *args)
         torch.save(res, os.path.join(outdir, f"{rank}.pt"))
@@ -62,13 +66,15 @@ def _entry(rank, fn, world, port, backend, outdir, args):
         _finish()
 
 
-def spawn(fn, world: int, *args, backend: str | None = None) -> list:
+def spawn(fn, world: int, *args, backend: str | None = None, timeout_s: float | None = None) -> list:
     """Run ``fn(rank, world, *args)`` in ``world`` local processes (torch.distributed initialised; a
     process's device is ``rlflow.device.process_device()``); returns the results in rank order. ``fn``
     must be importable (module level). A process that fails makes the call raise at once and the others
     are stopped (none is left waiting in a collective): ``torch.multiprocessing.ProcessRaisedException``
     with its traceback, ``SystemExit`` with the exit code of a rank that exited, or ``SystemExit`` naming
-    the rank and the signal that killed it.
+    the rank and the signal that killed it. ``timeout_s``: a collective that waits longer than this for a
+    peer (a hung rank) raises on the ranks waiting, and the run fails (None: torch's default, 30 min on
+    gloo, 10 min on nccl).
 
     SIGINT and SIGTERM (Ctrl-C, a scheduler's preemption) sent to this process are forwarded to every
     rank, and the ranks are then waited for (they agree to stop after the same step and may still be
@@ -76,7 +82,7 @@ def spawn(fn, world: int, *args, backend: str | None = None) -> list:
     signal)``."""
     backend = backend or rd.backend_for(world)
     with tempfile.TemporaryDirectory() as d:
-        ctx = mp.start_processes(_entry, args=(fn, world, free_port(), backend, d, args), nprocs=world,
+        ctx = mp.start_processes(_entry, args=(fn, world, free_port(), backend, timeout_s, d, args), nprocs=world,
                                  join=False, start_method="spawn")
         got: list[int] = []
 
@@ -125,7 +131,7 @@ def env_world() -> tuple[int, int, int] | None:
     return None
 
 
-def from_env(fn, *args, backend: str | None = None):
+def from_env(fn, *args, backend: str | None = None, timeout_s: float | None = None):
     """Run ``fn(rank, world, *args)`` as the rank this process was started as (see ``env_world``); returns
     what it returned. ``MASTER_ADDR`` / ``MASTER_PORT`` come from the environment (torchrun sets them; under
     Slurm set them to the first node and a free port)."""
@@ -136,7 +142,7 @@ def from_env(fn, *args, backend: str | None = None):
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
         raise RuntimeError("from_env: MASTER_ADDR and MASTER_PORT must be set (torchrun sets them)")
-    _init(rank, world, local, addr, int(port), backend or rd.backend())  # torchrun gives each rank a device
+    _init(rank, world, local, addr, int(port), backend or rd.backend(), timeout_s)  # torchrun: a device per rank
     try:
         return fn(rank, world, *args)
     finally:
@@ -172,17 +178,18 @@ class _RankActor:
         import ray
         return ray.util.get_node_ip_address(), free_port()
 
-    def run(self, fn, rank: int, world: int, addr: str, port: int, backend: str, args):
+    def run(self, fn, rank: int, world: int, addr: str, port: int, backend: str, timeout_s, args):
         import ray
         gpus = ray.get_gpu_ids()
-        _init(rank, world, 0 if gpus else rank, addr, port, backend)
+        _init(rank, world, 0 if gpus else rank, addr, port, backend, timeout_s)
         try:
             return fn(rank, world, *args)
         finally:
             _finish()
 
 
-def ray_spawn(fn, world: int, *args, address: str | None = None, backend: str | None = None) -> list:
+def ray_spawn(fn, world: int, *args, address: str | None = None, backend: str | None = None,
+              timeout_s: float | None = None) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` Ray actors (one per bundle of a placement group); returns
     the results in rank order. Each actor gets one GPU when the cluster has ``world`` of them (nccl), else
     one CPU (gloo)."""
@@ -200,7 +207,8 @@ def ray_spawn(fn, world: int, *args, address: str | None = None, backend: str | 
         workers = [actor.options(num_cpus=1, num_gpus=1 if gpu else 0, scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=r)).remote() for r in range(world)]
         addr, port = ray.get(workers[0].node_address.remote())
-        return ray.get([w.run.remote(fn, r, world, addr, port, backend, args) for r, w in enumerate(workers)])
+        return ray.get([w.run.remote(fn, r, world, addr, port, backend, timeout_s, args)
+                        for r, w in enumerate(workers)])
     finally:
         remove_placement_group(pg)
 
