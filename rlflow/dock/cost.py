@@ -67,7 +67,6 @@ class Shape:
     response_len: float  # SL, mean tokens
     bytes_per_token: int | None = None  # None: each column's dtype itemsize; 4: the paper's B
     answer_len: float = 8  # mean bytes of a reference answer (UTF-8; the scorers read it with the rows)
-    routes_per_token: float = 0  # MoE layers x top-k with routing replay (0: off, the route columns stay empty)
 
     @property
     def rows(self) -> int:
@@ -82,13 +81,11 @@ def cell_bytes(shape: Shape, column: str, schema: Schema) -> float:
         return b
     if col.kind == "fixed":
         return col.length * b
-    tokens = {"prompt": shape.prompt_len, "response": shape.response_len, "answer": shape.answer_len,
-              "prompt_routes": shape.prompt_len * shape.routes_per_token,
-              "response_routes": shape.response_len * shape.routes_per_token}.get(col.length_group)
+    tokens = {"prompt": shape.prompt_len, "response": shape.response_len, "answer": shape.answer_len}.get(col.length_group)
     if tokens is None:
         raise ValueError(f"cell_bytes: var column {column!r} has length group {col.length_group!r}; "
-                         f"the model knows 'prompt', 'response', 'answer' and the route groups")
-    return tokens * b + LENGTH_BYTES if tokens else 0.0  # an empty optional column is never written
+                         f"the model knows 'prompt', 'response' and 'answer'")
+    return tokens * b + LENGTH_BYTES
 
 
 def stage_bytes(shape: Shape, stage: Stage, schema: Schema) -> float:

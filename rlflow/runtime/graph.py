@@ -84,7 +84,9 @@ class Graph:
 
 PROMPT = ("prompt_ids", "group", "answer")
 ROWS = PROMPT + ("response_ids", "sample_logprobs")  # a sample after the rollout
-ROUTES = ("prompt_routes", "response_routes")  # an MoE rollout's expert choices, with routing replay only
+# An MoE rollout's expert choices: with routing replay (``LoopConfig.routing_replay``) the rollout writes
+# them too and the old-log-prob and update stages read them; the loop adds them to those stages' columns.
+ROUTES = ("prompt_routes", "response_routes")
 
 GRPO = Graph(
     columns=(
@@ -105,12 +107,12 @@ GRPO = Graph(
     ),
     stages=(
         Stage("prompts", (), PROMPT, "lead", prompt_batch),
-        Stage("rollout", PROMPT, ("response_ids", "sample_logprobs") + ROUTES, "rollout", generate),
+        Stage("rollout", PROMPT, ("response_ids", "sample_logprobs"), "rollout", generate),
         Stage("score", ROWS, ("rewards",), "every", stages.score),
         Stage("advantage", ("rewards", "group"), ("advantages",), "every", estimators.advantages),
         Stage("ref_logprob", ROWS, ("ref_logprobs",), "train", stages.batched_logprobs),
-        Stage("old_logprob", ROWS + ROUTES, ("old_logprobs",), "train", stages.batched_logprobs),
-        Stage("update", ROWS + ROUTES + ("rewards", "advantages", "old_logprobs", "ref_logprobs"), (), "train",
+        Stage("old_logprob", ROWS, ("old_logprobs",), "train", stages.batched_logprobs),
+        Stage("update", ROWS + ("rewards", "advantages", "old_logprobs", "ref_logprobs"), (), "train",
               stages.update),
     ),
 )
