@@ -26,10 +26,12 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from rlflow import device as rl_device
+from rlflow import eval as rl_eval
 from rlflow import metrics, optim, rewards
 from rlflow.algos import grpo
 from rlflow.algos.corrections import IS_LEVELS, IS_MODES, LogprobMismatchError
@@ -95,6 +97,8 @@ class Recipe:
     rollout_is: str = _f("none", "importance-sample the rollout/trainer log-prob mismatch: none, token, seq")
     rollout_is_cap: float = _f(2.0, "rollout IS: truncate weights at c, or (mask) drop those outside [1/c, c]")
     rollout_is_mode: str = _f("truncate", "rollout IS: truncate (TIS) or mask (MIS)")
+    dist_timeout: float | None = _f(None, "seconds a collective waits for a peer before the run fails (a hung rank); "
+                                          "default: torch's (30 min on gloo, 10 min on nccl)")
     check_logprobs: float | None = _f(None, "fail the run when the trainer's log-probs of the sampled tokens differ "
                                             "from the rollout's by more than this mean |d| per token (a consistency "
                                             "gate for CI; reports the worst rows)")
@@ -138,30 +142,51 @@ class Recipe:
     wandb_project: str | None = _f(None, "W&B project of --log-to wandb (default: WANDB_PROJECT, else W&B's own)")
     wandb_mode: str | None = _f(None, "W&B mode of --log-to wandb: online, or offline (wandb sync uploads it later) "
                                       "(default: WANDB_MODE, else online)")
+    eval_dataset: str | None = _f(None, "held-out prompts and answers to evaluate on, in any --dataset format (the "
+                                        "same --prompt-key/--answer-key, chat template and --reward): before the "
+                                        "first step, every --eval-every steps and after the last, logged as eval/* "
+                                        "at the steps done")
+    eval_split: str = _f("train", "split of --eval-dataset (e.g. test for a datasets folder)")
+    eval_every: int = _f(0, "also evaluate every N steps (0: only before the first step and after the last)")
+    eval_samples: int = _f(1, "responses per eval prompt: 1 is greedy (eval/accuracy); k > 1 are sampled at "
+                              "--eval-temperature (eval/pass@1, eval/pass@k)")
+    eval_max_prompts: int | None = _f(None, "evaluate on the first N prompts of --eval-dataset (default: all)")
+    eval_temperature: float = _f(1.0, "sampling temperature of --eval-samples > 1")
+    eval_only: bool = _f(False, "evaluate --model (or a random --preset) on --eval-dataset once, in one process, "
+                                "write --out/eval.json and exit without training")
     save_every: int = _f(0, "also write a checkpoint every N steps into --out (0: only the final one)")
     keep_last: int = _f(2, "keep the newest K periodic checkpoints (the final one is always kept)")
     resume: str | None = _f(None, "continue a run: a checkpoint directory, or 'auto' (the newest good one under "
                                   "--out; a fresh start if there is none)")
 
 
-def parse_args(argv=None) -> Recipe:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None, defaults: dict | None = None, doc: str | None = None) -> Recipe:
+    """The Recipe of the command line; ``defaults`` replace Recipe's field defaults and ``doc`` the --help
+    text (another recipe reusing this one, e.g. recipes/grpo_qwen25_dense.py)."""
+    defaults = dict(defaults or {})
+    unknown = set(defaults) - {f.name for f in dataclasses.fields(Recipe)}
+    if unknown:
+        raise TypeError(f"defaults: not Recipe fields: {sorted(unknown)}")
+    p = argparse.ArgumentParser(description=doc or __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(Recipe):
-        flag, help = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: {f.default})"
+        default = defaults.get(f.name, f.default)
+        flag, help = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: {default})"
         if str(f.type) == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
             continue
         if str(f.type) == "tuple[str, ...] | None":
             p.add_argument(flag, action="append", default=None, help=help)
             continue
         typ = {"int | None": int, "str | None": str, "float | None": float}.get(str(f.type), None) or \
             {"int": int, "float": float, "str": str}[str(f.type)]
-        p.add_argument(flag, type=typ, default=f.default, help=help, **CHOICES.get(f.name, {}))
-    r = Recipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in vars(p.parse_args(argv)).items()})
+        p.add_argument(flag, type=typ, default=default, help=help, **CHOICES.get(f.name, {}))
+    args = vars(p.parse_args(argv))
+    args.update({k: v for k, v in defaults.items() if args[k] is None})  # --reward: a given one replaces the default
+    r = Recipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
     for name, why in problems(r):
         v = getattr(r, name)
-        shown = " ".join(v) if isinstance(v, tuple) else v
-        p.error(f"--{name.replace('_', '-')} {shown}: {why}")  # one line, exit 2, nothing written
+        shown = "" if isinstance(v, bool) else " " + (" ".join(v) if isinstance(v, tuple) else str(v))
+        p.error(f"--{name.replace('_', '-')}{shown}: {why}")  # one line, exit 2, nothing written
     try:
         grpo_config(r)
     except ValueError as e:  # GRPOConfig names its fields; they are the recipe's flags
@@ -198,6 +223,10 @@ def problems(r: Recipe) -> list[tuple[str, str]]:
             out.append((name, "must be >= 1 (leave it out for the default)"))
     if r.group_size < 2:
         out.append(("group_size", "must be >= 2 (GRPO compares the samples of a prompt)"))
+    for name in ("dist_timeout", "check_logprobs"):
+        v = getattr(r, name)
+        if v is not None and not (v > 0 if name == "dist_timeout" else v >= 0):
+            out.append((name, "must be > 0" if name == "dist_timeout" else "must be >= 0"))
     for name in ("warmup_lr_steps", "kl_coef", "clip_high", "entropy_coef", "weight_decay", "save_every",
                  "keep_last", "log_samples_every"):
         if getattr(r, name) < 0:
@@ -229,7 +258,7 @@ def problems(r: Recipe) -> list[tuple[str, str]]:
                 mesh_of(r, spec, name)
             except ValueError as e:
                 out.append((name, str(e)))
-    return out + log_problems(r) + data_problems(r)
+    return out + log_problems(r) + data_problems(r) + eval_problems(r)
 
 
 def log_problems(r: Recipe) -> list[tuple[str, str]]:
@@ -262,8 +291,11 @@ def data_problems(r: Recipe) -> list[tuple[str, str]]:
     prompt rendered and the reward functions' signatures checked against the dataset's columns."""
     out = []
     if r.dataset is None:
-        out += [(name, "needs --dataset") for name, default in (("dataset_split", "train"), ("prompt_key", "prompt"),
-                                                               ("answer_key", "answer")) if getattr(r, name) != default]
+        out += [("dataset_split", "needs --dataset")] if r.dataset_split != "train" else []
+        if r.eval_dataset is None:  # the keys name the eval set's columns too
+            out += [(name, "needs --dataset or --eval-dataset") for name, default in (("prompt_key", "prompt"),
+                                                                                     ("answer_key", "answer"))
+                    if getattr(r, name) != default]
     specs = reward_specs(r)
     if r.reward_weights is not None:
         try:
@@ -312,8 +344,48 @@ def data_problems(r: Recipe) -> list[tuple[str, str]]:
     return out
 
 
+def eval_problems(r: Recipe) -> list[tuple[str, str]]:
+    """(field, why) for the --eval-* flags; the eval set is checked as --dataset is (loaded, its first prompt
+    rendered, the reward functions' signatures against its columns)."""
+    out = []
+    if r.eval_samples < 1:
+        out.append(("eval_samples", "must be >= 1"))
+    if r.eval_max_prompts is not None and r.eval_max_prompts < 1:
+        out.append(("eval_max_prompts", "must be >= 1 (leave it out for all)"))
+    if r.eval_every < 0:
+        out.append(("eval_every", "must be >= 0"))
+    if not r.eval_temperature > 0:
+        out.append(("eval_temperature", "must be > 0 (--eval-samples 1 is the greedy evaluation)"))
+    if r.eval_dataset is None:
+        return out + [(f.name, "needs --eval-dataset") for f in dataclasses.fields(Recipe)
+                      if f.name.startswith("eval_") and f.name != "eval_dataset" and getattr(r, f.name) != f.default]
+    if r.eval_only and r.resume:
+        out.append(("resume", "--eval-only trains nothing; evaluate a checkpoint with --model DIR"))
+    try:
+        examples = load_examples(r.eval_dataset, prompt_key=r.prompt_key, answer_key=r.answer_key,
+                                 split=r.eval_split)
+    except ValueError as e:
+        return out + [("eval_dataset", str(e))]
+    try:
+        reward, chat = rewards.CombinedReward.load(reward_specs(r), None), chat_template(r)
+    except ValueError:  # a bad --reward or --model: data_problems names it
+        return out
+    chats = [i for i, ex in enumerate(examples) if ex.messages is not None]
+    if chat is None and chats:
+        out.append(("eval_dataset", f"its prompts are chat messages (row {chats[0]}, {len(chats)} in all); they need "
+                                    "a chat template: a --model that has one, without --no-chat-template"))
+    try:
+        if chat is not None:
+            apply_chat_template(examples[:1], chat, system_prompt=r.system_prompt)
+        reward.check_columns(list(examples[0].extra))
+    except ValueError as e:
+        out.append(("eval_dataset", str(e)))
+    return out
+
+
 def reward_specs(r: Recipe) -> list[str]:
-    return list(r.reward) if r.reward else ["math" if r.dataset else "exact"]
+    """--reward, else the default: math for datasets (the eval set of --eval-only is one), exact for the tasks."""
+    return list(r.reward) if r.reward else ["math" if r.dataset or (r.eval_only and r.eval_dataset) else "exact"]
 
 
 def reward_weights(r: Recipe) -> list[float] | None:
@@ -331,18 +403,32 @@ def prompts_and_reward(r: Recipe) -> tuple[PromptSource, rewards.RewardFn]:
     """The prompt source (each batch rendered by the chat template, carrying what the reward functions are
     called with) and the loop's reward (``CombinedReward.score``: one call per scorer's rows)."""
     reward = rewards.CombinedReward.load(reward_specs(r), reward_weights(r))
-    chat = chat_template(r)
-
-    def prepare(batch: list[Example]) -> list[Example]:
-        if chat is not None:
-            batch = apply_chat_template(batch, chat, system_prompt=r.system_prompt)
-        return reward.carry(batch)
+    prepare = prompt_transform(r, reward)
     if r.dataset:
         examples = load_examples(r.dataset, prompt_key=r.prompt_key, answer_key=r.answer_key, split=r.dataset_split)
         source = PromptSource(examples=examples, seed=r.seed, transform=prepare)
     else:
         source = PromptSource(task=r.task, seed=r.seed, transform=prepare)
     return source, reward.score
+
+
+def prompt_transform(r: Recipe, reward: rewards.CombinedReward) -> Callable[[list[Example]], list[Example]]:
+    """Examples as the model and the reward functions see them: rendered by the chat template, carrying what
+    the reward functions are called with."""
+    chat = chat_template(r)
+
+    def prepare(batch: list[Example]) -> list[Example]:
+        if chat is not None:
+            batch = apply_chat_template(batch, chat, system_prompt=r.system_prompt)
+        return reward.carry(batch)
+    return prepare
+
+
+def eval_examples(r: Recipe) -> list[Example]:
+    """The first --eval-max-prompts examples of --eval-dataset, prepared as the training prompts are."""
+    examples = load_examples(r.eval_dataset, prompt_key=r.prompt_key, answer_key=r.answer_key, split=r.eval_split)
+    return prompt_transform(r, rewards.CombinedReward.load(reward_specs(r), reward_weights(r)))(
+        examples[:r.eval_max_prompts])
 
 
 def mesh_of(r: Recipe, spec: str | None, name: str):
@@ -370,7 +456,8 @@ def placement(r: Recipe, cfg, dtype):
     return out
 
 
-def build(r: Recipe, rank: int = 0):
+def load_model(r: Recipe, rank: int = 0):
+    """(cfg, params, tokenizer, device) of --model, or a random init of --preset with the built-in tokenizer."""
     dev = rl_device.device(rank)
     if dev.type == "cpu":
         rl_device.keep_host_memory()  # activations reuse freed memory instead of fresh pages every step
@@ -385,6 +472,11 @@ def build(r: Recipe, rank: int = 0):
             raise ValueError(f"--preset {r.preset}: vocab_size {cfg.vocab_size} < built-in tokenizer's {tok.vocab_size}")
         cfg = cfg.replace(eos_token_id=tok.eos_id)
         params = qwen3_moe.init_params(cfg, seed=r.seed, dtype=dtype, device=dev)
+    return cfg, params, tok, dev
+
+
+def build(r: Recipe, rank: int = 0):
+    cfg, params, tok, dev = load_model(r, rank)
     source, reward_fn = prompts_and_reward(r)
     gb = r.prompts_per_step * r.group_size
     mini = r.mini_batch_size or gb
@@ -440,6 +532,8 @@ def plot_rewards(history: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    evals = [m for m in history if "eval/reward_mean" in m]
+    history = [m for m in history if "reward_mean" in m]
     steps = [m["step"] for m in history]
     r = [m["reward_mean"] for m in history]
     k = 10
@@ -447,6 +541,8 @@ def plot_rewards(history: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, r, alpha=0.35, label="reward (step mean)")
     ax.plot(steps, smooth, label=f"reward ({k}-step moving mean)")
+    if evals:
+        ax.plot([m["step"] for m in evals], [m["eval/reward_mean"] for m in evals], "o-", label="eval reward (mean)")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("mean reward")
     ax.set_ylim(-0.02, 1.02)
@@ -457,7 +553,8 @@ def plot_rewards(history: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-RUN_FILES = ("args.json", "metrics.jsonl", "samples.jsonl", "tensorboard", "reward.png", "checkpoint-final")
+RUN_FILES = ("args.json", "metrics.jsonl", "samples.jsonl", "tensorboard", "reward.png", "checkpoint-final",
+             "eval.json")
 
 
 def prepare_out(r: Recipe) -> None:
@@ -479,8 +576,8 @@ def prepare_out(r: Recipe) -> None:
         raise SystemExit(f"error: --out {r.out}: cannot write there ({e.strerror or e})") from None
 
 
-def main(argv=None) -> list[dict]:
-    r = parse_args(argv)
+def main(argv=None, defaults: dict | None = None, doc: str | None = None) -> list[dict]:
+    r = parse_args(argv, defaults, doc)
     from rlflow.runtime import launch
     where = launch.env_world()  # started by torchrun / Slurm: this process is one rank
     if where is not None:
@@ -488,6 +585,11 @@ def main(argv=None) -> list[dict]:
     cfg = hf.load_config(r.model) if r.model else get_config(r.preset)
     if r.model:
         check_tokenizer(r, cfg)
+    if r.eval_only:  # in this process (under torchrun / Slurm: rank 0's): no layouts, no dock
+        if where is not None and where[0] != 0:
+            return []
+        prepare_out(r)
+        return [evaluate_only(r)]
     if r.world > 1:  # what the layouts cannot run is refused here, once, before any process starts
         try:
             placement(r, cfg, torch.float32)
@@ -506,15 +608,44 @@ def main(argv=None) -> list[dict]:
             if r.world > 1 and dock is None:
                 raise SystemExit("error: under torchrun / Slurm with more than one rank the dock is not built yet "
                                  "(its processes are started by the driver of a local or Ray launch)")
-            return launch.from_env(run, r, dock)
+            return launch.from_env(run, r, dock, timeout_s=r.dist_timeout)
         if r.world == 1:
             return run(0, 1, r, dock)
         if r.launcher == "ray":
-            return launch.ray_spawn(run, r.world, r, dock, address=r.ray_address)[0]
-        return launch.spawn(run, r.world, r, dock)[0]  # torch.distributed: gloo on CPU, nccl on CUDA, hccl on NPU
+            return launch.ray_spawn(run, r.world, r, dock, address=r.ray_address, timeout_s=r.dist_timeout)[0]
+        return launch.spawn(run, r.world, r, dock, timeout_s=r.dist_timeout)[0]  # torch.distributed: gloo on CPU, nccl on CUDA, hccl on NPU
     finally:
         if dock is not None:
             dock.close()
+
+
+def eval_settings(r: Recipe) -> dict:
+    """``rl_eval.evaluate``'s settings: the training's response budget and prompt truncation, a step's prompts
+    per generate call."""
+    return dict(samples=r.eval_samples, temperature=r.eval_temperature, max_new_tokens=r.max_new_tokens,
+                batch_size=r.prompts_per_step, seed=r.seed, max_prompt_len=r.max_prompt_len)
+
+
+def eval_line(m: dict) -> str:
+    shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in m.items()
+                      if k not in ("eval/prompts", "eval/unscored"))
+    unscored = f", {m['eval/unscored']} samples unscored" if m["eval/unscored"] else ""
+    return f"{shown} ({m['eval/prompts']} prompts{unscored})"
+
+
+def evaluate_only(r: Recipe) -> dict[str, float]:
+    """--eval-only: the eval/* metrics of --model (or a random --preset), printed and written to --out/eval.json."""
+    torch.manual_seed(r.seed)
+    cfg, params, tok, _ = load_model(r)
+    reward = rewards.CombinedReward.load(reward_specs(r), reward_weights(r))
+    m = rl_eval.evaluate(params, cfg, tok, eval_examples(r), reward.score, **eval_settings(r))
+    print(f"eval of {r.model or r.preset} on {r.eval_dataset}: {eval_line(m)}")
+    if r.out:
+        path = os.path.join(r.out, "eval.json")
+        with open(path, "w") as f:
+            json.dump(m, f, indent=2)
+        print(f"wrote {path}")
+    return m
 
 
 def resume_point(r: Recipe, cfg, source, dev, dtype, say):
@@ -575,8 +706,9 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
     lead = rank == 0
     say = print if lead else (lambda *a, **k: None)
     n = sum(p.numel() for p in params.values())
-    say(f"model: {r.model or r.preset} ({cfg.model_type}, {n / 1e6:.2f}M params, "
-        f"{cfg.num_experts} experts top-{cfg.num_experts_per_tok}) on {dev} x {world}; task: {r.dataset or r.task}")
+    moe = f"{cfg.num_experts} experts top-{cfg.num_experts_per_tok}" if cfg.num_experts else "dense"
+    say(f"model: {r.model or r.preset} ({cfg.model_type}, {n / 1e6:.2f}M params, {moe}) on {dev} x {world}; "
+        f"task: {r.dataset or r.task}")
     say(f"sizes: {r.prompts_per_step} prompts x {r.group_size} samples = {lcfg.global_batch} per step, "
         f"mini-batch {lcfg.mini_batch_size}, micro-batch {lcfg.micro_batch_size}")
     if where is not None:
@@ -619,7 +751,19 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
         return checkpoint.save(r.out, name, steps_done=steps_done, cfg=cfg, params=p, opt_state=state, source=source,
                                args=dataclasses.asdict(r), tokenizer=tok, keep_last=keep)
 
+    evals = eval_examples(r) if r.eval_dataset else None
+
+    def evaluate_at(steps_done, p):
+        """Every rank calls it (the weights and the shares' scores are gathered: collectives); the lead logs
+        the eval/* row at the steps done."""
+        m = evaluation(r, cfg, tok, evals, reward_fn, p, where, rank, world)
+        for s in sinks:
+            s.log(steps_done, {"step": steps_done, **m})
+        (bar.write if bar is not None else say)(f"eval after {steps_done} steps: {eval_line(m)}")
+
     def after_step(steps_done, p, state):
+        if evals is not None and (steps_done == r.steps or (r.eval_every and steps_done % r.eval_every == 0)):
+            evaluate_at(steps_done, p)
         if r.out and r.save_every and steps_done % r.save_every == 0 and steps_done < r.steps:
             save(f"checkpoint-{steps_done:06d}", steps_done, p, state, keep=r.keep_last)
     bar = None
@@ -645,6 +789,8 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
             s.log_samples(step, rows)
 
     try:
+        if evals is not None:
+            evaluate_at(done, params)
         params, opt_state, history = loop.train(
             params, cfg, tok, source, reward_fn, lcfg, on_step=on_step, device=dev, dock=dock, placement=where,
             opt_state=opt_state, first_step=done, ref_params=init, after_step=after_step, should_stop=interrupt,
@@ -697,20 +843,42 @@ def _same_layouts(where) -> bool:
     return same_layout(where.train, where.rollout)
 
 
-def full_state(cfg, where, params, state):
-    """The whole weights and AdamW state from every rank's train shards (a collective; checkpoints)."""
+def full_params(cfg, where, ts: dict) -> dict:
+    """Every rank's copy of the whole tensors from its train shards ``ts`` (a collective)."""
     from rlflow.models.sharding import RULES, layout
     from rlflow.runtime.weights import gather_full
     from rlflow.sharding import Mesh
+    if not ts:
+        return {}
+    dt = next(iter(ts.values())).dtype
+    mesh = where.train.mesh  # the whole model on every rank: no pp stages, nothing split
+    return gather_full(ts, layout(cfg, mesh, dtype=dt), layout(cfg, Mesh(dp=mesh.size), {k: None for k in RULES},
+                                                               dtype=dt))
 
-    def full(ts):
-        if not ts:
-            return {}
-        dt = next(iter(ts.values())).dtype
-        mesh = where.train.mesh  # the whole model on every rank: no pp stages, nothing split
-        return gather_full(ts, layout(cfg, mesh, dtype=dt), layout(cfg, Mesh(dp=mesh.size), {k: None for k in RULES},
-                                                                   dtype=dt))
+
+def full_state(cfg, where, params, state):
+    """The whole weights and AdamW state from every rank's train shards (a collective; checkpoints)."""
+    full = lambda ts: full_params(cfg, where, ts)  # noqa: E731
     return full(params), optim.AdamWState(step=state.step, m=full(state.m), v=full(state.v), master=full(state.master))
+
+
+def evaluation(r: Recipe, cfg, tok, examples: list[Example], reward_fn, params, where, rank: int,
+               world: int) -> dict[str, float]:
+    """The eval/* metrics of the policy whose train shards this rank holds (``where`` None: one process, the
+    whole weights). With several ranks every rank gathers the whole weights (as checkpoints do) and scores a
+    contiguous share of the prompts on its own, unsharded; the shares' per-sample scores are gathered on every
+    rank and summed up there. Every rank makes the same two collective calls, whatever its share; a prompt
+    samples what it would in one process (its noise is keyed by its index in the eval set)."""
+    if where is not None:
+        params = full_params(cfg, where, params)
+    lo, hi = rank * len(examples) // world, (rank + 1) * len(examples) // world
+    part = rl_eval.sample_scores(params, cfg, tok, examples[lo:hi], reward_fn, first_index=lo,
+                                 **eval_settings(r)) if hi > lo else None
+    parts = [part]
+    if where is not None:
+        parts = [None] * world
+        torch.distributed.all_gather_object(parts, part)
+    return rl_eval.summarize(rl_eval.cat([p for p in parts if p is not None]))
 
 
 if __name__ == "__main__":
