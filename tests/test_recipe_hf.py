@@ -64,3 +64,45 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused_naming_the_flag
     assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert res.stderr.strip().splitlines()[-1] == (f"error: --model {model_dir}: the tokenizer has {len(vocab)} tokens "
                                                    "but the model's vocab_size is 8")
+
+
+def test_the_real_user_path_parquet_reward_file_eval_and_tensorboard(tmp_path):
+    """The command a user coming from TRL runs: a checkpoint directory, a Parquet dataset, their own reward
+    function in a file, a held-out eval set every 5 steps, TensorBoard and JSONL curves; the default 2
+    processes (train tp=2, rollout dp=2)."""
+    import datasets
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    vocab = {t: i for i, t in enumerate(["<|endoftext|>", "<|im_end|>", *"0123456789+-=#?", "what", "is", "x"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="removed")
+    model_dir = tmp_path / "model"
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        eos_token_id=vocab["<|im_end|>"])).save_pretrained(model_dir)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>").save_pretrained(
+        model_dir)
+    rows = [{"prompt": f"what is {a} + {b} = ?", "answer": str(a + b), "level": a % 3} for a in range(6) for b in (1, 2)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "data.parquet"))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
+    (tmp_path / "my_reward.py").write_text(
+        "def score(prompts, completions, answers, level, **kwargs):\n"
+        "    return [float(a in c) + 0.1 * lv for c, a, lv in zip(completions, answers, level)]\n")
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--model", str(model_dir),
+           "--dataset", str(tmp_path / "data.parquet"), "--reward", f"{tmp_path / 'my_reward.py'}:score",
+           "--eval-dataset", str(tmp_path / "eval.jsonl"), "--eval-every", "5", "--log-to", "jsonl,tensorboard",
+           "--steps", "10", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "3", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in lines if "reward_mean" in r]
+    evals = [r for r in lines if "eval/reward_mean" in r]
+    assert [r["step"] for r in train] == list(range(10)) and [r["step"] for r in evals] == [0, 5, 10]
+    assert all(0.0 <= r["reward_mean"] <= 1.2 for r in train)  # the file's reward: 0 or 1, plus 0.1 x level
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert "reward_mean" in tags and "eval/reward_mean" in tags
+    assert [e.step for e in acc.Scalars("eval/reward_mean")] == [0, 5, 10]
