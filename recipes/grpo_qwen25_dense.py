@@ -9,15 +9,9 @@ With flags it is recipes/grpo_qwen3_moe.py with other defaults and takes all its
 checkpoint directory (e.g. Qwen2.5-7B-Instruct), --dataset, --reward, --world and the layouts, ... (see --help).
 """
 
-import os
-import sys
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)  # recipes/ is not a package (spawned ranks inherit sys.path)
-from grpo_qwen3_moe import main  # noqa: E402
+from rlflow.recipe import main
 
 DEFAULTS = {"preset": "qwen2.5-tiny", "entropy_coef": 0.01}
 
 if __name__ == "__main__":
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)  # Ray's workers
     main(defaults=DEFAULTS, doc=__doc__)

@@ -26,13 +26,7 @@ def moe_reference(x, w, idx, gate_up, down):
 
 
 def recipe_module():
-    """recipes/grpo_qwen3_moe.py imported as a module (its ``main`` and ``parse_args``)."""
-    import importlib.util
-    import os
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("grpo_recipe", os.path.join(root, "recipes", "grpo_qwen3_moe.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    """The GRPO recipe's machinery (``rlflow.recipe``: ``main``, ``parse_args``, ``build``, ...), which
+    recipes/grpo_qwen3_moe.py runs."""
+    import rlflow.recipe
+    return rlflow.recipe

@@ -31,8 +31,8 @@ def test_help_shows_the_dense_defaults():
 
 
 def test_defaults_replace_the_recipe_defaults_and_flags_override_them():
+    from rlflow import recipe as moe
     dense = dense_module()
-    moe = sys.modules["grpo_qwen3_moe"]
     r = moe.parse_args([], dense.DEFAULTS)
     assert (r.preset, r.entropy_coef) == ("qwen2.5-tiny", 0.01)
     assert moe.parse_args(["--preset", "qwen3-moe-tiny"], dense.DEFAULTS).preset == "qwen3-moe-tiny"
