@@ -41,14 +41,11 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
 
 
-def _right_order(mask_BT: torch.Tensor) -> torch.Tensor:
-    return torch.argsort((~mask_BT).to(torch.int8), dim=1, stable=True)
-
-
-def right_align(ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Move each row's real tokens to the front (left-padded -> right-padded), keeping their order."""
-    order = _right_order(mask_BT)
-    return ids_BT.gather(1, order), mask_BT.gather(1, order)
+def right_align(ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Move each row's real tokens to the front (left-padded -> right-padded), keeping their order; returns
+    the ids, the mask and the order (right-aligned column j holds the left-padded column order[:, j])."""
+    order = torch.argsort((~mask_BT).to(torch.int8), dim=1, stable=True)
+    return ids_BT.gather(1, order), mask_BT.gather(1, order), order
 
 
 def _decode_step(params, cfg, scfg, tok_S, valid_S, noise_SV, cache, out, ex=LOCAL):
@@ -172,8 +169,7 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
     slots = min(B, max_batch or B)
     dtype = params["model.embed_tokens.weight"].dtype
     params = model.fuse_for_inference(params, cfg, ex)
-    ids_r, mask_r = right_align(prompts.prompt_ids_BTp, prompts.prompt_mask_BTp)
-    order_r = _right_order(prompts.prompt_mask_BTp)  # right-aligned column j holds left-padded column order_r[j]
+    ids_r, mask_r, order_r = right_align(prompts.prompt_ids_BTp, prompts.prompt_mask_BTp)
     plen_P = mask_r.sum(-1)
 
     max_len = _bucketed(Tp + Tn) if compile_decode else Tp + Tn  # compiled: one graph per cache length
