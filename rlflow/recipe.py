@@ -586,11 +586,11 @@ def main(argv=None, defaults: dict | None = None, doc: str | None = None) -> lis
             return []
         prepare_out(r)
         return [evaluate_only(r)]
-    if r.world > 1:  # what the layouts cannot run is refused here, once, before any process starts
-        try:
-            placement(r, cfg, torch.float32)
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
+    try:  # what the model and the layouts cannot run is refused here, once, before any process starts
+        pp = placement(r, cfg, torch.float32).train.mesh.pp if r.world > 1 else 1
+        loop.check_features(cfg, pp, routing_replay=r.routing_replay, check_logprobs=r.check_logprobs)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     if where is None or where[0] == 0:
         prepare_out(r)
     if r.resume and r.resume != "auto":  # a damaged checkpoint is refused before any rank starts

@@ -178,6 +178,17 @@ def test_config_json_round_trips():
     for name in ("deepseek-tiny", "deepseek-r1-671b"):
         cfg = get_config(name)
         assert ModelConfig.from_hf(json.loads(json.dumps(cfg.to_hf()))) == cfg
+    # transformers 4.x reads the YaRN scaling (and with it MLA's mscale) from rope_scaling only
+    d = get_config("deepseek-r1-671b").to_hf()
+    assert d["rope_scaling"]["type"] == d["rope_parameters"]["rope_type"] == "yarn"
+    assert ModelConfig.from_hf({k: v for k, v in d.items() if k != "rope_parameters"}) == get_config("deepseek-r1-671b")
+
+
+def test_a_routed_scale_on_softmax_routing_is_refused():
+    """Softmax routing (Qwen3-MoE) has no routed_scaling_factor: accepted, the replayed weights were scaled
+    and the router's were not."""
+    with pytest.raises(ValueError, match="routed_scaling_factor=2.0: the routed weights' scale is DeepSeek's"):
+        get_config("qwen3-moe-tiny").replace(routed_scaling_factor=2.0)
 
 
 def test_the_recipe_learns_the_built_in_task_with_deepseek_tiny(tmp_path):

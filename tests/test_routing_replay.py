@@ -126,6 +126,11 @@ def test_the_routes_travel_through_the_dock_with_their_rows():
     assert torch.equal(got.response_routes_BTrMK, ro.response_routes_BTrMK[:, :Tr])
 
 
+def test_the_recipe_refuses_replay_for_a_dense_model_before_any_rank_starts(capsys):
+    with pytest.raises(SystemExit, match="error: routing_replay='on' needs an MoE model; qwen2 has no routed experts"):
+        recipe_module().main(["--preset", "qwen2.5-tiny", "--routing-replay", "on", "--steps", "1"])
+
+
 def test_routing_replay_is_refused_for_a_dense_model_and_an_unknown_mode():
     recipe = recipe_module()
     lcfg = recipe.build(recipe.parse_args(["--world", "1", "--steps", "1"]))[5]

@@ -145,7 +145,7 @@ def batched_logprobs(params, cfg: ModelConfig, batch: RolloutBatch, *, micro_bat
     mbs = [_trim(batch.select(rows)) for rows in parts]
     if not (ex.first and ex.last):
         from rlflow.parallel import train as ptrain  # the pipeline glue (it imports this module)
-        lps = [lp for lp, _ in ptrain.forward_only(params, ex, mbs, temperature=temperature)]
+        lps = [lp for lp, _ in ptrain.forward_only(params, ex, mbs, temperature=temperature, replay=replay)]
     else:
         lps = [response_logprobs(params, cfg, mb, temperature=temperature, with_aux=False, ex=ex, replay=replay)[0]
                for mb in mbs]
@@ -264,7 +264,8 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
                 aux_w = [ucfg.router_aux_coef * mb.size / n_seqs for mb in mbs] if ucfg.router_aux_coef else None
                 _, got = ptrain.forward_backward(live, ex, mbs, lambda lp, ent, mb: mb_loss(lp, ent, None, mb),
                                                  aux_weights=aux_w, temperature=gcfg.temperature,
-                                                 with_entropy=bool(gcfg.entropy_coef), remat=ucfg.remat)
+                                                 with_entropy=bool(gcfg.entropy_coef), remat=ucfg.remat,
+                                                 replay=ucfg.routing_replay == "on")
                 grads = [got[k].float() for k in names]
             for mb in [] if pipelined else mbs:
                 lp, ent, aux = response_logprobs(live, cfg, mb, temperature=gcfg.temperature,

@@ -115,6 +115,9 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig: {self.n_group} groups of {per_group} experts, {self.topk_group} "
                                  f"kept, cannot give num_experts_per_tok={self.num_experts_per_tok} (a group "
                                  "scores its two best experts)")
+            if self.routed_scaling_factor != 1.0 and self.scoring_func != "sigmoid":
+                raise ValueError(f"ModelConfig.routed_scaling_factor={self.routed_scaling_factor}: the routed weights' "
+                                 "scale is DeepSeek's (scoring_func='sigmoid'); softmax routing does not apply it")
             if self.n_group > 1 and self.scoring_func != "sigmoid":
                 raise ValueError(f"ModelConfig.n_group={self.n_group}: group-limited routing is DeepSeek's "
                                  "(scoring_func='sigmoid')")
@@ -211,6 +214,8 @@ class ModelConfig:
             tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.attention_bias,
             bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id, torch_dtype="float32",
         )
+        if self.rope_scaling is not None:  # transformers 4.x reads the scaling from here (the key "type" before 4.45)
+            d["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"} | {"type": self.rope_scaling.kind}
         if self.model_type == "deepseek_v3":
             d.update(q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
                      qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,

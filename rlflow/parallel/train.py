@@ -29,12 +29,13 @@ class PPStageOut:
 
 
 def pp_stage_forward(params, ctx: LayoutExec, batch, h_in: Tensor | None = None, *, temperature: float = 1.0,
-                     with_entropy: bool = False, remat: bool = False) -> PPStageOut:
+                     with_entropy: bool = False, remat: bool = False, replay: bool = True) -> PPStageOut:
     """This rank's stage of ``stages.response_logprobs`` on ``batch`` (every stage gets the batch; stage 0
-    embeds the ids, later stages start from ``h_in``; the last stage returns the log-probs)."""
+    embeds the ids, later stages start from ``h_in``; the last stage returns the log-probs). ``replay``:
+    a batch's rollout routes are replayed (``stages.response_logprobs``)."""
     out, ent, aux = stages.response_logprobs(params, ctx.cfg, batch, temperature=temperature,
                                              with_entropy=with_entropy, remat=remat, with_aux=True, ex=ctx,
-                                             h_in=h_in)
+                                             h_in=h_in, replay=replay)
     if not ctx.last:
         return PPStageOut(h=out, aux=aux)
     return PPStageOut(logprobs=out, entropy=ent, aux=aux)
@@ -61,12 +62,13 @@ def _pipe_kw(ctx: LayoutExec, params, micro_batches) -> dict:
 
 
 def forward_only(params, ctx: LayoutExec, micro_batches: list, *, temperature: float = 1.0,
-                 with_entropy: bool = False) -> list[tuple[Tensor, Tensor | None]]:
+                 with_entropy: bool = False, replay: bool = True) -> list[tuple[Tensor, Tensor | None]]:
     """Log-probs (and entropies) of every micro-batch without gradients, through the pipeline: on the
     last stage a list of ``(logprobs_BTr, entropy_BTr)``, elsewhere an empty list (the old_logprob and
     ref_logprob stages)."""
     def fwd(m: int, x):
-        out = pp_stage_forward(params, ctx, micro_batches[m], x, temperature=temperature, with_entropy=with_entropy)
+        out = pp_stage_forward(params, ctx, micro_batches[m], x, temperature=temperature, with_entropy=with_entropy,
+                               replay=replay)
         return (out.logprobs, out.entropy) if ctx.last else out.h
 
     return pp.run_forward(fwd, len(micro_batches), **_pipe_kw(ctx, params, micro_batches))
@@ -74,7 +76,8 @@ def forward_only(params, ctx: LayoutExec, micro_batches: list, *, temperature: f
 
 def forward_backward(params, ctx: LayoutExec, micro_batches: list, loss_fn: Callable, *,
                      aux_weights: list[float] | None = None, schedule: str = "1f1b", temperature: float = 1.0,
-                     with_entropy: bool = False, remat: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
+                     with_entropy: bool = False, remat: bool = False, replay: bool = True
+                     ) -> tuple[Tensor, dict[str, Tensor]]:
     """Forward and backward of this rank's micro-batches through the pipeline (one stage when pp = 1).
 
     params: this rank's shards as leaves that require grad. ``loss_fn(logprobs_BTr, entropy_BTr, mb)``:
@@ -88,7 +91,7 @@ def forward_backward(params, ctx: LayoutExec, micro_batches: list, loss_fn: Call
 
     def fwd(m: int, x):
         out = pp_stage_forward(params, ctx, micro_batches[m], x, temperature=temperature, with_entropy=with_entropy,
-                               remat=remat)
+                               remat=remat, replay=replay)
         extra = None
         if aux_weights is not None and aux_weights[m]:
             extra = aux_weights[m] * out.aux

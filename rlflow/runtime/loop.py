@@ -174,17 +174,10 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
     """
     gcfg = lcfg.grpo
     world = 1 if placement is None else placement.world
+    check_features(cfg, 1 if placement is None else placement.train.mesh.pp, routing_replay=lcfg.routing_replay,
+                   check_logprobs=lcfg.check_logprobs)
     routes = lcfg.routing_replay != "off"
-    if routes and not cfg.is_moe:
-        raise ValueError(f"routing_replay={lcfg.routing_replay!r} needs an MoE model; {cfg.model_type} has no routed "
-                         "experts")
-    if lcfg.routing_replay == "measure" and placement is not None and placement.train.mesh.pp > 1:
-        raise ValueError("routing_replay='measure' compares in the update's forward, which a pp layout runs in "
-                         "its schedule: use 'on', or a layout without pp")
     route_dims = (n_moe_layers(cfg), cfg.num_experts_per_tok) if routes else None
-    if lcfg.check_logprobs is not None and placement is not None and placement.train.mesh.pp > 1:
-        raise ValueError("check_logprobs compares on every train rank; a pp layout has the log-probs on its last "
-                         "stage only: use a layout without pp")
     if placement is None:
         rank, tctx, rctx, weights = 0, LOCAL, LOCAL, None
         train_mesh = rollout_mesh = every = Mesh()
@@ -337,6 +330,20 @@ def _all_sum(t: torch.Tensor) -> torch.Tensor:
     t = t.clone()
     torch.distributed.all_reduce(t)
     return t
+
+
+def check_features(cfg: ModelConfig, train_pp: int, *, routing_replay: str, check_logprobs: float | None) -> None:
+    """``ValueError`` for a ``LoopConfig`` feature the model or the train layout (``train_pp`` stages) cannot run
+    (``train`` checks it; a launcher can before any rank starts)."""
+    if routing_replay != "off" and not cfg.is_moe:
+        raise ValueError(f"routing_replay={routing_replay!r} needs an MoE model; {cfg.model_type} has no routed "
+                         "experts")
+    if routing_replay == "measure" and train_pp > 1:
+        raise ValueError("routing_replay='measure' compares in the update's forward, which a pp layout runs in "
+                         "its schedule: use 'on', or a layout without pp")
+    if check_logprobs is not None and train_pp > 1:
+        raise ValueError("check_logprobs compares on every train rank; a pp layout has the log-probs on its last "
+                         "stage only: use a layout without pp")
 
 
 def _gather(obj) -> list:
