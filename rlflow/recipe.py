@@ -219,10 +219,10 @@ def problems(r: Recipe) -> list[tuple[str, str]]:
             out.append((name, "must be >= 1 (leave it out for the default)"))
     if r.group_size < 2:
         out.append(("group_size", "must be >= 2 (GRPO compares the samples of a prompt)"))
-    for name in ("dist_timeout", "check_logprobs"):
-        v = getattr(r, name)
-        if v is not None and not (v > 0 if name == "dist_timeout" else v >= 0):
-            out.append((name, "must be > 0" if name == "dist_timeout" else "must be >= 0"))
+    if r.dist_timeout is not None and not r.dist_timeout > 0:
+        out.append(("dist_timeout", "must be > 0"))
+    if r.check_logprobs is not None and not r.check_logprobs >= 0:
+        out.append(("check_logprobs", "must be >= 0"))
     for name in ("warmup_lr_steps", "kl_coef", "clip_high", "entropy_coef", "weight_decay", "save_every",
                  "keep_last", "log_samples_every"):
         if getattr(r, name) < 0:

@@ -181,16 +181,13 @@ def fuse_for_inference(params: Params, cfg: ModelConfig, ex: Exec = LOCAL) -> Pa
     out = dict(params)
     for i in ex.layers(cfg):
         p = f"model.layers.{i}.self_attn."
-        if cfg.mla:
-            w, b, n = None, None, None
-        else:
+        if not cfg.mla:  # MLA's projections stay apart (models/deepseek.py)
             w, b, n = fused_attention_weights(ex.attention_view(params, cfg, i), cfg, p)
-        if w is not None:
             out[p + QKV_W] = w
-        if b is not None:
-            out[p + QKV_B] = b
-        if n is not None:
-            out[p + QK_NORM] = n
+            if b is not None:
+                out[p + QKV_B] = b
+            if n is not None:
+                out[p + QK_NORM] = n
         m = f"model.layers.{i}.mlp."
         if cfg.is_moe_layer(i):
             prep = prepare_experts(params[m + "experts.gate_up_proj"], params[m + "experts.down_proj"])

@@ -45,11 +45,13 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> tuple[Tensor, float]:
-    """(inv_freq [d/2] in float32, the factor cos/sin are scaled by), as transformers'
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                     device: torch.device | str | None = None) -> tuple[Tensor, float]:
+    """(inv_freq [d/2] in float32 on ``device``, the factor cos/sin are scaled by), as transformers'
     ``ROPE_INIT_FUNCTIONS`` compute them: default theta^(-2i/d); linear divides by the factor; YaRN
-    interpolates the low frequencies, keeps the high ones and ramps between them."""
-    exps = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    interpolates the low frequencies, keeps the high ones and ramps between them. Built on the positions'
+    device: every forward calls it, a decode step included, and a host tensor would be copied over."""
+    exps = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
     if scaling is None:
         return 1.0 / (theta ** exps), 1.0
     if scaling.kind == "linear":
@@ -68,7 +70,7 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(head_dim // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     pos_freqs = theta ** exps
     extrapolate = 1 - ramp
     inv_freq = (1.0 / (s.factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
@@ -79,8 +81,8 @@ def rope_cos_sin(positions_BT: Tensor, head_dim: int, theta: float, dtype: torch
                  scaling: RopeScaling | None = None) -> tuple[Tensor, Tensor]:
     """cos, sin [B, T, d] for integer positions: angle = pos * inv_freq_i (``rope_frequencies``), duplicated
     over halves, with the sign of rotate-half folded into sin's first half (what ``apply_rope`` expects)."""
-    inv_freq, att = rope_frequencies(head_dim, theta, scaling)
-    ang = positions_BT.float()[..., None] * inv_freq.to(positions_BT.device)  # [B, T, d/2]
+    inv_freq, att = rope_frequencies(head_dim, theta, scaling, positions_BT.device)
+    ang = positions_BT.float()[..., None] * inv_freq  # [B, T, d/2]
     cos, sin = ang.cos(), ang.sin()
     if att != 1.0:
         cos, sin = cos * att, sin * att
