@@ -133,12 +133,28 @@ class RolloutBatch(PromptBatch):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainBatch(RolloutBatch):
     rewards_B: Tensor  # float32
-    advantages_B: Tensor  # float32, one per sample (GRPO is outcome-level)
     old_logprobs_BTr: Tensor  # float32, log-probs under the policy before this step's updates
+    # the advantages: one per sample (the outcome estimators: GRPO, RLOO, ...) or one per response token
+    # (GAE); exactly one of the two
+    advantages_B: Tensor | None = None  # float32
+    token_advantages_BTr: Tensor | None = None  # float32, 0 on padding
     ref_logprobs_BTr: Tensor | None = None  # float32, reference policy (None when kl_coef == 0)
+    # PPO with a critic: the critic's values before this step's updates (of the state before each
+    # response token) and the returns it regresses on (``algos/critic.py``); None without a critic
+    values_BTr: Tensor | None = None
+    returns_BTr: Tensor | None = None
 
     _DTYPES = {**RolloutBatch._DTYPES, "rewards_B": torch.float32, "advantages_B": torch.float32,
-               "old_logprobs_BTr": torch.float32, "ref_logprobs_BTr": torch.float32}
+               "token_advantages_BTr": torch.float32, "old_logprobs_BTr": torch.float32,
+               "ref_logprobs_BTr": torch.float32, "values_BTr": torch.float32, "returns_BTr": torch.float32}
+
+    def __post_init__(self):
+        _Batch.__post_init__(self)
+        if (self.advantages_B is None) == (self.token_advantages_BTr is None):
+            raise ValueError("TrainBatch: give exactly one of advantages_B (per sample) and token_advantages_BTr "
+                             f"(per token); got {'both' if self.advantages_B is not None else 'neither'}")
+        if (self.values_BTr is None) != (self.returns_BTr is None):
+            raise ValueError("TrainBatch: values_BTr and returns_BTr come together (the critic's batch)")
 
 
 def extend(batch: PromptBatch, cls: type, **fields) -> PromptBatch:

@@ -41,6 +41,11 @@ class AdamWState:
     master: dict[str, Tensor] = field(default_factory=dict)  # float32 copies of low-precision params
 
 
+def map_state(state: AdamWState, fn) -> AdamWState:
+    """``state`` with ``fn`` applied to each of its tensor dicts (e.g. the shards of a layout, or their gathering)."""
+    return AdamWState(step=state.step, m=fn(state.m), v=fn(state.v), master=fn(state.master) if state.master else {})
+
+
 def init(params: dict[str, Tensor]) -> AdamWState:
     return AdamWState(step=0, m={k: torch.zeros_like(p, dtype=torch.float32) for k, p in params.items()},
                       v={k: torch.zeros_like(p, dtype=torch.float32) for k, p in params.items()},

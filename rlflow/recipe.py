@@ -30,6 +30,7 @@ from rlflow import device as rl_device
 from rlflow import eval as rl_eval
 from rlflow import metrics, optim, rewards
 from rlflow.algos import grpo
+from rlflow.algos.critic import Critic, CriticConfig
 from rlflow.algos.corrections import IS_LEVELS, IS_MODES, LogprobMismatchError
 from rlflow.algos.estimators import ADV_ESTIMATORS
 from rlflow.data import Example, PromptSource, apply_chat_template, load_examples
@@ -81,7 +82,13 @@ class Recipe:
     kl_coef: float = _f(0.0, "KL(pi || pi_ref) coefficient; non-zero keeps a frozen reference copy")
     kl_estimator: str = _f("low_var_kl", "KL estimator: k1, k2, k3, low_var_kl (clamped k3)")
     adv_estimator: str = _f("grpo", "advantages: grpo (group-normalized), rloo (leave-one-out), reinforce++ "
-                                    "(batch-normalized), reinforce++-baseline (group mean, then batch-normalized)")
+                                    "(batch-normalized), reinforce++-baseline (group mean, then batch-normalized), "
+                                    "gae (PPO: per token, from a critic trained beside the policy)")
+    gae_gamma: float | None = _f(None, "gae: discount (default 1.0)")
+    gae_lambda: float | None = _f(None, "gae: GAE's lambda (default 1.0: the return minus the value)")
+    critic_lr: float | None = _f(None, "gae: the critic's AdamW learning rate, constant (default: --lr)")
+    value_clip: float | None = _f(None, "gae: the critic's new values stay within the old ones +- this in its loss "
+                                        "(default 0.5)")
     scale_rewards: bool = _f(True, "grpo: divide by the group's std (--no-scale-rewards: Dr.GRPO)")
     policy_loss: str = _f("ppo", "ratio: ppo (per token), gspo (per sequence), gspo-token")
     loss_agg: str = _f("token-mean", "loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm "
@@ -195,7 +202,20 @@ def grpo_config(r: Recipe) -> grpo.GRPOConfig:
                            kl_coef=r.kl_coef, kl_estimator=r.kl_estimator, entropy_coef=r.entropy_coef,
                            loss_agg=r.loss_agg, scale_rewards=r.scale_rewards, epochs=r.epochs,
                            temperature=r.temperature, policy_loss=r.policy_loss, adv_estimator=r.adv_estimator,
-                           rollout_is=r.rollout_is, rollout_is_cap=r.rollout_is_cap, rollout_is_mode=r.rollout_is_mode)
+                           rollout_is=r.rollout_is, rollout_is_cap=r.rollout_is_cap, rollout_is_mode=r.rollout_is_mode,
+                           gae_gamma=1.0 if r.gae_gamma is None else r.gae_gamma,
+                           gae_lambda=1.0 if r.gae_lambda is None else r.gae_lambda)
+
+
+GAE_FLAGS = ("gae_gamma", "gae_lambda", "critic_lr", "value_clip")
+
+
+def critic_config(r: Recipe) -> CriticConfig | None:
+    """PPO's critic with --adv-estimator gae, else None."""
+    if r.adv_estimator != "gae":
+        return None
+    return CriticConfig(lr=r.lr if r.critic_lr is None else r.critic_lr,
+                        value_clip=0.5 if r.value_clip is None else r.value_clip, weight_decay=r.weight_decay)
 
 
 CHOICES = {"dtype": {"choices": ["float32", "bfloat16"]}, "dock_backend": {"choices": ["local", "procs", "ray"]},
@@ -238,6 +258,14 @@ def problems(r: Recipe) -> list[tuple[str, str]]:
         out.append(("temperature", "must be > 0 (log-probs are recomputed at this temperature)"))
     if not 0 < r.top_p <= 1:
         out.append(("top_p", "must be in (0, 1]"))
+    for name in GAE_FLAGS:
+        v = getattr(r, name)
+        if v is not None and r.adv_estimator != "gae":
+            out.append((name, "needs --adv-estimator gae (only PPO's GAE has a critic)"))
+        elif v is not None and name in ("gae_gamma", "gae_lambda") and not 0 <= v <= 1:
+            out.append((name, "must be in [0, 1]"))
+        elif v is not None and name in ("critic_lr", "value_clip") and not v > 0:
+            out.append((name, "must be > 0"))
     if (r.save_every or r.resume == "auto") and not r.out:
         out.append(("save_every" if r.save_every else "resume", "needs --out (where checkpoints go)"))
     if r.world > 1 and r.dock == 0:
@@ -486,7 +514,7 @@ def build(r: Recipe, rank: int = 0):
         max_prompt_len=r.max_prompt_len, warmup_lr_steps=r.warmup_lr_steps, lr_schedule=r.lr_schedule,
         min_lr_ratio=r.min_lr_ratio, log_samples_every=r.log_samples_every, seed=r.seed,
         compile_decode=r.compile_decode, max_bad_steps=r.max_bad_steps, routing_replay=r.routing_replay,
-        check_logprobs=r.check_logprobs)
+        check_logprobs=r.check_logprobs, critic=critic_config(r))
     return cfg, params, tok, source, reward_fn, lcfg, dev
 
 
@@ -505,23 +533,22 @@ def check_tokenizer(r: Recipe, cfg) -> None:
 def make_dock(r: Recipe, capacity: int):
     """The transfer dock the stages exchange rows through, or None (in memory). Made by the driver; the ranks
     are handed it (its processes or actors outlive them)."""
-    from rlflow.runtime.graph import GRPO
+    from rlflow.runtime.graph import graph_for
+    g = graph_for(r.adv_estimator)
     warehouses = r.dock if r.dock is not None else (r.world if r.world > 1 else 0)
     backend = r.dock_backend or ("local" if r.world == 1 else "ray" if r.launcher == "ray" else "procs")
     if not warehouses:
         return None
     if backend == "local":
         from rlflow.dock import Dock
-        return Dock.local(GRPO.schema, GRPO.consumers, capacity=capacity, warehouses=warehouses,
-                          group_size=r.group_size)
+        return Dock.local(g.schema, g.consumers, capacity=capacity, warehouses=warehouses, group_size=r.group_size)
     if backend == "procs":
         from rlflow.dock.proc_backend import proc_dock
-        return proc_dock(GRPO.schema, GRPO.consumers, capacity=capacity, warehouses=warehouses,
-                         group_size=r.group_size)
+        return proc_dock(g.schema, g.consumers, capacity=capacity, warehouses=warehouses, group_size=r.group_size)
     from rlflow.runtime.launch import ray_init
     ray_init(r.ray_address)
     from rlflow.dock.ray_backend import ray_dock
-    return ray_dock(GRPO.schema, GRPO.consumers, capacity=capacity, warehouses=warehouses, group_size=r.group_size)
+    return ray_dock(g.schema, g.consumers, capacity=capacity, warehouses=warehouses, group_size=r.group_size)
 
 
 def plot_rewards(history: list[dict], path: str) -> None:
@@ -588,7 +615,8 @@ def main(argv=None, defaults: dict | None = None, doc: str | None = None) -> lis
         return [evaluate_only(r)]
     try:  # what the model and the layouts cannot run is refused here, once, before any process starts
         pp = placement(r, cfg, torch.float32).train.mesh.pp if r.world > 1 else 1
-        loop.check_features(cfg, pp, routing_replay=r.routing_replay, check_logprobs=r.check_logprobs)
+        loop.check_features(cfg, pp, routing_replay=r.routing_replay, check_logprobs=r.check_logprobs,
+                            adv_estimator=r.adv_estimator)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     if where is None or where[0] == 0:
@@ -718,13 +746,22 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
     opt_state = None if ck is None else ck.opt_state
     if ck is not None:
         params = ck.params
+    critic = None
+    if lcfg.critic is not None:  # PPO's critic: the checkpoint's, or a new one from the policy's weights
+        if ck is not None and ck.critic is None:
+            raise SystemExit(f"error: --resume {ck.path}: the checkpoint has no critic (a run without "
+                             "--adv-estimator gae); it cannot continue as a PPO run")
+        critic = ck.critic if ck is not None else Critic.from_policy(params, cfg, seed=r.seed)
     if where is not None:  # this rank's shards of the train layout
         from rlflow.parallel.context import shard_params
         mine = lambda full: shard_params(full, where.train, rank)  # noqa: E731
         params, init = mine(params), (None if init is None else mine(init))
         if opt_state is not None:
-            opt_state = optim.AdamWState(step=opt_state.step, m=mine(opt_state.m), v=mine(opt_state.v),
-                                         master=mine(opt_state.master) if opt_state.master else {})
+            opt_state = optim.map_state(opt_state, mine)
+        if critic is not None:
+            lay = critic_layout(cfg, where, dtype)
+            ours = lambda full: shard_params(full, lay, rank)  # noqa: E731
+            critic = Critic(params=ours(critic.params), opt_state=optim.map_state(critic.opt_state, ours))
     if done >= r.steps:
         say(f"nothing to do: {done} of {r.steps} steps are done")
         return []
@@ -740,12 +777,15 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
 
     def save(name, steps_done, p, state, keep=None):
         """Every rank calls it (with shards, gathering them is a collective); the lead writes."""
+        c = critic
         if where is not None:
             p, state = full_state(cfg, where, p, state)
+            if c is not None:
+                c = Critic(*full_state(cfg, where, c.params, c.opt_state, head="value"))
         if not lead:
             return None
         return checkpoint.save(r.out, name, steps_done=steps_done, cfg=cfg, params=p, opt_state=state, source=source,
-                               args=dataclasses.asdict(r), tokenizer=tok, keep_last=keep)
+                               args=dataclasses.asdict(r), tokenizer=tok, keep_last=keep, critic=c)
 
     evals = eval_examples(r) if r.eval_dataset else None
 
@@ -790,7 +830,7 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
         params, opt_state, history = loop.train(
             params, cfg, tok, source, reward_fn, lcfg, on_step=on_step, device=dev, dock=dock, placement=where,
             opt_state=opt_state, first_step=done, ref_params=init, after_step=after_step, should_stop=interrupt,
-            on_samples=on_samples if lead else None)
+            on_samples=on_samples if lead else None, critic=critic)
     except (loop.NonFiniteError, LogprobMismatchError) as e:  # the run's verdict, not a crash: no traceback;
         raise SystemExit(f"error: {e}" if lead else 1) from None  # every rank reaches it, the lead says it
     finally:
@@ -839,8 +879,15 @@ def _same_layouts(where) -> bool:
     return same_layout(where.train, where.rollout)
 
 
-def full_params(cfg, where, ts: dict) -> dict:
-    """Every rank's copy of the whole tensors from its train shards ``ts`` (a collective)."""
+def critic_layout(cfg, where, dtype):
+    """PPO's critic in the train layout (its value head replicated)."""
+    from rlflow.models.sharding import layout
+    return layout(cfg, where.train.mesh, dtype=dtype, head="value")
+
+
+def full_params(cfg, where, ts: dict, head: str = "lm") -> dict:
+    """Every rank's copy of the whole tensors from its train shards ``ts`` (a collective); ``head="value"``:
+    the critic's."""
     from rlflow.models.sharding import RULES, layout
     from rlflow.runtime.weights import gather_full
     from rlflow.sharding import Mesh
@@ -848,14 +895,14 @@ def full_params(cfg, where, ts: dict) -> dict:
         return {}
     dt = next(iter(ts.values())).dtype
     mesh = where.train.mesh  # the whole model on every rank: no pp stages, nothing split
-    return gather_full(ts, layout(cfg, mesh, dtype=dt), layout(cfg, Mesh(dp=mesh.size), {k: None for k in RULES},
-                                                               dtype=dt))
+    return gather_full(ts, layout(cfg, mesh, dtype=dt, head=head),
+                       layout(cfg, Mesh(dp=mesh.size), {k: None for k in RULES}, dtype=dt, head=head))
 
 
-def full_state(cfg, where, params, state):
+def full_state(cfg, where, params, state, head: str = "lm"):
     """The whole weights and AdamW state from every rank's train shards (a collective; checkpoints)."""
-    full = lambda ts: full_params(cfg, where, ts)  # noqa: E731
-    return full(params), optim.AdamWState(step=state.step, m=full(state.m), v=full(state.v), master=full(state.master))
+    full = lambda ts: full_params(cfg, where, ts, head)  # noqa: E731
+    return full(params), optim.map_state(state, full)
 
 
 def evaluation(r: Recipe, cfg, tok, examples: list[Example], reward_fn, params, where, rank: int,

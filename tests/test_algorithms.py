@@ -150,7 +150,7 @@ def test_the_logprob_gate_passes_a_consistent_run_and_fails_naming_the_worst_row
         recipe_module().main(flags + ["--check-logprobs", "1e-9", "--out", str(tmp_path / "b")])
 
 
-@pytest.mark.parametrize("name", estimators.ADV_ESTIMATORS)
+@pytest.mark.parametrize("name", estimators.OUTCOME_ESTIMATORS)
 def test_unscored_samples_get_zero_and_take_no_part_in_any_baseline(name):
     """A reward's None ("no score"): the estimator on the scored rows alone, 0 for the others."""
     r = torch.tensor([1.0, 0.0, 0.5, 7.0, 0.2, 0.9, 0.4, 3.0])

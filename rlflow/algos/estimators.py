@@ -8,6 +8,7 @@ Legend: B samples, G samples per group (a prompt's), r_i the reward of sample i,
                                  = G / (G - 1) (r_i - mean_g(r)))              Ahmadian et al. 2024)
     reinforce++             A_i = (r_i - mean_B(r)) / (std_B(r) + eps)        (batch-normalized; Hu 2025)
     reinforce++-baseline    A_i = (c_i - mean_B(c)) / (std_B(c) + eps),  c_i = r_i - mean_g(r)
+    gae                     per token, from a critic's values V_t (``gae``; PPO, Schulman et al. 2016)
 
 The ``reinforce++`` statistics are over the whole batch: with data parallelism every rank holds a share
 of it, and ``total`` (a function summing a float64 tensor over the data ranks) makes them global.
@@ -23,7 +24,8 @@ from torch import Tensor
 
 from rlflow.algos.grpo import ADV_EPS, group_advantages
 
-ADV_ESTIMATORS = ("grpo", "rloo", "reinforce++", "reinforce++-baseline")
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce++", "reinforce++-baseline", "gae")
+OUTCOME_ESTIMATORS = ADV_ESTIMATORS[:-1]  # one advantage per sample, from the rewards alone
 
 
 def _same(t: Tensor) -> Tensor:
@@ -75,7 +77,39 @@ def advantages(name: str, rewards_B: Tensor, group_B: Tensor, *, scale: bool = T
         return batch_whiten(rewards_B.float(), total)
     if name == "reinforce++-baseline":
         return batch_whiten(group_advantages(rewards_B, group_B, scale=False), total)
+    if name == "gae":
+        raise ValueError("advantage estimator 'gae' is per token and needs a critic's values: use estimators.gae")
     raise ValueError(f"advantage estimator {name!r}: expected one of {ADV_ESTIMATORS}")
 
 
-__all__ = ["ADV_ESTIMATORS", "advantages", "batch_whiten", "rloo"]
+def gae(rewards_B: Tensor, values_BT: Tensor, mask_BT: Tensor, *, gamma: float = 1.0, lam: float = 1.0,
+        total: Callable[[Tensor], Tensor] = _same, whiten: bool = True) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation over right-padded responses (Schulman et al. 2016), an outcome
+    reward on each response's last token:
+
+        r_t     = r_i at t = L_i - 1 (the last real token), 0 before it
+        delta_t = r_t + gamma V_{t+1} - V_t              (V_{L_i} = 0: the episode ends)
+        A_t     = delta_t + gamma lam A_{t+1}            (A_{L_i} = 0)
+        R_t     = A_t + V_t                              (the critic's regression target)
+
+    Returns (advantages [B, T], returns [B, T]), float32, 0 on padding. ``whiten``: the advantages
+    (not the returns) are then whitened over every real token of the batch (``batch_whiten``; ``total``
+    sums over the data ranks), as verl and OpenRLHF do."""
+    m = mask_BT.to(torch.float32)
+    v = values_BT.float() * m
+    last = (m.sum(-1).long() - 1).clamp_min(0)
+    r = torch.zeros_like(v).scatter_(1, last[:, None], rewards_B.float()[:, None].to(v.device)) * m
+    adv = torch.zeros_like(v)
+    nxt_v = nxt_a = torch.zeros_like(v[:, 0])
+    for t in reversed(range(v.shape[1])):  # padding (after the last token) keeps next = 0
+        delta = r[:, t] + gamma * nxt_v - v[:, t]
+        adv[:, t] = (delta + gamma * lam * nxt_a) * m[:, t]
+        nxt_v, nxt_a = v[:, t], adv[:, t]
+    returns = adv + v
+    if whiten:
+        real = mask_BT.bool()
+        adv = torch.zeros_like(adv).masked_scatter_(real, batch_whiten(adv[real], total))
+    return adv, returns
+
+
+__all__ = ["ADV_ESTIMATORS", "OUTCOME_ESTIMATORS", "advantages", "batch_whiten", "gae", "rloo"]

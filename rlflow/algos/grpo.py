@@ -37,6 +37,8 @@ class GRPOConfig:
     temperature: float = 1.0  # sampling temperature; log-probs are recomputed at the same temperature
     policy_loss: str = "ppo"  # token-level ratios (PPO/GRPO), or GSPO's sequence-level ratio
     adv_estimator: str = "grpo"  # estimators.ADV_ESTIMATORS
+    gae_gamma: float = 1.0  # GAE's discount (adv_estimator="gae"; verl's default)
+    gae_lambda: float = 1.0  # GAE's lambda: 1 is the Monte-Carlo return minus the value
     rollout_is: str = "none"  # importance-sample the rollout/trainer mismatch per token or sequence (corrections)
     rollout_is_cap: float = 2.0  # c: truncate weights at c, or mask those outside [1/c, c]
     rollout_is_mode: str = "truncate"
@@ -64,6 +66,9 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.rollout_is_cap must be > 1, got {self.rollout_is_cap}")
         if self.policy_loss not in POLICY_LOSSES:
             raise ValueError(f"GRPOConfig.policy_loss={self.policy_loss!r}: expected one of {POLICY_LOSSES}")
+        for name in ("gae_gamma", "gae_lambda"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"GRPOConfig.{name} must be in [0, 1], got {getattr(self, name)}")
         if self.epochs < 1:
             raise ValueError(f"GRPOConfig.epochs must be >= 1, got {self.epochs}")
 
@@ -133,7 +138,7 @@ def aggregate(loss_BT: Tensor, mask_BT: Tensor, mode: str, *, n_tokens: float | 
     raise ValueError(f"loss_agg {mode!r}: expected one of {LOSS_AGGS}")
 
 
-def policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_B: Tensor, mask_BT: Tensor, cfg: GRPOConfig, *,
+def policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv: Tensor, mask_BT: Tensor, cfg: GRPOConfig, *,
                 ref_logp_BT: Tensor | None = None, entropy_BT: Tensor | None = None,
                 n_tokens: float | None = None, n_seqs: float | None = None,
                 max_len: int | None = None, is_weights_BT: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
@@ -148,10 +153,11 @@ def policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv_B: Tensor, mask_BT: Te
         pg  = min(pg, -A c)  where A < 0                 (dual clip, c = cfg.dual_clip)
         pg  = w pg                                       (rollout importance weights w, ``corrections``)
         l   = pg + kl_coef * KL(pi || pi_ref) - entropy_coef * H(pi)
+    A is ``adv``: one advantage per sample [B] (outcome estimators) or per token [B, T] (GAE).
     mean_t is over the sequence's real tokens. GSPO's ratios are near 1 (clip ranges ~3e-4 to 4e-4 in
     the paper) and it is aggregated per sequence (``loss_agg="seq-mean-token-mean"``).
     """
-    A = adv_B[:, None].to(logp_BT.dtype)
+    A = (adv if adv.dim() == 2 else adv[:, None]).to(logp_BT.dtype)
     m = mask_BT.float()
     log_rho = logp_BT - old_logp_BT
     if cfg.policy_loss != "ppo":

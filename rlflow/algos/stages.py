@@ -94,11 +94,8 @@ def response_logprobs(params: model.Params, cfg: ModelConfig, batch: RolloutBatc
         inv = torch.empty_like(order)
         inv[order] = torch.arange(len(order), device=order.device)
         return lp[inv], (None if ent is None else ent[inv]), aux
+    h, aux = sequence_hidden(params, cfg, batch, remat=remat, with_aux=with_aux, ex=ex, h_in=h_in, routing=routing)
     Tp = batch.prompt_ids_BTp.shape[1]
-    ids = torch.cat([batch.prompt_ids_BTp, batch.response_ids_BTr], 1)
-    valid = torch.cat([batch.prompt_mask_BTp, batch.response_mask_BTr], 1)
-    h, aux, _ = model.forward(params, cfg, ids[:, :-1], model.positions_from_valid(valid)[:, :-1],
-                              valid_BT=valid[:, :-1], remat=remat, with_aux=with_aux, ex=ex, h_in=h_in, routing=routing)
     if routing is not None and routing_stats is not None:
         for k in ("flipped", "router_flipped", "compared"):
             routing_stats[k] = routing_stats.get(k, 0) + getattr(routing, k)
@@ -107,6 +104,18 @@ def response_logprobs(params: model.Params, cfg: ModelConfig, batch: RolloutBatc
     # h[Tp - 1] predicts response token 0
     lp, ent = _token_logprobs(params, cfg, batch, h[:, Tp - 1:], temperature, with_entropy, ex)
     return lp, ent, aux
+
+
+def sequence_hidden(params: model.Params, cfg: ModelConfig, batch: RolloutBatch, *, remat: bool = False,
+                    with_aux: bool = False, ex: Exec = LOCAL, h_in: Tensor | None = None,
+                    routing: model.Routing | None = None) -> tuple[Tensor, Tensor]:
+    """The final hidden states [B, Tp + Tr - 1, D] of each row's prompt + response but its last token (state t
+    predicts token t + 1: ``[:, Tp - 1:]`` are the states before each response token) and the router aux loss."""
+    ids = torch.cat([batch.prompt_ids_BTp, batch.response_ids_BTr], 1)
+    valid = torch.cat([batch.prompt_mask_BTp, batch.response_mask_BTr], 1)
+    h, aux, _ = model.forward(params, cfg, ids[:, :-1], model.positions_from_valid(valid)[:, :-1],
+                              valid_BT=valid[:, :-1], remat=remat, with_aux=with_aux, ex=ex, h_in=h_in, routing=routing)
+    return h, aux
 
 
 def _prompt_groups(batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -140,17 +149,22 @@ def batched_logprobs(params, cfg: ModelConfig, batch: RolloutBatch, *, micro_bat
     """response_logprobs over micro-batches without gradients (old and reference log-probs); ``ex``: the
     execution context of a layout (every rank of an ep group the same number of micro-batches). With pp the
     micro-batches go through the pipeline and the log-probs are those of the last stage (zeros elsewhere)."""
+    def of(mbs):
+        if not (ex.first and ex.last):
+            from rlflow.parallel import train as ptrain  # the pipeline glue (it imports this module)
+            return [lp for lp, _ in ptrain.forward_only(params, ex, mbs, temperature=temperature, replay=replay)]
+        return [response_logprobs(params, cfg, mb, temperature=temperature, with_aux=False, ex=ex, replay=replay)[0]
+                for mb in mbs]
+    return per_token(batch, micro_batch_size, of)
+
+
+def per_token(batch: RolloutBatch, micro_batch_size: int, of) -> Tensor:
+    """A per-response-token figure [B, Tr] (float32, 0 on padding) of ``batch`` computed over micro-batches of
+    ``micro_batch_size`` rows: ``of(micro-batches)`` -> one [b, tr] tensor each (trimmed of padding)."""
     out = torch.zeros(batch.response_ids_BTr.shape, dtype=torch.float32, device=batch.response_ids_BTr.device)
     parts = [torch.arange(s, min(s + micro_batch_size, batch.size)) for s in range(0, batch.size, micro_batch_size)]
-    mbs = [_trim(batch.select(rows)) for rows in parts]
-    if not (ex.first and ex.last):
-        from rlflow.parallel import train as ptrain  # the pipeline glue (it imports this module)
-        lps = [lp for lp, _ in ptrain.forward_only(params, ex, mbs, temperature=temperature, replay=replay)]
-    else:
-        lps = [response_logprobs(params, cfg, mb, temperature=temperature, with_aux=False, ex=ex, replay=replay)[0]
-               for mb in mbs]
-    for rows, lp in zip(parts, lps):
-        out[rows, :lp.shape[1]] = lp
+    for rows, x in zip(parts, of([_trim(batch.select(rows)) for rows in parts])):
+        out[rows, :x.shape[1]] = x
     return out
 
 
@@ -198,36 +212,24 @@ def micro_batches(batch: RolloutBatch, rows: Tensor, ucfg: UpdateConfig) -> list
     return out
 
 
-def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch, cfg: ModelConfig,
-           gcfg: grpo.GRPOConfig, ucfg: UpdateConfig, ocfg: optim.AdamWConfig, *, seed: int = 0,
-           lr: float | None = None, old_is_current: bool = False, max_len: int | None = None, ex: Exec = LOCAL
-           ) -> tuple[model.Params, optim.AdamWState, dict[str, float]]:
-    """``gcfg.epochs`` passes over the batch in shuffled mini-batches; one AdamW step per mini-batch with
-    gradients accumulated over micro-batches (normalizers of the whole mini-batch, so accumulation is exact).
-    ``params`` and ``opt_state`` are donated, as with JAX's donated buffers: updated in place and returned.
-
-    ``old_is_current``: the batch was sampled by exactly these params and this call makes one optimizer
-    step, so the ratio's denominator is the current log-prob detached (exact; saves a forward pass).
-    ``max_len``: the response-length constant of ``seq-mean-token-sum-norm`` (the generation budget;
-    default: the batch's padded response length).
-    ``ex``: this rank's execution context in ``ucfg.layout`` (``params``: its shards)."""
+def descend(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch, ucfg: UpdateConfig,
+            ocfg: optim.AdamWConfig, *, epochs: int, seed: int, lr: float | None, grads_of, sums: dict
+            ) -> tuple[model.Params, optim.AdamWState, int]:
+    """``epochs`` passes over ``batch`` in shuffled mini-batches, one AdamW step per mini-batch: the
+    optimizer loop the policy and the critic share. ``grads_of(live, leaves, mbs, n_tokens, n_seqs)``: the
+    mini-batch's gradients (one float32 tensor or None per leaf of ``live``), summed over its micro-batches
+    ``mbs`` with the whole mini-batch's normalizers (``n_tokens`` response tokens, ``n_seqs`` rows, over
+    every data rank of ``ucfg.layout``). They are summed over the data ranks and clipped to
+    ``ucfg.max_grad_norm`` by the full gradient's norm; a non-finite norm skips the step (parameters and
+    state unchanged). Adds ``grad_norm`` and ``update_skipped`` to ``sums``; returns (params, state, the
+    number of mini-batches). ``params`` and ``opt_state`` are donated (updated in place)."""
     layout = ucfg.layout
-    pipelined = not (ex.first and ex.last)
-    if pipelined:
-        from rlflow.parallel import train as ptrain  # the pipeline glue (it imports this module)
-    if old_is_current and (gcfg.epochs != 1 or ucfg.mini_batch_size < batch.size):
-        raise ValueError(f"update: old_is_current needs exactly one optimizer step, but epochs={gcfg.epochs} and "
-                         f"mini_batch_size={ucfg.mini_batch_size} (batch {batch.size}) give several")
     g = torch.Generator().manual_seed(seed)
     names = list(params)
     leaves = [params[k].detach().requires_grad_(True) for k in names]
     live = dict(zip(names, leaves))
-    Tr = max_len or batch.response_ids_BTr.shape[1]
-    sums: dict[str, float] = {}
-    maxes: dict[str, float] = {}
-    routing_stats: dict = {}
     n_mb = 0
-    for _ in range(gcfg.epochs):
+    for _ in range(epochs):
         perm = torch.randperm(batch.size, generator=g)
         for s in range(0, batch.size, ucfg.mini_batch_size):
             mini = perm[s:s + ucfg.mini_batch_size]
@@ -235,48 +237,8 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
             n_seqs = len(mini)
             if layout is not None:
                 n_tokens, n_seqs = dp.batch_total(n_tokens, layout), dp.batch_total(n_seqs, layout)
-            grads: list[Tensor | None] = [None] * len(leaves)
-
-            def mb_loss(lp, ent, aux, mb, n_tokens=n_tokens, n_seqs=n_seqs, mini=mini):
-                """Micro-batch ``mb``'s loss with the mini-batch normalizers; records its metrics."""
-                old = lp.detach() if old_is_current else mb.old_logprobs_BTr  # the trainer's, at the sampling weights
-                sample, rmask = mb.sample_logprobs_BTr, mb.response_mask_BTr
-                w = corrections.is_weights(sample, old, rmask, level=gcfg.rollout_is, cap=gcfg.rollout_is_cap,
-                                           mode=gcfg.rollout_is_mode)
-                loss, met = grpo.policy_loss(lp, old, mb.advantages_B, rmask, gcfg,
-                                             ref_logp_BT=mb.ref_logprobs_BTr, entropy_BT=ent, n_tokens=n_tokens,
-                                             n_seqs=n_seqs, max_len=Tr, is_weights_BT=w)
-                mis = corrections.mismatch(sample, old, rmask, cap=gcfg.rollout_is_cap)
-                maxes["logp_diff_max"] = max(maxes.get("logp_diff_max", 0.0), float(mis.pop("logp_diff_max")))
-                met = {**met, **mis}
-                if aux is not None and ucfg.router_aux_coef:
-                    loss = loss + ucfg.router_aux_coef * aux * (mb.size / n_seqs)
-                # the loss already carries the mini-batch normalizers: its micro-batch parts add up;
-                # per-token means (clip_frac, kl, ...) are weighted by the micro-batch's share of rows
-                sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
-                extra = {} if aux is None else {"router_aux": aux.detach()}
-                for k, v in {**met, **extra}.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) * mb.size / len(mini)
-                return loss
-
             mbs = [_trim(batch.select(rows)) for rows in micro_batches(batch, mini, ucfg)]
-            if pipelined:  # the pipeline schedule: each stage its layers; the loss on the last stage
-                aux_w = [ucfg.router_aux_coef * mb.size / n_seqs for mb in mbs] if ucfg.router_aux_coef else None
-                _, got = ptrain.forward_backward(live, ex, mbs, lambda lp, ent, mb: mb_loss(lp, ent, None, mb),
-                                                 aux_weights=aux_w, temperature=gcfg.temperature,
-                                                 with_entropy=bool(gcfg.entropy_coef), remat=ucfg.remat,
-                                                 replay=ucfg.routing_replay == "on")
-                grads = [got[k].float() for k in names]
-            for mb in [] if pipelined else mbs:
-                lp, ent, aux = response_logprobs(live, cfg, mb, temperature=gcfg.temperature,
-                                                 with_entropy=bool(gcfg.entropy_coef), remat=ucfg.remat,
-                                                 with_aux=bool(ucfg.router_aux_coef), ex=ex,
-                                                 replay=ucfg.routing_replay == "on", routing_stats=routing_stats)
-                loss = mb_loss(lp, ent, aux, mb)
-                for j, gr in enumerate(torch.autograd.grad(loss, leaves, allow_unused=True)):
-                    if gr is not None:
-                        gr = gr.float()  # accumulate in float32 whatever the parameter dtype
-                        grads[j] = gr if grads[j] is None else grads[j].add_(gr)
+            grads = grads_of(live, leaves, mbs, n_tokens, n_seqs)
             gdict = {k: torch.zeros_like(p, dtype=torch.float32) if gr is None else gr
                      for k, p, gr in zip(names, leaves, grads)}
             if layout is not None:
@@ -292,15 +254,94 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
                 continue
             with torch.no_grad():
                 _, opt_state = optim.step(live, gdict, opt_state, ocfg, lr=lr)
+    sums.setdefault("update_skipped", 0.0)
+    return {k: p.detach() for k, p in live.items()}, opt_state, n_mb
+
+
+def accumulate(grads: list[Tensor | None], loss: Tensor, leaves: list[Tensor]) -> None:
+    """Add d loss / d leaves into ``grads`` in float32, whatever the parameters' dtype."""
+    for j, gr in enumerate(torch.autograd.grad(loss, leaves, allow_unused=True)):
+        if gr is not None:
+            gr = gr.float()
+            grads[j] = gr if grads[j] is None else grads[j].add_(gr)
+
+
+def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch, cfg: ModelConfig,
+           gcfg: grpo.GRPOConfig, ucfg: UpdateConfig, ocfg: optim.AdamWConfig, *, seed: int = 0,
+           lr: float | None = None, old_is_current: bool = False, max_len: int | None = None, ex: Exec = LOCAL
+           ) -> tuple[model.Params, optim.AdamWState, dict[str, float]]:
+    """The policy update: ``descend`` with ``grpo.policy_loss`` (``gcfg.epochs`` passes, gradients
+    accumulated over micro-batches with the normalizers of the whole mini-batch, so accumulation is exact).
+    The advantages are the batch's per-token ones when it has them (GAE), else its per-sample ones.
+    ``params`` and ``opt_state`` are donated, as with JAX's donated buffers: updated in place and returned.
+
+    ``old_is_current``: the batch was sampled by exactly these params and this call makes one optimizer
+    step, so the ratio's denominator is the current log-prob detached (exact; saves a forward pass).
+    ``max_len``: the response-length constant of ``seq-mean-token-sum-norm`` (the generation budget;
+    default: the batch's padded response length).
+    ``ex``: this rank's execution context in ``ucfg.layout`` (``params``: its shards)."""
+    layout = ucfg.layout
+    pipelined = not (ex.first and ex.last)
+    if pipelined:
+        from rlflow.parallel import train as ptrain  # the pipeline glue (it imports this module)
+    if old_is_current and (gcfg.epochs != 1 or ucfg.mini_batch_size < batch.size):
+        raise ValueError(f"update: old_is_current needs exactly one optimizer step, but epochs={gcfg.epochs} and "
+                         f"mini_batch_size={ucfg.mini_batch_size} (batch {batch.size}) give several")
+    Tr = max_len or batch.response_ids_BTr.shape[1]
+    sums: dict[str, float] = {}
+    maxes: dict[str, float] = {}
+    routing_stats: dict = {}
+
+    def grads_of(live, leaves, mbs, n_tokens, n_seqs):
+        rows = sum(mb.size for mb in mbs)
+
+        def mb_loss(lp, ent, aux, mb):
+            """Micro-batch ``mb``'s loss with the mini-batch normalizers; records its metrics."""
+            old = lp.detach() if old_is_current else mb.old_logprobs_BTr  # the trainer's, at the sampling weights
+            sample, rmask = mb.sample_logprobs_BTr, mb.response_mask_BTr
+            w = corrections.is_weights(sample, old, rmask, level=gcfg.rollout_is, cap=gcfg.rollout_is_cap,
+                                       mode=gcfg.rollout_is_mode)
+            adv = mb.advantages_B if mb.token_advantages_BTr is None else mb.token_advantages_BTr
+            loss, met = grpo.policy_loss(lp, old, adv, rmask, gcfg, ref_logp_BT=mb.ref_logprobs_BTr, entropy_BT=ent,
+                                         n_tokens=n_tokens, n_seqs=n_seqs, max_len=Tr, is_weights_BT=w)
+            mis = corrections.mismatch(sample, old, rmask, cap=gcfg.rollout_is_cap)
+            maxes["logp_diff_max"] = max(maxes.get("logp_diff_max", 0.0), float(mis.pop("logp_diff_max")))
+            met = {**met, **mis}
+            if aux is not None and ucfg.router_aux_coef:
+                loss = loss + ucfg.router_aux_coef * aux * (mb.size / n_seqs)
+            # the loss already carries the mini-batch normalizers: its micro-batch parts add up;
+            # per-token means (clip_frac, kl, ...) are weighted by the micro-batch's share of rows
+            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+            extra = {} if aux is None else {"router_aux": aux.detach()}
+            for k, v in {**met, **extra}.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * mb.size / rows
+            return loss
+
+        if pipelined:  # the pipeline schedule: each stage its layers; the loss on the last stage
+            aux_w = [ucfg.router_aux_coef * mb.size / n_seqs for mb in mbs] if ucfg.router_aux_coef else None
+            _, got = ptrain.forward_backward(live, ex, mbs, lambda lp, ent, mb: mb_loss(lp, ent, None, mb),
+                                             aux_weights=aux_w, temperature=gcfg.temperature,
+                                             with_entropy=bool(gcfg.entropy_coef), remat=ucfg.remat,
+                                             replay=ucfg.routing_replay == "on")
+            return [got[k].float() for k in live]
+        grads: list[Tensor | None] = [None] * len(leaves)
+        for mb in mbs:
+            lp, ent, aux = response_logprobs(live, cfg, mb, temperature=gcfg.temperature,
+                                             with_entropy=bool(gcfg.entropy_coef), remat=ucfg.remat,
+                                             with_aux=bool(ucfg.router_aux_coef), ex=ex,
+                                             replay=ucfg.routing_replay == "on", routing_stats=routing_stats)
+            accumulate(grads, mb_loss(lp, ent, aux, mb), leaves)
+        return grads
+
+    new_params, opt_state, n_mb = descend(params, opt_state, batch, ucfg, ocfg, epochs=gcfg.epochs, seed=seed, lr=lr,
+                                          grads_of=grads_of, sums=sums)
     if pipelined:  # the loss and its metrics were computed on the last stage: every stage reports them
         got = [(sums, maxes)]
         torch.distributed.broadcast_object_list(got, src=ex.peer(ex.pp_stages - 1), group=ex.pp_group)
-        sums, maxes = {**got[0][0], "grad_norm": sums["grad_norm"], "update_skipped": sums.get("update_skipped", 0.0)}, \
+        sums, maxes = {**got[0][0], "grad_norm": sums["grad_norm"], "update_skipped": sums["update_skipped"]}, \
             got[0][1]
     if layout is not None:
         sums["loss"] = dp.batch_total(sums.get("loss", 0.0), layout)  # the ranks' shares add up
-    new_params = {k: p.detach() for k, p in live.items()}
-    sums.setdefault("update_skipped", 0.0)  # the share of this call's optimizer steps skipped
     metrics = {**{k: v / max(n_mb, 1) for k, v in sums.items()}, **maxes}
     if routing_stats:  # (token, MoE layer) pairs routed / top-k'ed otherwise than in the rollout, all ranks' rows
         n = {k: float(v) for k, v in routing_stats.items()}
@@ -308,5 +349,9 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
             n = {k: dp.batch_total(v, layout) for k, v in n.items()}
         metrics["routing_flip_frac"] = n["flipped"] / max(n["compared"], 1.0)
         metrics["routing_router_flip_frac"] = n["router_flipped"] / max(n["compared"], 1.0)
-    metrics = {k: (v if math.isfinite(v) else float("nan")) for k, v in metrics.items()}
-    return new_params, opt_state, metrics
+    return new_params, opt_state, finite_or_nan(metrics)
+
+
+def finite_or_nan(metrics: dict[str, float]) -> dict[str, float]:
+    """Non-finite figures as NaN (one spelling of "no value" in the logs)."""
+    return {k: (v if math.isfinite(v) else float("nan")) for k, v in metrics.items()}

@@ -356,6 +356,16 @@ def head_shapes(vocab_size: int, D: int, tied: bool) -> dict[str, tuple[int, ...
     return {"model.norm.weight": (D,), **({} if tied else {"lm_head.weight": (vocab_size, D)})}
 
 
+VALUE_HEAD = "value_head.weight"  # a critic's one-output head (``algos/critic.py``)
+
+
+def critic_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A critic's parameter shapes: the model's with the LM head replaced by the value head [1, D]."""
+    out = {k: v for k, v in param_shapes(cfg).items() if k != "lm_head.weight"}
+    out[VALUE_HEAD] = (1, cfg.hidden_size)
+    return out
+
+
 def count(shapes: dict[str, tuple[int, ...]]) -> int:
     """Number of elements in a shape table (any model family's ``param_shapes``)."""
     return sum(math.prod(s) for s in shapes.values())

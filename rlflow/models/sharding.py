@@ -33,6 +33,7 @@ _COMMON = (
     (r"(^|\.)embed_tokens\.weight$", ("vocab", "embed"), _COL),
     (r"(^|\.)lm_head\.weight$", ("vocab", "embed"), _COL),
     (r"(input_layernorm|post_attention_layernorm|(^|\.)norm)\.weight$", ("embed",), {(_N,)}),
+    (r"^value_head\.weight$", ("value", "embed"), _REPL2),  # a critic's head: replicated, like a norm
     (r"\.mlp\.gate\.weight$", ("router", "embed"), _REPL2),
     (r"\.mlp\.gate\.e_score_correction_bias$", ("router",), {(_N,)}),
     (r"\.mlp\.experts\.gate_up_proj$", ("experts", ("gate_up", "expert_mlp"), "embed"),
@@ -71,25 +72,31 @@ RULES: dict[str, object] = {
     "vocab": "tp", "embed": None, "heads": "tp", "kv_heads": "tp", "head_dim": None, "mlp": "tp",
     "experts": "ep", "expert_mlp": "tp", "gate_up": None, "router": None,
     "q_lora": None, "q_in": None, "kv_lora": None, "kv_a": None, "qk_head_dim": None, "kv_head_dim": None,
-    "v_head_dim": None,
+    "v_head_dim": None, "value": None,
 }
 
 
-def _family(name_or_cfg):
-    """(config, shapes, table, known inner sizes) for a model name or config."""
+HEADS = ("lm", "value")  # the policy's LM head, or a critic's value head (``algos/critic.py``)
+
+
+def _family(name_or_cfg, head: str = "lm"):
+    """(config, shapes, table, known inner sizes) for a model name or config, with ``head`` (``HEADS``)."""
     cfg = qwen.get_config(name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
     if not isinstance(cfg, qwen.ModelConfig):
         raise TypeError(f"expected a model name or a ModelConfig, got {type(cfg).__name__}")
+    if head not in HEADS:
+        raise ValueError(f"head={head!r}: expected one of {HEADS}")
+    shapes = qwen.param_shapes(cfg) if head == "lm" else qwen.critic_shapes(cfg)
     if cfg.mla:
         sizes = {"qk_head_dim": cfg.qk_head_dim, "kv_head_dim": cfg.qk_nope_head_dim + cfg.v_head_dim,
                  "v_head_dim": cfg.v_head_dim, "gate_up": 2}
-        return cfg, qwen.param_shapes(cfg), MLA_TABLE, sizes
-    return cfg, qwen.param_shapes(cfg), QWEN_TABLE, {"head_dim": cfg.head_dim, "gate_up": 2}
+        return cfg, shapes, MLA_TABLE, sizes
+    return cfg, shapes, QWEN_TABLE, {"head_dim": cfg.head_dim, "gate_up": 2}
 
 
-def model_shapes(name_or_cfg) -> dict[str, tuple[int, ...]]:
-    """Every parameter's name and shape, for Qwen and DeepSeek presets alike."""
-    return _family(name_or_cfg)[1]
+def model_shapes(name_or_cfg, head: str = "lm") -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and shape, for Qwen and DeepSeek presets alike (``head="value"``: a critic's)."""
+    return _family(name_or_cfg, head)[1]
 
 
 def _row(name: str, table) -> tuple:
@@ -124,20 +131,21 @@ def _logical(name: str, shape: tuple[int, ...], table, sizes: dict[str, int]) ->
     return Logical(shape=tuple(shape), dims=tuple(names), view=tuple(view), merge=tuple(merge))
 
 
-def logical_params(name_or_cfg) -> dict[str, Logical]:
+def logical_params(name_or_cfg, head: str = "lm") -> dict[str, Logical]:
     """Param name -> stored shape, logical dims and view, in forward order."""
-    _, shapes, table, sizes = _family(name_or_cfg)
+    _, shapes, table, sizes = _family(name_or_cfg, head)
     return {n: _logical(n, s, table, sizes) for n, s in shapes.items()}
 
 
 def layout(name_or_cfg, mesh: Mesh, rules: dict | None = None, *, dtype: torch.dtype = torch.bfloat16,
-           layers_per_stage: tuple[int, ...] | None = None, name: str = "") -> Layout:
-    """The layout of a model on ``mesh`` under ``rules`` (default ``RULES``, overrides merged in)."""
+           layers_per_stage: tuple[int, ...] | None = None, name: str = "", head: str = "lm") -> Layout:
+    """The layout of a model on ``mesh`` under ``rules`` (default ``RULES``, overrides merged in);
+    ``head="value"``: its critic's (``HEADS``)."""
     unknown = sorted(set(rules or {}) - set(RULES))
     if unknown:  # a misspelt rule would silently keep the default placement
         raise ValueError(f"unknown logical dim(s) {unknown} in the rules; known: {sorted(RULES)}")
     r = dict(RULES)
     r.update(rules or {})
     label = name or (name_or_cfg if isinstance(name_or_cfg, str) else "")
-    return Layout.build(mesh, logical_params(name_or_cfg), r, dtype=dtype,
+    return Layout.build(mesh, logical_params(name_or_cfg, head), r, dtype=dtype,
                         layers_per_stage=layers_per_stage, name=label)

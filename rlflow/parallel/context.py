@@ -44,7 +44,7 @@ from rlflow.models.qwen3_moe import QKV_W
 from rlflow.models.sharding import executable_specs
 from rlflow.parallel import ep, pp, tp
 from rlflow.parallel.collectives import all_gather, copy_to, reduce_from
-from rlflow.sharding.dist import create_groups, mesh_group
+from rlflow.sharding.dist import all_reduce, create_groups, mesh_group
 from rlflow.sharding.execute import shard_tensor
 from rlflow.sharding.layout import Layout
 
@@ -266,10 +266,7 @@ class LayoutExec(Exec):
     def any_rank(self, flag: bool) -> bool:
         if self.ep is None:
             return flag
-        dev = "cpu" if dist.get_backend(self.ep) == "gloo" else torch.accelerator.current_accelerator()
-        t = torch.tensor([int(flag)], device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ep)
-        return bool(t.item())
+        return bool(all_reduce(torch.tensor([int(flag)]), op=dist.ReduceOp.MAX, group=self.ep).item())
 
 
 def context(layout: Layout, cfg: ModelConfig, rank: int | None = None) -> LayoutExec:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from rlflow import optim
 from rlflow.parallel.collectives import _reduce_scatter_single
-from rlflow.sharding.dist import mesh_group
+from rlflow.sharding.dist import all_reduce, mesh_group
 from rlflow.sharding.layout import Layout
 from rlflow.sharding.mesh import BATCH_AXES
 
@@ -66,10 +66,9 @@ def all_reduce_grads(grads: dict[str, Tensor], layout: Layout, *, average: bool 
 
 def batch_sum(t: Tensor, layout: Layout) -> Tensor:
     """A per-rank tensor summed over the ranks that split the batch (``("dp", "ep")``); a new tensor."""
-    t = t.clone()
     if layout.mesh.axis_size(BATCH_AXES) > 1:
-        dist.all_reduce(t, group=mesh_group(layout.mesh, BATCH_AXES))
-    return t
+        return all_reduce(t, group=mesh_group(layout.mesh, BATCH_AXES))
+    return t.clone()
 
 
 def batch_total(x: float, layout: Layout) -> float:

@@ -9,6 +9,8 @@ A checkpoint is a directory ``<root>/checkpoint-<step>`` (``checkpoint-final`` a
                                                  prompt stream's position, torch's RNG state, the
                                                  number of GRPO steps done
     args.json                                    the run's full configuration
+    critic.pt                                    PPO's critic, when the run has one: its weights
+                                                 (value head included) and AdamW state
     manifest.json                                every file above with its size and SHA-256; written last
 
 It is written under a temporary name in ``root``, every file fsynced, the manifest last, then renamed
@@ -32,10 +34,11 @@ from dataclasses import dataclass
 import torch
 
 from rlflow import optim
+from rlflow.algos.critic import Critic
 from rlflow.models import hf
 from rlflow.models.config import ModelConfig
 
-MANIFEST, STATE, ARGS = "manifest.json", "trainer_state.pt", "args.json"
+MANIFEST, STATE, ARGS, CRITIC = "manifest.json", "trainer_state.pt", "args.json", "critic.pt"
 _NAME = re.compile(r"^checkpoint-(\d+|final)$")
 
 
@@ -52,6 +55,7 @@ class Checkpoint:
     opt_state: optim.AdamWState
     source_state: object
     args: dict
+    critic: Critic | None = None  # PPO's critic (whole tensors), when the run has one
 
 
 def _sha256(path: str) -> str:
@@ -83,10 +87,10 @@ def restore_source(source, state) -> None:
 
 
 def save(root: str, name: str, *, steps_done: int, cfg: ModelConfig, params: dict, opt_state: optim.AdamWState,
-         source, args: dict, tokenizer=None, keep_last: int | None = None) -> str:
+         source, args: dict, tokenizer=None, keep_last: int | None = None, critic: Critic | None = None) -> str:
     """Write checkpoint ``root/name`` atomically; returns its path. ``tokenizer``: saved beside the weights
     (its ``save(dir)``), with a ``generation_config.json``. ``keep_last``: then delete all but the newest
-    ``keep_last`` numbered checkpoints."""
+    ``keep_last`` numbered checkpoints. ``critic``: PPO's critic (whole tensors)."""
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root)
     try:
@@ -97,9 +101,10 @@ def save(root: str, name: str, *, steps_done: int, cfg: ModelConfig, params: dic
                 json.dump({"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id,
                            "bos_token_id": tokenizer.bos_id}, f, indent=2)
         torch.save({"steps_done": steps_done,
-                    "opt_state": {"step": opt_state.step, "m": opt_state.m, "v": opt_state.v,
-                                  "master": opt_state.master},
+                    "opt_state": _state_dict(opt_state),
                     "source": source_state(source), "torch_rng": torch.get_rng_state()}, os.path.join(tmp, STATE))
+        if critic is not None:
+            torch.save({"params": critic.params, "opt_state": _state_dict(critic.opt_state)}, os.path.join(tmp, CRITIC))
         with open(os.path.join(tmp, ARGS), "w") as f:
             json.dump(args, f, indent=2, default=str)
         files = sorted(n for n in os.listdir(tmp))
@@ -156,13 +161,23 @@ def load(path: str, *, dtype: torch.dtype | None = None, device: torch.device | 
     verify(path)
     cfg, params = hf.load(path, dtype=dtype, device=device)
     st = torch.load(os.path.join(path, STATE), map_location=device, weights_only=False)
-    o = st["opt_state"]
     torch.set_rng_state(st["torch_rng"])
     with open(os.path.join(path, ARGS)) as f:
         args = json.load(f)
+    critic = None
+    if os.path.exists(os.path.join(path, CRITIC)):
+        c = torch.load(os.path.join(path, CRITIC), map_location=device, weights_only=False)
+        critic = Critic(params=c["params"], opt_state=_state(c["opt_state"]))
     return Checkpoint(path=path, steps_done=int(st["steps_done"]), cfg=cfg, params=params,
-                      opt_state=optim.AdamWState(step=o["step"], m=o["m"], v=o["v"], master=o["master"]),
-                      source_state=st["source"], args=args)
+                      opt_state=_state(st["opt_state"]), source_state=st["source"], args=args, critic=critic)
+
+
+def _state_dict(s: optim.AdamWState) -> dict:
+    return {"step": s.step, "m": s.m, "v": s.v, "master": s.master}
+
+
+def _state(d: dict) -> optim.AdamWState:
+    return optim.AdamWState(step=d["step"], m=d["m"], v=d["v"], master=d["master"])
 
 
 def find_resumable(root: str) -> tuple[str | None, list[str]]:

@@ -27,7 +27,7 @@ from torch import Tensor
 from rlflow.batch import PromptBatch, RolloutBatch, TrainBatch, extend, unpad
 from rlflow.dock.client import Ticket
 from rlflow.dock.routing import RowPlan, route
-from rlflow.runtime.graph import GRPO, PROMPT, ROUTES, ROWS
+from rlflow.runtime.graph import FIELDS, PROMPT, ROUTES, ROWS
 from rlflow.sharding.mesh import Mesh
 
 
@@ -133,7 +133,7 @@ class DockFlow:
         routes = {}
         if "response_routes" in columns:  # [B, T * M * K] padded with -1 -> [B, T, M, K]
             mk = self.route_dims
-            routes = {GRPO.fields[c]: b[c].view(b[c].shape[0], -1, *mk) for c in ROUTES}
+            routes = {FIELDS[c]: b[c].view(b[c].shape[0], -1, *mk) for c in ROUTES}
         rollout = RolloutBatch(prompt_ids_BTp=b["prompt_ids"], prompt_mask_BTp=b.mask["prompt_ids"],
                                index_B=b.index_B + self.base, group_B=b["group"], answers=self._answers(b),
                                response_ids_BTr=b["response_ids"], response_mask_BTr=b.mask["response_ids"],
@@ -150,7 +150,7 @@ class DockFlow:
 def train_batch(rollout: RolloutBatch, cols: dict[str, Tensor]) -> TrainBatch:
     """The update's TrainBatch from the rollout rows and the dock columns (``old_logprobs`` defaults to
     the sampling log-probs: with one optimizer step per batch the update uses the current ones)."""
-    fields = {GRPO.fields[c]: v for c, v in cols.items()}
+    fields = {FIELDS[c]: v for c, v in cols.items()}
     fields.setdefault("old_logprobs_BTr", rollout.sample_logprobs_BTr)
     return extend(rollout, TrainBatch, **fields)
 

@@ -1,9 +1,10 @@
-"""The GRPO iteration as data: each stage declared once, with the dock columns it reads and writes, where
-it runs and its pure function; each column once, with its dtype and the batch field it fills.
+"""The RL iteration as data: each stage declared once, with the dock columns it reads and writes, where
+it runs and its pure function; each column once, with its dtype and the batch field it fills. Two
+iterations: ``GRPO`` (the outcome estimators) and ``PPO`` (a critic and GAE); ``graph_for`` picks one.
 
 Everything that names stages or columns reads this declaration: the dock's schema and consumers
-(``GRPO.schema``, ``GRPO.consumers``), the sample flow's column <-> batch-field mapping
-(``runtime/flow.py``), the dock cost model's flow (``GRPO.flow``, ``dock/cost.py``), and the loop (which
+(``GRPO.schema``, ``GRPO.consumers``), the sample flow's column <-> batch-field mapping (``FIELDS``,
+``runtime/flow.py``), the dock cost model's flow (``GRPO.flow``, ``dock/cost.py``), and the loop (which
 stage runs in which layout). Where a stage runs:
 
 - ``lead``: rank 0 puts the step's prompts;
@@ -22,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from rlflow.algos import estimators, stages
+from rlflow.algos import critic, estimators, stages
 from rlflow.data import prompt_batch
 from rlflow.dock.cost import Stage as FlowStage
 from rlflow.dock.schema import Column, Schema
@@ -88,33 +89,66 @@ ROWS = PROMPT + ("response_ids", "sample_logprobs")  # a sample after the rollou
 # them too and the old-log-prob and update stages read them; the loop adds them to those stages' columns.
 ROUTES = ("prompt_routes", "response_routes")
 
+# Every column any graph declares, with the batch field it fills (one table: ``FIELDS``).
+COLUMNS = (
+    (Column("prompt_ids", torch.int64, "var", length_group="prompt", pad_left=True), "prompt_ids_BTp"),
+    (Column("response_ids", torch.int64, "var", length_group="response"), "response_ids_BTr"),
+    (Column("sample_logprobs", torch.float32, "var", length_group="response"), "sample_logprobs_BTr"),
+    (Column("old_logprobs", torch.float32, "var", length_group="response"), "old_logprobs_BTr"),
+    (Column("ref_logprobs", torch.float32, "var", length_group="response"), "ref_logprobs_BTr"),
+    (Column("rewards", torch.float32, "scalar"), "rewards_B"),
+    (Column("advantages", torch.float32, "scalar"), "advantages_B"),
+    (Column("group", torch.int64, "scalar"), "group_B"),
+    (Column("answer", torch.uint8, "var", length_group="answer"), "answers"),  # the reference answer (UTF-8), read by the scorers
+    # per token, its experts in every MoE layer (M x K values, -1: none), flattened
+    (Column("prompt_routes", torch.int16, "var", length_group="prompt_routes", pad_left=True, pad_value=-1),
+     "prompt_routes_BTpMK"),
+    (Column("response_routes", torch.int16, "var", length_group="response_routes", pad_value=-1),
+     "response_routes_BTrMK"),
+    # PPO with a critic: its values before the update, GAE's per-token advantages and the returns
+    (Column("values", torch.float32, "var", length_group="response"), "values_BTr"),
+    (Column("token_advantages", torch.float32, "var", length_group="response"), "token_advantages_BTr"),
+    (Column("returns", torch.float32, "var", length_group="response"), "returns_BTr"),
+)
+FIELDS = {c.name: f for c, f in COLUMNS}  # dock column -> batch field, of every graph
+CRITIC = ("values", "token_advantages", "returns")
+
+_HEAD = (  # the stages every iteration starts with
+    Stage("prompts", (), PROMPT, "lead", prompt_batch),
+    Stage("rollout", PROMPT, ("response_ids", "sample_logprobs"), "rollout", generate),
+    Stage("score", ROWS, ("rewards",), "every", stages.score),
+)
+_LOGPROBS = (
+    Stage("ref_logprob", ROWS, ("ref_logprobs",), "train", stages.batched_logprobs),
+    Stage("old_logprob", ROWS, ("old_logprobs",), "train", stages.batched_logprobs),
+)
+
+# GRPO and the other outcome estimators (RLOO, REINFORCE++): one advantage per sample, from the rewards
 GRPO = Graph(
-    columns=(
-        (Column("prompt_ids", torch.int64, "var", length_group="prompt", pad_left=True), "prompt_ids_BTp"),
-        (Column("response_ids", torch.int64, "var", length_group="response"), "response_ids_BTr"),
-        (Column("sample_logprobs", torch.float32, "var", length_group="response"), "sample_logprobs_BTr"),
-        (Column("old_logprobs", torch.float32, "var", length_group="response"), "old_logprobs_BTr"),
-        (Column("ref_logprobs", torch.float32, "var", length_group="response"), "ref_logprobs_BTr"),
-        (Column("rewards", torch.float32, "scalar"), "rewards_B"),
-        (Column("advantages", torch.float32, "scalar"), "advantages_B"),
-        (Column("group", torch.int64, "scalar"), "group_B"),
-        (Column("answer", torch.uint8, "var", length_group="answer"), "answers"),  # the reference answer (UTF-8), read by the scorers
-        # per token, its experts in every MoE layer (M x K values, -1: none), flattened
-        (Column("prompt_routes", torch.int16, "var", length_group="prompt_routes", pad_left=True, pad_value=-1),
-         "prompt_routes_BTpMK"),
-        (Column("response_routes", torch.int16, "var", length_group="response_routes", pad_value=-1),
-         "response_routes_BTrMK"),
-    ),
-    stages=(
-        Stage("prompts", (), PROMPT, "lead", prompt_batch),
-        Stage("rollout", PROMPT, ("response_ids", "sample_logprobs"), "rollout", generate),
-        Stage("score", ROWS, ("rewards",), "every", stages.score),
-        Stage("advantage", ("rewards", "group"), ("advantages",), "every", estimators.advantages),
-        Stage("ref_logprob", ROWS, ("ref_logprobs",), "train", stages.batched_logprobs),
-        Stage("old_logprob", ROWS, ("old_logprobs",), "train", stages.batched_logprobs),
-        Stage("update", ROWS + ("rewards", "advantages", "old_logprobs", "ref_logprobs"), (), "train",
+    columns=tuple(c for c in COLUMNS if c[0].name not in CRITIC),
+    stages=_HEAD + (Stage("advantage", ("rewards", "group"), ("advantages",), "every", estimators.advantages),)
+    + _LOGPROBS + (Stage("update", ROWS + ("rewards", "advantages", "old_logprobs", "ref_logprobs"), (), "train",
+                         stages.update),),
+)
+
+# PPO with a critic: the critic's values in the train layout, GAE there (it needs them), then the policy's
+# and the critic's updates
+PPO = Graph(
+    columns=tuple(c for c in COLUMNS if c[0].name != "advantages"),
+    stages=_HEAD + _LOGPROBS + (
+        Stage("values", ROWS, ("values",), "train", critic.batched_values),
+        Stage("gae", ("rewards", "values"), ("token_advantages", "returns"), "train", estimators.gae),
+        Stage("update", ROWS + ("rewards", "token_advantages", "old_logprobs", "ref_logprobs"), (), "train",
               stages.update),
+        Stage("critic_update", ROWS + ("values", "returns"), (), "train", critic.update),
     ),
 )
 
-__all__ = ["GRPO", "Graph", "PROMPT", "ROUTES", "ROWS", "RUNS_ON", "Stage"]
+
+def graph_for(adv_estimator: str) -> Graph:
+    """The iteration an advantage estimator runs: ``PPO`` for "gae" (a critic), else ``GRPO``."""
+    return PPO if adv_estimator == "gae" else GRPO
+
+
+__all__ = ["COLUMNS", "CRITIC", "FIELDS", "GRPO", "Graph", "PPO", "PROMPT", "ROUTES", "ROWS", "RUNS_ON", "Stage",
+           "graph_for"]

@@ -1,4 +1,5 @@
-"""The GRPO iteration: rollout -> score -> (ref / old log-probs) -> advantages -> update, on one process or on
+"""The RL iteration: rollout -> score -> (ref / old log-probs) -> advantages -> update (and with PPO's critic:
+its values before GAE, its update after the policy's), on one process or on
 every rank of a world (each stage in its layout, the rows through the dock, the weights moved between
 the train and rollout layouts every step).
 
@@ -16,16 +17,17 @@ from typing import Callable
 import torch
 
 from rlflow import metrics, optim
-from rlflow.algos import corrections, estimators, grpo, stages
+from rlflow.algos import corrections, critic as critics, estimators, grpo, stages
 from rlflow.data import PromptSource, prompt_batch
 from rlflow.models.config import ModelConfig
 from rlflow.rollout import SamplingConfig, generate
 from rlflow.models.execution import LOCAL, n_moe_layers
+from rlflow.parallel import dp
 from rlflow.parallel.context import context
 from rlflow.runtime.flow import DockFlow, MemoryFlow, train_batch
-from rlflow.runtime.graph import GRPO, ROUTES
+from rlflow.runtime.graph import CRITIC, ROUTES, graph_for
 from rlflow.runtime.weights import Weights
-from rlflow.sharding.dist import create_groups
+from rlflow.sharding.dist import all_reduce, create_groups
 from rlflow.sharding.layout import Layout
 from rlflow.sharding.mesh import Mesh
 
@@ -67,6 +69,8 @@ class LoopConfig:
     # this mean |d| per token (a consistency gate; costs one no-grad forward per step when the old
     # log-probs are not computed anyway). None: off
     check_logprobs: float | None = None
+    # PPO with a critic (grpo.adv_estimator "gae"): the critic's optimizer and value clip; None otherwise
+    critic: critics.CriticConfig | None = None
 
     @property
     def global_batch(self) -> int:
@@ -88,6 +92,10 @@ class LoopConfig:
             raise ValueError(f"log_samples_every={self.log_samples_every} must be >= 0")
         if self.check_logprobs is not None and not self.check_logprobs >= 0:
             raise ValueError(f"check_logprobs={self.check_logprobs} must be >= 0")
+        if (self.critic is None) == (self.grpo.adv_estimator == "gae"):
+            raise ValueError(f"critic={self.critic}: adv_estimator={self.grpo.adv_estimator!r} "
+                             + ("needs a CriticConfig (GAE reads a critic's values)" if self.critic is None else
+                                "has no critic (only 'gae' trains one)"))
         if self.routing_replay not in ROUTING_REPLAY:
             raise ValueError(f"routing_replay={self.routing_replay!r}: expected one of {ROUTING_REPLAY}")
         validate_sizes(steps=self.steps, prompts_per_step=self.prompts_per_step, group_size=self.grpo.group_size,
@@ -152,7 +160,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
           dock=None, placement: Placement | None = None, opt_state: optim.AdamWState | None = None,
           first_step: int | None = None, ref_params=None, after_step: Callable | None = None,
           should_stop: Callable[[], bool] | None = None,
-          on_samples: Callable[[int, list[dict]], None] | None = None):
+          on_samples: Callable[[int, list[dict]], None] | None = None, critic: critics.Critic | None = None):
     """Run ``lcfg.steps`` GRPO steps; returns (params, opt_state, list of per-step metrics).
 
     ``dock``: a transfer dock (``rlflow.dock.Dock``) that every stage's rows go through
@@ -171,17 +179,24 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
     after each step (checkpoints). ``should_stop()``: checked after each step (on every rank; any rank
     asking stops all); True ends the call early, after that step. ``on_samples(step, rows)``: every
     ``lcfg.log_samples_every`` steps, on rank 0, its scored rows decoded (``metrics.sample_rows``).
+    ``critic``: PPO's critic (``lcfg.grpo.adv_estimator == "gae"``; e.g. ``Critic.from_policy(params, cfg)``,
+    this rank's shards with a placement), updated after the policy every step: its ``params`` and
+    ``opt_state`` are replaced (donated) by each update, so the caller's object holds the latest.
     """
     gcfg = lcfg.grpo
     world = 1 if placement is None else placement.world
     check_features(cfg, 1 if placement is None else placement.train.mesh.pp, routing_replay=lcfg.routing_replay,
-                   check_logprobs=lcfg.check_logprobs)
+                   check_logprobs=lcfg.check_logprobs, adv_estimator=gcfg.adv_estimator)
+    if (critic is None) != (lcfg.critic is None):
+        raise ValueError("train: adv_estimator='gae' needs critic= (e.g. critic.Critic.from_policy(params, cfg))"
+                         if critic is None else f"train: critic= given but adv_estimator={gcfg.adv_estimator!r}")
     routes = lcfg.routing_replay != "off"
     route_dims = (n_moe_layers(cfg), cfg.num_experts_per_tok) if routes else None
     if placement is None:
         rank, tctx, rctx, weights = 0, LOCAL, LOCAL, None
         train_mesh = rollout_mesh = every = Mesh()
         flow = MemoryFlow() if dock is None else DockFlow(dock, route_dims=route_dims)
+        train_sum = lambda t: t  # noqa: E731
     else:
         if dock is None:
             raise ValueError("train: a placement over several ranks needs a dock (the stages' rows go through it)")
@@ -191,6 +206,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         weights = Weights(placement.train, placement.rollout, rank)
         train_mesh, rollout_mesh, every = placement.train.mesh, placement.rollout.mesh, Mesh(dp=world)
         flow = DockFlow(dock, rank, world, route_dims=route_dims)
+        train_sum = lambda t: dp.batch_sum(t, placement.train)  # noqa: E731  (over the train layout's data ranks)
         for name, v in dict(prompts_per_step=lcfg.prompts_per_step, mini_batch_size=lcfg.mini_batch_size,
                             micro_batch_size=lcfg.micro_batch_size).items():
             if v % train_mesh.data_parallel_size:
@@ -200,8 +216,9 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
             raise ValueError(f"prompts_per_step {lcfg.prompts_per_step} is not divisible by the {world} ranks "
                              "(each scores an equal share of the groups)")
     nd = train_mesh.data_parallel_size
-    mesh_of = {"rollout": rollout_mesh, "every": every, "train": train_mesh}  # where GRPO's stages run
-    on = lambda stage: mesh_of[GRPO[stage].runs_on]  # noqa: E731
+    mesh_of = {"rollout": rollout_mesh, "every": every, "train": train_mesh}  # where the stages run
+    graph = graph_for(gcfg.adv_estimator)
+    on = lambda stage: mesh_of[graph[stage].runs_on]  # noqa: E731
     world_sum = _all_sum if world > 1 else (lambda t: t)
     opt_state = optim.init(params) if opt_state is None else opt_state
     start = opt_state.step  # one optimizer step per GRPO step when warming up (the recipe's case)
@@ -251,10 +268,15 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         r_sum, r_sq, n_scored = float(scores.sum()), float((scores ** 2).sum()), int(scored.sum())  # unscored: 0
         # the advantage stage runs on the same ranks and rows (whole groups): handed over in memory; the dock
         # gets both columns. Between worker groups (rollout -> score -> train) rows go through the dock.
-        adv = estimators.advantages(gcfg.adv_estimator, scores.to(device), rows.group_B, scale=gcfg.scale_rewards,
-                                    total=world_sum, scored_B=scored)
-        flow.put(rows, rewards=scores.to(device), advantages=adv)
-        rows, c = flow.get("update", ["rewards", "advantages"] + (list(ROUTES) if routes else []), on("update"), rank)
+        # (GAE needs the critic's values: it runs in the train layout, below)
+        if critic is None:
+            adv = estimators.advantages(gcfg.adv_estimator, scores.to(device), rows.group_B, scale=gcfg.scale_rewards,
+                                        total=world_sum, scored_B=scored)
+            flow.put(rows, rewards=scores.to(device), advantages=adv)
+        else:
+            flow.put(rows, rewards=scores.to(device))
+        cols = ["rewards"] + (["advantages"] if critic is None else []) + (list(ROUTES) if routes else [])
+        rows, c = flow.get("update", cols, on("update"), rank)
         # With one optimizer step per batch the policy that sampled is the policy being updated, so the
         # ratio's denominator is the current log-prob, detached (update() does that); otherwise recompute.
         # The old / ref log-prob stages run in the train layout on the update's rows: computed here, put in
@@ -266,6 +288,14 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
                                                  replay=col == "old_logprobs" and lcfg.routing_replay == "on")
                 if train_writer:
                     flow.put(rows, **{col: c[col]})
+        if critic is not None:  # PPO: the critic's values, then GAE on the same rows
+            c["values"] = critics.batched_values(critic.params, cfg, rows, micro_batch_size=ucfg.micro_batch_size,
+                                                 ex=tctx)
+            c["token_advantages"], c["returns"] = estimators.gae(
+                c["rewards"], c["values"], rows.response_mask_BTr, gamma=gcfg.gae_gamma, lam=gcfg.gae_lambda,
+                total=train_sum)
+            if train_writer:
+                flow.put(rows, **{k: c[k] for k in CRITIC})
         if lcfg.check_logprobs is not None:
             old = c.get("old_logprobs")
             if old is None:  # one optimizer step: the update would recompute them; the gate needs them first
@@ -282,6 +312,9 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         params, opt_state, upd = stages.update(params, opt_state, batch, cfg, gcfg, ucfg, lcfg.optim,
                                                seed=lcfg.seed + step, lr=lr, old_is_current=single_update,
                                                max_len=lcfg.sampling.max_new_tokens, ex=tctx)
+        if critic is not None:
+            upd.update(critics.update(critic, batch, cfg, lcfg.critic, ucfg, epochs=gcfg.epochs, seed=lcfg.seed + step,
+                                      ex=tctx))
         t1 = time.perf_counter()
         n_prompt = int(rollout.prompt_mask_BTp.sum()) if roll_writer else 0
         n_resp = int(rollout.response_mask_BTr.sum()) if roll_writer else 0
@@ -291,8 +324,8 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         if world > 1:  # global figures: sums over the ranks, slowest rank's times
             tot = _all_sum(torch.tensor([n_prompt, n_resp, r_sum, r_sq, n_scored], dtype=torch.float64))
             n_prompt, n_resp, r_sum, r_sq, n_scored = int(tot[0]), int(tot[1]), float(tot[2]), float(tot[3]), int(tot[4])
-            slow = torch.tensor([t1 - t0, *stage_s.values()], dtype=torch.float64)
-            torch.distributed.all_reduce(slow, op=torch.distributed.ReduceOp.MAX)
+            slow = all_reduce(torch.tensor([t1 - t0, *stage_s.values()], dtype=torch.float64),
+                              op=torch.distributed.ReduceOp.MAX)
             t1 = t0 + float(slow[0])
             stage_s = dict(zip(stage_s, slow[1:].tolist()))
         wall = t1 - t0
@@ -327,12 +360,11 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
 
 
 def _all_sum(t: torch.Tensor) -> torch.Tensor:
-    t = t.clone()
-    torch.distributed.all_reduce(t)
-    return t
+    return all_reduce(t)
 
 
-def check_features(cfg: ModelConfig, train_pp: int, *, routing_replay: str, check_logprobs: float | None) -> None:
+def check_features(cfg: ModelConfig, train_pp: int, *, routing_replay: str, check_logprobs: float | None,
+                   adv_estimator: str = "grpo") -> None:
     """``ValueError`` for a ``LoopConfig`` feature the model or the train layout (``train_pp`` stages) cannot run
     (``train`` checks it; a launcher can before any rank starts)."""
     if routing_replay != "off" and not cfg.is_moe:
@@ -344,6 +376,9 @@ def check_features(cfg: ModelConfig, train_pp: int, *, routing_replay: str, chec
     if check_logprobs is not None and train_pp > 1:
         raise ValueError("check_logprobs compares on every train rank; a pp layout has the log-probs on its last "
                          "stage only: use a layout without pp")
+    if adv_estimator == "gae" and train_pp > 1:
+        raise ValueError("adv_estimator='gae': the critic does not run in a pp layout (its value head would sit on "
+                         "the last stage); use a train layout without pp")
 
 
 def _gather(obj) -> list:

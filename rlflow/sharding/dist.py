@@ -90,6 +90,16 @@ def group(ranks):
     return _GROUPS[_key(ranks)]
 
 
+def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """``t`` reduced over ``group`` (default: the world), a new tensor on ``t``'s device. The collective runs
+    on this process's device (nccl and hccl take no host tensors), so counts and figures kept on the host
+    can be reduced under any backend."""
+    from rlflow.device import process_device
+    x = t.to(process_device(), copy=True)
+    dist.all_reduce(x, op=op, group=group)
+    return x.to(t.device)
+
+
 def clear_groups() -> None:
     _GROUPS.clear()
 
