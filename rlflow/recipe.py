@@ -214,8 +214,9 @@ def critic_config(r: Recipe) -> CriticConfig | None:
     """PPO's critic with --adv-estimator gae, else None."""
     if r.adv_estimator != "gae":
         return None
-    return CriticConfig(lr=r.lr if r.critic_lr is None else r.critic_lr,
-                        value_clip=0.5 if r.value_clip is None else r.value_clip, weight_decay=r.weight_decay)
+    return CriticConfig(optim=optim.AdamWConfig(lr=r.lr if r.critic_lr is None else r.critic_lr, betas=(0.9, 0.99),
+                                                weight_decay=r.weight_decay),
+                        value_clip=0.5 if r.value_clip is None else r.value_clip)
 
 
 CHOICES = {"dtype": {"choices": ["float32", "bfloat16"]}, "dock_backend": {"choices": ["local", "procs", "ray"]},
@@ -476,8 +477,8 @@ def placement(r: Recipe, cfg, dtype):
         except ValueError as e:
             given = getattr(r, name) or f"{mesh} (the default)"
             raise ValueError(f"--{name.replace('_', '-')} {given}: {e}") from None
-    out = loop.Placement(lays["train_layout"], lays["rollout_layout"])
-    return out
+    critic = layout(cfg, lays["train_layout"].mesh, dtype=dtype, head="value") if r.adv_estimator == "gae" else None
+    return loop.Placement(lays["train_layout"], lays["rollout_layout"], critic=critic)
 
 
 def load_model(r: Recipe, rank: int = 0):
@@ -759,8 +760,7 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
         if opt_state is not None:
             opt_state = optim.map_state(opt_state, mine)
         if critic is not None:
-            lay = critic_layout(cfg, where, dtype)
-            ours = lambda full: shard_params(full, lay, rank)  # noqa: E731
+            ours = lambda full: shard_params(full, where.critic, rank)  # noqa: E731
             critic = Critic(params=ours(critic.params), opt_state=optim.map_state(critic.opt_state, ours))
     if done >= r.steps:
         say(f"nothing to do: {done} of {r.steps} steps are done")
@@ -877,12 +877,6 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
 def _same_layouts(where) -> bool:
     from rlflow.runtime.weights import same_layout
     return same_layout(where.train, where.rollout)
-
-
-def critic_layout(cfg, where, dtype):
-    """PPO's critic in the train layout (its value head replicated)."""
-    from rlflow.models.sharding import layout
-    return layout(cfg, where.train.mesh, dtype=dtype, head="value")
 
 
 def full_params(cfg, where, ts: dict, head: str = "lm") -> dict:

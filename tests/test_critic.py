@@ -128,7 +128,7 @@ def test_critic_update_fits_the_returns():
     adv, ret = estimators.gae(b.rewards_B, old, b.response_mask_BTr)
     b = b.replace(values_BTr=old, returns_BTr=ret, token_advantages_BTr=adv, advantages_B=None)
     ucfg = stages.UpdateConfig(mini_batch_size=6, micro_batch_size=3)
-    ccfg = critic.CriticConfig(lr=1e-2, value_clip=None)
+    ccfg = critic.CriticConfig(optim=optim.AdamWConfig(lr=1e-2), value_clip=None)
 
     def err():
         return float(((critic.values(c.params, CFG, b) - ret) ** 2)[b.response_mask_BTr].mean())
@@ -170,7 +170,7 @@ def test_batches_and_configs_refuse_a_missing_or_doubled_advantage():
     with pytest.raises(ValueError, match="needs a CriticConfig"):
         loop.LoopConfig(grpo=grpo.GRPOConfig(group_size=2, adv_estimator="gae"), **kw)
     with pytest.raises(ValueError, match="has no critic"):
-        loop.LoopConfig(grpo=grpo.GRPOConfig(group_size=2), critic=critic.CriticConfig(lr=1e-3), **kw)
+        loop.LoopConfig(grpo=grpo.GRPOConfig(group_size=2), critic=critic.CriticConfig(optim=optim.AdamWConfig()), **kw)
     with pytest.raises(ValueError, match="gae_lambda"):
         grpo.GRPOConfig(group_size=2, gae_lambda=1.5)
     with pytest.raises(ValueError, match="pp layout"):

@@ -2,7 +2,8 @@
 and 4 ranks, with the update and the old/ref log-probs in a train layout, generation in another layout,
 the weights moved between them every step (allgather-swap) and every row through a dock whose warehouses
 and controllers are processes of their own, reaches the same rewards (the samples are batch-invariant:
-the same tokens on any rank) and the same weights after 3 steps, within float tolerance."""
+the same tokens on any rank) and the same weights after 3 steps, within float tolerance; with PPO's
+critic (GAE), the critic's weights too."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from rlflow import optim
-from rlflow.algos import grpo
+from rlflow.algos import critic as critics, grpo
 from rlflow.data import PromptSource
 from rlflow.dock.proc_backend import proc_dock
 from rlflow.dock.routing import route
@@ -20,7 +21,7 @@ from rlflow.models.config import get_config
 from rlflow.rewards import per_sample
 from rlflow.rollout import SamplingConfig
 from rlflow.runtime import launch, loop
-from rlflow.runtime.graph import GRPO
+from rlflow.runtime.graph import GRPO, PPO, graph_for
 from rlflow.sharding.mesh import Mesh
 from rlflow.tokenizer import CharTokenizer
 
@@ -35,42 +36,61 @@ def reward(text: str, answer: str) -> float:
     return len(set(text)) / 4.0
 
 
-def lcfg(kl: float = 0.0) -> loop.LoopConfig:
+def lcfg(kl: float = 0.0, gae: bool = False) -> loop.LoopConfig:
     # eps 1e-4, not 1e-8: AdamW's m / (sqrt(v) + eps) turns a gradient element of ~1e-9 (rounding noise, whose
     # sign the order of a sum decides) into a step of lr; with eps 1e-8 two exact runs differ by 0.2 lr there
     return loop.LoopConfig(steps=STEPS, prompts_per_step=P, mini_batch_size=P * G, micro_batch_size=P * G,
-                           grpo=grpo.GRPOConfig(group_size=G, kl_coef=kl), optim=optim.AdamWConfig(lr=1e-2, eps=1e-4),
+                           grpo=grpo.GRPOConfig(group_size=G, kl_coef=kl, adv_estimator="gae" if gae else "grpo"),
+                           optim=optim.AdamWConfig(lr=1e-2, eps=1e-4),
                            sampling=SamplingConfig(max_new_tokens=4, eos_id=TOK.eos_id, pad_id=TOK.pad_id),
-                           seed=3)
+                           seed=3, critic=critics.CriticConfig(optim=optim.AdamWConfig(lr=1e-2, eps=1e-4)) if gae else None)
 
 
 def full_params():
     return qwen3_moe.init_params(CFG, seed=5, std=0.3)
 
 
-def one_process(kl: float, dock=None):
-    params, _, hist = loop.train(full_params(), CFG, TOK, PromptSource(task="max_digit", seed=1), per_sample(reward), lcfg(kl),
-                                 dock=dock)
-    return [m["reward_mean"] for m in hist], params
+def full_critic(gae: bool):
+    return critics.Critic.from_policy(full_params(), CFG, seed=7) if gae else None
 
 
-def worker(rank: int, world: int, train: str, rollout: str, kl: float, dock):
+def one_process(kl: float, dock=None, gae: bool = False):
+    c = full_critic(gae)
+    params, _, hist = loop.train(full_params(), CFG, TOK, PromptSource(task="max_digit", seed=1), per_sample(reward),
+                                 lcfg(kl, gae), dock=dock, critic=c)
+    return [m["reward_mean"] for m in hist], {**params, **({} if c is None else prefixed(c.params))}
+
+
+def prefixed(critic_params: dict) -> dict:
+    return {"critic." + k: v for k, v in critic_params.items()}
+
+
+def worker(rank: int, world: int, train: str, rollout: str, kl: float, dock, gae: bool = False):
     from rlflow.models.sharding import RULES, layout
     from rlflow.parallel.context import shard_params
     from rlflow.runtime.weights import gather_full
 
-    where = loop.Placement(layout(CFG, Mesh.parse(train, world), dtype=torch.float32),
-                           layout(CFG, Mesh.parse(rollout, world), dtype=torch.float32))
+    mesh = Mesh.parse(train, world)
+    clay = layout(CFG, mesh, dtype=torch.float32, head="value")
+    where = loop.Placement(layout(CFG, mesh, dtype=torch.float32),
+                           layout(CFG, Mesh.parse(rollout, world), dtype=torch.float32), critic=clay if gae else None)
     mine = shard_params(full_params(), where.train, rank)
-    params, _, hist = loop.train(mine, CFG, TOK, PromptSource(task="max_digit", seed=1), per_sample(reward), lcfg(kl),
-                                 dock=dock, placement=where)
-    full = gather_full(params, where.train, layout(CFG, Mesh(dp=world), {k: None for k in RULES},
-                                                   dtype=torch.float32))
+    c = full_critic(gae)
+    if c is not None:  # the critic's shards in the train layout, its AdamW state fresh
+        c = critics.Critic(params=shard_params(c.params, clay, rank), opt_state=None)
+        c.opt_state = optim.init(c.params)
+    params, _, hist = loop.train(mine, CFG, TOK, PromptSource(task="max_digit", seed=1), per_sample(reward),
+                                 lcfg(kl, gae), dock=dock, placement=where, critic=c)
+    whole = lambda head: layout(CFG, Mesh(dp=world), {k: None for k in RULES}, dtype=torch.float32, head=head)  # noqa: E731
+    full = gather_full(params, where.train, whole("lm"))
+    if c is not None:
+        full.update(prefixed(gather_full(c.params, clay, whole("value"))))
     return [m["reward_mean"] for m in hist], full, hist[-1]
 
 
-def compare(world: int, train: str, rollout: str, kl: float = 0.0, ray: bool = False):
-    want_r, want_p = one_process(kl)
+def compare(world: int, train: str, rollout: str, kl: float = 0.0, ray: bool = False, gae: bool = False):
+    want_r, want_p = one_process(kl, gae=gae)
+    graph = graph_for("gae" if gae else "grpo")
     if ray:  # the ranks as Ray actors (a local Ray), the dock's warehouses and controllers too
         import sys
 
@@ -78,18 +98,21 @@ def compare(world: int, train: str, rollout: str, kl: float = 0.0, ray: bool = F
         from rlflow.dock.ray_backend import ray_dock
         launch.ray_init(None)
         ray_mod.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import tests/
-        dock = ray_dock(GRPO.schema, GRPO.consumers, capacity=P * G, warehouses=2, group_size=G)
+        dock = ray_dock(graph.schema, graph.consumers, capacity=P * G, warehouses=2, group_size=G)
     else:
-        dock = proc_dock(GRPO.schema, GRPO.consumers, capacity=P * G, warehouses=2, group_size=G)
+        dock = proc_dock(graph.schema, graph.consumers, capacity=P * G, warehouses=2, group_size=G)
     try:
-        res = (launch.ray_spawn if ray else launch.spawn)(worker, world, train, rollout, kl, dock)
+        res = (launch.ray_spawn if ray else launch.spawn)(worker, world, train, rollout, kl, dock, gae)
     finally:
         dock.close()
     got_r, got_p, last = res[0]
     assert got_r == want_r, (got_r, want_r)
     assert len(set(want_r)) > 1 or want_r[0] > 0, "the rewards must vary for the test to mean something"
-    moved = max(float((want_p[k] - full_params()[k]).abs().max()) for k in want_p)
+    start = {**full_params(), **({} if not gae else prefixed(full_critic(gae).params))}
+    moved = max(float((want_p[k] - start[k]).abs().max()) for k in want_p if not k.startswith("critic."))
     assert moved > 1e-3, "the weights must change for the test to mean something"
+    if gae:
+        assert max(float((want_p[k] - start[k]).abs().max()) for k in want_p if k.startswith("critic.")) > 1e-3
     diff = {k: float((got_p[k] - want_p[k]).abs().max()) for k in want_p}
     worst = max(diff, key=diff.get)
     assert diff[worst] < TOL, (worst, diff[worst])
@@ -111,6 +134,14 @@ def test_one_process_with_and_without_the_dock_train_identically():
 @pytest.mark.parametrize("train,rollout,kl", [("tp=2", "dp=2", 0.0), ("ep=2", "dp=2", 0.1)])
 def test_world_2_matches_one_process(train, rollout, kl):
     compare(2, train, rollout, kl)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("train", ["tp=2", "ep=2"])
+def test_ppo_with_a_critic_on_world_2_matches_one_process(train):
+    """GAE whitens over the train layout's data ranks and the critic trains in the train layout: its weights
+    after 3 steps equal one process's, as the policy's do."""
+    compare(2, train, "dp=2", gae=True)
 
 
 @pytest.mark.slow
@@ -181,10 +212,13 @@ def test_the_graph_declares_every_stage_and_column_once():
     from rlflow.batch import TrainBatch
     from rlflow.runtime.graph import Graph, Stage
     assert GRPO.consumers == ("rollout", "score", "advantage", "ref_logprob", "old_logprob", "update")
-    assert [s.name for s in GRPO.flow] == [s.name for s in GRPO.stages]
+    assert PPO.consumers == ("rollout", "score", "ref_logprob", "old_logprob", "values", "gae", "update",
+                             "critic_update")
     fields = {f.name for f in __import__("dataclasses").fields(TrainBatch)}
-    assert set(GRPO.fields.values()) <= fields, set(GRPO.fields.values()) - fields
-    written = {c for s in GRPO.stages for c in s.writes}
-    assert {c for s in GRPO.stages for c in s.reads} <= written  # every column read is produced by a stage
+    for g in (GRPO, PPO):
+        assert [s.name for s in g.flow] == [s.name for s in g.stages]
+        assert set(g.fields.values()) <= fields, set(g.fields.values()) - fields
+        written = {c for s in g.stages for c in s.writes}
+        assert {c for s in g.stages for c in s.reads} <= written  # every column read is produced by a stage
     with pytest.raises(ValueError, match="names columns \\['nope'\\]"):
         Graph(columns=GRPO.columns, stages=(Stage("x", ("nope",), (), "every", len),))

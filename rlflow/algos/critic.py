@@ -33,19 +33,12 @@ LM_HEAD = "lm_head.weight"
 
 @dataclass(frozen=True, kw_only=True)
 class CriticConfig:
-    lr: float  # the critic's AdamW learning rate (constant)
+    optim: optim.AdamWConfig  # the critic's own AdamW (its learning rate constant)
     value_clip: float | None = 0.5  # new values within old +- this (verl's cliprange_value); None: unclipped
-    weight_decay: float = 0.0
 
     def __post_init__(self):
-        if not self.lr > 0:
-            raise ValueError(f"CriticConfig.lr must be > 0, got {self.lr}")
         if self.value_clip is not None and not self.value_clip > 0:
             raise ValueError(f"CriticConfig.value_clip must be > 0 (or None), got {self.value_clip}")
-
-    @property
-    def optim(self) -> optim.AdamWConfig:
-        return optim.AdamWConfig(lr=self.lr, betas=(0.9, 0.99), weight_decay=self.weight_decay)
 
 
 @dataclass
@@ -123,7 +116,7 @@ def update(critic: Critic, batch: TrainBatch, cfg: ModelConfig, ccfg: CriticConf
         return grads
 
     critic.params, critic.opt_state, n_mb = stages.descend(
-        critic.params, critic.opt_state, batch, ucfg, ccfg.optim, epochs=epochs, seed=seed, lr=ccfg.lr,
+        critic.params, critic.opt_state, batch, ucfg, ccfg.optim, epochs=epochs, seed=seed, lr=None,
         grads_of=grads_of, sums=sums)
     if ucfg.layout is not None:
         from rlflow.parallel import dp

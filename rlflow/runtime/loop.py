@@ -9,6 +9,7 @@ throughput figure is the paper's Eq. (5), ``TPS_DEFINITION``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -137,15 +138,21 @@ class Placement:
     """Where the stages run when the world has more than one rank: the rollout in ``rollout``, the old and
     reference log-probs and the update in ``train``; both layouts over the same ranks (colocated: the
     stages take turns on every device), scoring and advantages on every rank. The actor's weights move
-    between the two layouts every step (``runtime/weights.py``)."""
+    between the two layouts every step (``runtime/weights.py``). ``critic``: PPO's critic on the train
+    layout's mesh (``models.sharding.layout(..., head="value")``); it stays there (values, GAE, its update
+    read the update's rows)."""
 
     train: Layout
     rollout: Layout
+    critic: Layout | None = None
 
     def __post_init__(self):
         if self.train.mesh.size != self.rollout.mesh.size:
             raise ValueError(f"Placement: the train layout's {self.train.mesh} and the rollout layout's "
                              f"{self.rollout.mesh} must span the same ranks (separate device pools are not built)")
+        if self.critic is not None and self.critic.mesh != self.train.mesh:
+            raise ValueError(f"Placement: the critic's layout ({self.critic.mesh}) must be on the train layout's mesh "
+                             f"({self.train.mesh}): it reads the update's rows")
         if self.rollout.mesh.pp > 1:
             raise ValueError(f"Placement: rollout layout {self.rollout.mesh}: generation runs every layer on each "
                              "rank (no pp)")
@@ -190,6 +197,8 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
     if (critic is None) != (lcfg.critic is None):
         raise ValueError("train: adv_estimator='gae' needs critic= (e.g. critic.Critic.from_policy(params, cfg))"
                          if critic is None else f"train: critic= given but adv_estimator={gcfg.adv_estimator!r}")
+    if critic is not None and placement is not None and placement.critic is None:
+        raise ValueError("train: a critic over several ranks needs its layout: Placement(critic=...)")
     routes = lcfg.routing_replay != "off"
     route_dims = (n_moe_layers(cfg), cfg.num_experts_per_tok) if routes else None
     if placement is None:
@@ -232,6 +241,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
                                max_grad_norm=lcfg.max_grad_norm, router_aux_coef=lcfg.router_aux_coef,
                                layout=None if placement is None else placement.train,
                                routing_replay=lcfg.routing_replay)
+    cucfg = ucfg if placement is None else dataclasses.replace(ucfg, layout=placement.critic)  # the critic's
     single_update = gcfg.epochs == 1 and lcfg.mini_batch_size == lcfg.global_batch
     roll_writer = rollout_mesh.coords(rank)["tp"] == 0  # tp peers hold the same rows: one of them writes
     tc = train_mesh.coords(rank)
@@ -313,8 +323,8 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
                                                seed=lcfg.seed + step, lr=lr, old_is_current=single_update,
                                                max_len=lcfg.sampling.max_new_tokens, ex=tctx)
         if critic is not None:
-            upd.update(critics.update(critic, batch, cfg, lcfg.critic, ucfg, epochs=gcfg.epochs, seed=lcfg.seed + step,
-                                      ex=tctx))
+            upd.update(critics.update(critic, batch, cfg, lcfg.critic, cucfg, epochs=gcfg.epochs,
+                                      seed=lcfg.seed + step, ex=tctx))
         t1 = time.perf_counter()
         n_prompt = int(rollout.prompt_mask_BTp.sum()) if roll_writer else 0
         n_resp = int(rollout.response_mask_BTr.sum()) if roll_writer else 0
