@@ -131,6 +131,9 @@ class Recipe:
                                         "else procs")
     ray_address: str | None = _f(None, "Ray cluster to join (e.g. auto: the one `ray start --head` runs here); "
                                        "default: start a local Ray")
+    max_restarts: int = _f(0, "--launcher ray: when a rank is lost (its actor died, or it stopped answering), "
+                              "restart the ranks and a fresh dock from the newest checkpoint of this run, up to K "
+                              "times (needs --out and --save-every); 0: the run fails naming the rank")
     compile_decode: bool = _f(False, "compile the rollout's decode step with torch.compile (static shapes; "
                                      "pays off on long runs with fixed shapes, CUDA graphs on CUDA)")
     max_bad_steps: int = _f(3, "stop after this many steps in a row whose updates were skipped for non-finite "
@@ -275,6 +278,15 @@ def problems(r: Recipe) -> list[tuple[str, str]]:
         out.append(("dock_backend", "local keeps the dock in one process; with --world > 1 use procs or ray"))
     if r.launcher == "ray" and r.dock_backend == "procs":
         out.append(("dock_backend", "procs serves local processes; the Ray launcher's ranks use --dock-backend ray"))
+    if r.max_restarts < 0:
+        out.append(("max_restarts", "must be >= 0"))
+    elif r.max_restarts and r.launcher != "ray":
+        out.append(("max_restarts", "needs --launcher ray (a local run stops when a rank is lost; continue it with "
+                                    "--resume auto)"))
+    elif r.max_restarts and r.world == 1:
+        out.append(("max_restarts", "needs --world > 1 (one rank runs in this process, not as a Ray actor)"))
+    elif r.max_restarts and not (r.out and r.save_every):
+        out.append(("max_restarts", "needs --out and --save-every N (a restart resumes from the newest checkpoint)"))
     if r.world == 1 and (r.train_layout or r.rollout_layout):
         out.append(("train_layout" if r.train_layout else "rollout_layout", "needs --world > 1"))
     if r.world > 1 and not out:
@@ -606,6 +618,9 @@ def main(argv=None, defaults: dict | None = None, doc: str | None = None) -> lis
     where = launch.env_world()  # started by torchrun / Slurm: this process is one rank
     if where is not None:
         r = dataclasses.replace(r, world=where[1])
+        if r.max_restarts:
+            raise SystemExit("error: --max-restarts: under torchrun / Slurm the ranks are not Ray actors (torchrun "
+                             "has its own --max-restarts)")
     cfg = hf.load_config(r.model) if r.model else get_config(r.preset)
     if r.model:
         check_tokenizer(r, cfg)
@@ -627,7 +642,8 @@ def main(argv=None, defaults: dict | None = None, doc: str | None = None) -> lis
             checkpoint.verify(r.resume)
         except (checkpoint.CheckpointError, FileNotFoundError) as e:
             raise SystemExit(f"error: --resume {r.resume}: {e}") from None
-    dock = make_dock(r, r.prompts_per_step * r.group_size) if where is None or r.world == 1 else None
+    on_ray = where is None and r.world > 1 and r.launcher == "ray"  # run_on_ray makes a dock per attempt
+    dock = make_dock(r, r.prompts_per_step * r.group_size) if (where is None or r.world == 1) and not on_ray else None
     try:
         if where is not None:
             if r.world > 1 and dock is None:
@@ -636,12 +652,61 @@ def main(argv=None, defaults: dict | None = None, doc: str | None = None) -> lis
             return launch.from_env(run, r, dock, timeout_s=r.dist_timeout)
         if r.world == 1:
             return run(0, 1, r, dock)
-        if r.launcher == "ray":
-            return launch.ray_spawn(run, r.world, r, dock, address=r.ray_address, timeout_s=r.dist_timeout)[0]
+        if on_ray:
+            return run_on_ray(r)
         return launch.spawn(run, r.world, r, dock, timeout_s=r.dist_timeout)[0]  # torch.distributed: gloo on CPU, nccl on CUDA, hccl on NPU
     finally:
         if dock is not None:
             dock.close()
+
+
+def run_on_ray(r: Recipe) -> list[dict]:
+    """--launcher ray: the ranks as actors of a placement group, the dock's warehouses and controllers as actors
+    too. When a rank is lost (``launch.RankLost``: its actor died, or it stopped answering) the actors and the
+    placement group are gone and the dock is closed (its rows are the interrupted step's); with --max-restarts K
+    the run starts again, up to K times, with new actors and a fresh dock from the newest checkpoint this run
+    wrote under --out (none yet: from where it started). Other failures (an exception in the ranks' code, a
+    rank's exit) would repeat, and end the run."""
+    from rlflow.runtime import launch
+    earlier = checkpoints_in(r.out)  # an earlier run's (--overwrite) are not this run's to resume from
+    attempt = r
+    for restart in range(r.max_restarts + 1):
+        dock = make_dock(attempt, r.prompts_per_step * r.group_size)
+        try:
+            return launch.ray_spawn(run, r.world, attempt, dock, address=r.ray_address, timeout_s=r.dist_timeout)[0]
+        except launch.RankLost as e:
+            if restart == r.max_restarts:
+                tried = f" (after {restart} restart{'s' * (restart > 1)}, --max-restarts {r.max_restarts})"
+                raise SystemExit(f"error: {e}{tried if restart else ''}") from None
+            ck = newest_checkpoint(r.out, earlier)
+            attempt = dataclasses.replace(r, resume=ck or r.resume)
+            start = ck or (f"--resume {r.resume}" if r.resume else "the start (no checkpoint yet)")
+            print(f"restart {restart + 1} of {r.max_restarts}: {e}; restarting from {start}", file=sys.stderr,
+                  flush=True)
+        finally:
+            dock.close()
+
+
+def checkpoints_in(root: str) -> dict[str, int]:
+    """{name: its manifest's mtime} of the checkpoints under ``root``."""
+    found = {}
+    for n in os.listdir(root) if root and os.path.isdir(root) else ():
+        m = os.path.join(root, n, checkpoint.MANIFEST)
+        if n.startswith("checkpoint-") and os.path.isfile(m):
+            found[n] = os.stat(m).st_mtime_ns
+    return found
+
+
+def newest_checkpoint(root: str, earlier: dict[str, int]) -> str | None:
+    """The newest checkpoint under ``root`` that verifies and is not one of ``earlier`` (``checkpoints_in``)."""
+    ours = [n for n, t in checkpoints_in(root).items() if earlier.get(n) != t]
+    for n in sorted(ours, key=lambda n: (n == "checkpoint-final", n), reverse=True):
+        try:
+            checkpoint.verify(os.path.join(root, n))
+            return os.path.join(root, n)
+        except checkpoint.CheckpointError:
+            continue
+    return None
 
 
 def eval_settings(r: Recipe) -> dict:

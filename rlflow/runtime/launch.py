@@ -9,7 +9,8 @@ Three ways in, one function body:
   ``SLURM_PROCID`` / ``SLURM_NTASKS`` / ``SLURM_LOCALID`` when those are absent).
 - ``ray_spawn(fn, world, *args, address=...)``: one Ray actor per rank, placed by a placement group
   (one bundle per rank: a GPU each when the cluster has them, else a CPU); rank 0's node is the
-  rendezvous. Ray schedules and places; torch.distributed carries the collectives.
+  rendezvous. Ray schedules and places; torch.distributed carries the collectives. A rank lost (its
+  actor died, or it stopped answering) raises ``RankLost`` naming it, after the other ranks are stopped.
 
 The collective backend is ``rlflow.device.backend_for(world)`` (gloo on CPU, nccl on CUDA, hccl on
 NPU) unless given; each process runs with one intra-op thread (one thread per rank, as on a device).
@@ -19,10 +20,12 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import signal
 import socket
 import tempfile
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -171,6 +174,31 @@ def ray_init(address: str | None = None):
     return ray
 
 
+class RankLost(RuntimeError):
+    """Ranks of a Ray-launched world were lost: an actor died (its process was killed or crashed, its node
+    was lost) or stopped answering (the others' collectives timed out waiting for it), or the ranks' links
+    or the dock's actors failed under them. The other ranks were stopped. ``ranks``: the lost ones. A
+    failure that would repeat on a rerun (an exception in the ranks' code, a rank's ``SystemExit``) is
+    raised as itself instead."""
+
+    def __init__(self, ranks, why: str):
+        self.ranks, self.why = tuple(ranks), why
+        if not self.ranks:  # the dock's actors, not a rank
+            super().__init__(f"{why}; the ranks were stopped")
+            return
+        who = f"rank {self.ranks[0]} was" if len(self.ranks) == 1 else f"ranks {list(self.ranks)} were"
+        super().__init__(f"{who} lost: {why}; the other ranks were stopped")
+
+
+class _RankExit(Exception):
+    """A rank's ``SystemExit`` carried to the driver as a task error (Ray turns a ``SystemExit`` that leaves an
+    actor method into the actor's death, which would read as a lost rank)."""
+
+    def __init__(self, code):
+        super().__init__(code)
+        self.code = code
+
+
 class _RankActor:
     """One rank of a Ray-launched world."""
 
@@ -184,15 +212,93 @@ class _RankActor:
         _init(rank, world, 0 if gpus else rank, addr, port, backend, timeout_s)
         try:
             return fn(rank, world, *args)
+        except SystemExit as e:
+            raise _RankExit(e.code) from None
         finally:
             _finish()
+
+
+# a collective or link that failed because a peer went away or stopped answering (gloo's and nccl's words)
+_PEER_LOST = re.compile(r"timed out|connection (closed|reset) by peer|broken pipe|remote process exited", re.I)
+
+
+def _peer_lost(e: BaseException) -> bool:
+    """``e`` (raised in a rank) says a peer or a dock actor went away or stopped answering, not that the rank's own
+    code failed: a dead dock actor, a timed-out dock call, a torch.distributed error, or gloo's plain RuntimeError
+    saying so (a subclass, e.g. a reward function's RewardError, is the code's own)."""
+    from ray.exceptions import RayActorError
+    return (isinstance(e, (RayActorError, TimeoutError, dist.DistError))
+            or type(e) is RuntimeError and _PEER_LOST.search(str(e)) is not None)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _ray_failure(failed: dict, silent: list[int]) -> BaseException:
+    """The one error of a Ray world in which ranks ``failed`` ({rank: what ray.get raised}) and ranks ``silent``
+    had not ended a few seconds later: ``RankLost`` when ranks were lost (an actor died, or a rank stopped
+    answering while the others' collectives or dock calls failed waiting for it), ``SystemExit`` for a rank's
+    exit, else the first failed rank's own exception (it would fail a rerun the same way)."""
+    from ray.exceptions import RayActorError, RayTaskError
+    dead = {r: e for r, e in failed.items() if isinstance(e, RayActorError) and not isinstance(e, RayTaskError)}
+    if dead:  # the rank's actor itself died (a RayTaskError is the rank's code raising)
+        pids = ", ".join(m.group(1) for e in dead.values() if (m := re.search(r"pid: (\d+)", str(e))))
+        return RankLost(sorted(dead), f"its Ray actor died{f' (pid {pids})' if pids else ''}: the process was "
+                                      "killed or crashed, or its node was lost")
+    cause = {r: e.cause if isinstance(e, RayTaskError) and isinstance(getattr(e, "cause", None), BaseException)
+             else e for r, e in failed.items()}
+    exits = {r: c.code for r, c in cause.items() if isinstance(c, _RankExit)}
+    if exits:
+        return SystemExit(exits[min(exits)])
+    own = [r for r, c in cause.items() if not _peer_lost(c)]
+    if own:
+        e = failed[min(own)]
+        e.add_note(f"(raised on rank {min(own)} of the Ray world; the other ranks were stopped)")
+        return e
+    docks = [r for r, c in cause.items() if isinstance(c, RayActorError)]
+    if docks:
+        return RankLost([], f"a dock actor died under rank {min(docks)} ({_first_line(cause[min(docks)])})")
+    r = min(cause)
+    if silent:
+        return RankLost(silent, f"it stopped answering (rank {r}: {_first_line(cause[r])})")
+    return RankLost(sorted(cause), f"their links failed (rank {r}: {_first_line(cause[r])})")
+
+
+def _ray_results(refs: list, grace_s: float = 5.0) -> list:
+    """The ranks' results in rank order. At the first failure the others get ``grace_s`` to end (a rank whose
+    peer died fails its collective within moments; the dead actor's death is reported in about a second),
+    and ``_ray_failure`` of what they ended with is raised."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+    rank_of = {ref: r for r, ref in enumerate(refs)}
+    pending, failed, deadline = list(refs), {}, None
+    while pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not done:
+            break  # the grace is over: the pending ranks stopped answering
+        try:
+            ray.get(done[0])
+        except Exception as e:  # noqa: BLE001 -- sorted out by _ray_failure
+            failed[rank_of[done[0]]] = e
+            died = isinstance(e, RayActorError) and not isinstance(e, RayTaskError)
+            soon = time.monotonic() + (1.0 if died else grace_s)  # a death names the lost rank: wait less
+            deadline = soon if deadline is None else min(deadline, soon)
+    if failed:
+        raise _ray_failure(failed, sorted(rank_of[p] for p in pending))
+    return ray.get(refs)
 
 
 def ray_spawn(fn, world: int, *args, address: str | None = None, backend: str | None = None,
               timeout_s: float | None = None) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` Ray actors (one per bundle of a placement group); returns
     the results in rank order. Each actor gets one GPU when the cluster has ``world`` of them (nccl), else
-    one CPU (gloo)."""
+    one CPU (gloo). When a rank fails, the actors are killed (none is left waiting in a collective) and the
+    placement group removed, then this raises: ``RankLost`` naming the ranks lost (an actor that died: a
+    killed or crashed process, a lost node; a rank that stopped answering while the others' collectives
+    timed out, ``timeout_s``), ``SystemExit`` with a rank's exit code, or the rank's own exception."""
     ray = ray_init(address)
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -203,14 +309,17 @@ def ray_spawn(fn, world: int, *args, address: str | None = None, backend: str | 
     pg = placement_group([bundle] * world, strategy="PACK")
     ray.get(pg.ready(), timeout=120)
     actor = ray.remote(_RankActor)
+    workers = []
     try:
         workers = [actor.options(num_cpus=1, num_gpus=1 if gpu else 0, scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=r)).remote() for r in range(world)]
         addr, port = ray.get(workers[0].node_address.remote())
-        return ray.get([w.run.remote(fn, r, world, addr, port, backend, timeout_s, args)
-                        for r, w in enumerate(workers)])
+        return _ray_results([w.run.remote(fn, r, world, addr, port, backend, timeout_s, args)
+                             for r, w in enumerate(workers)])
     finally:
+        for w in workers:  # a rank still in a collective with a lost peer, or hung
+            ray.kill(w, no_restart=True)
         remove_placement_group(pg)
 
 
-__all__ = ["env_world", "free_port", "from_env", "ray_init", "ray_spawn", "spawn"]
+__all__ = ["RankLost", "env_world", "free_port", "from_env", "ray_init", "ray_spawn", "spawn"]
