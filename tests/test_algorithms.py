@@ -194,3 +194,28 @@ def test_a_reward_that_leaves_samples_unscored_trains_on_the_others():
     scored = [v for v in seen[0] if v is not None]
     assert hist[0]["reward_mean"] == pytest.approx(sum(scored) / len(scored))
     assert all(math.isfinite(h["loss"]) for h in hist) and hist[0]["update_skipped"] == 0
+
+
+def test_mismatch_is_rounding_sized_on_one_float32_path_and_reported_for_a_bfloat16_rollout():
+    """The trainer (float32) recomputes the log-probs of tokens sampled by a float32 rollout (the decode path:
+    a KV cache, other sums than one forward) within float32 rounding, and of a bfloat16 rollout's tokens
+    (the same weights rounded to bfloat16) far outside it: the metric reports the engine mismatch."""
+    from rlflow.algos import stages
+    from rlflow.data import PromptSource, prompt_batch
+    from rlflow.models import qwen3_moe
+    from rlflow.models.config import get_config
+    from rlflow.rollout import SamplingConfig, generate
+    from rlflow.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    cfg = get_config("qwen3-moe-tiny").replace(eos_token_id=tok.eos_id)
+    params = qwen3_moe.init_params(cfg, seed=3, std=0.3)
+    prompts = prompt_batch(PromptSource(task="max_digit", seed=0).take(4), tok)
+    scfg = SamplingConfig(max_new_tokens=6, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    diffs = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        ro = generate({k: v.to(dtype) for k, v in params.items()}, cfg, prompts, scfg, group_size=4, seed=1)
+        trainer = stages.batched_logprobs(params, cfg, ro, micro_batch_size=16)
+        diffs[name] = float(corrections.mismatch(ro.sample_logprobs_BTr, trainer, ro.response_mask_BTr)["logp_diff_mean"])
+    assert diffs["float32"] < 1e-5, diffs
+    assert diffs["bfloat16"] > 1e-3 and diffs["bfloat16"] > 100 * diffs["float32"], diffs

@@ -298,3 +298,86 @@ def test_cost_model_matches_measured_bytes(S):
     central = centralized_bytes(shape, GRPO.flow, GRPO.schema)
     assert abs(cb - central) / central < 0.02
     assert sum(stage_bytes(shape, s, GRPO.schema) for s in GRPO.flow) == central
+
+
+# ---- the cost model against a hand-worked figure and the bytes counted at the transport ----
+class CountingTransport:
+    """Wraps a dock's transport and adds up, per dock process (warehouse or centralized store), the bytes of
+    the cells that cross it: the ``(values, lengths)`` arrays of every Wire a put sends and a get returns.
+    Counted from the arrays themselves, so it shares no code with ``rlflow.dock.cost`` or the processes'
+    own meters."""
+
+    def __init__(self, inner, names: dict):
+        self.inner, self.names = inner, names  # names: id(target) -> label
+        self.bytes = {n: 0 for n in names.values()}
+
+    def __getattr__(self, attr):  # nodes, here(), close(): the wrapped transport's
+        return getattr(self.inner, attr)
+
+    @staticmethod
+    def cells(obj) -> int:
+        if isinstance(obj, dict) and obj and all(isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], np.ndarray)
+                                                 for v in obj.values()):
+            return sum(v.nbytes + (0 if n is None else n.nbytes) for v, n in obj.values())
+        if isinstance(obj, (tuple, list)):
+            return sum(CountingTransport.cells(x) for x in obj)
+        return 0
+
+    def _count(self, target, method, args, result) -> None:
+        name = self.names.get(id(target))
+        if name is not None and method in ("put", "get"):
+            self.bytes[name] += self.cells(args) + (self.cells(result) if method == "get" else 0)
+
+    def call(self, target, method, *args):
+        out = self.inner.call(target, method, *args)
+        self._count(target, method, args, out)
+        return out
+
+    def call_many(self, calls) -> list:
+        calls = list(calls)
+        outs = self.inner.call_many(calls)
+        for (target, method, args), out in zip(calls, outs):
+            if not isinstance(out, BaseException):
+                self._count(target, method, args, out)
+        return outs
+
+
+# 4 prompts x G=4 = 16 rows; prompts of 3 tokens, responses of 5, answers of 2 bytes.
+SMALL = Shape(prompts=4, group_size=G, prompt_len=3, response_len=5, answer_len=2)
+# Bytes of one cell (a var cell also carries its int64 length, 8 bytes):
+#   prompt_ids int64 var   3*8 + 8 = 32     group      int64 scalar  8
+#   answer     uint8 var   2*1 + 8 = 10     rewards, advantages float32 scalar  4 each
+#   response_ids int64 var 5*8 + 8 = 48     sample_/old_/ref_logprobs float32 var  5*4 + 8 = 28 each
+# What each stage of GRPO.flow moves per row (reads + writes):
+#   prompts (puts prompt_ids, group, answer)              32+8+10            =  50
+#   rollout (reads those; writes response_ids, sample_lp)  50 + 48+28         = 126
+#   score (reads those 5 columns; writes rewards)          126 + 4            = 130
+#   advantage (reads rewards, group; writes advantages)    4+8 + 4            =  16
+#   ref_logprob / old_logprob (read the 5; write one lp)   126 + 28           = 154 each
+#   update (reads the 5, rewards, advantages, old, ref)    126 + 4+4 + 28+28  = 190
+#   sum 50+126+130+16+154+154+190 = 820 bytes per row, x 16 rows:
+SMALL_CENTRAL_BYTES = 820 * 16  # = 13120: every one of them passes through the centralized store
+
+
+def test_centralized_bytes_equal_a_hand_worked_figure_and_the_bytes_counted_at_the_store():
+    assert centralized_bytes(SMALL, GRPO.flow, GRPO.schema) == SMALL_CENTRAL_BYTES
+    c = CentralizedBuffer.local(GRPO.schema, GRPO.consumers, capacity=SMALL.rows, group_size=G)
+    c.transport = CountingTransport(c.transport, {id(c.store): "central"})
+    run_grpo(c, SMALL, mb=8)
+    assert c.transport.bytes == {"central": SMALL_CENTRAL_BYTES}
+
+
+@pytest.mark.parametrize("S, procs", [(1, False), (2, False), (4, False), (2, True)])
+def test_each_warehouse_carries_the_central_figure_over_S(S, procs):
+    """4 groups placed round-robin over S warehouses: each holds 4/S of them and moves 13120 / S bytes."""
+    make = proc_dock if procs else Dock.local
+    d = make(GRPO.schema, GRPO.consumers, capacity=SMALL.rows, warehouses=S, group_size=G)
+    try:
+        d.transport = CountingTransport(d.transport, {id(w): f"w{i}" for i, w in enumerate(d.warehouses)})
+        run_grpo(d, SMALL, mb=8)
+        assert d.transport.bytes == {f"w{i}": SMALL_CENTRAL_BYTES // S for i in range(S)}
+        model = dock_bytes(SMALL, S, GRPO.flow, GRPO.schema)
+        assert model["warehouse"] == SMALL_CENTRAL_BYTES / S
+        assert max(d.transport.bytes.values()) == model["warehouse"]
+    finally:
+        d.close()

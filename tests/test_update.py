@@ -42,7 +42,17 @@ def test_micro_batching_dynamic_batching_and_remat_are_exact(ukw):
     ref, mref = _run(params, tb)
     new, met = _run(params, tb, **ukw)
     assert abs(met["grad_norm"] - mref["grad_norm"]) < 1e-5 * max(1.0, mref["grad_norm"])
-    assert met["loss"] == pytest.approx(mref["loss"], rel=1e-5, abs=1e-7)  # the reported loss too
+    # The reported loss too. It is a token mean of -A * ratio whose terms (|A| ~ 0.8, ratio ~ 1) cancel down to
+    # ~0.016, so float32 noise in the log-probs of the two paths (~1e-6) shows at ~1e-7: compare relative to
+    # the terms' scale (measured gap up to 1.2e-7; 1.6e-7 was allowed, now 7.7e-6), not to the small result.
+    A, m = tb.advantages_B.abs()[:, None], tb.response_mask_BTr.float()
+    scale = float((A * m).sum() / m.sum())
+    assert abs(met["loss"] - mref["loss"]) <= 1e-5 * scale, (met["loss"], mref["loss"], scale)
+    # and the loss itself: old log-probs are the current ones, so ratio = 1 up to that noise (|ratio - 1| <=
+    # logp_diff_max ~ 5e-6) and the loss is minus the token mean of the advantages, here in float64 (measured
+    # gap 9e-10)
+    want = -float((tb.advantages_B.double()[:, None] * m.double()).sum() / m.double().sum())
+    assert abs(mref["loss"] - want) <= 1e-5 * scale, (mref["loss"], want, scale)
     assert mref["grad_norm"] > 0
     for k in ref:
         torch.testing.assert_close(new[k], ref[k], atol=1e-5, rtol=1e-5)
