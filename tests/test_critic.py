@@ -201,3 +201,30 @@ def test_recipe_refuses_critic_flags_by_name(argv, flag, capsys):
 def test_recipe_refuses_gae_with_a_pp_train_layout(capsys):
     with pytest.raises(SystemExit, match="pp layout"):
         recipe_module().main(["--adv-estimator", "gae", "--world", "2", "--train-layout", "pp=2", "--steps", "1"])
+
+
+def test_a_resumed_ppo_run_continues_its_critic(tmp_path):
+    """A PPO run continued from its step-2 checkpoint ends with the uninterrupted run's policy and critic (the
+    critic's weights and AdamW state are in the checkpoint); a checkpoint without a critic is refused."""
+    import shutil
+
+    from rlflow.runtime import checkpoint
+
+    main = recipe_module().main
+    flags = ["--world", "1", "--adv-estimator", "gae", "--steps", "4", "--prompts-per-step", "4", "--group-size", "4",
+             "--critic-lr", "1e-2"]
+    whole = main(flags + ["--out", str(tmp_path / "a")])
+    main(flags + ["--out", str(tmp_path / "b"), "--save-every", "2", "--keep-last", "5"])
+    shutil.rmtree(tmp_path / "b" / "checkpoint-final")  # as if the run had stopped after step 2
+    resumed = main(flags + ["--out", str(tmp_path / "b"), "--resume", "auto"])
+    assert [m["step"] for m in resumed] == [2, 3]
+    assert [m["reward_mean"] for m in resumed] == [m["reward_mean"] for m in whole[2:]]
+    a, b = (checkpoint.load(str(tmp_path / d / "checkpoint-final")) for d in ("a", "b"))
+    assert a.critic is not None and a.critic.opt_state.step == 4
+    for want, got in ((a.params, b.params), (a.critic.params, b.critic.params), (a.critic.opt_state.v, b.critic.opt_state.v)):
+        assert max(float((want[k] - got[k]).abs().max()) for k in want) <= 1e-6
+    start = checkpoint.load(str(tmp_path / "b" / "checkpoint-000002")).critic.params
+    assert max(float((a.critic.params[k] - start[k]).abs().max()) for k in start) > 1e-4  # the critic trained on
+    main(["--world", "1", "--steps", "1", "--prompts-per-step", "4", "--group-size", "4", "--out", str(tmp_path / "g")])
+    with pytest.raises(SystemExit, match="has no critic"):
+        main(flags + ["--out", str(tmp_path / "c"), "--resume", str(tmp_path / "g" / "checkpoint-final")])
