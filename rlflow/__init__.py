@@ -17,8 +17,9 @@ Scoring (``rlflow.algos.stages``, ``rlflow.rewards``)
                                        ("exact", "math"), a user's file or module, weighted sums, and a
                                        per-sample ``fn(response, answer)`` in the loop's batched form
 Advantages (``rlflow.algos.estimators``, ``rlflow.algos.grpo``)
-    advantages, ADV_ESTIMATORS         grpo, rloo, reinforce++, reinforce++-baseline
+    advantages, ADV_ESTIMATORS         grpo, rloo, reinforce++, reinforce++-baseline (gae: ``gae``)
     group_advantages                   GRPO's (r - group mean) / group std
+    gae, Critic, CriticConfig, value_loss  PPO with a critic: per-token GAE, the value model, its loss
 Policy loss (``rlflow.algos.grpo``)
     GRPOConfig, policy_loss            the clipped surrogate (PPO / GSPO ratios, KL, entropy, aggregation)
 Log-probs (``rlflow.algos.stages``)
@@ -34,7 +35,7 @@ Data (``rlflow.data``)
 Tokenizers (``rlflow.tokenizer``)
     CharTokenizer, HFTokenizer, ChatTemplate
 The transfer dock (``rlflow.dock``, ``rlflow.runtime.graph``)
-    Dock, proc_dock, ray_dock, GRPO    ``Dock.local(GRPO.schema, GRPO.consumers, ...)``, in processes, on Ray
+    Dock, proc_dock, ray_dock, GRPO, PPO  ``Dock.local(GRPO.schema, GRPO.consumers, ...)``, in processes, on Ray
 Layouts and plans (``rlflow.sharding``, ``rlflow.models.sharding``)
     Mesh, P, Layout, layout            meshes, partition specs, a model's layout on a mesh
     Plan, plan, allgather_swap, swap_back  transition plans between two layouts
@@ -79,6 +80,10 @@ _EXPORTS = {
     "advantages": ("rlflow.algos.estimators", "advantages"),
     "ADV_ESTIMATORS": ("rlflow.algos.estimators", "ADV_ESTIMATORS"),
     "group_advantages": ("rlflow.algos.grpo", "group_advantages"),
+    "gae": ("rlflow.algos.estimators", "gae"),
+    "Critic": ("rlflow.algos.critic", "Critic"),
+    "CriticConfig": ("rlflow.algos.critic", "CriticConfig"),
+    "value_loss": ("rlflow.algos.critic", "value_loss"),
     # policy loss
     "GRPOConfig": ("rlflow.algos.grpo", "GRPOConfig"),
     "policy_loss": ("rlflow.algos.grpo", "policy_loss"),
@@ -112,6 +117,7 @@ _EXPORTS = {
     "proc_dock": ("rlflow.dock.proc_backend", "proc_dock"),
     "ray_dock": ("rlflow.dock.ray_backend", "ray_dock"),  # imports ray, on first use only
     "GRPO": ("rlflow.runtime.graph", "GRPO"),
+    "PPO": ("rlflow.runtime.graph", "PPO"),
     # layouts and plans
     "Mesh": ("rlflow.sharding.mesh", "Mesh"),
     "P": ("rlflow.sharding.spec", "P"),
