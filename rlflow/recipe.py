@@ -476,6 +476,12 @@ def mesh_of(r: Recipe, spec: str | None, name: str):
     return Mesh.parse(spec, r.world)
 
 
+def train_layout_name(r: Recipe) -> str:
+    """The train layout's mesh as a checkpoint's manifest names it (one process: the trivial mesh)."""
+    from rlflow.sharding import Mesh
+    return str(mesh_of(r, r.train_layout, "train_layout") if r.world > 1 else Mesh())
+
+
 def placement(r: Recipe, cfg, dtype):
     """The train and rollout layouts of a --world > 1 run (ValueError naming what the model cannot run)."""
     from rlflow.models.sharding import layout
@@ -639,7 +645,7 @@ def main(argv=None, defaults: dict | None = None, doc: str | None = None) -> lis
         prepare_out(r)
     if r.resume and r.resume != "auto":  # a damaged checkpoint is refused before any rank starts
         try:
-            checkpoint.verify(r.resume)
+            checkpoint.check_sharding(checkpoint.verify(r.resume), r.world, train_layout_name(r))
         except (checkpoint.CheckpointError, FileNotFoundError) as e:
             raise SystemExit(f"error: --resume {r.resume}: {e}") from None
     on_ray = where is None and r.world > 1 and r.launcher == "ray"  # run_on_ray makes a dock per attempt
@@ -738,8 +744,9 @@ def evaluate_only(r: Recipe) -> dict[str, float]:
     return m
 
 
-def resume_point(r: Recipe, cfg, source, dev, dtype, say):
-    """(checkpoint or None) for --resume: the directory given, or under --out the newest one that verifies."""
+def resume_point(r: Recipe, cfg, source, dev, dtype, say, rank: int = 0):
+    """(checkpoint or None) for --resume: the directory given, or under --out the newest one that verifies; of a
+    sharded checkpoint, rank ``rank``'s shards."""
     if not r.resume:
         return None
     path = r.resume
@@ -751,7 +758,8 @@ def resume_point(r: Recipe, cfg, source, dev, dtype, say):
             say(f"resume: no checkpoint under {r.out}; starting from scratch")
             return None
     try:
-        ck = checkpoint.load(path, dtype=dtype, device=dev)
+        checkpoint.check_sharding(checkpoint.verify(path), r.world, train_layout_name(r))
+        ck = checkpoint.load(path, dtype=dtype, device=dev, rank=rank)
     except (checkpoint.CheckpointError, FileNotFoundError) as e:
         raise SystemExit(f"error: --resume {r.resume}: {e}") from None
     if ck.cfg != cfg:
@@ -807,7 +815,7 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
             "warehouses")
     say(loop.TPS_DEFINITION)
     init = {k: v.clone() for k, v in params.items()} if r.kl_coef else None  # the reference: the run's start
-    ck = resume_point(r, cfg, source, dev, dtype, say)
+    ck = resume_point(r, cfg, source, dev, dtype, say, rank)
     done = 0 if ck is None else ck.steps_done
     opt_state = None if ck is None else ck.opt_state
     if ck is not None:
@@ -818,10 +826,12 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
             raise SystemExit(f"error: --resume {ck.path}: the checkpoint has no critic (a run without "
                              "--adv-estimator gae); it cannot continue as a PPO run")
         critic = ck.critic if ck is not None else Critic.from_policy(params, cfg, seed=r.seed)
-    if where is not None:  # this rank's shards of the train layout
+    if where is not None:  # this rank's shards of the train layout (a sharded checkpoint holds them as they are)
         from rlflow.parallel.context import shard_params
         mine = lambda full: shard_params(full, where.train, rank)  # noqa: E731
-        params, init = mine(params), (None if init is None else mine(init))
+        init = None if init is None else mine(init)
+    if where is not None and (ck is None or ck.sharded is None):
+        params = mine(params)
         if opt_state is not None:
             opt_state = optim.map_state(opt_state, mine)
         if critic is not None:
@@ -841,16 +851,21 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
                                    wandb_project=r.wandb_project, wandb_mode=r.wandb_mode)
 
     def save(name, steps_done, p, state, keep=None):
-        """Every rank calls it (with shards, gathering them is a collective); the lead writes."""
-        c = critic
-        if where is not None:
-            p, state = full_state(cfg, where, p, state)
-            if c is not None:
-                c = Critic(*full_state(cfg, where, c.params, c.opt_state, head="value"))
+        """Every rank calls it: with several ranks each writes its own shards, the weights are gathered for
+        the consolidated export (a collective), and the lead writes the rest."""
+        kw = dict(steps_done=steps_done, cfg=cfg, source=source, args=dataclasses.asdict(r), tokenizer=tok,
+                  keep_last=keep)
+        if where is None:
+            return checkpoint.save(r.out, name, params=p, opt_state=state, critic=critic, **kw)
+        got = [checkpoint.begin(r.out, name) if lead else None]
+        torch.distributed.broadcast_object_list(got, src=0)
+        checkpoint.write_shard(got[0], rank, world, params=p, opt_state=state, critic=critic)
+        full = full_params(cfg, where, p)
+        torch.distributed.barrier()  # every rank's file is written and fsynced
         if not lead:
             return None
-        return checkpoint.save(r.out, name, steps_done=steps_done, cfg=cfg, params=p, opt_state=state, source=source,
-                               args=dataclasses.asdict(r), tokenizer=tok, keep_last=keep, critic=c)
+        return checkpoint.save(r.out, name, params=full, opt_state=None, tmp=got[0], **kw,
+                               sharded={"world": world, "train_layout": str(where.train.mesh)})
 
     evals = eval_examples(r) if r.eval_dataset else None
 
@@ -944,9 +959,8 @@ def _same_layouts(where) -> bool:
     return same_layout(where.train, where.rollout)
 
 
-def full_params(cfg, where, ts: dict, head: str = "lm") -> dict:
-    """Every rank's copy of the whole tensors from its train shards ``ts`` (a collective); ``head="value"``:
-    the critic's."""
+def full_params(cfg, where, ts: dict) -> dict:
+    """Every rank's copy of the whole tensors from its train shards ``ts`` (a collective)."""
     from rlflow.models.sharding import RULES, layout
     from rlflow.runtime.weights import gather_full
     from rlflow.sharding import Mesh
@@ -954,14 +968,8 @@ def full_params(cfg, where, ts: dict, head: str = "lm") -> dict:
         return {}
     dt = next(iter(ts.values())).dtype
     mesh = where.train.mesh  # the whole model on every rank: no pp stages, nothing split
-    return gather_full(ts, layout(cfg, mesh, dtype=dt, head=head),
-                       layout(cfg, Mesh(dp=mesh.size), {k: None for k in RULES}, dtype=dt, head=head))
-
-
-def full_state(cfg, where, params, state, head: str = "lm"):
-    """The whole weights and AdamW state from every rank's train shards (a collective; checkpoints)."""
-    full = lambda ts: full_params(cfg, where, ts, head)  # noqa: E731
-    return full(params), optim.map_state(state, full)
+    return gather_full(ts, layout(cfg, mesh, dtype=dt), layout(cfg, Mesh(dp=mesh.size), {k: None for k in RULES},
+                                                               dtype=dt))
 
 
 def evaluation(r: Recipe, cfg, tok, examples: list[Example], reward_fn, params, where, rank: int,

@@ -93,3 +93,34 @@ def test_a_damaged_checkpoint_is_refused_and_auto_falls_back(uninterrupted, tmp_
     assert res.returncode != 0 and "SHA-256" in res.stderr.strip().splitlines()[-1], res.stderr[-2000:]
     (root / "checkpoint-000006" / checkpoint.MANIFEST).unlink()
     assert checkpoint.find_resumable(str(root))[0] is None
+
+
+def test_a_sharded_run_writes_each_ranks_own_shards_and_resumes_only_in_its_layout(uninterrupted, tmp_path):
+    """The default run (2 ranks, train tp=2): each rank writes its shards of the weights and of the AdamW state
+    (none of the optimizer state is gathered); they are the whole run's state split by the train layout; a
+    run in another layout is refused naming it (the consolidated weights still load as --model)."""
+    from rlflow.models.config import get_config
+    from rlflow.models.sharding import layout
+    from rlflow.parallel.context import shard_params
+    from rlflow.sharding import Mesh
+
+    final = uninterrupted / "checkpoint-final"
+    manifest = json.loads((final / checkpoint.MANIFEST).read_text())
+    assert manifest["sharded"] == {"world": 2, "train_layout": str(Mesh.parse("tp=2", 2))}
+    files = set(manifest["files"])
+    assert {checkpoint.shard_file(0, 2), checkpoint.shard_file(1, 2)} <= files
+    assert torch.load(final / checkpoint.STATE, weights_only=False)["opt_state"] is None
+    whole = hf.load(str(final))[1]
+    lay = layout(get_config("qwen3-moe-tiny"), Mesh.parse("tp=2", 2), dtype=torch.float32)  # the run's train layout
+    split = 0
+    for rank in (0, 1):
+        ck = checkpoint.load(str(final), rank=rank)
+        want = shard_params(whole, lay, rank)
+        assert set(ck.params) == set(want) == set(ck.opt_state.v)
+        for k in want:
+            assert torch.equal(ck.params[k], want[k]), k  # the export is the shards put together
+        split += sum(v.shape != whole[k].shape for k, v in ck.params.items())
+        assert ck.opt_state.step == 10 and all(float(v.abs().sum()) > 0 for v in ck.opt_state.v.values())
+    assert split > 0  # tp=2 did split some parameters
+    res = _run(["--steps", "12", "--world", "1", "--out", str(tmp_path / "r"), "--resume", str(final)])
+    assert res.returncode != 0 and "train layout" in res.stderr.strip().splitlines()[-1], res.stderr[-2000:]

@@ -203,15 +203,17 @@ def test_recipe_refuses_gae_with_a_pp_train_layout(capsys):
         recipe_module().main(["--adv-estimator", "gae", "--world", "2", "--train-layout", "pp=2", "--steps", "1"])
 
 
-def test_a_resumed_ppo_run_continues_its_critic(tmp_path):
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_resumed_ppo_run_continues_its_critic(tmp_path, world):
     """A PPO run continued from its step-2 checkpoint ends with the uninterrupted run's policy and critic (the
-    critic's weights and AdamW state are in the checkpoint); a checkpoint without a critic is refused."""
+    critic's weights and AdamW state are in the checkpoint: whole in one process, each rank's shards with 2
+    ranks); a checkpoint without a critic is refused."""
     import shutil
 
     from rlflow.runtime import checkpoint
 
     main = recipe_module().main
-    flags = ["--world", "1", "--adv-estimator", "gae", "--steps", "4", "--prompts-per-step", "4", "--group-size", "4",
+    flags = ["--world", str(world), "--adv-estimator", "gae", "--steps", "4", "--prompts-per-step", "4", "--group-size", "4",
              "--critic-lr", "1e-2"]
     whole = main(flags + ["--out", str(tmp_path / "a")])
     main(flags + ["--out", str(tmp_path / "b"), "--save-every", "2", "--keep-last", "5"])
@@ -225,6 +227,8 @@ def test_a_resumed_ppo_run_continues_its_critic(tmp_path):
         assert max(float((want[k] - got[k]).abs().max()) for k in want) <= 1e-6
     start = checkpoint.load(str(tmp_path / "b" / "checkpoint-000002")).critic.params
     assert max(float((a.critic.params[k] - start[k]).abs().max()) for k in start) > 1e-4  # the critic trained on
+    if world > 1:
+        return
     main(["--world", "1", "--steps", "1", "--prompts-per-step", "4", "--group-size", "4", "--out", str(tmp_path / "g")])
     with pytest.raises(SystemExit, match="has no critic"):
         main(flags + ["--out", str(tmp_path / "c"), "--resume", str(tmp_path / "g" / "checkpoint-final")])

@@ -1,20 +1,26 @@
-"""Atomic, verifiable, resumable checkpoints of a run (one process, or data-parallel ranks that hold the
-same parameters: rank 0 writes).
+"""Atomic, verifiable, resumable checkpoints of a run, in one process or sharded over the ranks of a layout.
 
 A checkpoint is a directory ``<root>/checkpoint-<step>`` (``checkpoint-final`` at the end):
 
     config.json, model.safetensors (or shards)   the weights in transformers' format (``hf.save``):
     tokenizer files                              ``--model CKPT`` and ``AutoModelForCausalLM`` load it
-    trainer_state.pt                             AdamW state (step, moments, float32 masters), the
-                                                 prompt stream's position, torch's RNG state, the
-                                                 number of GRPO steps done
+    trainer_state.pt                             the prompt stream's position, torch's RNG state, the
+                                                 number of GRPO steps done; in one process also the
+                                                 AdamW state (step, moments, float32 masters)
+    critic.pt                                    one process, PPO's critic: its weights (value head
+                                                 included) and AdamW state
+    rank-<r>-of-<W>.pt                           a sharded run (W ranks): rank r's own shards of the
+                                                 weights, the AdamW state and the critic, its RNG state
     args.json                                    the run's full configuration
-    critic.pt                                    PPO's critic, when the run has one: its weights
-                                                 (value head included) and AdamW state
-    manifest.json                                every file above with its size and SHA-256; written last
+    manifest.json                                every file above with its size and SHA-256, and for a
+                                                 sharded run its world and train layout; written last
 
-It is written under a temporary name in ``root``, every file fsynced, the manifest last, then renamed
-into place (a crash leaves a temporary directory, never a half checkpoint under a real name).
+In a sharded run every rank writes its own file (``write_shard``: nothing of the optimizer state is
+gathered), and the weights are gathered once for the consolidated transformers export. The directory
+is written under a temporary name in ``root`` (``begin``), every file fsynced, the manifest last, then
+renamed into place (a crash leaves a temporary directory, never a half checkpoint under a real name).
+A sharded checkpoint resumes on the same world and train layout (``check_sharding`` names what
+differs); its export loads anywhere as ``--model``.
 ``load`` refuses a checkpoint whose manifest is missing or whose files are missing, truncated or
 altered, naming the file and what is wrong; ``find_resumable(root)`` returns the newest checkpoint
 that verifies and says which newer ones it skipped, and why.
@@ -55,7 +61,10 @@ class Checkpoint:
     opt_state: optim.AdamWState
     source_state: object
     args: dict
-    critic: Critic | None = None  # PPO's critic (whole tensors), when the run has one
+    critic: Critic | None = None  # PPO's critic, when the run has one
+    # a sharded checkpoint: {"world": W, "train_layout": its mesh}; then params, opt_state and critic are
+    # the loading rank's shards. None: whole tensors
+    sharded: dict | None = None
 
 
 def _sha256(path: str) -> str:
@@ -86,13 +95,37 @@ def restore_source(source, state) -> None:
     source._order = list(order)
 
 
-def save(root: str, name: str, *, steps_done: int, cfg: ModelConfig, params: dict, opt_state: optim.AdamWState,
-         source, args: dict, tokenizer=None, keep_last: int | None = None, critic: Critic | None = None) -> str:
-    """Write checkpoint ``root/name`` atomically; returns its path. ``tokenizer``: saved beside the weights
-    (its ``save(dir)``), with a ``generation_config.json``. ``keep_last``: then delete all but the newest
-    ``keep_last`` numbered checkpoints. ``critic``: PPO's critic (whole tensors)."""
+def begin(root: str, name: str) -> str:
+    """The temporary directory checkpoint ``root/name`` is written into (``write_shard``, then ``save``)."""
     os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root)
+    return tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root)
+
+
+def shard_file(rank: int, world: int) -> str:
+    return f"rank-{rank:05d}-of-{world:05d}.pt"
+
+
+def write_shard(tmp: str, rank: int, world: int, *, params: dict, opt_state: optim.AdamWState,
+                critic: Critic | None = None) -> None:
+    """Rank ``rank``'s own shards (weights, AdamW state, the critic's) and RNG state into ``tmp``, fsynced."""
+    path = os.path.join(tmp, shard_file(rank, world))
+    torch.save({"params": params, "opt_state": _state_dict(opt_state), "torch_rng": torch.get_rng_state(),
+                "critic": None if critic is None else {"params": critic.params,
+                                                       "opt_state": _state_dict(critic.opt_state)}}, path)
+    _fsync(path)
+
+
+def save(root: str, name: str, *, steps_done: int, cfg: ModelConfig, params: dict,
+         opt_state: optim.AdamWState | None, source, args: dict, tokenizer=None, keep_last: int | None = None,
+         critic: Critic | None = None, tmp: str | None = None, sharded: dict | None = None) -> str:
+    """Write checkpoint ``root/name`` atomically; returns its path. ``params``: the whole weights (the
+    export). ``tokenizer``: saved beside the weights (its ``save(dir)``), with a ``generation_config.json``.
+    ``keep_last``: then delete all but the newest ``keep_last`` numbered checkpoints. ``critic``: PPO's
+    critic (whole tensors). A sharded run: ``tmp`` from ``begin``, holding every rank's ``write_shard``
+    file, ``sharded`` = {"world", "train_layout"}, and no ``opt_state`` or ``critic`` here."""
+    if (sharded is None) == (opt_state is None) or (sharded is not None and (tmp is None or critic is not None)):
+        raise ValueError("checkpoint.save: give opt_state (one process), or sharded= and tmp= (the ranks' files)")
+    tmp = begin(root, name) if tmp is None else tmp
     try:
         hf.save(tmp, cfg, params)
         if tokenizer is not None:
@@ -100,8 +133,12 @@ def save(root: str, name: str, *, steps_done: int, cfg: ModelConfig, params: dic
             with open(os.path.join(tmp, "generation_config.json"), "w") as f:
                 json.dump({"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id,
                            "bos_token_id": tokenizer.bos_id}, f, indent=2)
-        torch.save({"steps_done": steps_done,
-                    "opt_state": _state_dict(opt_state),
+        if sharded is not None:
+            want = {shard_file(r, sharded["world"]) for r in range(sharded["world"])}
+            missing = sorted(want - set(os.listdir(tmp)))
+            if missing:
+                raise CheckpointError(f"{tmp}: the ranks' files {missing[:3]} are missing")
+        torch.save({"steps_done": steps_done, "opt_state": None if opt_state is None else _state_dict(opt_state),
                     "source": source_state(source), "torch_rng": torch.get_rng_state()}, os.path.join(tmp, STATE))
         if critic is not None:
             torch.save({"params": critic.params, "opt_state": _state_dict(critic.opt_state)}, os.path.join(tmp, CRITIC))
@@ -110,7 +147,7 @@ def save(root: str, name: str, *, steps_done: int, cfg: ModelConfig, params: dic
         files = sorted(n for n in os.listdir(tmp))
         for n in files:
             _fsync(os.path.join(tmp, n))
-        manifest = {"format": 1, "steps_done": steps_done,
+        manifest = {"format": 1, "steps_done": steps_done, **({} if sharded is None else {"sharded": sharded}),
                     "files": {n: {"size": os.path.getsize(os.path.join(tmp, n)), "sha256": _sha256(os.path.join(tmp, n))}
                               for n in files}}
         with open(os.path.join(tmp, MANIFEST), "w") as f:
@@ -156,20 +193,43 @@ def verify(path: str) -> dict:
     return manifest
 
 
-def load(path: str, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> Checkpoint:
-    """Read a verified checkpoint (see ``verify``)."""
-    verify(path)
-    cfg, params = hf.load(path, dtype=dtype, device=device)
+def load(path: str, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+         rank: int = 0) -> Checkpoint:
+    """Read a verified checkpoint (see ``verify``); of a sharded one, rank ``rank``'s shards (and its RNG state)."""
+    sharded = verify(path).get("sharded")
     st = torch.load(os.path.join(path, STATE), map_location=device, weights_only=False)
-    torch.set_rng_state(st["torch_rng"])
     with open(os.path.join(path, ARGS)) as f:
         args = json.load(f)
     critic = None
-    if os.path.exists(os.path.join(path, CRITIC)):
-        c = torch.load(os.path.join(path, CRITIC), map_location=device, weights_only=False)
-        critic = Critic(params=c["params"], opt_state=_state(c["opt_state"]))
-    return Checkpoint(path=path, steps_done=int(st["steps_done"]), cfg=cfg, params=params,
-                      opt_state=_state(st["opt_state"]), source_state=st["source"], args=args, critic=critic)
+    if sharded is None:
+        cfg, params = hf.load(path, dtype=dtype, device=device)
+        opt_state, rng = _state(st["opt_state"]), st["torch_rng"]
+        if os.path.exists(os.path.join(path, CRITIC)):
+            c = torch.load(os.path.join(path, CRITIC), map_location=device, weights_only=False)
+            critic = Critic(params=c["params"], opt_state=_state(c["opt_state"]))
+    else:
+        if not 0 <= rank < sharded["world"]:
+            raise CheckpointError(f"{path}: sharded over {sharded['world']} ranks, it has no rank {rank}")
+        mine = torch.load(os.path.join(path, shard_file(rank, sharded["world"])), map_location=device,
+                          weights_only=False)
+        cfg = hf.load_config(path)
+        params = {k: v if dtype is None else v.to(dtype) for k, v in mine["params"].items()}
+        opt_state, rng = _state(mine["opt_state"]), mine["torch_rng"]
+        if mine["critic"] is not None:
+            critic = Critic(params=mine["critic"]["params"], opt_state=_state(mine["critic"]["opt_state"]))
+    torch.set_rng_state(rng)
+    return Checkpoint(path=path, steps_done=int(st["steps_done"]), cfg=cfg, params=params, opt_state=opt_state,
+                      source_state=st["source"], args=args, critic=critic, sharded=sharded)
+
+
+def check_sharding(manifest: dict, world: int, train_layout: str) -> None:
+    """``CheckpointError`` when a sharded checkpoint's world or train layout differs from a run's (its shards fit
+    only the layout that wrote them; the consolidated weights in it load anywhere as ``--model``)."""
+    sh = manifest.get("sharded")
+    if sh is not None and (sh["world"], sh["train_layout"]) != (world, train_layout):
+        raise CheckpointError(f"its shards are of train layout {sh['train_layout']} on {sh['world']} ranks, this "
+                              f"run's is {train_layout} on {world}: resume with that --world / --train-layout, or "
+                              "start from its weights with --model (a fresh optimizer)")
 
 
 def _state_dict(s: optim.AdamWState) -> dict:
@@ -199,5 +259,5 @@ def find_resumable(root: str) -> tuple[str | None, list[str]]:
     return None, skipped
 
 
-__all__ = ["Checkpoint", "CheckpointError", "find_resumable", "load", "restore_source", "save", "source_state",
-           "verify"]
+__all__ = ["Checkpoint", "CheckpointError", "begin", "check_sharding", "find_resumable", "load", "restore_source", "save",
+           "shard_file", "source_state", "verify", "write_shard"]
