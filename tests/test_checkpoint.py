@@ -124,3 +124,29 @@ def test_a_sharded_run_writes_each_ranks_own_shards_and_resumes_only_in_its_layo
     assert split > 0  # tp=2 did split some parameters
     res = _run(["--steps", "12", "--world", "1", "--out", str(tmp_path / "r"), "--resume", str(final)])
     assert res.returncode != 0 and "train layout" in res.stderr.strip().splitlines()[-1], res.stderr[-2000:]
+
+
+def test_a_killed_rank_then_resume_auto_reaches_the_uninterrupted_weights(uninterrupted, tmp_path):
+    """Kill one rank (SIGKILL, as the OOM killer does) after the first periodic checkpoint: the run fails naming
+    it, and ``--resume auto`` ends with the weights of the uninterrupted run."""
+    import psutil
+
+    out = tmp_path / "run"
+    p = subprocess.Popen(RECIPE + RUN + ["--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not (out / "checkpoint-000003").exists():
+            assert p.poll() is None and time.time() < deadline, p.communicate()
+            time.sleep(0.05)
+        ranks = [c for c in psutil.Process(p.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(ranks) == 2
+        ranks[1].send_signal(signal.SIGKILL)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode != 0 and "killed by signal SIGKILL" in err, err[-2000:]
+    res = _run(RUN + ["--out", str(out), "--resume", "auto"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = _weights(uninterrupted / "checkpoint-final"), _weights(out / "checkpoint-final")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
