@@ -77,7 +77,7 @@ def main() -> None:
         row = {"throughput": thr, "tps_per_device": thr / world, "step_s": med([m["step_time_s"] for m in ms]),
                "rollout_s": med([m["rollout_time_s"] for m in ms]),
                "transition_s": med([m.get("transition_out_s", 0.0) + m.get("transition_back_s", 0.0) for m in ms]),
-               "rest_s": med([m["update_time_s"] for m in ms])}
+               "rest_s": med([m["step_time_s"] - m["rollout_time_s"] for m in ms])}
         report[name] = row
     base = report["world1"]["throughput"]
     for name, row in report.items():

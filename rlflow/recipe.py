@@ -262,6 +262,9 @@ def problems(r: Recipe) -> list[tuple[str, str]]:
         out.append(("temperature", "must be > 0 (log-probs are recomputed at this temperature)"))
     if not 0 < r.top_p <= 1:
         out.append(("top_p", "must be in (0, 1]"))
+    if r.adv_estimator == "gae" and r.policy_loss == "gspo":
+        out.append(("policy_loss", "gspo's sequence ratio takes one advantage per sequence; with --adv-estimator gae "
+                                   "(per-token advantages) use gspo-token, GSPO's token-level form"))
     for name in GAE_FLAGS:
         v = getattr(r, name)
         if v is not None and r.adv_estimator != "gae":

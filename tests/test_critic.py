@@ -171,6 +171,8 @@ def test_batches_and_configs_refuse_a_missing_or_doubled_advantage():
         loop.LoopConfig(grpo=grpo.GRPOConfig(group_size=2, adv_estimator="gae"), **kw)
     with pytest.raises(ValueError, match="has no critic"):
         loop.LoopConfig(grpo=grpo.GRPOConfig(group_size=2), critic=critic.CriticConfig(optim=optim.AdamWConfig()), **kw)
+    with pytest.raises(ValueError, match="use 'gspo-token'"):
+        grpo.GRPOConfig(group_size=2, adv_estimator="gae", policy_loss="gspo")
     with pytest.raises(ValueError, match="gae_lambda"):
         grpo.GRPOConfig(group_size=2, gae_lambda=1.5)
     with pytest.raises(ValueError, match="pp layout"):
@@ -191,6 +193,7 @@ def test_the_critic_layout_replicates_the_value_head():
     (["--gae-lambda", "0.9"], "--gae-lambda"),
     (["--adv-estimator", "gae", "--gae-gamma", "1.5"], "--gae-gamma"),
     (["--adv-estimator", "gae", "--value-clip", "0"], "--value-clip"),
+    (["--adv-estimator", "gae", "--policy-loss", "gspo"], "--policy-loss"),
 ])
 def test_recipe_refuses_critic_flags_by_name(argv, flag, capsys):
     with pytest.raises(SystemExit):

@@ -69,6 +69,11 @@ class GRPOConfig:
         for name in ("gae_gamma", "gae_lambda"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"GRPOConfig.{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.policy_loss == "gspo" and self.adv_estimator == "gae":
+            raise ValueError("GRPOConfig.policy_loss='gspo' with adv_estimator='gae': GSPO's sequence ratio takes one "
+                             "advantage per sequence, and GAE's per-token ones would be averaged over each response "
+                             "(their signal on the deciding token diluted); use 'gspo-token', GSPO's form for "
+                             "token-level advantages")
         if self.epochs < 1:
             raise ValueError(f"GRPOConfig.epochs must be >= 1, got {self.epochs}")
 

@@ -104,6 +104,8 @@ class LoopConfig:
 
 
 ROUTING_REPLAY = ("off", "measure", "on")
+# the per-stage times of a step's metrics; each stage's TPS is the step's tokens over its time (Eq. 5)
+STAGE_TIMES = ("rollout_time_s", "score_time_s", "logprob_time_s", "update_time_s")
 
 
 def validate_sizes(*, steps: int, prompts_per_step: int, group_size: int, mini_batch_size: int,
@@ -286,6 +288,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         else:
             flow.put(rows, rewards=scores.to(device))
         cols = ["rewards"] + (["advantages"] if critic is None else []) + (list(ROUTES) if routes else [])
+        t_score = time.perf_counter()
         rows, c = flow.get("update", cols, on("update"), rank)
         # With one optimizer step per batch the policy that sampled is the policy being updated, so the
         # ratio's denominator is the current log-prob, detached (update() does that); otherwise recompute.
@@ -316,6 +319,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
                                        lcfg.check_logprobs, step=step, total=world_sum,
                                        gather=_gather if world > 1 else (lambda rows: [rows]))
         batch = train_batch(rows, c)
+        t_lp = time.perf_counter()
         done_steps = step if first_step is not None else local + start  # GRPO steps before this one
         lr = optim.lr_at(done_steps, lr_total, lcfg.optim.lr, lcfg.warmup_lr_steps, lcfg.lr_schedule,
                          lcfg.min_lr_ratio)
@@ -328,7 +332,10 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         t1 = time.perf_counter()
         n_prompt = int(rollout.prompt_mask_BTp.sum()) if roll_writer else 0
         n_resp = int(rollout.response_mask_BTr.sum()) if roll_writer else 0
-        stage_s = {"rollout_time_s": t_roll - t0, "update_time_s": t1 - t_roll}
+        # per stage: the rollout (with the weight transitions), scoring and advantages, the update's rows with
+        # their old / ref log-probs (and the critic's values), the update(s)
+        stage_s = {"rollout_time_s": t_roll - t0, "score_time_s": t_score - t_roll, "logprob_time_s": t_lp - t_score,
+                   "update_time_s": t1 - t_lp}
         if weights is not None:
             stage_s.update(weights.figures())
         if world > 1:  # global figures: sums over the ranks, slowest rank's times
@@ -345,7 +352,8 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         std = (max(r_sq / ns - mean * mean, 0.0) * ns / max(ns - 1, 1)) ** 0.5  # unbiased, as torch.std
         m = {"step": step, "reward_mean": mean, "reward_std": std, "unscored": n - n_scored,
              "tps": tps(n_prompt, n_resp, world, wall), "step_time_s": wall,  # one device per rank
-             **stage_s, "lr": lr,
+             **stage_s, **{f"{k.removesuffix('_time_s')}_tps": tps(n_prompt, n_resp, world, stage_s[k])
+                           for k in STAGE_TIMES}, "lr": lr,
              "response_len_mean": n_resp / n, "prompt_tokens": n_prompt, "response_tokens": n_resp,
              **{k: v for k, v in upd.items()}}
         if isinstance(flow, DockFlow):
