@@ -36,13 +36,13 @@ def reward(text: str, answer: str) -> float:
     return len(set(text)) / 4.0
 
 
-def lcfg(kl: float = 0.0, gae: bool = False) -> loop.LoopConfig:
+def lcfg(kl: float = 0.0, gae: bool = False, new_tokens: int = 4) -> loop.LoopConfig:
     # eps 1e-4, not 1e-8: AdamW's m / (sqrt(v) + eps) turns a gradient element of ~1e-9 (rounding noise, whose
     # sign the order of a sum decides) into a step of lr; with eps 1e-8 two exact runs differ by 0.2 lr there
     return loop.LoopConfig(steps=STEPS, prompts_per_step=P, mini_batch_size=P * G, micro_batch_size=P * G,
                            grpo=grpo.GRPOConfig(group_size=G, kl_coef=kl, adv_estimator="gae" if gae else "grpo"),
                            optim=optim.AdamWConfig(lr=1e-2, eps=1e-4),
-                           sampling=SamplingConfig(max_new_tokens=4, eos_id=TOK.eos_id, pad_id=TOK.pad_id),
+                           sampling=SamplingConfig(max_new_tokens=new_tokens, eos_id=TOK.eos_id, pad_id=TOK.pad_id),
                            seed=3, critic=critics.CriticConfig(optim=optim.AdamWConfig(lr=1e-2, eps=1e-4)) if gae else None)
 
 
@@ -65,7 +65,7 @@ def prefixed(critic_params: dict) -> dict:
     return {"critic." + k: v for k, v in critic_params.items()}
 
 
-def worker(rank: int, world: int, train: str, rollout: str, kl: float, dock, gae: bool = False):
+def worker(rank: int, world: int, train: str, rollout: str, kl: float, dock, gae: bool = False, new_tokens: int = 4):
     from rlflow.models.sharding import RULES, layout
     from rlflow.parallel.context import shard_params
     from rlflow.runtime.weights import gather_full
@@ -80,7 +80,7 @@ def worker(rank: int, world: int, train: str, rollout: str, kl: float, dock, gae
         c = critics.Critic(params=shard_params(c.params, clay, rank), opt_state=None)
         c.opt_state = optim.init(c.params)
     params, _, hist = loop.train(mine, CFG, TOK, PromptSource(task="max_digit", seed=1), per_sample(reward),
-                                 lcfg(kl, gae), dock=dock, placement=where, critic=c)
+                                 lcfg(kl, gae, new_tokens), dock=dock, placement=where, critic=c)
     whole = lambda head: layout(CFG, Mesh(dp=world), {k: None for k in RULES}, dtype=torch.float32, head=head)  # noqa: E731
     full = gather_full(params, where.train, whole("lm"))
     if c is not None:
@@ -158,6 +158,23 @@ def test_world_2_on_ray_actors_matches_one_process():
 @pytest.mark.parametrize("train", ["ep=2,tp=2", "pp=2,tp=2"])
 def test_world_4_matches_one_process(train):
     compare(4, train, "dp=2,tp=2", kl=0.1 if train.startswith("pp") else 0.0)
+
+
+@pytest.mark.slow
+def test_rows_go_through_the_warehouses_and_the_controllers_carry_metadata_only():
+    """The controllers (what the lead takes and plans with) see the same bytes whatever the responses' length,
+    while the warehouses' traffic grows with it: no row's tokens pass through the metadata path."""
+    traffic = {}
+    for T in (4, 16):
+        dock = proc_dock(GRPO.schema, GRPO.consumers, capacity=P * G, warehouses=2, group_size=G)
+        try:
+            launch.spawn(worker, 2, "tp=2", "dp=2", 0.0, dock, False, T)
+            traffic[T] = dock.traffic()
+        finally:
+            dock.close()
+    moved = lambda T, kind: sum(v["bytes_in"] + v["bytes_out"] for k, v in traffic[T].items() if k.startswith(kind))  # noqa: E731
+    assert moved(4, "controller/") == moved(16, "controller/") > 0, traffic
+    assert moved(16, "warehouse/") > moved(4, "warehouse/"), traffic  # longer responses (EOS may end some early)
 
 
 def test_a_layout_pair_the_runtime_cannot_run_is_refused_by_name():
