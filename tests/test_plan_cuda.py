@@ -22,6 +22,7 @@ MESHES = {1: ("", ""), 2: ("tp=2", "dp=2"), 3: ("tp=3", "dp=3"), 4: ("pp=2,tp=2"
 def worker(rank: int, world: int) -> dict:
     from rlflow.models.sharding import layout
     from rlflow.sharding.dist import execute
+    from rlflow.optim import AdamWState
     from rlflow.sharding.execute import TrainState
     from rlflow.sharding.memory import ledger
     from rlflow.sharding.mesh import Mesh
@@ -39,9 +40,8 @@ def worker(rank: int, world: int) -> dict:
     def train_state():
         shards = {p.name: torch.randn(p.local_shape(src.mesh), device=dev).to(p.dtype)
                   for p in src.params if p.stage == pp}
-        st = TrainState(grads={n: torch.zeros(t.shape, device=dev) for n, t in shards.items()},
-                        optim={n: tuple(torch.zeros(t.shape, device=dev) for _ in range(3))
-                               for n, t in shards.items()})
+        zeros = lambda: {n: torch.zeros(t.shape, device=dev) for n, t in shards.items()}  # noqa: E731
+        st = TrainState(grads=zeros(), optim=AdamWState(step=1, m=zeros(), v=zeros(), master=zeros()))
         return shards, st
 
     out = {}

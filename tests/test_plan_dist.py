@@ -143,6 +143,7 @@ def worker(rank: int, world: int, drawn: list, oracle: list) -> dict:
     from torch.distributed.tensor import distribute_tensor
 
     from rlflow.sharding.dist import create_groups, execute, mesh_group
+    from rlflow.optim import AdamWState
     from rlflow.sharding.execute import TrainState, shard, simulate
     from rlflow.sharding.plan import allgather_swap, plan, swap_back
 
@@ -159,10 +160,11 @@ def worker(rank: int, world: int, drawn: list, oracle: list) -> dict:
         fwd = allgather_swap(case.src, case.dst, bucket_bytes=case.bucket_bytes)
         mine = dict(src[rank])
         state = TrainState(grads={n: torch.ones(t.shape) for n, t in mine.items()},
-                           optim={n: (torch.zeros(t.shape), torch.ones(t.shape)) for n, t in mine.items()})
+                           optim=AdamWState(step=1, m={n: torch.zeros(t.shape) for n, t in mine.items()},
+                                            v={n: torch.ones(t.shape) for n, t in mine.items()}))
         rollout = execute(fwd, mine, state)
         _compare(f"case {i} allgather-swap", rollout, want, fails)
-        if mine or state.grads or state.optim:
+        if mine or state.grads or state.optim is not None:
             fails.append(f"case {i}: train state left on the device after allgather-swap")
         back = execute(swap_back(fwd), rollout, state)
         _compare(f"case {i} swap back", back, src[rank], fails)

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_plan_cases import cases, meshes, specs
 
+from rlflow.optim import AdamWState
 from rlflow.sharding.execute import TrainState, shard, simulate
 from rlflow.sharding.layout import Layout, ParamLayout
 from rlflow.sharding.memory import CATEGORIES, StateBytes, ledger
@@ -58,16 +59,21 @@ def test_allgather_swap_and_back(case):
     train = shard(full, case.src)
     ids = [{n: id(t) for n, t in d.items()} for d in train]
     states = [TrainState(grads={n: torch.zeros_like(t, dtype=torch.float32) for n, t in d.items()},
-                         optim={n: (t.float(), t.float() * 2) for n, t in d.items()}) for d in train]
+                         optim=AdamWState(step=1, m={n: t.float() for n, t in d.items()},
+                                          v={n: t.float() * 2 for n, t in d.items()})) for d in train]
+    vids = [{n: id(t) for n, t in s.optim.v.items()} for s in states]
     fwd = allgather_swap(case.src, case.dst, bucket_bytes=case.bucket_bytes)
     rollout = simulate(fwd, [dict(d) for d in train], states)
     assert_same(rollout, shard(full, case.dst))
-    assert all(not s.grads and not s.optim for s in states)
+    assert all(not s.grads and s.optim is None for s in states)
     back = simulate(swap_back(fwd), rollout, states)
     assert all(not d for d in rollout), "the way back frees the rollout weights"
     assert_same(back, train)
     assert [{n: id(t) for n, t in d.items()} for d in back] == ids  # CPU: swapped, not copied
-    assert all(s.grads.keys() == d.keys() and s.optim.keys() == d.keys() for s, d in zip(states, train))
+    assert all(s.grads.keys() == d.keys() and s.optim.m.keys() == s.optim.v.keys() == d.keys()
+               for s, d in zip(states, train))
+    # the real AdamW state comes back: its step and its very tensors (CPU: swapped, not copied)
+    assert [(s.optim.step, {n: id(t) for n, t in s.optim.v.items()}) for s in states] == [(1, v) for v in vids]
 
 
 @settings(max_examples=80)

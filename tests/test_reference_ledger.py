@@ -73,12 +73,15 @@ def _pairs(world: int):
 
 def _device_bytes(shards: dict, state) -> int:
     """Bytes of the distinct storages of the tensors still in the executor's device-side containers."""
-    tensors = [*shards.values(), *state.grads.values(), *(t for v in state.optim.values() for t in v)]
+    opt = state.optim
+    tensors = [*shards.values(), *state.grads.values(),
+               *(() if opt is None else (*opt.m.values(), *opt.v.values(), *opt.master.values()))]
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def worker(rank: int, world: int) -> dict:
     from rlflow.sharding.dist import execute
+    from rlflow.optim import AdamWState
     from rlflow.sharding.execute import TrainState, shard
 
     out, fails = [], []
@@ -94,8 +97,8 @@ def worker(rank: int, world: int) -> dict:
         for label, p, led in (("swap", fwd, ledger(fwd)), ("naive", naive_plan, ledger(fwd, naive=True))):
             mine = {n: t.clone() for n, t in shard(full, src)[rank].items()}  # own storages, not views of full
             # the train state as StateBytes() counts it: an fp32 gradient, fp32 master + two Adam moments
-            state = TrainState(grads={n: torch.zeros(t.shape) for n, t in mine.items()},
-                               optim={n: tuple(torch.zeros(t.shape) for _ in range(3)) for n, t in mine.items()})
+            zeros = lambda: {n: torch.zeros(t.shape) for n, t in mine.items()}  # noqa: E731
+            state = TrainState(grads=zeros(), optim=AdamWState(step=1, m=zeros(), v=zeros(), master=zeros()))
             want = led.total[:, rank].tolist()
             seen = [_device_bytes(mine, state)]
 

@@ -58,7 +58,6 @@ class Weights:
         self.device_peak = None
         self.state = TrainState()
         self.out, self.ret = Transition(), Transition()
-        self._opt: optim.AdamWState | None = None
 
     def to_rollout(self, params: dict, opt_state: optim.AdamWState) -> dict:
         """This rank's rollout shards. The train weights and ``opt_state`` are swapped out (owned by this
@@ -69,9 +68,7 @@ class Weights:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         t0 = time.perf_counter()
-        self.state.optim = {n: (opt_state.m[n], opt_state.v[n]) + ((opt_state.master[n],) if n in opt_state.master
-                                                                   else ()) for n in opt_state.m}
-        self._opt = optim.AdamWState(step=opt_state.step, m={}, v={}, master={})
+        self.state.optim = opt_state
         out = sdist.execute(self.forward, dict(params), self.state)
         self.out = Transition(time.perf_counter() - t0, int(self.forward.bytes_sent()[self.rank]),
                               int(self.forward.bytes_received()[self.rank]))
@@ -85,12 +82,7 @@ class Weights:
             raise RuntimeError("to_train: identical layouts keep the train weights in place (nothing to bring back)")
         t0 = time.perf_counter()
         params = sdist.execute(self.back, rollout_params, self.state)
-        opt = self._opt
-        for n, v in self.state.optim.items():
-            opt.m[n], opt.v[n] = v[0], v[1]
-            if len(v) == 3:
-                opt.master[n] = v[2]
-        self.state.optim, self._opt = {}, None
+        opt, self.state.optim = self.state.optim, None
         self.ret = Transition(time.perf_counter() - t0, 0, 0)
         return params, opt
 

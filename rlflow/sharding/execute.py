@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from rlflow.optim import AdamWState, map_state
 from rlflow.sharding import geometry as geo
 from rlflow.sharding.layout import Layout
 from rlflow.sharding.plan import COLLECTIVES, Bucket, Plan
@@ -30,11 +31,14 @@ Segs = list  # list[tuple[str, geo.Box]]
 
 @dataclass
 class TrainState:
-    """One rank's optimizer-side state; what swap steps move between device and host."""
+    """One rank's optimizer-side state; what swap steps move between device and host: the gradients kept
+    between steps (if any) and the optimizer's own state (``optim.AdamWState``: moments and float32
+    masters). ``host`` holds what is swapped out: train shards and gradients by name, the AdamW state
+    whole."""
 
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
-    optim: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
-    host: dict[str, dict] = field(default_factory=lambda: {"train": {}, "grads": {}, "optim": {}})
+    optim: AdamWState | None = None
+    host: dict = field(default_factory=lambda: {"train": {}, "grads": {}, "optim": None})
 
 
 # ---- reference slicing ----
@@ -186,22 +190,28 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t if torch.device(device).type == "cpu" else t.to(device, non_blocking=True)
 
 
+def _moved(d: dict, move) -> dict:
+    """``d``'s tensors moved (``move``), each popped from ``d`` as it goes (the old copy freed at once)."""
+    return {n: move(d.pop(n)) for n in list(d)}
+
+
 def swap_step(plan: Plan, step, rank: int, shards: dict, state: TrainState, out: dict, device) -> None:
     """The swap_out / swap_in / free(rollout) steps for one rank."""
     if step.op == "swap_out" and step.what == "train":
         for n in held(plan.src, plan.buckets[step.bucket].params, rank):
             state.host["train"][n] = to_host(shards.pop(n))
+    elif step.op == "swap_out" and step.what == "optim":
+        if state.optim is not None:
+            state.host["optim"], state.optim = map_state(state.optim, lambda d: _moved(d, to_host)), None
     elif step.op == "swap_out":
-        src = getattr(state, step.what)
-        for n in list(src):
-            v = src.pop(n)
-            state.host[step.what][n] = tuple(map(to_host, v)) if isinstance(v, tuple) else to_host(v)
+        state.host[step.what].update(_moved(getattr(state, step.what), to_host))
+    elif step.op == "swap_in" and step.what == "optim":
+        if state.host["optim"] is not None:
+            state.optim = map_state(state.host["optim"], lambda d: _moved(d, lambda t: to_device(t, device)))
+            state.host["optim"] = None
     elif step.op == "swap_in":
-        host = state.host[step.what]
-        dst = out if step.what == "train" else getattr(state, step.what)
-        for n in list(host):
-            v = host.pop(n)
-            dst[n] = tuple(to_device(x, device) for x in v) if isinstance(v, tuple) else to_device(v, device)
+        (out if step.what == "train" else getattr(state, step.what)).update(
+            _moved(state.host[step.what], lambda t: to_device(t, device)))
     elif step.op == "free" and step.what == "rollout":
         shards.clear()
     else:
