@@ -143,10 +143,12 @@ class TrainBatch(RolloutBatch):
     # response token) and the returns it regresses on (``algos/critic.py``); None without a critic
     values_BTr: Tensor | None = None
     returns_BTr: Tensor | None = None
+    scored_B: Tensor | None = None  # uint8: 1 where a reward scored the row, 0 where it left it unscored
 
     _DTYPES = {**RolloutBatch._DTYPES, "rewards_B": torch.float32, "advantages_B": torch.float32,
                "token_advantages_BTr": torch.float32, "old_logprobs_BTr": torch.float32,
-               "ref_logprobs_BTr": torch.float32, "values_BTr": torch.float32, "returns_BTr": torch.float32}
+               "ref_logprobs_BTr": torch.float32, "values_BTr": torch.float32, "returns_BTr": torch.float32,
+               "scored_B": torch.uint8}
 
     def __post_init__(self):
         _Batch.__post_init__(self)

@@ -168,8 +168,10 @@ def test_unscored_samples_get_zero_and_take_no_part_in_any_baseline(name):
                        estimators.advantages(name, r, g))
 
 
-def test_a_reward_that_leaves_samples_unscored_trains_on_the_others():
+@pytest.mark.parametrize("adv", ["grpo", "gae"])
+def test_a_reward_that_leaves_samples_unscored_trains_on_the_others(adv):
     from rlflow import optim
+    from rlflow.algos import critic
     from rlflow.data import PromptSource
     from rlflow.models import qwen3_moe
     from rlflow.models.config import get_config
@@ -186,10 +188,12 @@ def test_a_reward_that_leaves_samples_unscored_trains_on_the_others():
         seen.append(out)
         return out
     lcfg = loop.LoopConfig(steps=2, prompts_per_step=4, mini_batch_size=16, micro_batch_size=16,
-                           grpo=GRPOConfig(group_size=4), optim=optim.AdamWConfig(lr=1e-2),
-                           sampling=SamplingConfig(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id))
-    params, _, hist = loop.train(qwen3_moe.init_params(cfg, seed=0), cfg, tok, PromptSource(task="max_digit", seed=1),
-                                 reward, lcfg)
+                           grpo=GRPOConfig(group_size=4, adv_estimator=adv), optim=optim.AdamWConfig(lr=1e-2),
+                           sampling=SamplingConfig(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id),
+                           critic=critic.CriticConfig(optim=optim.AdamWConfig(lr=1e-2)) if adv == "gae" else None)
+    params = qwen3_moe.init_params(cfg, seed=0)
+    c = critic.Critic.from_policy(params, cfg) if adv == "gae" else None
+    params, _, hist = loop.train(params, cfg, tok, PromptSource(task="max_digit", seed=1), reward, lcfg, critic=c)
     assert [h["unscored"] for h in hist] == [8, 8]
     scored = [v for v in seen[0] if v is not None]
     assert hist[0]["reward_mean"] == pytest.approx(sum(scored) / len(scored))

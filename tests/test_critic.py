@@ -235,3 +235,33 @@ def test_a_resumed_ppo_run_continues_its_critic(tmp_path, world):
     main(["--world", "1", "--steps", "1", "--prompts-per-step", "4", "--group-size", "4", "--out", str(tmp_path / "g")])
     with pytest.raises(SystemExit, match="has no critic"):
         main(flags + ["--out", str(tmp_path / "c"), "--resume", str(tmp_path / "g" / "checkpoint-final")])
+
+
+def test_unscored_rows_take_no_part_in_gae_or_the_critic():
+    """A row the reward left unscored (None) gets zero advantages and returns, is left out of the whitening,
+    and moves neither the policy nor the critic: the same as training on the scored rows alone."""
+    g = torch.Generator().manual_seed(4)
+    rewards, values = torch.rand(6, generator=g), torch.randn(6, 5, generator=g)
+    mask = torch.arange(5)[None] < torch.tensor([5, 3, 4, 1, 5, 2])[:, None]
+    scored = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.uint8)
+    adv, ret = estimators.gae(rewards, values, mask, scored_B=scored)
+    keep = scored.bool()
+    sub_a, sub_r = estimators.gae(rewards[keep], values[keep], mask[keep])
+    torch.testing.assert_close(adv[keep], sub_a)
+    torch.testing.assert_close(ret[keep], sub_r)
+    assert bool((adv[~keep] == 0).all()) and bool((ret[~keep] == 0).all())
+
+    params = qwen3_moe.init_params(CFG, seed=1)
+    b = batch(params)
+    c = critic.Critic.from_policy(params, CFG, seed=2)
+    old = critic.batched_values(c.params, CFG, b, micro_batch_size=6)
+    s = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.uint8)
+    adv, ret = estimators.gae(b.rewards_B, old, b.response_mask_BTr, scored_B=s)
+    full = b.replace(values_BTr=old, returns_BTr=ret + 100.0 * (1 - s.float())[:, None] * b.response_mask_BTr,
+                     token_advantages_BTr=adv, advantages_B=None, scored_B=s)  # junk returns on the unscored rows
+    ucfg = stages.UpdateConfig(mini_batch_size=6, micro_batch_size=6)
+    ccfg = critic.CriticConfig(optim=optim.AdamWConfig(lr=1e-2), value_clip=None)
+    a, z = critic.Critic.from_policy(params, CFG, seed=2), critic.Critic.from_policy(params, CFG, seed=2)
+    critic.update(a, full, CFG, ccfg, ucfg)
+    critic.update(z, full.replace(returns_BTr=ret), CFG, ccfg, ucfg)  # the same without the junk
+    assert all(torch.equal(a.params[k], z.params[k]) for k in a.params)

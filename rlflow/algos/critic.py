@@ -97,8 +97,9 @@ def value_loss(v_BT: Tensor, old_BT: Tensor, returns_BT: Tensor, mask_BT: Tensor
 def update(critic: Critic, batch: TrainBatch, cfg: ModelConfig, ccfg: CriticConfig, ucfg: stages.UpdateConfig, *,
            epochs: int = 1, seed: int = 0, ex: Exec = LOCAL) -> dict[str, float]:
     """``epochs`` passes of the value loss over ``batch`` (its ``values_BTr`` the old values, ``returns_BTr``
-    the targets) with the policy's mini- and micro-batches (``stages.descend``); replaces ``critic``'s
-    params and state, returns the metrics (``critic_loss``, ``critic_grad_norm``, ...)."""
+    the targets) with the policy's mini- and micro-batches (``stages.descend``); rows a reward left unscored
+    (``scored_B`` 0) take no part. Replaces ``critic``'s params and state, returns the metrics
+    (``critic_loss``, ``critic_grad_norm``, ...)."""
     if batch.returns_BTr is None:
         raise ValueError("critic.update: the batch has no returns_BTr (estimators.gae makes them)")
     sums: dict[str, float] = {}
@@ -107,8 +108,9 @@ def update(critic: Critic, batch: TrainBatch, cfg: ModelConfig, ccfg: CriticConf
         rows = sum(mb.size for mb in mbs)
         grads: list[Tensor | None] = [None] * len(leaves)
         for mb in mbs:
+            mask = mb.response_mask_BTr if mb.scored_B is None else mb.response_mask_BTr & mb.scored_B.bool()[:, None]
             loss, met = value_loss(values(live, cfg, mb, remat=ucfg.remat, ex=ex), mb.values_BTr, mb.returns_BTr,
-                                   mb.response_mask_BTr, value_clip=ccfg.value_clip, n_tokens=n_tokens)
+                                   mask, value_clip=ccfg.value_clip, n_tokens=n_tokens)
             sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
             for k, v in met.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * mb.size / rows

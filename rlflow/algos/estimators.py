@@ -83,7 +83,8 @@ def advantages(name: str, rewards_B: Tensor, group_B: Tensor, *, scale: bool = T
 
 
 def gae(rewards_B: Tensor, values_BT: Tensor, mask_BT: Tensor, *, gamma: float = 1.0, lam: float = 1.0,
-        total: Callable[[Tensor], Tensor] = _same, whiten: bool = True) -> tuple[Tensor, Tensor]:
+        total: Callable[[Tensor], Tensor] = _same, whiten: bool = True,
+        scored_B: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Generalized advantage estimation over right-padded responses (Schulman et al. 2016), an outcome
     reward on each response's last token:
 
@@ -94,7 +95,10 @@ def gae(rewards_B: Tensor, values_BT: Tensor, mask_BT: Tensor, *, gamma: float =
 
     Returns (advantages [B, T], returns [B, T]), float32, 0 on padding. ``whiten``: the advantages
     (not the returns) are then whitened over every real token of the batch (``batch_whiten``; ``total``
-    sums over the data ranks), as verl and OpenRLHF do."""
+    sums over the data ranks), as verl and OpenRLHF do. ``scored_B``: the rows a reward scored; the others
+    get 0 everywhere and take no part in the whitening (None: every row)."""
+    if scored_B is not None:
+        mask_BT = mask_BT & scored_B.bool().to(mask_BT.device)[:, None]
     m = mask_BT.to(torch.float32)
     v = values_BT.float() * m
     last = (m.sum(-1).long() - 1).clamp_min(0)

@@ -105,18 +105,19 @@ COLUMNS = (
      "prompt_routes_BTpMK"),
     (Column("response_routes", torch.int16, "var", length_group="response_routes", pad_value=-1),
      "response_routes_BTrMK"),
-    # PPO with a critic: its values before the update, GAE's per-token advantages and the returns
+    # PPO with a critic: which rows a reward scored (1) or left unscored (0), the critic's values before the
+    # update, GAE's per-token advantages and the returns
+    (Column("scored", torch.uint8, "scalar"), "scored_B"),
     (Column("values", torch.float32, "var", length_group="response"), "values_BTr"),
     (Column("token_advantages", torch.float32, "var", length_group="response"), "token_advantages_BTr"),
     (Column("returns", torch.float32, "var", length_group="response"), "returns_BTr"),
 )
 FIELDS = {c.name: f for c, f in COLUMNS}  # dock column -> batch field, of every graph
-CRITIC = ("values", "token_advantages", "returns")
+CRITIC = ("values", "token_advantages", "returns")  # what the train layout's PPO stages put
 
 _HEAD = (  # the stages every iteration starts with
     Stage("prompts", (), PROMPT, "lead", prompt_batch),
     Stage("rollout", PROMPT, ("response_ids", "sample_logprobs"), "rollout", generate),
-    Stage("score", ROWS, ("rewards",), "every", stages.score),
 )
 _LOGPROBS = (
     Stage("ref_logprob", ROWS, ("ref_logprobs",), "train", stages.batched_logprobs),
@@ -125,8 +126,9 @@ _LOGPROBS = (
 
 # GRPO and the other outcome estimators (RLOO, REINFORCE++): one advantage per sample, from the rewards
 GRPO = Graph(
-    columns=tuple(c for c in COLUMNS if c[0].name not in CRITIC),
-    stages=_HEAD + (Stage("advantage", ("rewards", "group"), ("advantages",), "every", estimators.advantages),)
+    columns=tuple(c for c in COLUMNS if c[0].name not in CRITIC + ("scored",)),
+    stages=_HEAD + (Stage("score", ROWS, ("rewards",), "every", stages.score),
+                    Stage("advantage", ("rewards", "group"), ("advantages",), "every", estimators.advantages),)
     + _LOGPROBS + (Stage("update", ROWS + ("rewards", "advantages", "old_logprobs", "ref_logprobs"), (), "train",
                          stages.update),),
 )
@@ -135,12 +137,12 @@ GRPO = Graph(
 # and the critic's updates
 PPO = Graph(
     columns=tuple(c for c in COLUMNS if c[0].name != "advantages"),
-    stages=_HEAD + _LOGPROBS + (
+    stages=_HEAD + (Stage("score", ROWS, ("rewards", "scored"), "every", stages.score_rows),) + _LOGPROBS + (
         Stage("values", ROWS, ("values",), "train", critic.batched_values),
-        Stage("gae", ("rewards", "values"), ("token_advantages", "returns"), "train", estimators.gae),
+        Stage("gae", ("rewards", "scored", "values"), ("token_advantages", "returns"), "train", estimators.gae),
         Stage("update", ROWS + ("rewards", "token_advantages", "old_logprobs", "ref_logprobs"), (), "train",
               stages.update),
-        Stage("critic_update", ROWS + ("values", "returns"), (), "train", critic.update),
+        Stage("critic_update", ROWS + ("scored", "values", "returns"), (), "train", critic.update),
     ),
 )
 

@@ -286,8 +286,8 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
                                         total=world_sum, scored_B=scored)
             flow.put(rows, rewards=scores.to(device), advantages=adv)
         else:
-            flow.put(rows, rewards=scores.to(device))
-        cols = ["rewards"] + (["advantages"] if critic is None else []) + (list(ROUTES) if routes else [])
+            flow.put(rows, rewards=scores.to(device), scored=scored.to(torch.uint8).to(device))
+        cols = ["rewards"] + (["advantages"] if critic is None else ["scored"]) + (list(ROUTES) if routes else [])
         t_score = time.perf_counter()
         rows, c = flow.get("update", cols, on("update"), rank)
         # With one optimizer step per batch the policy that sampled is the policy being updated, so the
@@ -306,7 +306,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
                                                  ex=tctx)
             c["token_advantages"], c["returns"] = estimators.gae(
                 c["rewards"], c["values"], rows.response_mask_BTr, gamma=gcfg.gae_gamma, lam=gcfg.gae_lambda,
-                total=train_sum)
+                total=train_sum, scored_B=c["scored"])
             if train_writer:
                 flow.put(rows, **{k: c[k] for k in CRITIC})
         if lcfg.check_logprobs is not None:
