@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -213,12 +214,11 @@ def grpo_config(r: Recipe) -> grpo.GRPOConfig:
 GAE_FLAGS = ("gae_gamma", "gae_lambda", "critic_lr", "value_clip")
 
 
-def critic_config(r: Recipe) -> CriticConfig | None:
-    """PPO's critic with --adv-estimator gae, else None."""
+def critic_config(r: Recipe, policy: optim.AdamWConfig) -> CriticConfig | None:
+    """PPO's critic with --adv-estimator gae (the policy's AdamW but for --critic-lr), else None."""
     if r.adv_estimator != "gae":
         return None
-    return CriticConfig(optim=optim.AdamWConfig(lr=r.lr if r.critic_lr is None else r.critic_lr, betas=(0.9, 0.99),
-                                                weight_decay=r.weight_decay),
+    return CriticConfig(optim=dataclasses.replace(policy, lr=r.lr if r.critic_lr is None else r.critic_lr),
                         value_clip=0.5 if r.value_clip is None else r.value_clip)
 
 
@@ -526,17 +526,18 @@ def build(r: Recipe, rank: int = 0):
     source, reward_fn = prompts_and_reward(r)
     gb = r.prompts_per_step * r.group_size
     mini = r.mini_batch_size or gb
+    ocfg = optim.AdamWConfig(lr=r.lr, betas=(0.9, 0.99), weight_decay=r.weight_decay)
     lcfg = loop.LoopConfig(
         steps=r.steps, prompts_per_step=r.prompts_per_step, mini_batch_size=mini,
         micro_batch_size=r.micro_batch_size or mini,
-        grpo=grpo_config(r), optim=optim.AdamWConfig(lr=r.lr, betas=(0.9, 0.99), weight_decay=r.weight_decay),
+        grpo=grpo_config(r), optim=ocfg,
         max_grad_norm=r.max_grad_norm,
         sampling=SamplingConfig(max_new_tokens=r.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
                                 temperature=r.temperature, top_p=r.top_p),
         max_prompt_len=r.max_prompt_len, warmup_lr_steps=r.warmup_lr_steps, lr_schedule=r.lr_schedule,
         min_lr_ratio=r.min_lr_ratio, log_samples_every=r.log_samples_every, seed=r.seed,
         compile_decode=r.compile_decode, max_bad_steps=r.max_bad_steps, routing_replay=r.routing_replay,
-        check_logprobs=r.check_logprobs, critic=critic_config(r))
+        check_logprobs=r.check_logprobs, critic=critic_config(r, ocfg))
     return cfg, params, tok, source, reward_fn, lcfg, dev
 
 
@@ -752,17 +753,17 @@ def resume_point(r: Recipe, cfg, source, dev, dtype, say, rank: int = 0):
     sharded checkpoint, rank ``rank``'s shards."""
     if not r.resume:
         return None
-    path = r.resume
+    path, verified = r.resume, r.resume == "auto"
     if r.resume == "auto":
-        path, skipped = checkpoint.find_resumable(r.out)
+        path, skipped = checkpoint.find_resumable(r.out)  # verifies it
         for line in skipped:
             say(f"resume: {line}")
         if path is None:
             say(f"resume: no checkpoint under {r.out}; starting from scratch")
             return None
     try:
-        checkpoint.check_sharding(checkpoint.verify(path), r.world, train_layout_name(r))
-        ck = checkpoint.load(path, dtype=dtype, device=dev, rank=rank)
+        checkpoint.check_sharding(checkpoint.read_manifest(path), r.world, train_layout_name(r))
+        ck = checkpoint.load(path, dtype=dtype, device=dev, rank=rank, verified=verified)
     except (checkpoint.CheckpointError, FileNotFoundError) as e:
         raise SystemExit(f"error: --resume {r.resume}: {e}") from None
     if ck.cfg != cfg:
@@ -823,12 +824,10 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
     opt_state = None if ck is None else ck.opt_state
     if ck is not None:
         params = ck.params
-    critic = None
-    if lcfg.critic is not None:  # PPO's critic: the checkpoint's, or a new one from the policy's weights
-        if ck is not None and ck.critic is None:
-            raise SystemExit(f"error: --resume {ck.path}: the checkpoint has no critic (a run without "
-                             "--adv-estimator gae); it cannot continue as a PPO run")
-        critic = ck.critic if ck is not None else Critic.from_policy(params, cfg, seed=r.seed)
+    critic = None if ck is None else ck.critic  # PPO's critic; a fresh one is made below from the policy's shards
+    if lcfg.critic is not None and ck is not None and ck.critic is None:
+        raise SystemExit(f"error: --resume {ck.path}: the checkpoint has no critic (a run without "
+                         "--adv-estimator gae); it cannot continue as a PPO run")
     if where is not None:  # this rank's shards of the train layout (a sharded checkpoint holds them as they are)
         from rlflow.parallel.context import shard_params
         mine = lambda full: shard_params(full, where.train, rank)  # noqa: E731
@@ -840,6 +839,8 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
         if critic is not None:
             ours = lambda full: shard_params(full, where.critic, rank)  # noqa: E731
             critic = Critic(params=ours(critic.params), opt_state=optim.map_state(critic.opt_state, ours))
+    if lcfg.critic is not None and critic is None:  # the critic's shards are the policy's, with its value head
+        critic = Critic.from_policy(params, cfg, seed=r.seed)
     if done >= r.steps:
         say(f"nothing to do: {done} of {r.steps} steps are done")
         return []
@@ -862,9 +863,19 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
             return checkpoint.save(r.out, name, params=p, opt_state=state, critic=critic, **kw)
         got = [checkpoint.begin(r.out, name) if lead else None]
         torch.distributed.broadcast_object_list(got, src=0)
-        checkpoint.write_shard(got[0], rank, world, params=p, opt_state=state, critic=critic)
+        failed = None
+        try:
+            checkpoint.write_shard(got[0], rank, world, params=p, opt_state=state, critic=critic)
+        except Exception as e:  # noqa: BLE001 -- every rank must still reach the collectives below
+            failed = e
         full = full_params(cfg, where, p)
-        torch.distributed.barrier()  # every rank's file is written and fsynced
+        from rlflow.sharding.dist import all_reduce
+        if float(all_reduce(torch.tensor([failed is not None], dtype=torch.float64))[0]):  # any rank's file missing
+            if lead:
+                shutil.rmtree(got[0], ignore_errors=True)
+            if failed is not None:
+                raise failed
+            raise checkpoint.CheckpointError(f"{name}: another rank could not write its shards; nothing was saved")
         if not lead:
             return None
         return checkpoint.save(r.out, name, params=full, opt_state=None, tmp=got[0], **kw,

@@ -224,11 +224,13 @@ def test_a_resumed_ppo_run_continues_its_critic(tmp_path, world):
     resumed = main(flags + ["--out", str(tmp_path / "b"), "--resume", "auto"])
     assert [m["step"] for m in resumed] == [2, 3]
     assert [m["reward_mean"] for m in resumed] == [m["reward_mean"] for m in whole[2:]]
-    a, b = (checkpoint.load(str(tmp_path / d / "checkpoint-final")) for d in ("a", "b"))
-    assert a.critic is not None and a.critic.opt_state.step == 4
-    for want, got in ((a.params, b.params), (a.critic.params, b.critic.params), (a.critic.opt_state.v, b.critic.opt_state.v)):
-        assert max(float((want[k] - got[k]).abs().max()) for k in want) <= 1e-6
-    start = checkpoint.load(str(tmp_path / "b" / "checkpoint-000002")).critic.params
+    for rank in range(world):  # every rank's shards with 2 ranks
+        a, b = (checkpoint.load(str(tmp_path / d / "checkpoint-final"), rank=rank) for d in ("a", "b"))
+        assert a.critic is not None and a.critic.opt_state.step == 4
+        for want, got in ((a.params, b.params), (a.critic.params, b.critic.params),
+                          (a.critic.opt_state.v, b.critic.opt_state.v)):
+            assert max(float((want[k] - got[k]).abs().max()) for k in want) <= 1e-6
+    start = checkpoint.load(str(tmp_path / "b" / "checkpoint-000002"), rank=world - 1).critic.params  # a's rank
     assert max(float((a.critic.params[k] - start[k]).abs().max()) for k in start) > 1e-4  # the critic trained on
     if world > 1:
         return

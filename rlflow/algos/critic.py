@@ -25,10 +25,8 @@ from torch import Tensor
 from rlflow import optim
 from rlflow.algos import grpo, stages
 from rlflow.batch import RolloutBatch, TrainBatch
-from rlflow.models.config import VALUE_HEAD, ModelConfig
+from rlflow.models.config import LM_HEAD, VALUE_HEAD, ModelConfig
 from rlflow.models.execution import LOCAL, Exec
-
-LM_HEAD = "lm_head.weight"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,10 +49,12 @@ class Critic:
 
     @classmethod
     def from_policy(cls, params: dict[str, Tensor], cfg: ModelConfig, *, seed: int = 0) -> "Critic":
-        """A critic initialised from the policy's whole (unsharded) weights: the same decoder, the LM head
-        dropped, a value head drawn from N(0, 1 / (D + 1)) (OpenRLHF's)."""
+        """A critic initialised from the policy's weights: the same decoder, the LM head dropped, a value head
+        drawn from a normal of std 1 / (D + 1) (OpenRLHF's). ``params`` may be one rank's shards in a layout:
+        the result is then the critic's shards in the same layout (``models.sharding.layout(..., head=
+        "value")``: the same specs, the value head replicated, drawn alike on every rank)."""
         p = {k: v.detach().clone() for k, v in params.items() if k != LM_HEAD}
-        ref = p["model.embed_tokens.weight"]
+        ref = next(iter(p.values()))
         g = torch.Generator().manual_seed(seed)
         D = cfg.hidden_size
         p[VALUE_HEAD] = (torch.randn(1, D, generator=g) / (D + 1)).to(dtype=ref.dtype, device=ref.device)
@@ -126,5 +126,5 @@ def update(critic: Critic, batch: TrainBatch, cfg: ModelConfig, ccfg: CriticConf
     return stages.finite_or_nan({f"critic_{k}": v / max(n_mb, 1) for k, v in sums.items()})
 
 
-__all__ = ["Critic", "CriticConfig", "LM_HEAD", "VALUE_HEAD", "batched_values", "update", "value_loss",
+__all__ = ["Critic", "CriticConfig", "batched_values", "update", "value_loss",
            "values"]

@@ -162,6 +162,9 @@ def policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv: Tensor, mask_BT: Tens
     mean_t is over the sequence's real tokens. GSPO's ratios are near 1 (clip ranges ~3e-4 to 4e-4 in
     the paper) and it is aggregated per sequence (``loss_agg="seq-mean-token-mean"``).
     """
+    if adv.shape not in (logp_BT.shape[:1], logp_BT.shape):
+        raise ValueError(f"policy_loss: advantages of shape {tuple(adv.shape)}; expected [B] {tuple(logp_BT.shape[:1])} "
+                         f"or [B, T] {tuple(logp_BT.shape)}")
     A = (adv if adv.dim() == 2 else adv[:, None]).to(logp_BT.dtype)
     m = mask_BT.float()
     log_rho = logp_BT - old_logp_BT

@@ -28,6 +28,10 @@ from rlflow.dock.samplers import pick_groups, pick_rows, whole_groups
 from rlflow.dock.warehouse import Meter
 
 
+class DockTimeout(TimeoutError):
+    """A dock get waited its ``timeout`` for rows that did not come (their producer is late, hung or lost)."""
+
+
 class Controller:
     def __init__(self, consumer: str, capacity: int, columns: Sequence[str], var_columns: Sequence[str],
                  group_size: int = 1):
@@ -117,7 +121,7 @@ class Controller:
                 if wait is not None and wait <= 0:
                     if partial:
                         break
-                    raise TimeoutError(f"dock.get: consumer {self.consumer!r} waited {timeout} s for {n} rows ready "
+                    raise DockTimeout(f"dock.get: consumer {self.consumer!r} waited {timeout} s for {n} rows ready "
                                        f"in {list(columns)} and not yet consumed; {len(sel)} are ready "
                                        f"(partial=True takes them)")
                 self._cond.wait(wait)

@@ -353,15 +353,16 @@ def expert_shapes(prefix: str, E: int, F: int, D: int) -> dict[str, tuple[int, .
 
 def head_shapes(vocab_size: int, D: int, tied: bool) -> dict[str, tuple[int, ...]]:
     """The final norm and, unless tied to the embedding, the output projection."""
-    return {"model.norm.weight": (D,), **({} if tied else {"lm_head.weight": (vocab_size, D)})}
+    return {"model.norm.weight": (D,), **({} if tied else {LM_HEAD: (vocab_size, D)})}
 
 
+LM_HEAD = "lm_head.weight"  # the output projection (absent when tied to the embedding)
 VALUE_HEAD = "value_head.weight"  # a critic's one-output head (``algos/critic.py``)
 
 
 def critic_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """A critic's parameter shapes: the model's with the LM head replaced by the value head [1, D]."""
-    out = {k: v for k, v in param_shapes(cfg).items() if k != "lm_head.weight"}
+    out = {k: v for k, v in param_shapes(cfg).items() if k != LM_HEAD}
     out[VALUE_HEAD] = (1, cfg.hidden_size)
     return out
 

@@ -96,8 +96,12 @@ def restore_source(source, state) -> None:
 
 
 def begin(root: str, name: str) -> str:
-    """The temporary directory checkpoint ``root/name`` is written into (``write_shard``, then ``save``)."""
+    """The temporary directory checkpoint ``root/name`` is written into (``write_shard``, then ``save``). The
+    temporary directories an interrupted save left in ``root`` are removed first (one run writes there)."""
     os.makedirs(root, exist_ok=True)
+    for n in os.listdir(root):
+        if n.startswith(".checkpoint-") and ".tmp-" in n:
+            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
     return tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root)
 
 
@@ -108,6 +112,9 @@ def shard_file(rank: int, world: int) -> str:
 def write_shard(tmp: str, rank: int, world: int, *, params: dict, opt_state: optim.AdamWState,
                 critic: Critic | None = None) -> None:
     """Rank ``rank``'s own shards (weights, AdamW state, the critic's) and RNG state into ``tmp``, fsynced."""
+    if not os.path.isdir(tmp):
+        raise CheckpointError(f"{tmp}: rank {rank} cannot see the checkpoint's directory (rank 0 made it): a sharded "
+                              "run's --out must be on a filesystem every rank sees")
     path = os.path.join(tmp, shard_file(rank, world))
     torch.save({"params": params, "opt_state": _state_dict(opt_state), "torch_rng": torch.get_rng_state(),
                 "critic": None if critic is None else {"params": critic.params,
@@ -170,17 +177,22 @@ def save(root: str, name: str, *, steps_done: int, cfg: ModelConfig, params: dic
     return final
 
 
-def verify(path: str) -> dict:
-    """The manifest of checkpoint ``path`` after checking every file it lists; ``CheckpointError`` names
-    the first problem."""
+def read_manifest(path: str) -> dict:
+    """Checkpoint ``path``'s manifest, its files not checked (``verify`` does)."""
     mpath = os.path.join(path, MANIFEST)
     try:
         with open(mpath) as f:
-            manifest = json.load(f)
+            return json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{mpath}: missing (an interrupted or foreign checkpoint)") from None
     except ValueError as e:
         raise CheckpointError(f"{mpath}: not valid JSON ({e})") from None
+
+
+def verify(path: str) -> dict:
+    """The manifest of checkpoint ``path`` after checking every file it lists; ``CheckpointError`` names
+    the first problem."""
+    manifest = read_manifest(path)
     for n, want in manifest.get("files", {}).items():
         f = os.path.join(path, n)
         if not os.path.exists(f):
@@ -194,9 +206,10 @@ def verify(path: str) -> dict:
 
 
 def load(path: str, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-         rank: int = 0) -> Checkpoint:
-    """Read a verified checkpoint (see ``verify``); of a sharded one, rank ``rank``'s shards (and its RNG state)."""
-    sharded = verify(path).get("sharded")
+         rank: int = 0, verified: bool = False) -> Checkpoint:
+    """Read a checkpoint after ``verify`` (``verified``: the caller just did); of a sharded one, rank
+    ``rank``'s shards (and its RNG state)."""
+    sharded = (read_manifest(path) if verified else verify(path)).get("sharded")
     st = torch.load(os.path.join(path, STATE), map_location=device, weights_only=False)
     with open(os.path.join(path, ARGS)) as f:
         args = json.load(f)
@@ -259,5 +272,5 @@ def find_resumable(root: str) -> tuple[str | None, list[str]]:
     return None, skipped
 
 
-__all__ = ["Checkpoint", "CheckpointError", "begin", "check_sharding", "find_resumable", "load", "restore_source", "save",
+__all__ = ["Checkpoint", "CheckpointError", "begin", "check_sharding", "find_resumable", "load", "read_manifest", "restore_source", "save",
            "shard_file", "source_state", "verify", "write_shard"]

@@ -62,11 +62,6 @@ class Graph:
         return Schema(*(c for c, _ in self.columns))
 
     @property
-    def fields(self) -> dict[str, str]:
-        """Dock column -> batch field."""
-        return {c.name: f for c, f in self.columns}
-
-    @property
     def consumers(self) -> tuple[str, ...]:
         """The stages that read from the dock (one controller each)."""
         return tuple(s.name for s in self.stages if s.reads)

@@ -224,10 +224,13 @@ _PEER_LOST = re.compile(r"timed out|connection (closed|reset) by peer|broken pip
 
 def _peer_lost(e: BaseException) -> bool:
     """``e`` (raised in a rank) says a peer or a dock actor went away or stopped answering, not that the rank's own
-    code failed: a dead dock actor, a timed-out dock call, a torch.distributed error, or gloo's plain RuntimeError
-    saying so (a subclass, e.g. a reward function's RewardError, is the code's own)."""
+    code failed: a dead dock actor, a timed-out dock get, a torch.distributed error, or gloo's plain RuntimeError
+    saying so (a subclass, e.g. a reward function's RewardError, is the code's own; so is any other
+    ``TimeoutError``, e.g. a verifier's)."""
     from ray.exceptions import RayActorError
-    return (isinstance(e, (RayActorError, TimeoutError, dist.DistError))
+
+    from rlflow.dock.controller import DockTimeout
+    return (isinstance(e, (RayActorError, DockTimeout, dist.DistError))
             or type(e) is RuntimeError and _PEER_LOST.search(str(e)) is not None)
 
 
