@@ -27,6 +27,7 @@ from rlflow.algos import grpo, stages
 from rlflow.batch import RolloutBatch, TrainBatch
 from rlflow.models.config import LM_HEAD, VALUE_HEAD, ModelConfig
 from rlflow.models.execution import LOCAL, Exec
+from rlflow.sharding.execute import to_device, to_host
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +60,15 @@ class Critic:
         D = cfg.hidden_size
         p[VALUE_HEAD] = (torch.randn(1, D, generator=g) / (D + 1)).to(dtype=ref.dtype, device=ref.device)
         return cls(params=p, opt_state=optim.init(p))
+
+
+def swap(critic: Critic, device) -> None:
+    """Move ``critic``'s weights and AdamW state to ``device``: to host memory while the policy generates (pinned
+    on an accelerator, as the policy's own train state goes), back before its values are needed. On the CPU
+    both ways keep the same tensors."""
+    move = to_host if torch.device(device).type == "cpu" else (lambda t: to_device(t, device))
+    critic.params = {k: move(v) for k, v in critic.params.items()}
+    critic.opt_state = optim.map_state(critic.opt_state, lambda d: {k: move(v) for k, v in d.items()})
 
 
 def values(params, cfg: ModelConfig, batch: RolloutBatch, *, remat: bool = False, ex: Exec = LOCAL) -> Tensor:
@@ -126,5 +136,5 @@ def update(critic: Critic, batch: TrainBatch, cfg: ModelConfig, ccfg: CriticConf
     return stages.finite_or_nan({f"critic_{k}": v / max(n_mb, 1) for k, v in sums.items()})
 
 
-__all__ = ["Critic", "CriticConfig", "batched_values", "update", "value_loss",
+__all__ = ["Critic", "CriticConfig", "batched_values", "swap", "update", "value_loss",
            "values"]

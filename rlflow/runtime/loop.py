@@ -260,11 +260,16 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         flow.begin(prompts, gcfg.group_size)
         mine = flow.rollout_prompts(on("rollout"), rank)
         roll_params = params if weights is None else weights.to_rollout(params, opt_state)
+        swapping = critic is not None and weights is not None and not weights.identity
+        if swapping:  # the critic's train state leaves the device with the policy's while the rollout runs
+            critics.swap(critic, "cpu")
         rollout = generate(roll_params, cfg, mine, lcfg.sampling, group_size=gcfg.group_size,
                            seed=lcfg.seed * 1_000_003 + step, compile_decode=lcfg.compile_decode,
                            record_routes=routes, ex=rctx)
         if weights is not None and not weights.identity:
             params, opt_state = weights.to_train(roll_params)
+        if swapping:
+            critics.swap(critic, device)
         del roll_params
         if roll_writer:
             flow.put_rollout(rollout)
