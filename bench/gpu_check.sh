@@ -36,7 +36,7 @@ else
   echo "=== cuda_tests: skipped, pytest is not installed" | tee -a "$LOG"
 fi
 run rollout_tiny 60 $PY bench/rollout_vs_hf.py --device cuda --batch 256 --new-tokens 128
-run rollout_tiny_compiled 120 $PY bench/rollout_vs_hf.py --device cuda --batch 256 --new-tokens 128 --compile
+run rollout_tiny_compiled 100 $PY bench/rollout_vs_hf.py --device cuda --batch 256 --new-tokens 128 --compile
 run rollout_0p5b 100 $PY bench/rollout_vs_hf.py --device cuda --dtype bfloat16 --preset qwen3-moe-0.5b --batch 256 --new-tokens 128 --repeats 2
 if $PY -c "import trl" 2>/dev/null; then  # the lent machine's python may lack TRL (no network to install it)
   run e2e_tiny 60 $PY bench/e2e_vs_trl.py --device cuda
@@ -44,4 +44,6 @@ if $PY -c "import trl" 2>/dev/null; then  # the lent machine's python may lack T
 else
   echo "=== e2e_tiny, e2e_0p5b: skipped, TRL is not installed" | tee -a "$LOG"
 fi
+# PPO's critic (values, GAE, its update) on the device, one process: the recipe's own run, 20 steps
+run ppo_recipe 40 $PY recipes/grpo_qwen3_moe.py --world 1 --adv-estimator gae --steps 20 --out "$OUT_DIR/ppo" --overwrite
 echo "figures: $FIG" | tee -a "$LOG"
