@@ -879,7 +879,7 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
         if not lead:
             return None
         return checkpoint.save(r.out, name, params=full, opt_state=None, tmp=got[0], **kw,
-                               sharded={"world": world, "train_layout": str(where.train.mesh)})
+                               sharded={"world": world, "train_layout": train_layout_name(r)})
 
     evals = eval_examples(r) if r.eval_dataset else None
 

@@ -121,20 +121,14 @@ def update(critic: Critic, batch: TrainBatch, cfg: ModelConfig, ccfg: CriticConf
             mask = mb.response_mask_BTr if mb.scored_B is None else mb.response_mask_BTr & mb.scored_B.bool()[:, None]
             loss, met = value_loss(values(live, cfg, mb, remat=ucfg.remat, ex=ex), mb.values_BTr, mb.returns_BTr,
                                    mask, value_clip=ccfg.value_clip, n_tokens=n_tokens)
-            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
-            for k, v in met.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * mb.size / rows
+            stages.record(sums, loss, met, mb.size / rows)
             stages.accumulate(grads, loss, leaves)
         return grads
 
     critic.params, critic.opt_state, n_mb = stages.descend(
         critic.params, critic.opt_state, batch, ucfg, ccfg.optim, epochs=epochs, seed=seed, lr=None,
         grads_of=grads_of, sums=sums)
-    if ucfg.layout is not None:
-        from rlflow.parallel import dp
-        sums["loss"] = dp.batch_total(sums.get("loss", 0.0), ucfg.layout)  # the ranks' shares add up
-    return stages.finite_or_nan({f"critic_{k}": v / max(n_mb, 1) for k, v in sums.items()})
+    return stages.finite_or_nan({f"critic_{k}": v for k, v in stages.averaged(sums, n_mb, ucfg.layout).items()})
 
 
-__all__ = ["Critic", "CriticConfig", "batched_values", "swap", "update", "value_loss",
-           "values"]
+__all__ = ["Critic", "CriticConfig", "batched_values", "swap", "update", "value_loss", "values"]

@@ -258,6 +258,23 @@ def descend(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch
     return {k: p.detach() for k, p in live.items()}, opt_state, n_mb
 
 
+def record(sums: dict[str, float], loss: Tensor, metrics: dict[str, Tensor], share: float) -> None:
+    """Add a micro-batch's figures to a mini-batch's ``sums``: its loss as it is (it carries the mini-batch's
+    normalizers, so the micro-batches' parts add up), its per-token means (clip_frac, kl, ...) weighted by
+    ``share``, its share of the mini-batch's rows."""
+    sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+    for k, v in metrics.items():
+        sums[k] = sums.get(k, 0.0) + float(v) * share
+
+
+def averaged(sums: dict[str, float], n_mb: int, layout) -> dict[str, float]:
+    """The mean per optimizer step of ``descend``'s ``sums`` over ``n_mb`` mini-batches, the loss summed over
+    the data ranks' shares of each mini-batch (``layout`` None: one process)."""
+    if layout is not None:
+        sums = {**sums, "loss": dp.batch_total(sums.get("loss", 0.0), layout)}
+    return {k: v / max(n_mb, 1) for k, v in sums.items()}
+
+
 def accumulate(grads: list[Tensor | None], loss: Tensor, leaves: list[Tensor]) -> None:
     """Add d loss / d leaves into ``grads`` in float32, whatever the parameters' dtype."""
     for j, gr in enumerate(torch.autograd.grad(loss, leaves, allow_unused=True)):
@@ -309,12 +326,7 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
             met = {**met, **mis}
             if aux is not None and ucfg.router_aux_coef:
                 loss = loss + ucfg.router_aux_coef * aux * (mb.size / n_seqs)
-            # the loss already carries the mini-batch normalizers: its micro-batch parts add up;
-            # per-token means (clip_frac, kl, ...) are weighted by the micro-batch's share of rows
-            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
-            extra = {} if aux is None else {"router_aux": aux.detach()}
-            for k, v in {**met, **extra}.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * mb.size / rows
+            record(sums, loss, {**met, **({} if aux is None else {"router_aux": aux.detach()})}, mb.size / rows)
             return loss
 
         if pipelined:  # the pipeline schedule: each stage its layers; the loss on the last stage
@@ -340,9 +352,7 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
         torch.distributed.broadcast_object_list(got, src=ex.peer(ex.pp_stages - 1), group=ex.pp_group)
         sums, maxes = {**got[0][0], "grad_norm": sums["grad_norm"], "update_skipped": sums["update_skipped"]}, \
             got[0][1]
-    if layout is not None:
-        sums["loss"] = dp.batch_total(sums.get("loss", 0.0), layout)  # the ranks' shares add up
-    metrics = {**{k: v / max(n_mb, 1) for k, v in sums.items()}, **maxes}
+    metrics = {**averaged(sums, n_mb, layout), **maxes}
     if routing_stats:  # (token, MoE layer) pairs routed / top-k'ed otherwise than in the rollout, all ranks' rows
         n = {k: float(v) for k, v in routing_stats.items()}
         if layout is not None:

@@ -117,8 +117,7 @@ def write_shard(tmp: str, rank: int, world: int, *, params: dict, opt_state: opt
                               "run's --out must be on a filesystem every rank sees")
     path = os.path.join(tmp, shard_file(rank, world))
     torch.save({"params": params, "opt_state": _state_dict(opt_state), "torch_rng": torch.get_rng_state(),
-                "critic": None if critic is None else {"params": critic.params,
-                                                       "opt_state": _state_dict(critic.opt_state)}}, path)
+                "critic": None if critic is None else _critic_dict(critic)}, path)
     _fsync(path)
 
 
@@ -148,7 +147,7 @@ def save(root: str, name: str, *, steps_done: int, cfg: ModelConfig, params: dic
         torch.save({"steps_done": steps_done, "opt_state": None if opt_state is None else _state_dict(opt_state),
                     "source": source_state(source), "torch_rng": torch.get_rng_state()}, os.path.join(tmp, STATE))
         if critic is not None:
-            torch.save({"params": critic.params, "opt_state": _state_dict(critic.opt_state)}, os.path.join(tmp, CRITIC))
+            torch.save(_critic_dict(critic), os.path.join(tmp, CRITIC))
         with open(os.path.join(tmp, ARGS), "w") as f:
             json.dump(args, f, indent=2, default=str)
         files = sorted(n for n in os.listdir(tmp))
@@ -218,8 +217,7 @@ def load(path: str, *, dtype: torch.dtype | None = None, device: torch.device | 
         cfg, params = hf.load(path, dtype=dtype, device=device)
         opt_state, rng = _state(st["opt_state"]), st["torch_rng"]
         if os.path.exists(os.path.join(path, CRITIC)):
-            c = torch.load(os.path.join(path, CRITIC), map_location=device, weights_only=False)
-            critic = Critic(params=c["params"], opt_state=_state(c["opt_state"]))
+            critic = _critic(torch.load(os.path.join(path, CRITIC), map_location=device, weights_only=False))
     else:
         if not 0 <= rank < sharded["world"]:
             raise CheckpointError(f"{path}: sharded over {sharded['world']} ranks, it has no rank {rank}")
@@ -229,7 +227,7 @@ def load(path: str, *, dtype: torch.dtype | None = None, device: torch.device | 
         params = {k: v if dtype is None else v.to(dtype) for k, v in mine["params"].items()}
         opt_state, rng = _state(mine["opt_state"]), mine["torch_rng"]
         if mine["critic"] is not None:
-            critic = Critic(params=mine["critic"]["params"], opt_state=_state(mine["critic"]["opt_state"]))
+            critic = _critic(mine["critic"])
     torch.set_rng_state(rng)
     return Checkpoint(path=path, steps_done=int(st["steps_done"]), cfg=cfg, params=params, opt_state=opt_state,
                       source_state=st["source"], args=args, critic=critic, sharded=sharded)
@@ -243,6 +241,14 @@ def check_sharding(manifest: dict, world: int, train_layout: str) -> None:
         raise CheckpointError(f"its shards are of train layout {sh['train_layout']} on {sh['world']} ranks, this "
                               f"run's is {train_layout} on {world}: resume with that --world / --train-layout, or "
                               "start from its weights with --model (a fresh optimizer)")
+
+
+def _critic_dict(c: Critic) -> dict:
+    return {"params": c.params, "opt_state": _state_dict(c.opt_state)}
+
+
+def _critic(d: dict) -> Critic:
+    return Critic(params=d["params"], opt_state=_state(d["opt_state"]))
 
 
 def _state_dict(s: optim.AdamWState) -> dict:

@@ -230,7 +230,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
     mesh_of = {"rollout": rollout_mesh, "every": every, "train": train_mesh}  # where the stages run
     graph = graph_for(gcfg.adv_estimator)
     on = lambda stage: mesh_of[graph[stage].runs_on]  # noqa: E731
-    world_sum = _all_sum if world > 1 else (lambda t: t)
+    world_sum = all_reduce if world > 1 else (lambda t: t)
     opt_state = optim.init(params) if opt_state is None else opt_state
     start = opt_state.step  # one optimizer step per GRPO step when warming up (the recipe's case)
     lr_total = (start if first_step is None else first_step) + lcfg.steps  # the LR schedule's length
@@ -244,6 +244,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
                                layout=None if placement is None else placement.train,
                                routing_replay=lcfg.routing_replay)
     cucfg = ucfg if placement is None else dataclasses.replace(ucfg, layout=placement.critic)  # the critic's
+    moving = weights is not None and not weights.identity  # the train state is swapped out for each rollout
     single_update = gcfg.epochs == 1 and lcfg.mini_batch_size == lcfg.global_batch
     roll_writer = rollout_mesh.coords(rank)["tp"] == 0  # tp peers hold the same rows: one of them writes
     tc = train_mesh.coords(rank)
@@ -260,16 +261,15 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         flow.begin(prompts, gcfg.group_size)
         mine = flow.rollout_prompts(on("rollout"), rank)
         roll_params = params if weights is None else weights.to_rollout(params, opt_state)
-        swapping = critic is not None and weights is not None and not weights.identity
-        if swapping:  # the critic's train state leaves the device with the policy's while the rollout runs
+        if moving and critic is not None:  # the critic's train state leaves the device with the policy's
             critics.swap(critic, "cpu")
         rollout = generate(roll_params, cfg, mine, lcfg.sampling, group_size=gcfg.group_size,
                            seed=lcfg.seed * 1_000_003 + step, compile_decode=lcfg.compile_decode,
                            record_routes=routes, ex=rctx)
-        if weights is not None and not weights.identity:
+        if moving:
             params, opt_state = weights.to_train(roll_params)
-        if swapping:
-            critics.swap(critic, device)
+            if critic is not None:
+                critics.swap(critic, device)
         del roll_params
         if roll_writer:
             flow.put_rollout(rollout)
@@ -344,7 +344,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         if weights is not None:
             stage_s.update(weights.figures())
         if world > 1:  # global figures: sums over the ranks, slowest rank's times
-            tot = _all_sum(torch.tensor([n_prompt, n_resp, r_sum, r_sq, n_scored], dtype=torch.float64))
+            tot = all_reduce(torch.tensor([n_prompt, n_resp, r_sum, r_sq, n_scored], dtype=torch.float64))
             n_prompt, n_resp, r_sum, r_sq, n_scored = int(tot[0]), int(tot[1]), float(tot[2]), float(tot[3]), int(tot[4])
             slow = all_reduce(torch.tensor([t1 - t0, *stage_s.values()], dtype=torch.float64),
                               op=torch.distributed.ReduceOp.MAX)
@@ -380,10 +380,6 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
             if float(world_sum(stop)[0]) > 0:
                 break
     return params, opt_state, history
-
-
-def _all_sum(t: torch.Tensor) -> torch.Tensor:
-    return all_reduce(t)
 
 
 def check_features(cfg: ModelConfig, train_pp: int, *, routing_replay: str, check_logprobs: float | None,
