@@ -137,7 +137,7 @@ def main() -> None:
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     workers = [StageWorker.remote(r, args.seed) for r in range(args.workers)]
     ray.get([w.ping.remote() for w in workers])
-    kw = dict(schema=GRPO.schema, consumers=GRPO.consumers, capacity=shape.rows, group_size=shape.group_size)
+    kw = dict(schema=GRPO.schema, consumers=GRPO.flow_consumers, capacity=shape.rows, group_size=shape.group_size)
     results = []
     c = ray_centralized(**kw)
     results.append(run_config("centralized", c, workers, shape, args) | {"model": centralized_bytes(shape, GRPO.flow, GRPO.schema)})
@@ -167,7 +167,7 @@ def main() -> None:
     wall_ratio = central["wall_s"] / top["wall_s"]
     print(f"\nbusiest-process bytes, centralized / {top['name']}: {ratio:.2f}x   wall, centralized / {top['name']}: "
           f"{wall_ratio:.2f}x")
-    print(f"\nmodel projection (this shape, one warehouse per 8-device node, C = {len(GRPO.consumers)} controllers; "
+    print(f"\nmodel projection (this shape, one warehouse per 8-device node, C = {len(GRPO.flow_consumers)} controllers; "
           f"time = busiest bytes / {args.link_GBps:g} GB/s):")
     print(f"{'devices':>8}{'S':>5}{'central GB':>12}{'dock GB':>10}{'ratio':>8}{'central s':>11}{'dock s':>9}")
     proj = []

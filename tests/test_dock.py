@@ -19,10 +19,10 @@ from rlflow.dock.schema import take_rows
 
 CAP, G = 16, 4
 MAKERS = {
-    "dock1": lambda: Dock.local(GRPO.schema, GRPO.consumers, capacity=CAP, warehouses=1, group_size=G),
-    "dock3": lambda: Dock.local(GRPO.schema, GRPO.consumers, capacity=CAP, warehouses=3, group_size=G),
-    "central": lambda: CentralizedBuffer.local(GRPO.schema, GRPO.consumers, capacity=CAP, group_size=G),
-    "procs2": lambda: proc_dock(GRPO.schema, GRPO.consumers, capacity=CAP, warehouses=2, group_size=G),
+    "dock1": lambda: Dock.local(GRPO.schema, GRPO.flow_consumers, capacity=CAP, warehouses=1, group_size=G),
+    "dock3": lambda: Dock.local(GRPO.schema, GRPO.flow_consumers, capacity=CAP, warehouses=3, group_size=G),
+    "central": lambda: CentralizedBuffer.local(GRPO.schema, GRPO.flow_consumers, capacity=CAP, group_size=G),
+    "procs2": lambda: proc_dock(GRPO.schema, GRPO.flow_consumers, capacity=CAP, warehouses=2, group_size=G),
 }
 
 
@@ -147,7 +147,7 @@ def test_bfloat16_and_fixed_columns():
 
 
 def test_puts_spread_rows_round_robin_by_group():
-    d = Dock.local(GRPO.schema, GRPO.consumers, capacity=CAP, warehouses=2, group_size=G)
+    d = Dock.local(GRPO.schema, GRPO.flow_consumers, capacity=CAP, warehouses=2, group_size=G)
     put_prompts(d, list(range(CAP)))
     held = [w["prompt_ids"] for w in d.snapshot()["warehouses"]]
     assert held == [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]]
@@ -231,7 +231,7 @@ def test_bad_schema_declarations():
     with pytest.raises(ValueError, match="length is required"):
         Column("a", torch.long, "fixed")
     with pytest.raises(ValueError, match="capacity=10 must be a positive multiple of group_size=4"):
-        Dock.local(GRPO.schema, GRPO.consumers, capacity=10, group_size=4)
+        Dock.local(GRPO.schema, GRPO.flow_consumers, capacity=10, group_size=4)
 
 
 # ---- samplers and wire helpers ----
@@ -284,7 +284,7 @@ def run_grpo(d, shape: Shape, mb: int):
 @pytest.mark.parametrize("S", [1, 2, 4])
 def test_cost_model_matches_measured_bytes(S):
     shape = Shape(prompts=8, group_size=G, prompt_len=512, response_len=1024)
-    d = Dock.local(GRPO.schema, GRPO.consumers, capacity=shape.rows, warehouses=S, group_size=G)
+    d = Dock.local(GRPO.schema, GRPO.flow_consumers, capacity=shape.rows, warehouses=S, group_size=G)
     run_grpo(d, shape, mb=8)
     t = d.traffic()
     wh = max(v["bytes_in"] + v["bytes_out"] for k, v in t.items() if k.startswith("warehouse"))
@@ -292,7 +292,7 @@ def test_cost_model_matches_measured_bytes(S):
     assert abs(wh - model["warehouse"]) / model["warehouse"] < 0.02, (wh, model)
     ctl = max(v["bytes_in"] + v["bytes_out"] for k, v in t.items() if k.startswith("controller"))
     assert ctl < wh / 10, "controllers carry metadata only"
-    c = CentralizedBuffer.local(GRPO.schema, GRPO.consumers, capacity=shape.rows, group_size=G)
+    c = CentralizedBuffer.local(GRPO.schema, GRPO.flow_consumers, capacity=shape.rows, group_size=G)
     run_grpo(c, shape, mb=8)
     cb = sum(c.traffic()["central"][k] for k in ("bytes_in", "bytes_out"))
     central = centralized_bytes(shape, GRPO.flow, GRPO.schema)
@@ -361,7 +361,7 @@ SMALL_CENTRAL_BYTES = 820 * 16  # = 13120: every one of them passes through the 
 
 def test_centralized_bytes_equal_a_hand_worked_figure_and_the_bytes_counted_at_the_store():
     assert centralized_bytes(SMALL, GRPO.flow, GRPO.schema) == SMALL_CENTRAL_BYTES
-    c = CentralizedBuffer.local(GRPO.schema, GRPO.consumers, capacity=SMALL.rows, group_size=G)
+    c = CentralizedBuffer.local(GRPO.schema, GRPO.flow_consumers, capacity=SMALL.rows, group_size=G)
     c.transport = CountingTransport(c.transport, {id(c.store): "central"})
     run_grpo(c, SMALL, mb=8)
     assert c.transport.bytes == {"central": SMALL_CENTRAL_BYTES}
@@ -371,7 +371,7 @@ def test_centralized_bytes_equal_a_hand_worked_figure_and_the_bytes_counted_at_t
 def test_each_warehouse_carries_the_central_figure_over_S(S, procs):
     """4 groups placed round-robin over S warehouses: each holds 4/S of them and moves 13120 / S bytes."""
     make = proc_dock if procs else Dock.local
-    d = make(GRPO.schema, GRPO.consumers, capacity=SMALL.rows, warehouses=S, group_size=G)
+    d = make(GRPO.schema, GRPO.flow_consumers, capacity=SMALL.rows, warehouses=S, group_size=G)
     try:
         d.transport = CountingTransport(d.transport, {id(w): f"w{i}" for i, w in enumerate(d.warehouses)})
         run_grpo(d, SMALL, mb=8)

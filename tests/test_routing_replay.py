@@ -117,8 +117,8 @@ def test_the_routes_travel_through_the_dock_with_their_rows():
     first = ro.select(torch.arange(0, ro.size, G))
     flow.begin(PromptBatch(prompt_ids_BTp=first.prompt_ids_BTp, prompt_mask_BTp=first.prompt_mask_BTp,
                            index_B=torch.arange(P), group_B=torch.arange(P), answers=("x",) * P), G)
-    flow.put_rollout(ro)
-    got, _ = flow.get("update", ["response_routes", "prompt_routes"], Mesh(), 0)
+    flow.put_rows(ro.replace(answers=("x",) * ro.size))
+    got, _ = flow.get("train", ["response_routes", "prompt_routes"], Mesh(), 0)
     order = torch.argsort(got.index_B)
     got = got.select(order)
     Tp, Tr = got.prompt_ids_BTp.shape[1], got.response_ids_BTr.shape[1]

@@ -226,12 +226,14 @@ def test_routing_sends_every_row_to_exactly_its_readers(mesh, groups, group_size
 
 def test_the_graph_declares_every_stage_and_column_once():
     """The one declaration the dock, the flow and the cost model read: every column a stage names is declared,
-    the dock's consumers are the stages that read, and each column's batch field is a field of the batches."""
+    the dock's consumer is the train group (the rollout group's stages hand over in memory), the disaggregated
+    flow's are the stages that read, and each column's batch field is a field of the batches."""
     from rlflow.batch import TrainBatch
     from rlflow.runtime.graph import Graph, Stage
-    assert GRPO.consumers == ("rollout", "score", "advantage", "ref_logprob", "old_logprob", "update")
-    assert PPO.consumers == ("rollout", "score", "ref_logprob", "old_logprob", "values", "gae", "update",
-                             "critic_update")
+    assert GRPO.consumers == PPO.consumers == ("train",)
+    assert GRPO.flow_consumers == ("rollout", "score", "advantage", "ref_logprob", "old_logprob", "update")
+    assert PPO.flow_consumers == ("rollout", "score", "ref_logprob", "old_logprob", "values", "gae", "update",
+                                  "critic_update")
     fields = {f.name for f in __import__("dataclasses").fields(TrainBatch)}
     for g in (GRPO, PPO):
         assert [s.name for s in g.flow] == [s.name for s in g.stages]
@@ -240,3 +242,5 @@ def test_the_graph_declares_every_stage_and_column_once():
         assert {c for s in g.stages for c in s.reads} <= written  # every column read is produced by a stage
     with pytest.raises(ValueError, match="names columns \\['nope'\\]"):
         Graph(columns=GRPO.columns, stages=(Stage("x", ("nope",), (), "every", len),))
+    with pytest.raises(ValueError, match="via must be one of"):
+        Stage("x", (), (), "every", len, via="mail")

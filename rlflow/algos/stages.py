@@ -229,31 +229,31 @@ def descend(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch
     leaves = [params[k].detach().requires_grad_(True) for k in names]
     live = dict(zip(names, leaves))
     n_mb = 0
-    for _ in range(epochs):
-        perm = torch.randperm(batch.size, generator=g)
-        for s in range(0, batch.size, ucfg.mini_batch_size):
-            mini = perm[s:s + ucfg.mini_batch_size]
-            n_tokens = float(batch.response_mask_BTr[mini].sum())
-            n_seqs = len(mini)
-            if layout is not None:
-                n_tokens, n_seqs = dp.batch_total(n_tokens, layout), dp.batch_total(n_seqs, layout)
-            mbs = [_trim(batch.select(rows)) for rows in micro_batches(batch, mini, ucfg)]
-            grads = grads_of(live, leaves, mbs, n_tokens, n_seqs)
-            gdict = {k: torch.zeros_like(p, dtype=torch.float32) if gr is None else gr
-                     for k, p, gr in zip(names, leaves, grads)}
-            if layout is not None:
-                gdict = dp.all_reduce_grads(gdict, layout)  # sum of the ranks' shares
-                gdict, norm = dp.clip_grads(gdict, layout, ucfg.max_grad_norm)  # the full gradient's norm
-            else:
-                gdict, norm = optim.clip_by_global_norm(gdict, ucfg.max_grad_norm)
-            norm_f = float(norm)  # the same on every rank: computed from the summed gradients
-            sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm_f
-            n_mb += 1
-            if not math.isfinite(norm_f):  # a NaN/inf reward, loss or gradient: this step is skipped, the
-                sums["update_skipped"] = sums.get("update_skipped", 0.0) + 1  # parameters and state unchanged
-                continue
-            with torch.no_grad():
-                _, opt_state = optim.step(live, gdict, opt_state, ocfg, lr=lr)
+    perms = [torch.randperm(batch.size, generator=g) for _ in range(epochs)]
+    minis = [perm[s:s + ucfg.mini_batch_size] for perm in perms for s in range(0, batch.size, ucfg.mini_batch_size)]
+    # every mini-batch's normalizers (response tokens, rows) over the data ranks, in one reduction
+    totals = torch.tensor([[float(batch.response_mask_BTr[m].sum()), len(m)] for m in minis], dtype=torch.float64)
+    if layout is not None:
+        totals = dp.batch_sum(totals, layout)
+    for mini, (n_tokens, n_seqs) in zip(minis, totals.tolist()):
+        n_seqs = int(n_seqs)
+        mbs = [_trim(batch.select(rows)) for rows in micro_batches(batch, mini, ucfg)]
+        grads = grads_of(live, leaves, mbs, n_tokens, n_seqs)
+        gdict = {k: torch.zeros_like(p, dtype=torch.float32) if gr is None else gr
+                 for k, p, gr in zip(names, leaves, grads)}
+        if layout is not None:
+            gdict = dp.all_reduce_grads(gdict, layout)  # sum of the ranks' shares
+            gdict, norm = dp.clip_grads(gdict, layout, ucfg.max_grad_norm)  # the full gradient's norm
+        else:
+            gdict, norm = optim.clip_by_global_norm(gdict, ucfg.max_grad_norm)
+        norm_f = float(norm)  # the same on every rank: computed from the summed gradients
+        sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm_f
+        n_mb += 1
+        if not math.isfinite(norm_f):  # a NaN/inf reward, loss or gradient: this step is skipped, the
+            sums["update_skipped"] = sums.get("update_skipped", 0.0) + 1  # parameters and state unchanged
+            continue
+        with torch.no_grad():
+            _, opt_state = optim.step(live, gdict, opt_state, ocfg, lr=lr)
     sums.setdefault("update_skipped", 0.0)
     return {k: p.detach() for k, p in live.items()}, opt_state, n_mb
 

@@ -1,6 +1,6 @@
 """The dock's client API: ``put`` rows, ``get`` typed batches, ``clear`` between iterations.
 
-    dock = Dock.local(GRPO.schema, GRPO.consumers, capacity=2048, warehouses=4, group_size=8)  # runtime/graph.py
+    dock = Dock.local(GRPO.schema, GRPO.flow_consumers, capacity=2048, warehouses=4, group_size=8)  # runtime/graph.py
     dock.put(idx, {"prompt_ids": prompts, "group": group})          # rows go to warehouses
     b = dock.get("rollout", ["prompt_ids"], 64, groups=True)         # DockBatch, padded
     dock.put(b.index_B, {"response_ids": resp, "sample_logprobs": lp})

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.managers import BaseManager
 from dataclasses import dataclass
 from typing import Sequence
@@ -55,15 +56,17 @@ _Server.register("ControllerHub", ControllerHub)
 
 class ProcTransport:
     """Calls become proxy calls to the dock processes (controller calls go through the hub; several in one
-    ``call_many`` are one round trip); ``close`` (in the process that started them) stops them."""
+    ``call_many`` are one round trip). ``call_many`` runs its calls to different processes at once, from a
+    pool of threads (a proxy keeps one connection per thread), so a put or read spanning S warehouses
+    waits for the slowest, not for the sum. ``close`` (in the process that started them) stops them."""
 
     nodes: tuple = ()
 
     def __init__(self, servers: list, hub):
-        self._servers, self.hub = servers, hub
+        self._servers, self.hub, self._pool = servers, hub, None
 
-    def __getstate__(self):
-        return {"_servers": [], "hub": self.hub}  # a copy in another process does not own the servers
+    def __getstate__(self):  # a copy in another process does not own the servers, nor this one's threads
+        return {"_servers": [], "hub": self.hub, "_pool": None}
 
     def call(self, target, method: str, *args):
         if isinstance(target, _Ctrl):
@@ -72,20 +75,33 @@ class ProcTransport:
 
     def call_many(self, calls) -> list:
         calls = list(calls)
-        out: list = [None] * len(calls)
         ctrl = [i for i, (t, _, _) in enumerate(calls) if isinstance(t, _Ctrl)]
+        jobs = [([i], (lambda i=i: LocalTransport().call_many([calls[i]])))
+                for i in range(len(calls)) if i not in set(ctrl)]
         if ctrl:
-            for i, r in zip(ctrl, self.hub.each([(calls[i][0].consumer, calls[i][1], calls[i][2]) for i in ctrl])):
+            jobs.append((ctrl, lambda: self.hub.each([(calls[i][0].consumer, calls[i][1], calls[i][2]) for i in ctrl])))
+        if len(jobs) > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="dock")
+            futures = [(where, self._pool.submit(job)) for where, job in jobs]
+            jobs = [(where, f.result) for where, f in futures]
+        out: list = [None] * len(calls)
+        for where, job in jobs:
+            try:
+                got = job()
+            except Exception as e:  # noqa: BLE001 - a failed round trip: every call in it failed
+                got = [e] * len(where)
+            for i, r in zip(where, got):
                 out[i] = r
-        rest = sorted(set(range(len(calls))) - set(ctrl))
-        for i, r in zip(rest, LocalTransport().call_many([calls[i] for i in rest])):
-            out[i] = r
         return out
 
     def here(self):
         return None
 
     def close(self, targets) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
         for s in self._servers:
             s.shutdown()
         self._servers = []

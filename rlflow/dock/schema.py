@@ -33,6 +33,21 @@ _WIRE_DTYPE = {torch.bfloat16: torch.int16}  # dtypes numpy lacks -> same-width 
 
 
 @dataclass(frozen=True, slots=True)
+class Packed:
+    """A var column's ``k`` rows given whole: ``values`` the rows concatenated (1-D, or one row per leading
+    index of a [N, ...] tensor, flattened per row), ``lengths`` [k] each row's count of leading entries.
+    What the wire holds, without a tensor per row; ``from_padded`` builds it from a padded [B, T, ...]
+    tensor and its [B, T] mask (left or right padding alike)."""
+
+    values: Tensor
+    lengths: Tensor
+
+    @classmethod
+    def from_padded(cls, padded: Tensor, mask: Tensor) -> "Packed":
+        return cls(padded[mask], mask.sum(-1))
+
+
+@dataclass(frozen=True, slots=True)
 class Column:
     """One column: name, dtype, kind (scalar / var / fixed), and how it pads."""
 
@@ -153,10 +168,25 @@ def _to_numpy(col: Column, t: Tensor) -> np.ndarray:
 
 def _encode_column(where: str, col: Column, k: int, value: object) -> Cell:
     name, want = col.name, _dtype_name(col.dtype)
+    if col.kind == "var" and isinstance(value, Packed):
+        v, lens = value.values, value.lengths
+        if not isinstance(v, Tensor) or not isinstance(lens, Tensor):
+            raise ValueError(f"{where}: column {name!r}: Packed values and lengths must be tensors")
+        if v.dtype != col.dtype:
+            raise ValueError(f"{where}: column {name!r} expects dtype {want}, got {_dtype_name(v.dtype)}")
+        if lens.dim() != 1 or len(lens) != k or lens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{where}: column {name!r}: Packed lengths must be {k} integers, got {lens.dtype} "
+                             f"{tuple(lens.shape)}")
+        lens = lens.detach().cpu().numpy().astype(np.int64)
+        if v.dim() < 1 or (lens < 0).any() or int(lens.sum()) != v.shape[0]:
+            raise ValueError(f"{where}: column {name!r}: Packed lengths (sum {int(lens.sum())}, min "
+                             f"{int(lens.min(initial=0))}) do not cover the {tuple(v.shape)} values")
+        per = int(np.prod(v.shape[1:], dtype=np.int64))  # entries per leading index
+        return np.array(_to_numpy(col, v.reshape(-1)), copy=True), lens * per  # the dock's own copy
     if col.kind == "var":
         if isinstance(value, Tensor) or not isinstance(value, Sequence):
-            raise ValueError(f"{where}: column {name!r} is variable-length: give a sequence of {k} 1-D tensors, "
-                             f"got {type(value).__name__}")
+            raise ValueError(f"{where}: column {name!r} is variable-length: give a sequence of {k} 1-D tensors "
+                             f"or a Packed, got {type(value).__name__}")
         if len(value) != k:
             raise ValueError(f"{where}: column {name!r} has {len(value)} rows, indices has {k}")
         rows = []

@@ -84,11 +84,14 @@ def grad_norm(grads: dict[str, Tensor], layout: Layout) -> Tensor:
     ``optim.clip_by_global_norm`` would compute on the gathered gradients."""
     c = layout.mesh.coords(dist.get_rank())
     s = torch.zeros((), dtype=torch.float32, device=next(iter(grads.values())).device if grads else None)
+    # one pipeline stage and no parameter sharded over an axis of more than one rank: every rank holds the
+    # whole reduced gradient
+    whole = layout.mesh.pp == 1 and all(layout.mesh.axis_size(tuple(layout[n].spec.axes)) == 1 for n in grads)
     for n, g in grads.items():
         named = set(layout[n].spec.axes)
-        if all(c[a] == 0 for a in ("dp", "ep", "tp") if a not in named):
+        if whole or all(c[a] == 0 for a in ("dp", "ep", "tp") if a not in named):
             s = s + g.float().square().sum()
-    if dist.get_world_size() > 1:
+    if dist.get_world_size() > 1 and not whole:
         dist.all_reduce(s)
     return s.sqrt()
 

@@ -1,87 +1,126 @@
 """The sample flow of one GRPO iteration: how each stage's rows reach the ranks of the next stage.
 
-``DockFlow`` routes every stage through a transfer dock (``rlflow.dock``): a stage ``put``s the columns
-it produced for its rows, and the ranks of the next stage ``get`` theirs. A get is a routing
-transition (``dock.routing``): the lead rank takes every row of the step that is ready for the
-consumer (metadata: indices, warehouses, lengths), plans which data-parallel part of the stage's mesh
-reads which rows (balanced by sequence length, GRPO groups whole), and hands the plan to every rank
-(metadata again); each rank then reads its part straight from the warehouses, its tp and pp peers
-the same rows. Rows never pass through the lead or the driver. With one process the same calls run
-on a world of one.
+Two worker groups share the devices (colocated): the rollout group (generation in the rollout layout,
+then scoring and advantages on the same ranks) and the train group (old / reference log-probs,
+PPO's values and GAE, the update, in the train layout). Rows cross from one group to the other
+through a transfer dock (``rlflow.dock``); stages of one group hand their rows over in memory.
 
-``MemoryFlow`` is the one-process path without a dock: the batch goes from stage to stage in memory
-(no copies); the loop's code is the same, and tests check the two flows train identically.
+- The prompts: every rank reads the same prompt stream, so each computes the same routing plan of the
+  step's prompts onto the rollout mesh's data-parallel parts (``rollout_share``, balanced by prompt
+  length, ``dock.routing``) and keeps its part; nothing waits on another rank before generation.
+- Scoring: the ranks of a rollout tp group hold the same rows; each scores its share of the groups
+  (``score_share``), so every rank scores and every row is scored once.
+- ``DockFlow.put_rows``: each rank puts its scored rows with every column the train group reads
+  (prompt, response, sampling log-probs, rewards, advantages, routes): one put per rank and step.
+- ``DockFlow.get``: a routing transition (``dock.routing``) onto the train mesh. The lead rank takes
+  every row of the step (metadata: indices, warehouses, lengths), plans which data-parallel part reads
+  which rows (balanced by sequence length, GRPO groups whole) and hands the plan to every rank
+  (metadata again); each rank reads its part straight from the warehouses, its tp and pp peers the
+  same rows. Rows never pass through the lead or the driver.
 
-Dock rows are the step's samples, indexed ``prompt * G + k`` from 0 each step (``clear()`` at the start
-of a step); batches carry the run's global sample indices (``index_B``), the dock's plus
-``first prompt * G``. The reference answers travel as dock data (UTF-8 bytes), so a scoring rank in
-another process reads them with the rows.
+``MemoryFlow`` is the one-process path without a dock: the batch goes from stage to stage in memory (no
+copies); the loop's code is the same, and tests check the two flows train identically.
+
+Dock rows are the step's samples, indexed ``prompt * G + k`` from 0 each step (the lead clears the dock
+at the end of a step, ``end``); batches carry the run's global sample indices (``index_B``), the dock's
+plus ``first prompt * G``. The reference answers travel as dock data (UTF-8 bytes), so a rank of the
+train group (or a scorer in another process) reads them with the rows.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlflow.batch import PromptBatch, RolloutBatch, TrainBatch, extend, unpad
+from rlflow.batch import PromptBatch, RolloutBatch, TrainBatch, extend
 from rlflow.dock.client import Ticket
+from rlflow.dock.schema import Packed
 from rlflow.dock.routing import RowPlan, route
-from rlflow.runtime.graph import FIELDS, PROMPT, ROUTES, ROWS
+from rlflow.runtime.graph import FIELDS, ROUTES, ROWS
 from rlflow.sharding.mesh import Mesh
 
 
+def rollout_share(prompts: PromptBatch, mesh: Mesh, rank: int) -> PromptBatch:
+    """``rank``'s prompts of the step: its data-parallel part of ``mesh`` (the rollout mesh) under the routing
+    plan every rank computes alike from the prompts' lengths (one row per prompt)."""
+    if mesh.data_parallel_size == 1:
+        return prompts
+    lens = prompts.prompt_mask_BTp.sum(-1).cpu().numpy()
+    zeros = np.zeros(prompts.size, dtype=np.int64)
+    plan = route(np.arange(prompts.size), zeros, lens, zeros, mesh)
+    return prompts.select(torch.from_numpy(plan.positions(mesh.data_parallel_index(rank))))
+
+
+def score_share(rows: RolloutBatch, mesh: Mesh, rank: int, group_size: int) -> RolloutBatch:
+    """The rows ``rank`` scores of those its rollout tp group holds (``mesh``: the rollout mesh): its tp
+    index's share of the groups, balanced by sequence length (with tp 1: all of them)."""
+    if mesh.tp == 1:
+        return rows
+    cost = (rows.prompt_mask_BTp.sum(-1) + rows.response_mask_BTr.sum(-1)).cpu().numpy()
+    zeros = np.zeros(rows.size, dtype=np.int64)
+    plan = route(np.arange(rows.size), zeros, cost, zeros, Mesh(dp=mesh.tp), group_size=group_size)
+    return rows.select(torch.from_numpy(plan.positions(mesh.coords(rank)["tp"])))
+
 
 class MemoryFlow:
-    """One process: stages share one batch in memory; ``put`` adds columns to it, ``get`` returns it."""
+    """One process: stages share one batch in memory; ``put_rows`` hands it over, ``get`` returns it."""
 
     def begin(self, prompts: PromptBatch, group_size: int) -> None:
-        self._prompts, self._cols = prompts, {}
+        self._batch, self._cols = None, {}
 
-    def rollout_prompts(self, mesh: Mesh, rank: int) -> PromptBatch:
-        _one(mesh)
-        return self._prompts
-
-    def put_rollout(self, rollout: RolloutBatch) -> None:
-        self._batch = rollout
-
-    def put(self, rows: RolloutBatch, **cols: Tensor) -> None:
-        self._cols.update(cols)
+    def put_rows(self, rows: RolloutBatch, **cols: Tensor) -> None:
+        self._batch, self._cols = rows, cols
 
     def get(self, consumer: str, columns: list[str], mesh: Mesh, rank: int) -> tuple[RolloutBatch, dict[str, Tensor]]:
-        _one(mesh)  # the rollout batch carries its routes, when recorded
-        return self._batch, {c: self._cols[c] for c in columns if c not in ROUTES}
+        if mesh.size != 1:
+            raise ValueError(f"MemoryFlow is the one-process flow; {mesh} has {mesh.size} ranks (use a dock)")
+        return self._batch, {c: self._cols[c] for c in columns if c not in ROUTES}  # the batch carries its routes
 
-
-def _one(mesh: Mesh) -> None:
-    if mesh.size != 1:
-        raise ValueError(f"MemoryFlow is the one-process flow; {mesh} has {mesh.size} ranks (use a dock)")
+    def end(self) -> None:
+        self._batch, self._cols = None, {}
 
 
 class DockFlow:
-    """Stages exchange rows through ``dock`` (in-process, local processes or Ray); rank ``rank`` of
-    ``world`` (rank 0 leads: it clears the dock, puts the prompts and plans every get). Only the lead
-    takes, so no rank waits for another before a get: the others read what the lead's plan hands them,
-    and the lead clears the dock for step s + 1 only after the update of step s, which every rank's
-    last read of step s precedes."""
+    """The rollout group's rows reach the train group through ``dock`` (in-process, local processes or Ray);
+    rank ``rank`` of ``world`` (rank 0 leads: it takes and plans every get and clears the dock). Only the lead
+    takes, so no rank waits for another before a get: the others read what the lead's plan hands them.
+    The lead clears the dock at the end of step s (``end``), after its update, which every rank's reads of
+    step s precede (the update's collectives), and before the step's closing collective, which every rank's
+    first put of step s + 1 follows."""
 
     def __init__(self, dock, rank: int = 0, world: int = 1, route_dims: tuple[int, int] | None = None):
         self.dock, self.rank, self.world = dock, rank, world
         self.route_dims = route_dims  # (MoE layers, top-k) of the route columns, with routing replay
         self._seen: dict[str, int] = {}  # dock traffic at the last busiest_bytes()
+        if rank == 0:  # a dock handed over with an earlier run's rows starts empty
+            dock.clear()
+        if world > 1:
+            dist.barrier()
 
     def begin(self, prompts: PromptBatch, group_size: int) -> None:
-        """The step's prompts (the same on every rank) become dock rows; only the lead writes them."""
         self.G, self.P = group_size, prompts.size
         self.base = int(prompts.index_B[0]) * group_size  # global sample index of dock row 0
         self.device = prompts.prompt_ids_BTp.device
-        if self.rank == 0:
-            rows = prompts.repeat(group_size)
-            self.dock.clear()
-            self.dock.put(rows.index_B.cpu() - self.base, {
-                "prompt_ids": unpad(rows.prompt_ids_BTp.cpu(), rows.prompt_mask_BTp.cpu()),
-                "group": rows.group_B.cpu(),
-                "answer": [torch.tensor(list(a.encode()), dtype=torch.uint8) for a in rows.answers]})
+
+    def put_rows(self, rows: RolloutBatch, **cols: Tensor) -> None:
+        """``rows`` (this rank's scored rows) with every column the train group reads: the prompt, the
+        response, its sampling log-probs, the expert routes when recorded, and ``cols`` (one per row, or
+        [B, Tr] per response token); one put."""
+        rows = rows.to("cpu")
+        pm, rm = rows.prompt_mask_BTp, rows.response_mask_BTr
+        answers = [a.encode() for a in rows.answers]
+        put = {"prompt_ids": Packed.from_padded(rows.prompt_ids_BTp, pm), "group": rows.group_B,
+               "answer": Packed(torch.from_numpy(np.frombuffer(b"".join(answers), dtype=np.uint8).copy()),
+                                torch.tensor([len(a) for a in answers], dtype=torch.int64)),
+               "response_ids": Packed.from_padded(rows.response_ids_BTr, rm),
+               "sample_logprobs": Packed.from_padded(rows.sample_logprobs_BTr, rm),
+               **{c: (Packed.from_padded(v.cpu(), rm) if v.dim() == 2 else v.cpu()) for c, v in cols.items()}}
+        if rows.response_routes_BTrMK is not None:  # each row's routes, flattened over its tokens
+            put["prompt_routes"] = Packed.from_padded(rows.prompt_routes_BTpMK, pm)
+            put["response_routes"] = Packed.from_padded(rows.response_routes_BTrMK, rm)
+        self.dock.put(rows.index_B - self.base, put)
 
     def _take(self, consumer: str, columns: list[str], mesh: Mesh) -> tuple[Ticket, RowPlan]:
         """The lead's take of every row of the step and its routing onto ``mesh``; every rank gets both."""
@@ -96,49 +135,28 @@ class DockFlow:
             dist.broadcast_object_list(msg, src=0)
         return msg[0]
 
-    def _read(self, consumer: str, columns: list[str], mesh: Mesh, rank: int):
-        t, plan = self._take(consumer, columns, mesh)
-        pos = plan.positions(mesh.data_parallel_index(rank))
-        return self.dock.read(Ticket(consumer, t.columns, t.index[pos], t.warehouse[pos],
-                                     {c: v[pos] for c, v in t.lengths.items()}))
-
-    def _answers(self, b) -> tuple[str, ...]:
-        return tuple(bytes(r.tolist()).decode() for r in b.rows("answer"))
-
-    def rollout_prompts(self, mesh: Mesh, rank: int) -> PromptBatch:
-        """This rank's prompts of the step: its data-parallel part of the rollout mesh (one row per prompt)."""
-        b = self._read("rollout", list(PROMPT), mesh, rank)
-        first = (b.index_B % self.G == 0).nonzero()[:, 0]
-        ans = self._answers(b)
-        return PromptBatch(prompt_ids_BTp=b["prompt_ids"][first], prompt_mask_BTp=b.mask["prompt_ids"][first],
-                           index_B=(b.index_B[first] + self.base) // self.G, group_B=b["group"][first],
-                           answers=tuple(ans[i] for i in first.tolist())).to(self.device)
-
-    def put_rollout(self, rollout: RolloutBatch) -> None:
-        self.put(rollout, response_ids=rollout.response_ids_BTr, sample_logprobs=rollout.sample_logprobs_BTr)
-        if rollout.response_routes_BTrMK is not None:  # each row's routes flattened over its tokens
-            flat = {c: [t.reshape(-1) for t in unpad(v.cpu(), m.cpu())] for c, v, m in (
-                ("prompt_routes", rollout.prompt_routes_BTpMK, rollout.prompt_mask_BTp),
-                ("response_routes", rollout.response_routes_BTrMK, rollout.response_mask_BTr))}
-            self.dock.put(rollout.index_B.cpu() - self.base, flat)
-
-    def put(self, rows: RolloutBatch, **cols: Tensor) -> None:
-        m = rows.response_mask_BTr.cpu()
-        self.dock.put(rows.index_B.cpu() - self.base,
-                      {c: (unpad(v.cpu(), m) if v.dim() == 2 else v.cpu()) for c, v in cols.items()})
-
     def get(self, consumer: str, columns: list[str], mesh: Mesh, rank: int) -> tuple[RolloutBatch, dict[str, Tensor]]:
         """This rank's rows for ``consumer``: its data-parallel part of ``mesh`` (``rank``: its rank there)."""
-        b = self._read(consumer, list(ROWS) + [c for c in columns if c not in ROWS], mesh, rank)
+        columns = list(ROWS) + [c for c in columns if c not in ROWS]
+        t, plan = self._take(consumer, columns, mesh)
+        pos = plan.positions(mesh.data_parallel_index(rank))
+        b = self.dock.read(Ticket(consumer, t.columns, t.index[pos], t.warehouse[pos],
+                                  {c: v[pos] for c, v in t.lengths.items()}))
         routes = {}
         if "response_routes" in columns:  # [B, T * M * K] padded with -1 -> [B, T, M, K]
             mk = self.route_dims
             routes = {FIELDS[c]: b[c].view(b[c].shape[0], -1, *mk) for c in ROUTES}
+        answers = tuple(bytes(r.tolist()).decode() for r in b.rows("answer"))
         rollout = RolloutBatch(prompt_ids_BTp=b["prompt_ids"], prompt_mask_BTp=b.mask["prompt_ids"],
-                               index_B=b.index_B + self.base, group_B=b["group"], answers=self._answers(b),
+                               index_B=b.index_B + self.base, group_B=b["group"], answers=answers,
                                response_ids_BTr=b["response_ids"], response_mask_BTr=b.mask["response_ids"],
                                sample_logprobs_BTr=b["sample_logprobs"], **routes)
-        return rollout.to(self.device), {c: b[c].to(self.device) for c in columns if c not in ROUTES}
+        return rollout.to(self.device), {c: b[c].to(self.device) for c in columns if c not in ROWS + ROUTES}
+
+    def end(self) -> None:
+        """The step's last use of the dock: the lead clears it for the next step."""
+        if self.rank == 0:
+            self.dock.clear()
 
     def busiest_bytes(self) -> float:
         """Bytes in + out of the dock process that moved the most since the last call."""
@@ -155,4 +173,4 @@ def train_batch(rollout: RolloutBatch, cols: dict[str, Tensor]) -> TrainBatch:
     return extend(rollout, TrainBatch, **fields)
 
 
-__all__ = ["DockFlow", "MemoryFlow", "train_batch"]
+__all__ = ["DockFlow", "MemoryFlow", "rollout_share", "score_share", "train_batch"]

@@ -7,13 +7,16 @@ Everything that names stages or columns reads this declaration: the dock's schem
 ``runtime/flow.py``), the dock cost model's flow (``GRPO.flow``, ``dock/cost.py``), and the loop (which
 stage runs in which layout). Where a stage runs:
 
-- ``lead``: rank 0 puts the step's prompts;
 - ``rollout``: the rollout layout's ranks, each its data-parallel part;
-- ``every``: every rank an equal share of the groups (scoring on the CPU);
+- ``every``: every rank an equal share of the groups (scoring on the CPU: each rank the share of its
+  rollout rows its tp index takes);
 - ``train``: the train layout's ranks, each its data-parallel part (tp and pp peers the same rows).
 
-Rows cross the dock between worker groups; stages of one group on the same rows (score -> advantage,
-old/ref log-probs -> update) hand over in memory and put their columns in the dock too.
+How a stage's rows reach it (``via``): ``"memory"``, handed over by the stage before it on the same
+ranks and rows (prompts -> rollout -> score -> advantage, one worker group); ``"dock"``, its worker
+group's one take of the step from the transfer dock (the train group: the rows cross from the rollout
+layout to the train layout there, ``runtime/flow.py``), which the group's later stages share. The dock
+has one consumer per worker group that takes (``consumers``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from rlflow.dock.cost import Stage as FlowStage
 from rlflow.dock.schema import Column, Schema
 from rlflow.rollout import generate
 
-RUNS_ON = ("lead", "rollout", "every", "train")
+RUNS_ON = ("rollout", "every", "train")
+VIA = ("memory", "dock")
 
 
 @dataclass(frozen=True)
@@ -39,10 +43,13 @@ class Stage:
     writes: tuple[str, ...]
     runs_on: str
     fn: Callable
+    via: str = "memory"
 
     def __post_init__(self):
         if self.runs_on not in RUNS_ON:
             raise ValueError(f"Stage {self.name!r}: runs_on must be one of {RUNS_ON}, got {self.runs_on!r}")
+        if self.via not in VIA:
+            raise ValueError(f"Stage {self.name!r}: via must be one of {VIA}, got {self.via!r}")
 
 
 @dataclass(frozen=True)
@@ -63,13 +70,20 @@ class Graph:
 
     @property
     def consumers(self) -> tuple[str, ...]:
-        """The stages that read from the dock (one controller each)."""
-        return tuple(s.name for s in self.stages if s.reads)
+        """The worker groups that take their rows from the dock (one controller each), by where they run."""
+        return tuple(dict.fromkeys(s.runs_on for s in self.stages if s.via == "dock"))
 
     @property
     def flow(self) -> tuple[FlowStage, ...]:
-        """The stages as the dock cost model counts them (the first: the producer's put of the prompts)."""
+        """Every stage with what it reads and writes, as the dock cost model counts a disaggregated
+        deployment (each stage its own workers, every read and write through the dock; the first stage: the
+        producer's put of the prompts). rlflow's colocated runtime moves a subset: ``consumers``."""
         return tuple(FlowStage(s.name, s.reads, s.writes) for s in self.stages)
+
+    @property
+    def flow_consumers(self) -> tuple[str, ...]:
+        """The consumers of that disaggregated ``flow``: every stage that reads (a controller each)."""
+        return tuple(s.name for s in self.stages if s.reads)
 
     def __getitem__(self, name: str) -> Stage:
         for s in self.stages:
@@ -108,24 +122,24 @@ COLUMNS = (
     (Column("returns", torch.float32, "var", length_group="response"), "returns_BTr"),
 )
 FIELDS = {c.name: f for c, f in COLUMNS}  # dock column -> batch field, of every graph
-CRITIC = ("values", "token_advantages", "returns")  # what the train layout's PPO stages put
+_CRITIC = ("scored", "values", "token_advantages", "returns")  # PPO's
 
-_HEAD = (  # the stages every iteration starts with
-    Stage("prompts", (), PROMPT, "lead", prompt_batch),
+_HEAD = (  # the stages every iteration starts with (every rank reads the same prompt stream)
+    Stage("prompts", (), PROMPT, "rollout", prompt_batch),
     Stage("rollout", PROMPT, ("response_ids", "sample_logprobs"), "rollout", generate),
 )
 _LOGPROBS = (
-    Stage("ref_logprob", ROWS, ("ref_logprobs",), "train", stages.batched_logprobs),
-    Stage("old_logprob", ROWS, ("old_logprobs",), "train", stages.batched_logprobs),
+    Stage("ref_logprob", ROWS, ("ref_logprobs",), "train", stages.batched_logprobs, via="dock"),
+    Stage("old_logprob", ROWS, ("old_logprobs",), "train", stages.batched_logprobs, via="dock"),
 )
 
 # GRPO and the other outcome estimators (RLOO, REINFORCE++): one advantage per sample, from the rewards
 GRPO = Graph(
-    columns=tuple(c for c in COLUMNS if c[0].name not in CRITIC + ("scored",)),
+    columns=tuple(c for c in COLUMNS if c[0].name not in _CRITIC),
     stages=_HEAD + (Stage("score", ROWS, ("rewards",), "every", stages.score),
                     Stage("advantage", ("rewards", "group"), ("advantages",), "every", estimators.advantages),)
     + _LOGPROBS + (Stage("update", ROWS + ("rewards", "advantages", "old_logprobs", "ref_logprobs"), (), "train",
-                         stages.update),),
+                         stages.update, via="dock"),),
 )
 
 # PPO with a critic: the critic's values in the train layout, GAE there (it needs them), then the policy's
@@ -133,11 +147,12 @@ GRPO = Graph(
 PPO = Graph(
     columns=tuple(c for c in COLUMNS if c[0].name != "advantages"),
     stages=_HEAD + (Stage("score", ROWS, ("rewards", "scored"), "every", stages.score_rows),) + _LOGPROBS + (
-        Stage("values", ROWS, ("values",), "train", critic.batched_values),
-        Stage("gae", ("rewards", "scored", "values"), ("token_advantages", "returns"), "train", estimators.gae),
+        Stage("values", ROWS, ("values",), "train", critic.batched_values, via="dock"),
+        Stage("gae", ("rewards", "scored", "values"), ("token_advantages", "returns"), "train", estimators.gae,
+              via="dock"),
         Stage("update", ROWS + ("rewards", "token_advantages", "old_logprobs", "ref_logprobs"), (), "train",
-              stages.update),
-        Stage("critic_update", ROWS + ("scored", "values", "returns"), (), "train", critic.update),
+              stages.update, via="dock"),
+        Stage("critic_update", ROWS + ("scored", "values", "returns"), (), "train", critic.update, via="dock"),
     ),
 )
 
@@ -147,5 +162,5 @@ def graph_for(adv_estimator: str) -> Graph:
     return PPO if adv_estimator == "gae" else GRPO
 
 
-__all__ = ["COLUMNS", "CRITIC", "FIELDS", "GRPO", "Graph", "PPO", "PROMPT", "ROUTES", "ROWS", "RUNS_ON", "Stage",
+__all__ = ["COLUMNS", "FIELDS", "GRPO", "Graph", "PPO", "PROMPT", "ROUTES", "ROWS", "RUNS_ON", "Stage", "VIA",
            "graph_for"]

@@ -25,8 +25,8 @@ from rlflow.rollout import SamplingConfig, generate
 from rlflow.models.execution import LOCAL, n_moe_layers
 from rlflow.parallel import dp
 from rlflow.parallel.context import context
-from rlflow.runtime.flow import DockFlow, MemoryFlow, train_batch
-from rlflow.runtime.graph import CRITIC, ROUTES, graph_for
+from rlflow.runtime.flow import DockFlow, MemoryFlow, rollout_share, score_share, train_batch
+from rlflow.runtime.graph import ROUTES, graph_for
 from rlflow.runtime.weights import Weights
 from rlflow.sharding.dist import all_reduce, create_groups
 from rlflow.sharding.layout import Layout
@@ -246,9 +246,6 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
     cucfg = ucfg if placement is None else dataclasses.replace(ucfg, layout=placement.critic)  # the critic's
     moving = weights is not None and not weights.identity  # the train state is swapped out for each rollout
     single_update = gcfg.epochs == 1 and lcfg.mini_batch_size == lcfg.global_batch
-    roll_writer = rollout_mesh.coords(rank)["tp"] == 0  # tp peers hold the same rows: one of them writes
-    tc = train_mesh.coords(rank)
-    train_writer = tc["tp"] == 0 and tc["pp"] == train_mesh.pp - 1  # the last pp stage has the log-probs
     history = []
     bad_streak = 0
     for local in range(lcfg.steps):
@@ -259,7 +256,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
                                max_prompt_len=lcfg.max_prompt_len).to(device)
         check_positions(prompts, lcfg.sampling.max_new_tokens, cfg)
         flow.begin(prompts, gcfg.group_size)
-        mine = flow.rollout_prompts(on("rollout"), rank)
+        mine = rollout_share(prompts, on("rollout"), rank)
         roll_params = params if weights is None else weights.to_rollout(params, opt_state)
         if moving and critic is not None:  # the critic's train state leaves the device with the policy's
             critics.swap(critic, "cpu")
@@ -271,10 +268,10 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
             if critic is not None:
                 critics.swap(critic, device)
         del roll_params
-        if roll_writer:
-            flow.put_rollout(rollout)
         t_roll = time.perf_counter()
-        rows, _ = flow.get("score", [], on("score"), rank)
+        # scoring and advantages on the rollout group's ranks, each its share of the rows it holds; then the
+        # rows go to the train group through the dock
+        rows = score_share(rollout, on("rollout"), rank, gcfg.group_size)
         scores, scored = stages.score_rows(rows, tokenizer, reward_fn)
         if on_samples is not None and rank == 0 and lcfg.log_samples_every and step % lcfg.log_samples_every == 0:
             on_samples(step, metrics.sample_rows(rows, tokenizer, scores.masked_fill(~scored, float("nan"))))
@@ -283,37 +280,32 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
             log.warning("step %d: non-finite rewards %s at sample indices %s; the update is skipped", step,
                         scores[bad][:8].tolist(), rows.index_B[bad.to(rows.index_B.device)][:8].tolist())
         r_sum, r_sq, n_scored = float(scores.sum()), float((scores ** 2).sum()), int(scored.sum())  # unscored: 0
-        # the advantage stage runs on the same ranks and rows (whole groups): handed over in memory; the dock
-        # gets both columns. Between worker groups (rollout -> score -> train) rows go through the dock.
+        n_prompt, n_resp = int(rows.prompt_mask_BTp.sum()), int(rows.response_mask_BTr.sum())  # this rank's share
         # (GAE needs the critic's values: it runs in the train layout, below)
         if critic is None:
             adv = estimators.advantages(gcfg.adv_estimator, scores.to(device), rows.group_B, scale=gcfg.scale_rewards,
                                         total=world_sum, scored_B=scored)
-            flow.put(rows, rewards=scores.to(device), advantages=adv)
+            flow.put_rows(rows, rewards=scores.to(device), advantages=adv)
         else:
-            flow.put(rows, rewards=scores.to(device), scored=scored.to(torch.uint8).to(device))
+            flow.put_rows(rows, rewards=scores.to(device), scored=scored.to(torch.uint8).to(device))
         cols = ["rewards"] + (["advantages"] if critic is None else ["scored"]) + (list(ROUTES) if routes else [])
         t_score = time.perf_counter()
-        rows, c = flow.get("update", cols, on("update"), rank)
+        rows, c = flow.get("train", cols, on("update"), rank)
         # With one optimizer step per batch the policy that sampled is the policy being updated, so the
         # ratio's denominator is the current log-prob, detached (update() does that); otherwise recompute.
-        # The old / ref log-prob stages run in the train layout on the update's rows: computed here, put in
-        # the dock (the last pp stage's tp rank 0 writes) and handed to the update in memory.
+        # The old / ref log-prob stages run in the train layout on the update's rows and hand them over in
+        # memory (with pp the last stage has them).
         for col, w in (("old_logprobs", None if single_update else params), ("ref_logprobs", ref_params)):
             if w is not None:
                 c[col] = stages.batched_logprobs(w, cfg, rows, micro_batch_size=ucfg.micro_batch_size,
                                                  temperature=gcfg.temperature, ex=tctx,
                                                  replay=col == "old_logprobs" and lcfg.routing_replay == "on")
-                if train_writer:
-                    flow.put(rows, **{col: c[col]})
         if critic is not None:  # PPO: the critic's values, then GAE on the same rows
             c["values"] = critics.batched_values(critic.params, cfg, rows, micro_batch_size=ucfg.micro_batch_size,
                                                  ex=tctx)
             c["token_advantages"], c["returns"] = estimators.gae(
                 c["rewards"], c["values"], rows.response_mask_BTr, gamma=gcfg.gae_gamma, lam=gcfg.gae_lambda,
                 total=train_sum, scored_B=c["scored"])
-            if train_writer:
-                flow.put(rows, **{k: c[k] for k in CRITIC})
         if lcfg.check_logprobs is not None:
             old = c.get("old_logprobs")
             if old is None:  # one optimizer step: the update would recompute them; the gate needs them first
@@ -334,9 +326,8 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         if critic is not None:
             upd.update(critics.update(critic, batch, cfg, lcfg.critic, cucfg, epochs=gcfg.epochs,
                                       seed=lcfg.seed + step, ex=tctx))
+        flow.end()  # before the closing all-reduce below: no rank puts step s + 1's rows before the clear
         t1 = time.perf_counter()
-        n_prompt = int(rollout.prompt_mask_BTp.sum()) if roll_writer else 0
-        n_resp = int(rollout.response_mask_BTr.sum()) if roll_writer else 0
         # per stage: the rollout (with the weight transitions), scoring and advantages, the update's rows with
         # their old / ref log-probs (and the critic's values), the update(s)
         stage_s = {"rollout_time_s": t_roll - t0, "score_time_s": t_score - t_roll, "logprob_time_s": t_lp - t_score,
