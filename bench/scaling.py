@@ -10,6 +10,13 @@ world 2 has twice the compute of world 1. The configurations alternate (A B C A 
     TPS (Eq. 5) = throughput / devices
     linearity  = throughput(world 2) / (2 x throughput(world 1)) = TPS(world 2) / TPS(world 1)
 
+The linearity splits into two factors, from a fourth configuration, world 1 with half the batch (what
+each rank of world 2 computes; its step is world 2's if the runtime cost nothing):
+
+    workload bound     = step(world 1) / (2 x step(world 1, half batch))   how well the work itself halves
+    runtime efficiency = step(world 1, half batch) / step(world 2)         what the runtime keeps of that
+    linearity          = workload bound x runtime efficiency
+
 Figures are medians over the steps after ``--warmup`` of every round. Per configuration the report
 splits the step into rollout (generation and the weight transition out), transition (train -> rollout
 layout, in the rollout time) and the rest (scoring, log-probs, update, the dock), so it says where
@@ -30,16 +37,18 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = {  # name -> recipe flags
+HALF = "world1 half batch"
+CONFIGS = {  # name -> recipe flags (the half batch's prompts per step are set in run())
     "world1": ["--world", "1"],
+    HALF: ["--world", "1"],
     "world2 train tp=2, rollout dp=2": ["--world", "2", "--train-layout", "tp=2", "--rollout-layout", "dp=2"],
     "world2 train dp=2, rollout dp=2": ["--world", "2", "--train-layout", "dp=2", "--rollout-layout", "dp=2"],
 }
 
 
-def run(src: str, flags: list[str], a, out: str) -> list[dict]:
+def run(src: str, flags: list[str], a, out: str, half: bool = False) -> list[dict]:
     cmd = [sys.executable, os.path.join(src, "recipes", "grpo_qwen3_moe.py"), "--steps", str(a.steps),
-           "--prompts-per-step", str(a.prompts_per_step), "--group-size", str(a.group_size),
+           "--prompts-per-step", str(a.prompts_per_step // (2 if half else 1)), "--group-size", str(a.group_size),
            "--max-new-tokens", str(a.max_new_tokens), "--seed", "0", "--out", out, "--overwrite", *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=src)
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -59,20 +68,24 @@ def main() -> None:
     p.add_argument("--rlflow-src", default=ROOT)
     p.add_argument("--only", default="", help="run only the world-2 configurations whose name contains this")
     a = p.parse_args()
-    configs = {k: v for k, v in CONFIGS.items() if k == "world1" or a.only in k}
+    if a.prompts_per_step % 4:
+        raise SystemExit(f"--prompts-per-step {a.prompts_per_step}: must be a multiple of 4 (half of it on world 1, "
+                         "split over 2 ranks on world 2)")
+    configs = {k: v for k, v in CONFIGS.items() if k in ("world1", HALF) or a.only in k}
     steps: dict[str, list[dict]] = {k: [] for k in configs}
     with tempfile.TemporaryDirectory() as d:
         for _ in range(a.repeat):
             for name, flags in configs.items():
-                steps[name] += run(a.rlflow_src, flags, a, os.path.join(d, "run"))[a.warmup:]
+                steps[name] += run(a.rlflow_src, flags, a, os.path.join(d, "run"), half=name == HALF)[a.warmup:]
     print(f"workload: qwen3-moe-tiny, {a.prompts_per_step} prompts x {a.group_size} samples, {a.max_new_tokens} new "
           f"tokens; {a.repeat} rounds x {a.steps - a.warmup} timed steps; one thread per process")
     print("throughput = tokens of the step / step wall time (all ranks); linearity = throughput(world 2) / "
-          "(2 x throughput(world 1))")
+          "(2 x throughput(world 1)) = workload bound x runtime efficiency; workload bound = step(world 1) / "
+          "(2 x step(world 1, half batch)); runtime efficiency = step(world 1, half batch) / step(world 2)")
     med = lambda xs: statistics.median(xs)  # noqa: E731
     report = {}
     for name, ms in steps.items():
-        world = 1 if name == "world1" else 2
+        world = 1 if name in ("world1", HALF) else 2
         thr = med([(m["prompt_tokens"] + m["response_tokens"]) / m["step_time_s"] for m in ms])
         row = {"throughput": thr, "tps_per_device": thr / world, "step_s": med([m["step_time_s"] for m in ms]),
                "rollout_s": med([m["rollout_time_s"] for m in ms]),
@@ -80,14 +93,22 @@ def main() -> None:
                "rest_s": med([m["step_time_s"] - m["rollout_time_s"] for m in ms])}
         report[name] = row
     base = report["world1"]["throughput"]
+    half_s = report[HALF]["step_s"]
+    bound = report["world1"]["step_s"] / (2 * half_s)
+    print(f"workload bound (the work itself, halved): {bound:.2f}")
     for name, row in report.items():
-        world = 1 if name == "world1" else 2
-        row["linearity"] = row["throughput"] / (world * base)
+        world = 1 if name in ("world1", HALF) else 2
+        extra = ""
+        if world == 2:
+            row["linearity"] = row["throughput"] / (world * base)
+            row["runtime_efficiency"] = half_s / row["step_s"]
+            extra = f"linearity {row['linearity']:.2f} = {bound:.2f} x runtime efficiency {row['runtime_efficiency']:.2f}  "
         print(f"{name:34s} throughput {row['throughput']:8.0f} tok/s  TPS/device {row['tps_per_device']:7.0f}  "
-              f"linearity {row['linearity']:.2f}  step {row['step_s'] * 1e3:6.1f} ms = rollout "
+              f"{extra}step {row['step_s'] * 1e3:6.1f} ms = rollout "
               f"{row['rollout_s'] * 1e3:6.1f} (transition {row['transition_s'] * 1e3:5.1f}) + rest "
               f"{row['rest_s'] * 1e3:6.1f}")
-    print(json.dumps({"bench": "scaling", **{k: {q: round(v, 4) for q, v in r.items()} for k, r in report.items()}}))
+    print(json.dumps({"bench": "scaling", "workload_bound": round(bound, 4),
+                      **{k: {q: round(v, 4) for q, v in r.items()} for k, r in report.items()}}))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from rlflow.dock.proc_backend import proc_dock
 from rlflow.dock.cost import Shape, centralized_bytes, dock_bytes, stage_bytes
 from rlflow.runtime.graph import GRPO
 from rlflow.dock.samplers import balance, imbalance, pick_groups
-from rlflow.dock.schema import take_rows
+from rlflow.dock.schema import Packed, take_rows
 
 CAP, G = 16, 4
 MAKERS = {
@@ -153,6 +153,43 @@ def test_puts_spread_rows_round_robin_by_group():
     assert held == [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]]
     put_responses(d, [4])  # later columns follow the row to its warehouse
     assert d.snapshot()["warehouses"][1]["response_ids"] == [4]
+
+
+def test_a_packed_put_stores_what_the_per_row_put_stores(dock):
+    """``Packed.from_padded`` of left-padded prompts and right-padded responses (and [B, T, K] routes) puts
+    the same cells as a tensor per row."""
+    rows = list(range(8))
+    want = prompts(rows)
+    T = max(len(p) for p in want)
+    pad = torch.zeros(len(rows), T, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.bool)
+    for i, p in enumerate(want):
+        pad[i, T - len(p):], mask[i, T - len(p):] = p, True
+    resp = torch.arange(8 * 3).view(8, 3)
+    rmask = torch.arange(3)[None, :] < torch.tensor([1, 2, 3, 0, 3, 2, 1, 3])[:, None]
+    routes = torch.arange(8 * 3 * 2, dtype=torch.int16).view(8, 3, 2)
+    dock.put(rows, {"prompt_ids": Packed.from_padded(pad, mask), "group": torch.tensor(rows) // G,
+                    "response_ids": Packed.from_padded(resp, rmask),
+                    "sample_logprobs": Packed.from_padded(-resp.float(), rmask),
+                    "response_routes": Packed.from_padded(routes, rmask)})
+    b = dock.get("update", ["prompt_ids", "response_ids", "sample_logprobs", "response_routes"], 8)
+    assert [r.tolist() for r in b.rows("prompt_ids")] == [p.tolist() for p in want]
+    assert [r.tolist() for r in b.rows("response_ids")] == [resp[i][rmask[i]].tolist() for i in rows]
+    assert [r.tolist() for r in b.rows("sample_logprobs")] == [(-resp[i][rmask[i]].float()).tolist() for i in rows]
+    assert [r.tolist() for r in b.rows("response_routes")] == [routes[i][rmask[i]].reshape(-1).tolist() for i in rows]
+
+
+def test_bad_packed_put(dock):
+    put_prompts(dock, [0, 1])
+    v = torch.arange(5)
+    _unchanged(dock, lambda: dock.put([2, 3], {"prompt_ids": Packed(v, torch.tensor([2, 2]))}), ValueError,
+               r"column 'prompt_ids': Packed lengths \(sum 4, min 2\) do not cover the \(5,\) values")
+    _unchanged(dock, lambda: dock.put([2, 3], {"prompt_ids": Packed(v, torch.tensor([2, 2, 1]))}), ValueError,
+               "Packed lengths must be 2 integers")
+    _unchanged(dock, lambda: dock.put([2, 3], {"prompt_ids": Packed(v.float(), torch.tensor([2, 3]))}), ValueError,
+               "column 'prompt_ids' expects dtype int64, got float32")
+    _unchanged(dock, lambda: dock.put([2, 3], {"prompt_ids": Packed(v, torch.tensor([6, -1]))}), ValueError,
+               "do not cover")
 
 
 # ---- bad input: a clear error, and the dock unchanged ----

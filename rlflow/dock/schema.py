@@ -180,7 +180,7 @@ def _encode_column(where: str, col: Column, k: int, value: object) -> Cell:
         lens = lens.detach().cpu().numpy().astype(np.int64)
         if v.dim() < 1 or (lens < 0).any() or int(lens.sum()) != v.shape[0]:
             raise ValueError(f"{where}: column {name!r}: Packed lengths (sum {int(lens.sum())}, min "
-                             f"{int(lens.min(initial=0))}) do not cover the {tuple(v.shape)} values")
+                             f"{int(lens.min()) if k else 0}) do not cover the {tuple(v.shape)} values")
         per = int(np.prod(v.shape[1:], dtype=np.int64))  # entries per leading index
         return np.array(_to_numpy(col, v.reshape(-1)), copy=True), lens * per  # the dock's own copy
     if col.kind == "var":
