@@ -192,6 +192,50 @@ def test_bad_packed_put(dock):
                "do not cover")
 
 
+@pytest.mark.parametrize("make", ["dock3", "procs2"])
+def test_a_shared_take_hands_each_part_its_rows_once(make):
+    """``take_share``: ranks asking concurrently, before the rows are ready, each get their part of one take;
+    the parts cover every row once, keep groups whole and balance the lengths; a peer asking for the same
+    part gets the same rows; another routing of the same take, or a part out of range, is refused."""
+    d = MAKERS[make]()
+    try:
+        got, errors = {}, []
+
+        def ask(part, tag):
+            try:
+                t = d.take_share("update", ["prompt_ids"], CAP, key=7, parts=2, part=part, cost=("prompt_ids",),
+                                 groups=True, timeout=10)
+                got[(part, tag)] = (t.index.tolist(), t.lengths["prompt_ids"].tolist())
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=ask, args=(p, tag)) for p in (0, 1) for tag in ("a", "b")]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)  # every rank is waiting: the rows come after
+        put_prompts(d, list(range(CAP)))
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert got[(0, "a")] == got[(0, "b")] and got[(1, "a")] == got[(1, "b")]  # peers read the same rows
+        rows = got[(0, "a")][0] + got[(1, "a")][0]
+        assert sorted(rows) == list(range(CAP))
+        for part in (0, 1):
+            assert len({r // G for r in got[(part, "a")][0]}) * G == len(got[(part, "a")][0])  # whole groups
+        lens = [sum(got[(p, "a")][1]) for p in (0, 1)]
+        assert abs(lens[0] - lens[1]) <= max(len(x) for x in prompts(range(CAP))) * G
+        with pytest.raises(ValueError, match="routed onto 2 parts, not 4"):
+            d.take_share("update", ["prompt_ids"], CAP, key=7, parts=4, part=0, groups=True)
+        with pytest.raises(ValueError, match=r"part must be in \[0, 2\), got 2"):
+            d.take_share("update", ["prompt_ids"], CAP, key=7, parts=2, part=2, groups=True)
+        d.clear()  # forgets the take: the same key takes again
+        put_prompts(d, list(range(G)))
+        t = d.take_share("update", ["prompt_ids"], G, key=7, parts=2, part=0, groups=True, timeout=0)
+        assert len(t) in (0, G)
+    finally:
+        d.close()
+
+
 # ---- bad input: a clear error, and the dock unchanged ----
 def _unchanged(d, fn, exc, match):
     before = d.snapshot()

@@ -311,6 +311,19 @@ class Dock(_Client):
         parts = self._split(columns, lens, len(idx), groups, dp_size)
         return tuple(Ticket(consumer, columns, idx[p], wh[p], {c: v[p] for c, v in lens.items()}) for p in parts)
 
+    def take_share(self, consumer: str, columns, n: int, *, key, parts: int, part: int, cost=(),
+                   groups: bool = False, timeout: float | None = None) -> Ticket:
+        """Part ``part`` of ``parts`` of the take ``key`` (``Controller.take_share``): the first rank of a
+        data-parallel group to ask takes ``n`` rows for all and the controller routes them onto the parts,
+        balanced by the lengths of the ``cost`` columns; each rank reads its part with ``read``."""
+        columns = self._check_get(consumer, columns, n, groups, parts)
+        if not isinstance(part, (int, np.integer)) or not 0 <= part < parts:
+            raise ValueError(f"dock.take_share: part must be in [0, {parts}), got {part!r}")
+        cost = self.schema.check_names("dock.take_share", cost) if cost else ()
+        idx, wh, lens = self.transport.call(self.controllers[consumer], "take_share", key, list(columns), int(n),
+                                            int(parts), int(part), list(cost), groups, timeout)
+        return Ticket(consumer, columns, idx, wh, lens)
+
     def read(self, ticket: Ticket, *, packed: bool = False) -> DockBatch:
         """Fetch a ticket's rows straight from their warehouses."""
         targets = np.unique(ticket.warehouse).tolist()

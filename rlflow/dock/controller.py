@@ -13,6 +13,11 @@ returns their indices, warehouse ids and lengths, all under one lock, so two cal
 the same row. It can block (a condition variable is notified by every ``mark_ready``), with a
 timeout. One controller, the *lead*, also assigns a row's warehouse on its first put (``place``).
 
+``take_share`` is the take of a data-parallel worker group: the first of its ranks to ask takes the
+rows for all of them and routes them onto the group's parts (``dock.routing``: balanced by sequence
+length, groups whole); every rank (its tp and pp peers too) gets its part of that one take. The
+routing is computed where the metadata is, so no rank waits on another and none broadcasts a plan.
+
 Numpy only; thread-safe (in-process threads, or a threaded Ray actor).
 """
 
@@ -24,8 +29,10 @@ from typing import Sequence
 
 import numpy as np
 
+from rlflow.dock.routing import route
 from rlflow.dock.samplers import pick_groups, pick_rows, whole_groups
 from rlflow.dock.warehouse import Meter
+from rlflow.sharding.mesh import Mesh
 
 
 class DockTimeout(TimeoutError):
@@ -46,7 +53,9 @@ class Controller:
         self._consumed = np.zeros(capacity, dtype=bool)
         self._wh = np.full(capacity, -1, dtype=np.int32)
         self._len = {c: np.zeros(capacity, dtype=np.int64) for c in self._var}
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.RLock())
+        self._shares: dict = {}  # take_share key -> (rows, warehouses, lengths, each row's part)
+        self._sharing: set = set()  # keys whose take is under way
         self.meter = Meter()
 
     def _ids(self, columns: Sequence[str]) -> list[int]:
@@ -103,30 +112,71 @@ class Controller:
         ``(indices int64[k] ascending, warehouse ids int32[k], {var column in columns: lengths int64[k]})``.
         """
         self.meter.recv(columns, n, groups, partial, timeout)
-        ids = self._ids(columns)
-        G = self.group_size if groups else 1
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while True:
-                eligible = self._ready[:, ids].all(axis=1) & ~self._consumed
-                sel = pick_groups(eligible, G, n) if groups else pick_rows(eligible, n)
-                left = len(whole_groups(~self._consumed, G)) * G
-                if left < n and not partial:
-                    raise ValueError(f"dock.get: consumer {self.consumer!r} asks for {n} rows"
-                                     f"{' in whole groups' if groups else ''} but only {left} remain unconsumed "
-                                     f"until clear()")
-                if len(sel) >= min(n, left):
+            out = self._take(columns, n, groups, partial, timeout, deadline)
+        return self.meter.send(out)
+
+    def _take(self, columns, n, groups, partial, timeout, deadline):
+        ids = self._ids(columns)
+        G = self.group_size if groups else 1
+        while True:
+            eligible = self._ready[:, ids].all(axis=1) & ~self._consumed
+            sel = pick_groups(eligible, G, n) if groups else pick_rows(eligible, n)
+            left = len(whole_groups(~self._consumed, G)) * G
+            if left < n and not partial:
+                raise ValueError(f"dock.get: consumer {self.consumer!r} asks for {n} rows"
+                                 f"{' in whole groups' if groups else ''} but only {left} remain unconsumed "
+                                 f"until clear()")
+            if len(sel) >= min(n, left):
+                break
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                if partial:
                     break
-                wait = None if deadline is None else deadline - time.monotonic()
-                if wait is not None and wait <= 0:
-                    if partial:
-                        break
-                    raise DockTimeout(f"dock.get: consumer {self.consumer!r} waited {timeout} s for {n} rows ready "
-                                       f"in {list(columns)} and not yet consumed; {len(sel)} are ready "
-                                       f"(partial=True takes them)")
-                self._cond.wait(wait)
-            self._consumed[sel] = True
-            out = (sel, self._wh[sel].copy(), {c: self._len[c][sel].copy() for c in columns if c in self._len})
+                raise DockTimeout(f"dock.get: consumer {self.consumer!r} waited {timeout} s for {n} rows ready "
+                                  f"in {list(columns)} and not yet consumed; {len(sel)} are ready "
+                                  f"(partial=True takes them)")
+            self._cond.wait(wait)
+        self._consumed[sel] = True
+        return sel, self._wh[sel].copy(), {c: self._len[c][sel].copy() for c in columns if c in self._len}
+
+    def take_share(self, key, columns: Sequence[str], n: int, parts: int, part: int, cost: Sequence[str] = (),
+                   groups: bool = False, timeout: float | None = None):
+        """Part ``part`` of ``parts`` of the one take ``key`` names: the first call with a new ``key`` takes
+        ``n`` rows as ``take`` does (it may wait, up to ``timeout``) and routes them onto ``parts``
+        data-parallel parts, balanced by the summed lengths of the ``cost`` columns (1 per row without),
+        whole groups when ``groups``; every call with that key (from any rank, the same part as often as
+        asked) returns its part, ``take``'s triple for those rows. ``clear`` forgets the keys."""
+        self.meter.recv(key, columns, n, parts, part, cost, groups, timeout)
+        if not 0 <= part < parts:
+            raise ValueError(f"dock.take_share: part {part} out of range [0, {parts})")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while key not in self._shares:
+                if key in self._sharing:  # another rank's call is taking: wait for its routing
+                    wait = None if deadline is None else deadline - time.monotonic()
+                    if wait is not None and wait <= 0:
+                        raise DockTimeout(f"dock.get: consumer {self.consumer!r} waited {timeout} s for the "
+                                          f"rows of take {key!r}")
+                    self._cond.wait(wait)
+                    continue
+                self._sharing.add(key)
+                try:
+                    sel, wh, lens = self._take(columns, n, groups, False, timeout, deadline)
+                finally:
+                    self._sharing.discard(key)
+                    self._cond.notify_all()
+                k = len(sel)
+                weight = sum((lens[c] for c in cost if c in lens), np.zeros(k)) if any(c in lens for c in cost) \
+                    else np.ones(k)
+                plan = route(sel, wh, weight, np.zeros(k), Mesh(dp=parts), group_size=self.group_size if groups else 1)
+                self._shares[key] = (sel, wh, lens, plan.part, parts)
+            sel, wh, lens, where, routed = self._shares[key]
+            if routed != parts:
+                raise ValueError(f"dock.take_share: take {key!r} was routed onto {routed} parts, not {parts}")
+            pos = np.flatnonzero(where == part)
+            out = (sel[pos], wh[pos], {c: v[pos] for c, v in lens.items()})
         return self.meter.send(out)
 
     # ---- iteration boundary and inspection ----
@@ -138,6 +188,7 @@ class Controller:
             self._wh[:] = -1
             for a in self._len.values():
                 a[:] = 0
+            self._shares.clear()
             self._cond.notify_all()
         self.meter.send(None)
 

@@ -12,11 +12,12 @@ through a transfer dock (``rlflow.dock``); stages of one group hand their rows o
   (``score_share``), so every rank scores and every row is scored once.
 - ``DockFlow.put_rows``: each rank puts its scored rows with every column the train group reads
   (prompt, response, sampling log-probs, rewards, advantages, routes): one put per rank and step.
-- ``DockFlow.get``: a routing transition (``dock.routing``) onto the train mesh. The lead rank takes
-  every row of the step (metadata: indices, warehouses, lengths), plans which data-parallel part reads
-  which rows (balanced by sequence length, GRPO groups whole) and hands the plan to every rank
-  (metadata again); each rank reads its part straight from the warehouses, its tp and pp peers the
-  same rows. Rows never pass through the lead or the driver.
+- ``DockFlow.get``: a routing transition (``dock.routing``) onto the train mesh, planned where the
+  metadata is: the first rank to ask takes every row of the step from the train group's controller,
+  which routes them onto the mesh's data-parallel parts (balanced by sequence length, GRPO groups whole,
+  ``Dock.take_share``); each rank gets its part's indices, warehouses and lengths (metadata) and reads
+  the rows straight from the warehouses, its tp and pp peers the same rows. No rank waits on another or
+  broadcasts a plan, and rows never pass through a controller, the lead or the driver.
 
 ``MemoryFlow`` is the one-process path without a dock: the batch goes from stage to stage in memory (no
 copies); the loop's code is the same, and tests check the two flows train identically.
@@ -35,9 +36,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlflow.batch import PromptBatch, RolloutBatch, TrainBatch, extend
-from rlflow.dock.client import Ticket
 from rlflow.dock.schema import Packed
-from rlflow.dock.routing import RowPlan, route
+from rlflow.dock.routing import route
 from rlflow.runtime.graph import FIELDS, ROUTES, ROWS
 from rlflow.sharding.mesh import Mesh
 
@@ -84,16 +84,15 @@ class MemoryFlow:
 
 class DockFlow:
     """The rollout group's rows reach the train group through ``dock`` (in-process, local processes or Ray);
-    rank ``rank`` of ``world`` (rank 0 leads: it takes and plans every get and clears the dock). Only the lead
-    takes, so no rank waits for another before a get: the others read what the lead's plan hands them.
-    The lead clears the dock at the end of step s (``end``), after its update, which every rank's reads of
-    step s precede (the update's collectives), and before the step's closing collective, which every rank's
-    first put of step s + 1 follows."""
+    rank ``rank`` of ``world``. Rank 0 leads: it clears the dock at the end of step s (``end``), after its
+    update, which every rank's reads of step s precede (the update's collectives join every rank), and
+    before the step's closing collective, which every rank's first put of step s + 1 follows."""
 
     def __init__(self, dock, rank: int = 0, world: int = 1, route_dims: tuple[int, int] | None = None):
         self.dock, self.rank, self.world = dock, rank, world
         self.route_dims = route_dims  # (MoE layers, top-k) of the route columns, with routing replay
         self._seen: dict[str, int] = {}  # dock traffic at the last busiest_bytes()
+        self._gets = 0  # the key of each take, the same on every rank
         if rank == 0:  # a dock handed over with an earlier run's rows starts empty
             dock.clear()
         if world > 1:
@@ -122,26 +121,14 @@ class DockFlow:
             put["response_routes"] = Packed.from_padded(rows.response_routes_BTrMK, rm)
         self.dock.put(rows.index_B - self.base, put)
 
-    def _take(self, consumer: str, columns: list[str], mesh: Mesh) -> tuple[Ticket, RowPlan]:
-        """The lead's take of every row of the step and its routing onto ``mesh``; every rank gets both."""
-        msg = [None]
-        if self.rank == 0:
-            (t,) = self.dock.take(consumer, columns, self.P * self.G, groups=True)
-            cost = sum(t.lengths.get(c, 0) for c in ("prompt_ids", "response_ids"))
-            sizes = {c: self.dock.schema[c].dtype.itemsize for c in columns}
-            row_bytes = sum(t.lengths[c] * sizes[c] if c in t.lengths else sizes[c] for c in columns)
-            msg = [(t, route(t.index, t.warehouse, cost, row_bytes, mesh, group_size=self.G))]
-        if self.world > 1:
-            dist.broadcast_object_list(msg, src=0)
-        return msg[0]
-
     def get(self, consumer: str, columns: list[str], mesh: Mesh, rank: int) -> tuple[RolloutBatch, dict[str, Tensor]]:
-        """This rank's rows for ``consumer``: its data-parallel part of ``mesh`` (``rank``: its rank there)."""
+        """This rank's rows for ``consumer``: its data-parallel part of ``mesh`` (``rank``: its rank there) of the
+        step's one take, routed by the controller (``Dock.take_share``), read straight from the warehouses."""
         columns = list(ROWS) + [c for c in columns if c not in ROWS]
-        t, plan = self._take(consumer, columns, mesh)
-        pos = plan.positions(mesh.data_parallel_index(rank))
-        b = self.dock.read(Ticket(consumer, t.columns, t.index[pos], t.warehouse[pos],
-                                  {c: v[pos] for c, v in t.lengths.items()}))
+        self._gets += 1
+        t = self.dock.take_share(consumer, columns, self.P * self.G, key=self._gets, parts=mesh.data_parallel_size,
+                                 part=mesh.data_parallel_index(rank), cost=("prompt_ids", "response_ids"), groups=True)
+        b = self.dock.read(t)
         routes = {}
         if "response_routes" in columns:  # [B, T * M * K] padded with -1 -> [B, T, M, K]
             mk = self.route_dims

@@ -28,7 +28,7 @@ from rlflow.parallel.context import context
 from rlflow.runtime.flow import DockFlow, MemoryFlow, rollout_share, score_share, train_batch
 from rlflow.runtime.graph import ROUTES, graph_for
 from rlflow.runtime.weights import Weights
-from rlflow.sharding.dist import all_reduce, create_groups
+from rlflow.sharding.dist import all_gather_rows, all_reduce, create_groups
 from rlflow.sharding.layout import Layout
 from rlflow.sharding.mesh import Mesh
 
@@ -334,11 +334,14 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
                    "update_time_s": t1 - t_lp}
         if weights is not None:
             stage_s.update(weights.figures())
-        if world > 1:  # global figures: sums over the ranks, slowest rank's times
-            tot = all_reduce(torch.tensor([n_prompt, n_resp, r_sum, r_sq, n_scored], dtype=torch.float64))
+        stop = should_stop is not None and local + 1 < lcfg.steps and bool(should_stop())
+        if world > 1:  # global figures, in one collective: sums over the ranks, the slowest rank's times, any stop
+            sums = [n_prompt, n_resp, r_sum, r_sq, n_scored]
+            every = all_gather_rows(torch.tensor([*sums, float(stop), t1 - t0, *stage_s.values()],
+                                                 dtype=torch.float64))
+            tot, slow = every[:, :len(sums)].sum(0), every[:, len(sums) + 1:].max(0).values
             n_prompt, n_resp, r_sum, r_sq, n_scored = int(tot[0]), int(tot[1]), float(tot[2]), float(tot[3]), int(tot[4])
-            slow = all_reduce(torch.tensor([t1 - t0, *stage_s.values()], dtype=torch.float64),
-                              op=torch.distributed.ReduceOp.MAX)
+            stop = bool(every[:, len(sums)].max() > 0)
             t1 = t0 + float(slow[0])
             stage_s = dict(zip(stage_s, slow[1:].tolist()))
         wall = t1 - t0
@@ -366,10 +369,8 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
                                  f"update skipped for non-finite rewards, losses or gradients (max_bad_steps="
                                  f"{lcfg.max_bad_steps}); the parameters are those before step "
                                  f"{step - bad_streak + 1}")
-        if should_stop is not None and local + 1 < lcfg.steps:
-            stop = torch.tensor([float(should_stop())], dtype=torch.float64)
-            if float(world_sum(stop)[0]) > 0:
-                break
+        if stop:
+            break
     return params, opt_state, history
 
 

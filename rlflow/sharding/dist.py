@@ -100,6 +100,17 @@ def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tenso
     return x.to(t.device)
 
 
+def all_gather_rows(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's 1-D ``t`` (the same length on each) as the rows of a [ranks, n] tensor on ``t``'s device,
+    one collective, run on this process's device like ``all_reduce``: several reductions of different ops
+    (sums, maxima) over a few figures in one round trip."""
+    from rlflow.device import process_device
+    x = t.to(process_device(), copy=True).reshape(-1)
+    out = x.new_empty(dist.get_world_size(group) * x.numel())
+    _all_gather_single(out, x, group=group)
+    return out.view(-1, x.numel()).to(t.device)
+
+
 def clear_groups() -> None:
     _GROUPS.clear()
 
