@@ -206,7 +206,7 @@ def _slice(plan: Plan, b: Bucket, rank: int, shards: dict, received: list, devic
             ex.copy_local(plan, ex.p2p_segs(plan, b, rank)[2], shards, out, rank)
         for segs, buf in received:
             ex.unpack(plan.src, plan.dst, segs, buf, out, rank)
-    return ex.finish_dst(plan, out, rank)
+    return ex.finish_dst(plan, b, out, rank)
 
 
 def execute(plan: Plan, shards: dict, state: ex.TrainState | None = None, *, device=None,

@@ -15,6 +15,7 @@ CPU), ``free rollout`` empties ``shards[r]``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,25 +83,47 @@ def _view(t: torch.Tensor, layout: Layout, name: str) -> torch.Tensor:
     return t.reshape(layout[name].local_view(layout.mesh))
 
 
+# Where each segment's bytes come from and go to depends on the plan alone, so the index arithmetic runs once
+# per (layout, segments, rank) and every later call only copies: ``*_moves`` compute, ``pack`` / ``unpack`` /
+# ``copy_local`` run them.
+@functools.lru_cache(maxsize=4096)
+def pack_moves(layout: Layout, segs: tuple, rank: int) -> tuple[tuple, int]:
+    """((name, the shard's view shape, the segment's index in it, byte offset, bytes) per segment, total
+    bytes) of packing ``segs`` from this rank's shards under ``layout``."""
+    offs, total = offsets(layout, segs)
+    moves = []
+    for (name, box), off in zip(segs, offs):
+        lo = geo.blocks(*geo.placement(layout, name)).box_of(rank)
+        moves.append((name, layout[name].local_view(layout.mesh), _rel(box, lo), off,
+                      geo.box_numel(box) * _itemsize(layout, name)))
+    return tuple(moves), total
+
+
 def pack(layout: Layout, segs: Segs, shards: dict, rank: int, device, out: torch.Tensor | None = None):
     """Flat byte buffer of ``segs`` cut from this rank's shards under ``layout`` (written into ``out``
     when given, e.g. a slice of a larger send buffer)."""
-    offs, total = offsets(layout, segs)
+    moves, total = pack_moves(layout, tuple(segs), rank)
     buf = torch.empty(total, dtype=torch.uint8, device=device) if out is None else out
-    for (name, box), off in zip(segs, offs):
-        lo = geo.blocks(*geo.placement(layout, name)).box_of(rank)
-        src = _view(shards[name], layout, name)[_rel(box, lo)]
-        n = geo.box_numel(box) * _itemsize(layout, name)
+    for name, view, idx, off, n in moves:
+        src = shards[name].reshape(view)[idx]
         buf[off:off + n].view(src.dtype).view(src.shape).copy_(src)
     return buf
 
 
-def copy_local(plan: Plan, segs: Segs, shards: dict, out: dict, rank: int) -> None:
-    """Copy pieces this rank holds in both layouts straight from its source shard to its destination."""
+@functools.lru_cache(maxsize=4096)
+def _local_moves(plan: Plan, segs: tuple, rank: int) -> tuple:
+    moves = []
     for name, box in segs:
         slo = geo.blocks(*geo.placement(plan.src, name)).box_of(rank)
         dlo = geo.blocks(*geo.placement(plan.dst, name)).box_of(rank)
-        out[name][_rel(box, dlo)] = _view(shards[name], plan.src, name)[_rel(box, slo)]
+        moves.append((name, plan.src[name].local_view(plan.src.mesh), _rel(box, slo), _rel(box, dlo)))
+    return tuple(moves)
+
+
+def copy_local(plan: Plan, segs: Segs, shards: dict, out: dict, rank: int) -> None:
+    """Copy pieces this rank holds in both layouts straight from its source shard to its destination."""
+    for name, view, sidx, didx in _local_moves(plan, tuple(segs), rank):
+        out[name][didx] = shards[name].reshape(view)[sidx]
 
 
 def _rel(box: geo.Box, origin: geo.Box) -> tuple[slice, ...]:
@@ -108,21 +131,29 @@ def _rel(box: geo.Box, origin: geo.Box) -> tuple[slice, ...]:
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))
 
 
+@functools.lru_cache(maxsize=4096)
+def unpack_moves(layout_src: Layout, layout_dst: Layout, segs: tuple, rank: int) -> tuple:
+    """(name, byte offset, bytes, the segment's shape, its part this rank's destination holds, where that goes)
+    per segment of ``segs`` that overlaps this rank's destination shard."""
+    offs, _ = offsets(layout_src, segs)
+    moves = []
+    for (name, box), off in zip(segs, offs):
+        dbox = geo.blocks(*geo.placement(layout_dst, name)).box_of(rank)
+        inter = None if dbox is None else geo.intersect(box, dbox)
+        if inter is None:
+            continue
+        n = geo.box_numel(box) * layout_dst[name].itemsize
+        moves.append((name, off, n, tuple(hi - lo for lo, hi in box), _rel(inter, box), _rel(inter, dbox)))
+    return tuple(moves)
+
+
 def unpack(layout_src: Layout, layout_dst: Layout, segs: Segs, buf: torch.Tensor, out: dict,
            rank: int) -> None:
     """Copy what ``out``'s destination boxes need from the segments of ``buf``."""
-    offs, _ = offsets(layout_src, segs)
-    for (name, box), off in zip(segs, offs):
-        if name not in out:
-            continue
-        dbox = geo.blocks(*geo.placement(layout_dst, name)).box_of(rank)
-        inter = geo.intersect(box, dbox)
-        if inter is None:
-            continue
-        dt = out[name].dtype
-        n = geo.box_numel(box) * dt.itemsize
-        seg = buf[off:off + n].view(dt).view(tuple(hi - lo for lo, hi in box))
-        out[name][_rel(inter, dbox)] = seg[_rel(inter, box)]
+    for name, off, n, shape, sidx, didx in unpack_moves(layout_src, layout_dst, tuple(segs), rank):
+        if name in out:
+            dt = out[name].dtype
+            out[name][didx] = buf[off:off + n].view(dt).view(shape)[sidx]
 
 
 # ---- what each rank does for a bucket ----
@@ -131,11 +162,15 @@ def held(layout: Layout, names, rank: int) -> list[str]:
     return [n for n in names if layout[n].stage == pp]
 
 
-def own_segs(plan: Plan, b: Bucket, rank: int) -> Segs:
+# What a rank does for a bucket is a function of the plan: computed once per (plan, bucket, rank) and shared
+# (read-only) by every execution of the plan.
+@functools.lru_cache(maxsize=4096)
+def own_segs(plan: Plan, b: Bucket, rank: int) -> tuple:
     """This rank's source blocks of the bucket's params (what it contributes to an all-gather)."""
-    return [(n, geo.blocks(*geo.placement(plan.src, n)).box_of(rank)) for n in held(plan.src, b.params, rank)]
+    return tuple((n, geo.blocks(*geo.placement(plan.src, n)).box_of(rank)) for n in held(plan.src, b.params, rank))
 
 
+@functools.lru_cache(maxsize=4096)
 def gather_group(plan: Plan, b: Bucket, rank: int) -> tuple[int, ...]:
     return geo.group_of(plan.src.mesh, b.axes, rank)
 
@@ -149,8 +184,9 @@ def bcast_group(plan: Plan, b: Bucket, rank: int) -> tuple[int, ...]:
     return plan.src.mesh.group_ranks(("pp",), rank)
 
 
+@functools.lru_cache(maxsize=4096)
 def p2p_segs(plan: Plan, b: Bucket, rank: int) -> tuple[dict[int, Segs], dict[int, Segs], Segs]:
-    """(segments to send per peer, segments to receive per peer, local copies), canonical order."""
+    """(segments to send per peer, segments to receive per peer, local copies), canonical order (read-only)."""
     send: dict[int, Segs] = {}
     recv: dict[int, Segs] = {}
     local: Segs = []
@@ -166,16 +202,20 @@ def p2p_segs(plan: Plan, b: Bucket, rank: int) -> tuple[dict[int, Segs], dict[in
     return send, recv, local
 
 
+@functools.lru_cache(maxsize=4096)
+def _dst_shapes(plan: Plan, b: Bucket, rank: int) -> tuple:
+    """(name, view shape, stored shape, dtype) of each destination shard of the bucket this rank holds."""
+    mesh = plan.dst.mesh
+    return tuple((n, plan.dst[n].local_view(mesh), plan.dst[n].local_shape(mesh), plan.dst[n].dtype)
+                 for n in held(plan.dst, b.params, rank))
+
+
 def alloc_dst(plan: Plan, b: Bucket, rank: int, dtype_device) -> dict[str, torch.Tensor]:
-    out = {}
-    for n in held(plan.dst, b.params, rank):
-        p = plan.dst[n]
-        out[n] = torch.empty(p.local_view(plan.dst.mesh), dtype=p.dtype, device=dtype_device)
-    return out
+    return {n: torch.empty(view, dtype=dt, device=dtype_device) for n, view, _, dt in _dst_shapes(plan, b, rank)}
 
 
-def finish_dst(plan: Plan, out: dict, rank: int) -> dict[str, torch.Tensor]:
-    return {n: t.reshape(plan.dst[n].local_shape(plan.dst.mesh)) for n, t in out.items()}
+def finish_dst(plan: Plan, b: Bucket, out: dict, rank: int) -> dict[str, torch.Tensor]:
+    return {n: out[n].reshape(shape) for n, _, shape, _ in _dst_shapes(plan, b, rank) if n in out}
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
@@ -240,7 +280,7 @@ def simulate(plan: Plan, shards: list[dict], states: list[TrainState] | None = N
                         copy_local(plan, p2p_segs(plan, b, r)[2], shards[r], out, r)
                     for segs, buf in tmp[r].get(b.index, ()):
                         unpack(plan.src, plan.dst, segs, buf, out, r)
-                outs[r].update(finish_dst(plan, out, r))
+                outs[r].update(finish_dst(plan, b, out, r))
         elif step.op == "free" and step.what == "tmp":
             for r in range(world):
                 tmp[r].pop(b.index, None)
