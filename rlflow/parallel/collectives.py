@@ -43,15 +43,6 @@ def group_rank(group) -> int:
 
 # ---- no-grad helpers ----
 @torch.no_grad()
-def all_reduce_max(x: Tensor, group) -> Tensor:
-    """replicated-by-value max over the group (no gradient: used as a softmax stabilizer only)."""
-    x = x.detach().clone()
-    if group_size(group) > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
-    return x
-
-
-@torch.no_grad()
 def exchange_counts(send_counts: Tensor, group) -> Tensor:
     """int64 [n] rows this rank sends to each group rank -> [n] rows it receives from each."""
     if group_size(group) == 1:
@@ -124,6 +115,17 @@ class _AllGather(torch.autograd.Function):
         return _scatter0(g.movedim(ctx.dim, 0), ctx.group).movedim(0, ctx.dim), None, None
 
 
+class _GatherReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather0(x[None], group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[group_rank(ctx.group)].clone(), None
+
+
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
@@ -170,6 +172,14 @@ def all_gather(x: Tensor, dim: int, group) -> Tensor:
     return x if group_size(group) == 1 else _AllGather.apply(x, dim, group)
 
 
+def gather_replicated(x: Tensor, group) -> Tensor:
+    """partial -> every rank's part, [group size, *x.shape], for a computation every rank then runs
+    identically (combining per-rank partial statistics in one collective where several all-reduces would
+    take one each). Forward all-gather; backward this rank's slot of the gradient, no communication (the
+    replicated computation hands every rank the whole gradient of its own part, as ``reduce_from`` does)."""
+    return x[None] if group_size(group) == 1 else _GatherReplicated.apply(x, group)
+
+
 def reduce_scatter(x: Tensor, dim: int, group) -> Tensor:
     """partial -> sharded(dim). Forward reduce-scatter along ``dim``; backward all-gather (each rank's
     summand gets the full gradient, assembled from the chunks)."""
@@ -185,5 +195,5 @@ def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) ->
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
-__all__ = ["copy_to", "reduce_from", "all_gather", "reduce_scatter", "all_to_all", "all_reduce_max",
+__all__ = ["copy_to", "reduce_from", "all_gather", "gather_replicated", "reduce_scatter", "all_to_all",
            "exchange_counts", "all_to_all_rows", "group_size", "group_rank"]

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from rlflow.ops import token_logprobs
 from rlflow.ops.logprobs import chunked
-from rlflow.parallel.collectives import all_reduce_max, copy_to, group_rank, group_size, reduce_from
+from rlflow.parallel.collectives import copy_to, gather_replicated, group_rank, group_size, reduce_from
 
 
 def column_linear(x_ND: Tensor, w_FlD: Tensor, b_Fl: Tensor | None, group) -> Tensor:
@@ -54,28 +54,31 @@ def _chunk(h_CD: Tensor, w_VlD: Tensor, t_C: Tensor, lo: int, temperature: float
     z = F.linear(h_CD, w_VlD).float()  # local logits [C, Vl]
     if temperature != 1.0:
         z = z / temperature
-    m = all_reduce_max(z.max(-1).values, group)  # global max (a constant: log-softmax ignores it)
-    z = z - m[:, None]
-    e = z.exp()
-    s = reduce_from(e.sum(-1), group)  # sum over the full vocab of exp(z)
-    lse = s.log()
+    m = z.detach().max(-1).values  # the local max (a constant: log-softmax ignores it)
+    e = (z - m[:, None]).exp()
     own = (t_C >= lo) & (t_C < lo + w_VlD.shape[0])
     zt = z.gather(-1, (t_C - lo).clamp(0, w_VlD.shape[0] - 1)[:, None])[:, 0]
-    lp = reduce_from(torch.where(own, zt, torch.zeros_like(zt)), group) - lse
+    parts = [m, e.sum(-1), torch.where(own, zt, torch.zeros_like(zt))] + ([(e * z).sum(-1)] if with_entropy else [])
+    g = gather_replicated(torch.stack(parts), group)  # every rank's [k, C] statistics: one collective
+    M = g[:, 0].max(0).values  # the global max
+    w = (g[:, 0] - M).exp()  # rescales each rank's sums to the global max
+    s = (g[:, 1] * w).sum(0)  # sum over the full vocab of exp(z - M)
+    lse = M + s.log()
+    lp = g[:, 2].sum(0) - lse  # the target's logit comes from the one rank that owns it
     if not with_entropy:
         return lp, torch.zeros_like(lp)
-    # H = -sum p log p = lse - sum_v p_v z_v,  p_v = e_v / s
-    ez = reduce_from((e * z).sum(-1), group)
-    return lp, lse - ez / s
+    # H = -sum p log p = lse - sum_v p_v z_v,  p_v = exp(z_v - M) / s
+    return lp, lse - (g[:, 3] * w).sum(0) / s
 
 
 def vocab_logprobs(hidden_ND: Tensor, w_VlD: Tensor, targets_N: Tensor, vocab: int, group, *,
                    temperature: float = 1.0, chunk: int = 2048, with_entropy: bool = False
                    ) -> tuple[Tensor, Tensor | None]:
     """log softmax(h W^T / temperature)[target] and the entropy, the head's vocab dim sharded over tp,
-    never gathering the full vocab: local max -> all-reduce max; local sum of exp -> all-reduce sum; the
-    target's logit from the rank owning it -> all-reduce sum; entropy from the all-reduced sum of
-    ``exp(z) z``. hidden and targets replicated -> log-probs and entropies replicated [N] (float32).
+    never gathering the full vocab: each rank's per-token statistics (its local max, its sum of exp
+    relative to it, the target's logit where it owns the target, its sum of ``exp(z) z`` for the entropy)
+    in one all-gather, combined alike on every rank (the backward needs no collective for them). hidden and
+    targets replicated -> log-probs and entropies replicated [N] (float32).
 
     Chunked over tokens like ``rlflow.ops.token_logprobs``: each chunk's [C, Vl] logits are recomputed
     in the backward (the recomputation repeats the chunk's collectives, in the same order on every rank).
