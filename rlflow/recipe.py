@@ -124,8 +124,9 @@ class Recipe:
     launcher: str = _f("local", "how the ranks start: local (processes on this machine) or ray (one actor per "
                                 "rank in a placement group; see --ray-address); under torchrun or Slurm the ranks "
                                 "are those processes")
-    dock: int | None = _f(None, "route every stage's rows through a transfer dock with this many warehouses "
-                                "(default: one per rank when world > 1; 0 with world 1: batches in memory)")
+    dock: int | None = _f(None, "route the rows from the rollout ranks to the train ranks through a transfer dock "
+                                "with this many warehouses (default: one per rank when world > 1; 0 with world 1: "
+                                "batches in memory)")
     dock_backend: str | None = _f(None, "transfer dock backend: local (threads, world 1), procs (warehouses and "
                                         "controllers in processes of their own) or ray (as Ray actors spread over "
                                         "the cluster's nodes); default: local with world 1, ray with --launcher ray, "

@@ -172,8 +172,9 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
           on_samples: Callable[[int, list[dict]], None] | None = None, critic: critics.Critic | None = None):
     """Run ``lcfg.steps`` GRPO steps; returns (params, opt_state, list of per-step metrics).
 
-    ``dock``: a transfer dock (``rlflow.dock.Dock``) that every stage's rows go through
-    (``runtime/flow.py``); None hands batches from stage to stage in memory (one process only).
+    ``dock``: a transfer dock (``rlflow.dock.Dock``, its consumers ``graph_for(...).consumers``) that the
+    rollout group's rows reach the train group through (``runtime/flow.py``); None hands batches from stage
+    to stage in memory (one process only).
     ``placement``: the train and rollout layouts of a world of several ranks (torch.distributed
     initialised; every rank calls ``train`` with its shards of the train layout as ``params``, and of
     ``ref_params``); None: one process, unsharded. Sizes in ``lcfg`` are global; metrics are global.
@@ -326,7 +327,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         if critic is not None:
             upd.update(critics.update(critic, batch, cfg, lcfg.critic, cucfg, epochs=gcfg.epochs,
                                       seed=lcfg.seed + step, ex=tctx))
-        flow.end()  # before the closing all-reduce below: no rank puts step s + 1's rows before the clear
+        flow.end()  # before the closing all-gather below: no rank puts step s + 1's rows before the clear
         t1 = time.perf_counter()
         # per stage: the rollout (with the weight transitions), scoring and advantages, the update's rows with
         # their old / ref log-probs (and the critic's values), the update(s)
