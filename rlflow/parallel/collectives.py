@@ -76,6 +76,30 @@ class _CopyTo(torch.autograd.Function):
         return g, None
 
 
+class _CopyToMany(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, *xs):
+        ctx.group, ctx.meta = group, [(x.shape, x.dtype) for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        gs = [torch.zeros(shape, dtype=dt, device=_device(gs)) if g is None else g
+              for g, (shape, dt) in zip(gs, ctx.meta)]
+        out: list = [None] * len(gs)
+        for dt in dict.fromkeys(g.dtype for g in gs):  # one all-reduce per dtype
+            at = [i for i, g in enumerate(gs) if g.dtype == dt]
+            flat = torch.cat([gs[i].reshape(-1) for i in at])
+            dist.all_reduce(flat, group=ctx.group)
+            for i, part in zip(at, flat.split([gs[i].numel() for i in at])):
+                out[i] = part.view(gs[i].shape)
+        return (None, *out)
+
+
+def _device(gs):
+    return next(g.device for g in gs if g is not None)
+
+
 class _ReduceFrom(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -160,6 +184,12 @@ def copy_to(x: Tensor, group) -> Tensor:
     return x if group_size(group) == 1 else _CopyTo.apply(x, group)
 
 
+def copy_to_many(xs: list[Tensor], group) -> list[Tensor]:
+    """``copy_to`` of several tensors entering the same region, whose gradients are summed over tp in one
+    all-reduce (per dtype) instead of one each."""
+    return list(xs) if group_size(group) == 1 else list(_CopyToMany.apply(group, *xs))
+
+
 def reduce_from(x: Tensor, group) -> Tensor:
     """partial -> replicated (row-parallel output, vocab-parallel sums). Forward all-reduce sum;
     backward identity (the replicated gradient is every summand's gradient)."""
@@ -195,5 +225,5 @@ def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) ->
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
-__all__ = ["copy_to", "reduce_from", "all_gather", "gather_replicated", "reduce_scatter", "all_to_all",
+__all__ = ["copy_to", "copy_to_many", "reduce_from", "all_gather", "gather_replicated", "reduce_scatter", "all_to_all",
            "exchange_counts", "all_to_all_rows", "group_size", "group_rank"]

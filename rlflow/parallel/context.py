@@ -43,7 +43,7 @@ from rlflow.models.execution import Exec, Params, View, lm_head
 from rlflow.models.qwen3_moe import QKV_W
 from rlflow.models.sharding import executable_specs
 from rlflow.parallel import ep, pp, tp
-from rlflow.parallel.collectives import all_gather, copy_to, reduce_from
+from rlflow.parallel.collectives import all_gather, copy_to, copy_to_many, reduce_from
 from rlflow.sharding.dist import all_reduce, create_groups, mesh_group
 from rlflow.sharding.execute import shard_tensor
 from rlflow.sharding.layout import Layout
@@ -223,8 +223,8 @@ class LayoutExec(Exec):
         for w in names:
             loc[a + w] = params[a + w]
         if cfg.qk_norm:
-            for w in ("q_norm.weight", "k_norm.weight"):
-                loc[a + w] = copy_to(params[a + w], g)
+            norms = [a + "q_norm.weight", a + "k_norm.weight"]
+            loc.update(zip(norms, copy_to_many([params[w] for w in norms], g)))
         return View(loc, Hl, Kl, enter, leave)
 
     # ---- MLP and experts ----
@@ -241,7 +241,8 @@ class LayoutExec(Exec):
         ge = self.ep if self.ep is not None and self._split(m + "experts.gate_up_proj", 0, "ep") else None
         if gt is None and ge is None:
             return super().experts(params, cfg, layer, x_ND, w_NK, idx_NK)
-        y = ep.moe(copy_to(x_ND, gt), copy_to(w_NK, gt), idx_NK, params[m + "experts.gate_up_proj"],
+        x_ND, w_NK = copy_to_many([x_ND, w_NK], gt)
+        y = ep.moe(x_ND, w_NK, idx_NK, params[m + "experts.gate_up_proj"],
                    params[m + "experts.down_proj"], cfg.num_experts, ge)
         return reduce_from(y, gt)
 
