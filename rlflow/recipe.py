@@ -101,8 +101,9 @@ class Recipe:
     rollout_is: str = _f("none", "importance-sample the rollout/trainer log-prob mismatch: none, token, seq")
     rollout_is_cap: float = _f(2.0, "rollout IS: truncate weights at c, or (mask) drop those outside [1/c, c]")
     rollout_is_mode: str = _f("truncate", "rollout IS: truncate (TIS) or mask (MIS)")
-    dist_timeout: float | None = _f(None, "seconds a collective waits for a peer before the run fails (a hung rank); "
-                                          "default: torch's (30 min on gloo, 10 min on nccl)")
+    dist_timeout: float | None = _f(None, "seconds a collective, or a rank's get of the step's rows from the dock, "
+                                          "waits for a peer before the run fails (a hung rank); default: torch's "
+                                          "for collectives (30 min on gloo, 10 min on nccl), 30 min for the dock")
     check_logprobs: float | None = _f(None, "fail the run when the trainer's log-probs of the sampled tokens differ "
                                             "from the rollout's by more than this mean |d| per token (a consistency "
                                             "gate for CI; reports the worst rows)")
@@ -538,8 +539,12 @@ def build(r: Recipe, rank: int = 0):
         max_prompt_len=r.max_prompt_len, warmup_lr_steps=r.warmup_lr_steps, lr_schedule=r.lr_schedule,
         min_lr_ratio=r.min_lr_ratio, log_samples_every=r.log_samples_every, seed=r.seed,
         compile_decode=r.compile_decode, max_bad_steps=r.max_bad_steps, routing_replay=r.routing_replay,
-        check_logprobs=r.check_logprobs, critic=critic_config(r, ocfg))
+        check_logprobs=r.check_logprobs, critic=critic_config(r, ocfg),
+        dock_timeout_s=r.dist_timeout if r.dist_timeout is not None else DOCK_TIMEOUT_S)
     return cfg, params, tok, source, reward_fn, lcfg, dev
+
+
+DOCK_TIMEOUT_S = 1800.0  # without --dist-timeout: as long as gloo's collectives wait
 
 
 def check_tokenizer(r: Recipe, cfg) -> None:
@@ -572,7 +577,9 @@ def make_dock(r: Recipe, capacity: int):
     from rlflow.runtime.launch import ray_init
     ray_init(r.ray_address)
     from rlflow.dock.ray_backend import ray_dock
-    return ray_dock(g.schema, g.consumers, capacity=capacity, warehouses=warehouses, group_size=r.group_size)
+    # every train rank may wait in the controller at once (take_share) while the others' puts still need threads
+    return ray_dock(g.schema, g.consumers, capacity=capacity, warehouses=warehouses, group_size=r.group_size,
+                    max_concurrency=max(64, 2 * r.world + 16))
 
 
 def plot_rewards(history: list[dict], path: str) -> None:

@@ -224,16 +224,44 @@ def test_a_shared_take_hands_each_part_its_rows_once(make):
             assert len({r // G for r in got[(part, "a")][0]}) * G == len(got[(part, "a")][0])  # whole groups
         lens = [sum(got[(p, "a")][1]) for p in (0, 1)]
         assert abs(lens[0] - lens[1]) <= max(len(x) for x in prompts(range(CAP))) * G
-        with pytest.raises(ValueError, match="routed onto 2 parts, not 4"):
-            d.take_share("update", ["prompt_ids"], CAP, key=7, parts=4, part=0, groups=True)
+        with pytest.raises(ValueError, match=r"take 7 was made for .* 2, \('prompt_ids',\), True\), not .* 4,"):
+            d.take_share("update", ["prompt_ids"], CAP, key=7, parts=4, part=0, cost=("prompt_ids",), groups=True)
         with pytest.raises(ValueError, match=r"part must be in \[0, 2\), got 2"):
             d.take_share("update", ["prompt_ids"], CAP, key=7, parts=2, part=2, groups=True)
-        d.clear()  # forgets the take: the same key takes again
-        put_prompts(d, list(range(G)))
-        t = d.take_share("update", ["prompt_ids"], G, key=7, parts=2, part=0, groups=True, timeout=0)
-        assert len(t) in (0, G)
+        with pytest.raises(ValueError, match="was made for"):  # the same key, another request
+            d.take_share("update", ["prompt_ids"], G, key=7, parts=2, part=0, cost=("prompt_ids",), groups=True)
+        with pytest.raises(ValueError, match=r"cost columns \['group'\] are not among"):
+            d.take_share("update", ["prompt_ids"], CAP, key=8, parts=2, part=0, cost=("group",), groups=True)
+        d.clear()  # forgets the take: the same key takes again, the new rows
+        put_prompts(d, list(range(2 * G)))
+        parts = [d.take_share("update", ["prompt_ids"], 2 * G, key=7, parts=2, part=p, groups=True, timeout=0)
+                 for p in (0, 1)]
+        assert sorted(parts[0].index.tolist() + parts[1].index.tolist()) == list(range(2 * G))
+        assert len(parts[0]) == len(parts[1]) == G
     finally:
         d.close()
+
+
+def test_a_clear_fails_a_shared_take_still_waiting():
+    """A rank waiting in ``take_share`` when the dock is cleared (the step it waited for is gone) fails with a
+    clear error instead of taking the next step's rows; a timeout ends a wait for rows that never come."""
+    d = MAKERS["dock3"]()
+    err = []
+
+    def wait():
+        try:
+            d.take_share("update", ["prompt_ids"], CAP, key=1, parts=1, part=0, groups=True, timeout=10)
+        except Exception as e:  # noqa: BLE001 - checked below
+            err.append(e)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.2)
+    d.clear()
+    t.join(5)
+    assert not t.is_alive() and len(err) == 1 and "cleared while take 1 waited" in str(err[0]), err
+    with pytest.raises(TimeoutError, match="waited 0.1 s"):
+        d.take_share("update", ["prompt_ids"], CAP, key=2, parts=1, part=0, groups=True, timeout=0.1)
 
 
 # ---- bad input: a clear error, and the dock unchanged ----

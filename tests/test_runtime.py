@@ -163,7 +163,7 @@ def test_world_4_matches_one_process(train):
 
 @pytest.mark.slow
 def test_rows_go_through_the_warehouses_and_the_controllers_carry_metadata_only():
-    """The controllers (what the lead takes and plans with) see the same bytes whatever the responses' length,
+    """The controllers (what the train ranks take and the routing plans with) see the same bytes whatever the responses' length,
     while the warehouses' traffic grows with it: no row's tokens pass through the metadata path."""
     traffic = {}
     for T in (4, 16):

@@ -320,6 +320,9 @@ class Dock(_Client):
         if not isinstance(part, (int, np.integer)) or not 0 <= part < parts:
             raise ValueError(f"dock.take_share: part must be in [0, {parts}), got {part!r}")
         cost = self.schema.check_names("dock.take_share", cost) if cost else ()
+        if set(cost) - set(columns):
+            raise ValueError(f"dock.take_share: cost columns {sorted(set(cost) - set(columns))} are not among the "
+                             f"columns taken {list(columns)}")
         idx, wh, lens = self.transport.call(self.controllers[consumer], "take_share", key, list(columns), int(n),
                                             int(parts), int(part), list(cost), groups, timeout)
         return Ticket(consumer, columns, idx, wh, lens)

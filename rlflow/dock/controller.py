@@ -16,7 +16,7 @@ timeout. One controller, the *lead*, also assigns a row's warehouse on its first
 ``take_share`` is the take of a data-parallel worker group: the first of its ranks to ask takes the
 rows for all of them and routes them onto the group's parts (``dock.routing``: balanced by sequence
 length, groups whole); every rank (its tp and pp peers too) gets its part of that one take. The
-routing is computed where the metadata is, so no rank waits on another and none broadcasts a plan.
+routing is computed where the metadata is, so no rank waits for another's plan and none broadcasts one.
 
 Numpy only; thread-safe (in-process threads, or a threaded Ray actor).
 """
@@ -54,8 +54,9 @@ class Controller:
         self._wh = np.full(capacity, -1, dtype=np.int32)
         self._len = {c: np.zeros(capacity, dtype=np.int64) for c in self._var}
         self._cond = threading.Condition(threading.RLock())
-        self._shares: dict = {}  # take_share key -> (rows, warehouses, lengths, each row's part)
+        self._shares: dict = {}  # take_share key -> (its request, rows, warehouses, lengths, each row's part)
         self._sharing: set = set()  # keys whose take is under way
+        self._epoch = 0  # clear() counts up: a take_share waiting across a clear fails
         self.meter = Meter()
 
     def _ids(self, columns: Sequence[str]) -> list[int]:
@@ -117,7 +118,7 @@ class Controller:
             out = self._take(columns, n, groups, partial, timeout, deadline)
         return self.meter.send(out)
 
-    def _take(self, columns, n, groups, partial, timeout, deadline):
+    def _take(self, columns, n, groups, partial, timeout, deadline, epoch=None, key=None):
         ids = self._ids(columns)
         G = self.group_size if groups else 1
         while True:
@@ -138,6 +139,8 @@ class Controller:
                                   f"in {list(columns)} and not yet consumed; {len(sel)} are ready "
                                   f"(partial=True takes them)")
             self._cond.wait(wait)
+            if epoch is not None:  # a take_share's: a clear while it waited fails it
+                self._check_epoch(epoch, key)
         self._consumed[sel] = True
         return sel, self._wh[sel].copy(), {c: self._len[c][sel].copy() for c in columns if c in self._len}
 
@@ -147,12 +150,16 @@ class Controller:
         ``n`` rows as ``take`` does (it may wait, up to ``timeout``) and routes them onto ``parts``
         data-parallel parts, balanced by the summed lengths of the ``cost`` columns (1 per row without),
         whole groups when ``groups``; every call with that key (from any rank, the same part as often as
-        asked) returns its part, ``take``'s triple for those rows. ``clear`` forgets the keys."""
+        asked) returns its part, ``take``'s triple for those rows. A call with the key of another request
+        (columns, n, parts, cost, groups) is refused; ``clear`` forgets the keys and fails the calls still
+        waiting."""
         self.meter.recv(key, columns, n, parts, part, cost, groups, timeout)
         if not 0 <= part < parts:
             raise ValueError(f"dock.take_share: part {part} out of range [0, {parts})")
+        request = (tuple(columns), int(n), int(parts), tuple(cost), bool(groups))
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
+            epoch = self._epoch
             while key not in self._shares:
                 if key in self._sharing:  # another rank's call is taking: wait for its routing
                     wait = None if deadline is None else deadline - time.monotonic()
@@ -160,10 +167,11 @@ class Controller:
                         raise DockTimeout(f"dock.get: consumer {self.consumer!r} waited {timeout} s for the "
                                           f"rows of take {key!r}")
                     self._cond.wait(wait)
+                    self._check_epoch(epoch, key)
                     continue
                 self._sharing.add(key)
                 try:
-                    sel, wh, lens = self._take(columns, n, groups, False, timeout, deadline)
+                    sel, wh, lens = self._take(columns, n, groups, False, timeout, deadline, epoch, key)
                 finally:
                     self._sharing.discard(key)
                     self._cond.notify_all()
@@ -171,13 +179,19 @@ class Controller:
                 weight = sum((lens[c] for c in cost if c in lens), np.zeros(k)) if any(c in lens for c in cost) \
                     else np.ones(k)
                 plan = route(sel, wh, weight, np.zeros(k), Mesh(dp=parts), group_size=self.group_size if groups else 1)
-                self._shares[key] = (sel, wh, lens, plan.part, parts)
-            sel, wh, lens, where, routed = self._shares[key]
-            if routed != parts:
-                raise ValueError(f"dock.take_share: take {key!r} was routed onto {routed} parts, not {parts}")
+                self._shares[key] = (request, sel, wh, lens, plan.part)
+            asked, sel, wh, lens, where = self._shares[key]
+            if asked != request:
+                raise ValueError(f"dock.take_share: take {key!r} was made for (columns, n, parts, cost, groups) = "
+                                 f"{asked}, not {request}")
             pos = np.flatnonzero(where == part)
             out = (sel[pos], wh[pos], {c: v[pos] for c, v in lens.items()})
         return self.meter.send(out)
+
+    def _check_epoch(self, epoch: int, key) -> None:
+        if self._epoch != epoch:
+            raise ValueError(f"dock.get: consumer {self.consumer!r}: the dock was cleared while take {key!r} waited "
+                             "for its rows")
 
     # ---- iteration boundary and inspection ----
     def clear(self) -> None:
@@ -189,6 +203,8 @@ class Controller:
             for a in self._len.values():
                 a[:] = 0
             self._shares.clear()
+            self._sharing.clear()
+            self._epoch += 1
             self._cond.notify_all()
         self.meter.send(None)
 

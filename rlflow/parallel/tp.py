@@ -58,7 +58,8 @@ def _chunk(h_CD: Tensor, w_VlD: Tensor, t_C: Tensor, lo: int, temperature: float
     e = (z - m[:, None]).exp()
     own = (t_C >= lo) & (t_C < lo + w_VlD.shape[0])
     zt = z.gather(-1, (t_C - lo).clamp(0, w_VlD.shape[0] - 1)[:, None])[:, 0]
-    parts = [m, e.sum(-1), torch.where(own, zt, torch.zeros_like(zt))] + ([(e * z).sum(-1)] if with_entropy else [])
+    parts = [m, e.sum(-1), torch.where(own, zt, torch.zeros_like(zt))] + (
+        [(e * (z - m[:, None])).sum(-1)] if with_entropy else [])
     g = gather_replicated(torch.stack(parts), group)  # every rank's [k, C] statistics: one collective
     M = g[:, 0].max(0).values  # the global max
     w = (g[:, 0] - M).exp()  # rescales each rank's sums to the global max
@@ -67,8 +68,9 @@ def _chunk(h_CD: Tensor, w_VlD: Tensor, t_C: Tensor, lo: int, temperature: float
     lp = g[:, 2].sum(0) - lse  # the target's logit comes from the one rank that owns it
     if not with_entropy:
         return lp, torch.zeros_like(lp)
-    # H = -sum p log p = lse - sum_v p_v z_v,  p_v = exp(z_v - M) / s
-    return lp, lse - (g[:, 3] * w).sum(0) / s
+    # H = -sum p log p = lse - sum_v p_v z_v,  p_v = exp(z_v - M) / s; each rank's sum is of exp(z - m_r) (z - m_r):
+    # sum_v p_v (z_v - M) = sum_r w_r (ez_r + (m_r - M) s_r) / s, small terms (no cancellation of large logits)
+    return lp, s.log() - (w * (g[:, 3] + (g[:, 0] - M) * g[:, 1])).sum(0) / s
 
 
 def vocab_logprobs(hidden_ND: Tensor, w_VlD: Tensor, targets_N: Tensor, vocab: int, group, *,
@@ -76,9 +78,9 @@ def vocab_logprobs(hidden_ND: Tensor, w_VlD: Tensor, targets_N: Tensor, vocab: i
                    ) -> tuple[Tensor, Tensor | None]:
     """log softmax(h W^T / temperature)[target] and the entropy, the head's vocab dim sharded over tp,
     never gathering the full vocab: each rank's per-token statistics (its local max, its sum of exp
-    relative to it, the target's logit where it owns the target, its sum of ``exp(z) z`` for the entropy)
-    in one all-gather, combined alike on every rank (the backward needs no collective for them). hidden and
-    targets replicated -> log-probs and entropies replicated [N] (float32).
+    relative to it, the target's logit where it owns the target, its sum of ``exp(z - m) (z - m)`` for the
+    entropy) in one all-gather, combined alike on every rank (the backward needs no collective for them).
+    hidden and targets replicated -> log-probs and entropies replicated [N] (float32).
 
     Chunked over tokens like ``rlflow.ops.token_logprobs``: each chunk's [C, Vl] logits are recomputed
     in the backward (the recomputation repeats the chunk's collectives, in the same order on every rank).

@@ -16,8 +16,9 @@ through a transfer dock (``rlflow.dock``); stages of one group hand their rows o
   metadata is: the first rank to ask takes every row of the step from the train group's controller,
   which routes them onto the mesh's data-parallel parts (balanced by sequence length, GRPO groups whole,
   ``Dock.take_share``); each rank gets its part's indices, warehouses and lengths (metadata) and reads
-  the rows straight from the warehouses, its tp and pp peers the same rows. No rank waits on another or
-  broadcasts a plan, and rows never pass through a controller, the lead or the driver.
+  the rows straight from the warehouses, its tp and pp peers the same rows. The take waits for the step's
+  rows (every rank's put), not for another rank's plan: none is broadcast, and rows never pass through a
+  controller, the lead or the driver.
 
 ``MemoryFlow`` is the one-process path without a dock: the batch goes from stage to stage in memory (no
 copies); the loop's code is the same, and tests check the two flows train identically.
@@ -50,7 +51,9 @@ def rollout_share(prompts: PromptBatch, mesh: Mesh, rank: int) -> PromptBatch:
     lens = prompts.prompt_mask_BTp.sum(-1).cpu().numpy()
     zeros = np.zeros(prompts.size, dtype=np.int64)
     plan = route(np.arange(prompts.size), zeros, lens, zeros, mesh)
-    return prompts.select(torch.from_numpy(plan.positions(mesh.data_parallel_index(rank))))
+    mine = prompts.select(torch.from_numpy(plan.positions(mesh.data_parallel_index(rank))))
+    tp = int(mine.prompt_mask_BTp.sum(-1).max()) if mine.size else 0  # left padding no row of the part needs
+    return mine.replace(prompt_ids_BTp=mine.prompt_ids_BTp[:, -tp:], prompt_mask_BTp=mine.prompt_mask_BTp[:, -tp:])
 
 
 def score_share(rows: RolloutBatch, mesh: Mesh, rank: int, group_size: int) -> RolloutBatch:
@@ -88,8 +91,10 @@ class DockFlow:
     update, which every rank's reads of step s precede (the update's collectives join every rank), and
     before the step's closing collective, which every rank's first put of step s + 1 follows."""
 
-    def __init__(self, dock, rank: int = 0, world: int = 1, route_dims: tuple[int, int] | None = None):
+    def __init__(self, dock, rank: int = 0, world: int = 1, route_dims: tuple[int, int] | None = None,
+                 timeout: float | None = None):
         self.dock, self.rank, self.world = dock, rank, world
+        self.timeout = timeout  # seconds a get waits for the step's rows (None: no limit), then DockTimeout
         self.route_dims = route_dims  # (MoE layers, top-k) of the route columns, with routing replay
         self._seen: dict[str, int] = {}  # dock traffic at the last busiest_bytes()
         self._gets = 0  # the key of each take, the same on every rank
@@ -127,7 +132,8 @@ class DockFlow:
         columns = list(ROWS) + [c for c in columns if c not in ROWS]
         self._gets += 1
         t = self.dock.take_share(consumer, columns, self.P * self.G, key=self._gets, parts=mesh.data_parallel_size,
-                                 part=mesh.data_parallel_index(rank), cost=("prompt_ids", "response_ids"), groups=True)
+                                 part=mesh.data_parallel_index(rank), cost=("prompt_ids", "response_ids"), groups=True,
+                                 timeout=self.timeout)
         b = self.dock.read(t)
         routes = {}
         if "response_routes" in columns:  # [B, T * M * K] padded with -1 -> [B, T, M, K]

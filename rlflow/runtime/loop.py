@@ -72,6 +72,9 @@ class LoopConfig:
     check_logprobs: float | None = None
     # PPO with a critic (grpo.adv_estimator "gae"): the critic's optimizer and value clip; None otherwise
     critic: critics.CriticConfig | None = None
+    # seconds a rank waits in the dock for the step's rows (a lost or hung peer) before the run fails with
+    # dock.DockTimeout; None: no limit
+    dock_timeout_s: float | None = None
 
     @property
     def global_batch(self) -> int:
@@ -97,6 +100,8 @@ class LoopConfig:
             raise ValueError(f"critic={self.critic}: adv_estimator={self.grpo.adv_estimator!r} "
                              + ("needs a CriticConfig (GAE reads a critic's values)" if self.critic is None else
                                 "has no critic (only 'gae' trains one)"))
+        if self.dock_timeout_s is not None and not self.dock_timeout_s > 0:
+            raise ValueError(f"dock_timeout_s={self.dock_timeout_s} must be > 0 (None: no limit)")
         if self.routing_replay not in ROUTING_REPLAY:
             raise ValueError(f"routing_replay={self.routing_replay!r}: expected one of {ROUTING_REPLAY}")
         validate_sizes(steps=self.steps, prompts_per_step=self.prompts_per_step, group_size=self.grpo.group_size,
@@ -207,7 +212,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
     if placement is None:
         rank, tctx, rctx, weights = 0, LOCAL, LOCAL, None
         train_mesh = rollout_mesh = every = Mesh()
-        flow = MemoryFlow() if dock is None else DockFlow(dock, route_dims=route_dims)
+        flow = MemoryFlow() if dock is None else DockFlow(dock, route_dims=route_dims, timeout=lcfg.dock_timeout_s)
         train_sum = lambda t: t  # noqa: E731
     else:
         if dock is None:
@@ -217,7 +222,7 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         tctx, rctx = context(placement.train, cfg), context(placement.rollout, cfg)
         weights = Weights(placement.train, placement.rollout, rank)
         train_mesh, rollout_mesh, every = placement.train.mesh, placement.rollout.mesh, Mesh(dp=world)
-        flow = DockFlow(dock, rank, world, route_dims=route_dims)
+        flow = DockFlow(dock, rank, world, route_dims=route_dims, timeout=lcfg.dock_timeout_s)
         train_sum = lambda t: dp.batch_sum(t, placement.train)  # noqa: E731  (over the train layout's data ranks)
         for name, v in dict(prompts_per_step=lcfg.prompts_per_step, mini_batch_size=lcfg.mini_batch_size,
                             micro_batch_size=lcfg.micro_batch_size).items():
@@ -338,11 +343,11 @@ def train(params, cfg: ModelConfig, tokenizer, source: PromptSource, reward_fn, 
         stop = should_stop is not None and local + 1 < lcfg.steps and bool(should_stop())
         if world > 1:  # global figures, in one collective: sums over the ranks, the slowest rank's times, any stop
             sums = [n_prompt, n_resp, r_sum, r_sq, n_scored]
-            every = all_gather_rows(torch.tensor([*sums, float(stop), t1 - t0, *stage_s.values()],
+            ranks = all_gather_rows(torch.tensor([*sums, float(stop), t1 - t0, *stage_s.values()],
                                                  dtype=torch.float64))
-            tot, slow = every[:, :len(sums)].sum(0), every[:, len(sums) + 1:].max(0).values
+            tot, slow = ranks[:, :len(sums)].sum(0), ranks[:, len(sums) + 1:].max(0).values
             n_prompt, n_resp, r_sum, r_sq, n_scored = int(tot[0]), int(tot[1]), float(tot[2]), float(tot[3]), int(tot[4])
-            stop = bool(every[:, len(sums)].max() > 0)
+            stop = bool(ranks[:, len(sums)].max() > 0)
             t1 = t0 + float(slow[0])
             stage_s = dict(zip(stage_s, slow[1:].tolist()))
         wall = t1 - t0

@@ -143,7 +143,7 @@ def _gather(plan: Plan, b: Bucket, rank: int, shards: dict, device):
     segs = [s for m in grp for s in ex.own_segs(plan, b, m)]
     out = torch.empty(len(grp) * n, dtype=torch.uint8, device=device)
     i = grp.index(rank)
-    ex.pack(plan.src, mine, shards, rank, device, out=out[i * n:(i + 1) * n])
+    ex.pack(plan, mine, shards, rank, device, out=out[i * n:(i + 1) * n])
     if len(grp) > 1:  # in place: the input is this rank's slot of the output
         _all_gather_single(out, out[i * n:(i + 1) * n], group=group(grp))
     return segs, out
@@ -172,7 +172,7 @@ def _collective(plan: Plan, b: Bucket, rank: int, shards: dict, device) -> list:
     packs, pos = {}, 0
     for p, n in zip(peers, in_splits):
         if n:
-            packs[p] = ex.pack(plan.src, send[p], shards, rank, device, out=inp[pos:pos + n])
+            packs[p] = ex.pack(plan, send[p], shards, rank, device, out=inp[pos:pos + n])
         pos += n
     sizes = {p: ex.offsets(plan.src, s)[1] for p, s in recv.items()}
     if b.kind == "all_to_all":
@@ -205,7 +205,7 @@ def _slice(plan: Plan, b: Bucket, rank: int, shards: dict, received: list, devic
         if b.kind in ("slice", "all_to_all", "send_recv"):
             ex.copy_local(plan, ex.p2p_segs(plan, b, rank)[2], shards, out, rank)
         for segs, buf in received:
-            ex.unpack(plan.src, plan.dst, segs, buf, out, rank)
+            ex.unpack(plan, segs, buf, out, rank)
     return ex.finish_dst(plan, b, out, rank)
 
 

@@ -84,12 +84,14 @@ def _view(t: torch.Tensor, layout: Layout, name: str) -> torch.Tensor:
 
 
 # Where each segment's bytes come from and go to depends on the plan alone, so the index arithmetic runs once
-# per (layout, segments, rank) and every later call only copies: ``*_moves`` compute, ``pack`` / ``unpack`` /
-# ``copy_local`` run them.
-@functools.lru_cache(maxsize=4096)
-def pack_moves(layout: Layout, segs: tuple, rank: int) -> tuple[tuple, int]:
+# per (plan, segments, rank) and every later call only copies: ``*_moves`` compute, ``pack`` / ``unpack`` /
+# ``copy_local`` run them. The caches are keyed by the plan (compared by identity; a Layout would be hashed
+# over all its parameters on every call).
+@functools.lru_cache(maxsize=16384)
+def pack_moves(plan: Plan, segs: tuple, rank: int) -> tuple[tuple, int]:
     """((name, the shard's view shape, the segment's index in it, byte offset, bytes) per segment, total
-    bytes) of packing ``segs`` from this rank's shards under ``layout``."""
+    bytes) of packing ``segs`` from this rank's shards under the plan's source layout."""
+    layout = plan.src
     offs, total = offsets(layout, segs)
     moves = []
     for (name, box), off in zip(segs, offs):
@@ -99,10 +101,10 @@ def pack_moves(layout: Layout, segs: tuple, rank: int) -> tuple[tuple, int]:
     return tuple(moves), total
 
 
-def pack(layout: Layout, segs: Segs, shards: dict, rank: int, device, out: torch.Tensor | None = None):
-    """Flat byte buffer of ``segs`` cut from this rank's shards under ``layout`` (written into ``out``
-    when given, e.g. a slice of a larger send buffer)."""
-    moves, total = pack_moves(layout, tuple(segs), rank)
+def pack(plan: Plan, segs: Segs, shards: dict, rank: int, device, out: torch.Tensor | None = None):
+    """Flat byte buffer of ``segs`` cut from this rank's shards under the plan's source layout (written into
+    ``out`` when given, e.g. a slice of a larger send buffer)."""
+    moves, total = pack_moves(plan, tuple(segs), rank)
     buf = torch.empty(total, dtype=torch.uint8, device=device) if out is None else out
     for name, view, idx, off, n in moves:
         src = shards[name].reshape(view)[idx]
@@ -110,7 +112,7 @@ def pack(layout: Layout, segs: Segs, shards: dict, rank: int, device, out: torch
     return buf
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=16384)
 def _local_moves(plan: Plan, segs: tuple, rank: int) -> tuple:
     moves = []
     for name, box in segs:
@@ -131,10 +133,11 @@ def _rel(box: geo.Box, origin: geo.Box) -> tuple[slice, ...]:
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))
 
 
-@functools.lru_cache(maxsize=4096)
-def unpack_moves(layout_src: Layout, layout_dst: Layout, segs: tuple, rank: int) -> tuple:
+@functools.lru_cache(maxsize=16384)
+def unpack_moves(plan: Plan, segs: tuple, rank: int) -> tuple:
     """(name, byte offset, bytes, the segment's shape, its part this rank's destination holds, where that goes)
-    per segment of ``segs`` that overlaps this rank's destination shard."""
+    per segment of ``segs`` (packed under the source layout) that overlaps this rank's destination shard."""
+    layout_src, layout_dst = plan.src, plan.dst
     offs, _ = offsets(layout_src, segs)
     moves = []
     for (name, box), off in zip(segs, offs):
@@ -147,10 +150,9 @@ def unpack_moves(layout_src: Layout, layout_dst: Layout, segs: tuple, rank: int)
     return tuple(moves)
 
 
-def unpack(layout_src: Layout, layout_dst: Layout, segs: Segs, buf: torch.Tensor, out: dict,
-           rank: int) -> None:
+def unpack(plan: Plan, segs: Segs, buf: torch.Tensor, out: dict, rank: int) -> None:
     """Copy what ``out``'s destination boxes need from the segments of ``buf``."""
-    for name, off, n, shape, sidx, didx in unpack_moves(layout_src, layout_dst, tuple(segs), rank):
+    for name, off, n, shape, sidx, didx in unpack_moves(plan, tuple(segs), rank):
         if name in out:
             dt = out[name].dtype
             out[name][didx] = buf[off:off + n].view(dt).view(shape)[sidx]
@@ -164,13 +166,13 @@ def held(layout: Layout, names, rank: int) -> list[str]:
 
 # What a rank does for a bucket is a function of the plan: computed once per (plan, bucket, rank) and shared
 # (read-only) by every execution of the plan.
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=16384)
 def own_segs(plan: Plan, b: Bucket, rank: int) -> tuple:
     """This rank's source blocks of the bucket's params (what it contributes to an all-gather)."""
     return tuple((n, geo.blocks(*geo.placement(plan.src, n)).box_of(rank)) for n in held(plan.src, b.params, rank))
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=16384)
 def gather_group(plan: Plan, b: Bucket, rank: int) -> tuple[int, ...]:
     return geo.group_of(plan.src.mesh, b.axes, rank)
 
@@ -184,7 +186,7 @@ def bcast_group(plan: Plan, b: Bucket, rank: int) -> tuple[int, ...]:
     return plan.src.mesh.group_ranks(("pp",), rank)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=16384)
 def p2p_segs(plan: Plan, b: Bucket, rank: int) -> tuple[dict[int, Segs], dict[int, Segs], Segs]:
     """(segments to send per peer, segments to receive per peer, local copies), canonical order (read-only)."""
     send: dict[int, Segs] = {}
@@ -202,7 +204,7 @@ def p2p_segs(plan: Plan, b: Bucket, rank: int) -> tuple[dict[int, Segs], dict[in
     return send, recv, local
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=16384)
 def _dst_shapes(plan: Plan, b: Bucket, rank: int) -> tuple:
     """(name, view shape, stored shape, dtype) of each destination shard of the bucket this rank holds."""
     mesh = plan.dst.mesh
@@ -279,7 +281,7 @@ def simulate(plan: Plan, shards: list[dict], states: list[TrainState] | None = N
                     if b.kind in ("slice", "all_to_all", "send_recv"):
                         copy_local(plan, p2p_segs(plan, b, r)[2], shards[r], out, r)
                     for segs, buf in tmp[r].get(b.index, ()):
-                        unpack(plan.src, plan.dst, segs, buf, out, r)
+                        unpack(plan, segs, buf, out, r)
                 outs[r].update(finish_dst(plan, b, out, r))
         elif step.op == "free" and step.what == "tmp":
             for r in range(world):
@@ -301,7 +303,7 @@ def _sim_collective(plan: Plan, b: Bucket, shards, tmp, device) -> None:
             segs = [s for m in group for s in own_segs(plan, b, m)]
             if not segs:
                 continue
-            bufs = [pack(plan.src, own_segs(plan, b, m), shards[m], m, device) for m in group]
+            bufs = [pack(plan, own_segs(plan, b, m), shards[m], m, device) for m in group]
             gathered[r] = (segs, torch.cat(bufs))
         if b.kind == "all_gather":
             for r, v in gathered.items():
@@ -316,7 +318,7 @@ def _sim_collective(plan: Plan, b: Bucket, shards, tmp, device) -> None:
         for r in range(world):
             send, _, _ = p2p_segs(plan, b, r)
             for peer, segs in sorted(send.items()):
-                tmp[peer].setdefault(b.index, []).append((segs, pack(plan.src, segs, shards[r], r, device)))
+                tmp[peer].setdefault(b.index, []).append((segs, pack(plan, segs, shards[r], r, device)))
 
 
 def full_from_shards(shards: list[dict], layout: Layout) -> dict[str, torch.Tensor]:
