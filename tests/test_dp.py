@@ -45,3 +45,36 @@ def test_data_parallel_update_equals_one_process():
         assert met["grad_norm"] == pytest.approx(mref["grad_norm"], rel=1e-5)
         for k in ref:
             torch.testing.assert_close(rank_params[k], ref[k], atol=1e-5, rtol=1e-5)
+
+
+def _overlap_rank(rank, world):
+    """``OverlappedGrads`` with small buckets against ``all_reduce_grads`` on the same gradients: leaves made
+    ready out of order, one never (no gradient on this rank: zeros), another only on rank 1."""
+    from rlflow.parallel import dp
+    cfg, params, _ = _case()
+    layout = model_sharding.layout(cfg, Mesh(dp=world), dtype=torch.float32)
+    create_groups([layout.mesh])
+    names = list(params)
+    leaves = [params[n] for n in names]
+    g = torch.Generator().manual_seed(rank)
+    grads = [torch.randn(t.shape, generator=g) for t in leaves]
+    grads[0] = None  # never ready on any rank
+    if rank == 0:
+        grads[3] = None  # ready on rank 1 only
+    want = dp.all_reduce_grads({n: torch.zeros(t.shape) if gr is None else gr.clone()
+                                for n, t, gr in zip(names, leaves, grads)}, layout)
+    red = dp.OverlappedGrads(names, leaves, layout, first_bucket_bytes=4096, bucket_bytes=4096)  # many buckets
+    red.start()
+    order = torch.randperm(len(names), generator=torch.Generator().manual_seed(10 + rank)).tolist()
+    for j in order:  # each rank's own order
+        if grads[j] is not None:
+            red.ready(j, grads)
+    got = red.finish(list(grads))
+    return len(red.buckets), {n: float((got[j] - want[n]).abs().max()) for j, n in enumerate(names)}
+
+
+@pytest.mark.slow
+def test_the_overlapped_gradient_sum_equals_all_reduce_grads():
+    for buckets, diff in spawn(_overlap_rank, 2):
+        assert buckets > 1
+        assert max(diff.values()) == 0.0, diff

@@ -114,7 +114,7 @@ def update(critic: Critic, batch: TrainBatch, cfg: ModelConfig, ccfg: CriticConf
         raise ValueError("critic.update: the batch has no returns_BTr (estimators.gae makes them)")
     sums: dict[str, float] = {}
 
-    def grads_of(live, leaves, mbs, n_tokens, n_seqs):
+    def grads_of(live, leaves, mbs, n_tokens, n_seqs, reduce):
         rows = sum(mb.size for mb in mbs)
         grads: list[Tensor | None] = [None] * len(leaves)
         for mb in mbs:
@@ -122,7 +122,7 @@ def update(critic: Critic, batch: TrainBatch, cfg: ModelConfig, ccfg: CriticConf
             loss, met = value_loss(values(live, cfg, mb, remat=ucfg.remat, ex=ex), mb.values_BTr, mb.returns_BTr,
                                    mask, value_clip=ccfg.value_clip, n_tokens=n_tokens)
             stages.record(sums, loss, met, mb.size / rows)
-            stages.accumulate(grads, loss, leaves)
+            stages.accumulate(grads, loss, leaves, reduce if mb is mbs[-1] else None)
         return grads
 
     critic.params, critic.opt_state, n_mb = stages.descend(

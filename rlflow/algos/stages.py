@@ -216,10 +216,12 @@ def descend(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch
             ocfg: optim.AdamWConfig, *, epochs: int, seed: int, lr: float | None, grads_of, sums: dict
             ) -> tuple[model.Params, optim.AdamWState, int]:
     """``epochs`` passes over ``batch`` in shuffled mini-batches, one AdamW step per mini-batch: the
-    optimizer loop the policy and the critic share. ``grads_of(live, leaves, mbs, n_tokens, n_seqs)``: the
-    mini-batch's gradients (one float32 tensor or None per leaf of ``live``), summed over its micro-batches
+    optimizer loop the policy and the critic share. ``grads_of(live, leaves, mbs, n_tokens, n_seqs, reduce)``:
+    the mini-batch's gradients (one float32 tensor or None per leaf of ``live``), summed over its micro-batches
     ``mbs`` with the whole mini-batch's normalizers (``n_tokens`` response tokens, ``n_seqs`` rows, over
-    every data rank of ``ucfg.layout``). They are summed over the data ranks and clipped to
+    every data rank of ``ucfg.layout``); it may hand ``reduce`` (or None) to ``accumulate`` for the last
+    micro-batch, which then starts the sum over the data ranks during that backward. They are summed over
+    the data ranks and clipped to
     ``ucfg.max_grad_norm`` by the full gradient's norm; a non-finite norm skips the step (parameters and
     state unchanged). Adds ``grad_norm`` and ``update_skipped`` to ``sums``; returns (params, state, the
     number of mini-batches). ``params`` and ``opt_state`` are donated (updated in place)."""
@@ -228,6 +230,8 @@ def descend(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch
     names = list(params)
     leaves = [params[k].detach().requires_grad_(True) for k in names]
     live = dict(zip(names, leaves))
+    # the data-parallel sum of the gradients, started during each mini-batch's last backward
+    overlap = dp.OverlappedGrads(names, leaves, layout) if layout is not None else None
     n_mb = 0
     perms = [torch.randperm(batch.size, generator=g) for _ in range(epochs)]
     minis = [perm[s:s + ucfg.mini_batch_size] for perm in perms for s in range(0, batch.size, ucfg.mini_batch_size)]
@@ -238,11 +242,15 @@ def descend(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch
     for mini, (n_tokens, n_seqs) in zip(minis, totals.tolist()):
         n_seqs = int(n_seqs)
         mbs = [_trim(batch.select(rows)) for rows in micro_batches(batch, mini, ucfg)]
-        grads = grads_of(live, leaves, mbs, n_tokens, n_seqs)
+        grads = grads_of(live, leaves, mbs, n_tokens, n_seqs, overlap)
+        reduced = overlap is not None and overlap.started  # the last backward started the reduction
+        if reduced:
+            grads = overlap.finish(grads)
         gdict = {k: torch.zeros_like(p, dtype=torch.float32) if gr is None else gr
                  for k, p, gr in zip(names, leaves, grads)}
         if layout is not None:
-            gdict = dp.all_reduce_grads(gdict, layout)  # sum of the ranks' shares
+            if not reduced:
+                gdict = dp.all_reduce_grads(gdict, layout)  # sum of the ranks' shares
             gdict, norm = dp.clip_grads(gdict, layout, ucfg.max_grad_norm)  # the full gradient's norm
         else:
             gdict, norm = optim.clip_by_global_norm(gdict, ucfg.max_grad_norm)
@@ -275,12 +283,31 @@ def averaged(sums: dict[str, float], n_mb: int, layout) -> dict[str, float]:
     return {k: v / max(n_mb, 1) for k, v in sums.items()}
 
 
-def accumulate(grads: list[Tensor | None], loss: Tensor, leaves: list[Tensor]) -> None:
-    """Add d loss / d leaves into ``grads`` in float32, whatever the parameters' dtype."""
-    for j, gr in enumerate(torch.autograd.grad(loss, leaves, allow_unused=True)):
-        if gr is not None:
+def accumulate(grads: list[Tensor | None], loss: Tensor, leaves: list[Tensor], reduce=None) -> None:
+    """Add d loss / d leaves into ``grads`` in float32, whatever the parameters' dtype. ``reduce``: the
+    mini-batch's last backward starts the data-parallel reduction (``dp.OverlappedGrads``, from ``descend``):
+    each leaf's sum goes to it as soon as the backward has computed the leaf's gradient."""
+    if reduce is None:
+        for j, gr in enumerate(torch.autograd.grad(loss, leaves, allow_unused=True)):
+            if gr is not None:
+                gr = gr.float()
+                grads[j] = gr if grads[j] is None else grads[j].add_(gr)
+        return
+
+    def hook(j):
+        def add(gr):
             gr = gr.float()
             grads[j] = gr if grads[j] is None else grads[j].add_(gr)
+            reduce.ready(j, grads)
+        return add
+
+    reduce.start()
+    handles = [leaf.register_hook(hook(j)) for j, leaf in enumerate(leaves)]
+    try:
+        torch.autograd.grad(loss, leaves, allow_unused=True)  # the hooks took the gradients
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch, cfg: ModelConfig,
@@ -309,7 +336,7 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
     maxes: dict[str, float] = {}
     routing_stats: dict = {}
 
-    def grads_of(live, leaves, mbs, n_tokens, n_seqs):
+    def grads_of(live, leaves, mbs, n_tokens, n_seqs, reduce):
         rows = sum(mb.size for mb in mbs)
 
         def mb_loss(lp, ent, aux, mb):
@@ -342,7 +369,7 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
                                              with_entropy=bool(gcfg.entropy_coef), remat=ucfg.remat,
                                              with_aux=bool(ucfg.router_aux_coef), ex=ex,
                                              replay=ucfg.routing_replay == "on", routing_stats=routing_stats)
-            accumulate(grads, mb_loss(lp, ent, aux, mb), leaves)
+            accumulate(grads, mb_loss(lp, ent, aux, mb), leaves, reduce if mb is mbs[-1] else None)
         return grads
 
     new_params, opt_state, n_mb = descend(params, opt_state, batch, ucfg, ocfg, epochs=gcfg.epochs, seed=seed, lr=lr,

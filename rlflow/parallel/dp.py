@@ -64,6 +64,72 @@ def all_reduce_grads(grads: dict[str, Tensor], layout: Layout, *, average: bool 
     return out
 
 
+class OverlappedGrads:
+    """``all_reduce_grads`` started during a backward, as DDP does: the gradients in buckets (by the axes
+    they are summed over; the parameters in reverse order, as the backward reaches them; the first bucket
+    ``first_bucket_bytes``, the others up to ``bucket_bytes``, DDP's sizes), each all-reduced asynchronously once all
+    its parameters have their gradient *and* every bucket before it is on its way, so that every rank
+    issues the same collectives in the same order whatever order its gradients come in. ``start`` before
+    the backward, ``ready(j, grads)`` as leaf ``j``'s gradient is final (``stages.accumulate`` calls it from
+    a gradient hook), ``finish(grads)`` after it: the buckets not sent yet go (a parameter without a
+    gradient counts as zeros), every reduction is waited for and ``grads`` get the sums."""
+
+    def __init__(self, names: list[str], leaves: list[Tensor], layout: Layout, *, first_bucket_bytes: int = 1 << 20,
+                 bucket_bytes: int = 25 << 20):
+        self.layout, self.leaves = layout, leaves
+        by_axes: dict[tuple[str, ...], list[int]] = {}
+        for j in reversed(range(len(names))):
+            axes = reduce_axes(layout, names[j])
+            if axes:
+                by_axes.setdefault(axes, []).append(j)
+        self.buckets: list[tuple[tuple[str, ...], list[int]]] = []
+        for axes, js in by_axes.items():
+            cur, size = [], 0
+            for j in js:
+                cap = first_bucket_bytes if not self.buckets else bucket_bytes
+                if cur and size >= cap:
+                    self.buckets.append((axes, cur))
+                    cur, size = [], 0
+                cur.append(j)
+                size += leaves[j].numel() * 4  # float32 gradients
+            if cur:
+                self.buckets.append((axes, cur))
+        self.buckets.sort(key=lambda b: -max(b[1]))  # the last parameters' gradients come first
+        self.bucket_of = {j: i for i, (_, js) in enumerate(self.buckets) for j in js}
+        self.started = False
+
+    def start(self) -> None:
+        self.missing = [set(js) for _, js in self.buckets]
+        self.next, self.works, self.started = 0, [], True
+
+    def ready(self, j: int, grads: list) -> None:
+        i = self.bucket_of.get(j)
+        if i is not None:
+            self.missing[i].discard(j)
+            self._send(grads, final=False)
+
+    def _send(self, grads: list, final: bool) -> None:
+        while self.next < len(self.buckets) and (final or not self.missing[self.next]):
+            axes, js = self.buckets[self.next]
+            flat = torch.cat([(torch.zeros(self.leaves[j].numel(), dtype=torch.float32, device=self.leaves[j].device)
+                               if grads[j] is None else grads[j].reshape(-1)) for j in js])
+            work = dist.all_reduce(flat, group=mesh_group(self.layout.mesh, axes), async_op=True)
+            self.works.append((work, flat, js))
+            self.next += 1
+
+    def finish(self, grads: list) -> list:
+        self._send(grads, final=True)
+        for work, flat, js in self.works:
+            work.wait()
+            pos = 0
+            for j in js:
+                k = self.leaves[j].numel()
+                grads[j] = flat[pos:pos + k].view(self.leaves[j].shape)
+                pos += k
+        self.works, self.started = [], False
+        return grads
+
+
 def batch_sum(t: Tensor, layout: Layout) -> Tensor:
     """A per-rank tensor summed over the ranks that split the batch (``("dp", "ep")``); a new tensor."""
     if layout.mesh.axis_size(BATCH_AXES) > 1:
@@ -140,5 +206,5 @@ def reduce_scatter_grads(grads: dict[str, Tensor], layout: Layout, *, average: b
     return out
 
 
-__all__ = ["reduce_axes", "all_reduce_grads", "grad_norm", "clip_grads", "GradShard",
+__all__ = ["reduce_axes", "all_reduce_grads", "OverlappedGrads", "grad_norm", "clip_grads", "GradShard",
            "reduce_scatter_grads"]
