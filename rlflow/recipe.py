@@ -523,6 +523,9 @@ def load_model(r: Recipe, rank: int = 0):
     return cfg, params, tok, dev
 
 
+DOCK_TIMEOUT_S = 1800.0  # without --dist-timeout: as long as gloo's collectives wait
+
+
 def build(r: Recipe, rank: int = 0):
     cfg, params, tok, dev = load_model(r, rank)
     source, reward_fn = prompts_and_reward(r)
@@ -542,9 +545,6 @@ def build(r: Recipe, rank: int = 0):
         check_logprobs=r.check_logprobs, critic=critic_config(r, ocfg),
         dock_timeout_s=r.dist_timeout if r.dist_timeout is not None else DOCK_TIMEOUT_S)
     return cfg, params, tok, source, reward_fn, lcfg, dev
-
-
-DOCK_TIMEOUT_S = 1800.0  # without --dist-timeout: as long as gloo's collectives wait
 
 
 def check_tokenizer(r: Recipe, cfg) -> None:

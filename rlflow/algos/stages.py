@@ -220,8 +220,8 @@ def descend(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch
     the mini-batch's gradients (one float32 tensor or None per leaf of ``live``), summed over its micro-batches
     ``mbs`` with the whole mini-batch's normalizers (``n_tokens`` response tokens, ``n_seqs`` rows, over
     every data rank of ``ucfg.layout``); it may hand ``reduce`` (or None) to ``accumulate`` for the last
-    micro-batch, which then starts the sum over the data ranks during that backward. They are summed over
-    the data ranks and clipped to
+    micro-batch, which then starts the sum over the data ranks during that backward (else the sum runs
+    after it, ``dp.OverlappedGrads`` either way). They are summed over the data ranks and clipped to
     ``ucfg.max_grad_norm`` by the full gradient's norm; a non-finite norm skips the step (parameters and
     state unchanged). Adds ``grad_norm`` and ``update_skipped`` to ``sums``; returns (params, state, the
     number of mini-batches). ``params`` and ``opt_state`` are donated (updated in place)."""
@@ -243,14 +243,13 @@ def descend(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch
         n_seqs = int(n_seqs)
         mbs = [_trim(batch.select(rows)) for rows in micro_batches(batch, mini, ucfg)]
         grads = grads_of(live, leaves, mbs, n_tokens, n_seqs, overlap)
-        reduced = overlap is not None and overlap.started  # the last backward started the reduction
-        if reduced:
+        if overlap is not None:  # the sum of the ranks' shares (a pipelined update's all go now)
+            if not overlap.started:
+                overlap.start()
             grads = overlap.finish(grads)
         gdict = {k: torch.zeros_like(p, dtype=torch.float32) if gr is None else gr
                  for k, p, gr in zip(names, leaves, grads)}
         if layout is not None:
-            if not reduced:
-                gdict = dp.all_reduce_grads(gdict, layout)  # sum of the ranks' shares
             gdict, norm = dp.clip_grads(gdict, layout, ucfg.max_grad_norm)  # the full gradient's norm
         else:
             gdict, norm = optim.clip_by_global_norm(gdict, ucfg.max_grad_norm)
@@ -287,19 +286,21 @@ def accumulate(grads: list[Tensor | None], loss: Tensor, leaves: list[Tensor], r
     """Add d loss / d leaves into ``grads`` in float32, whatever the parameters' dtype. ``reduce``: the
     mini-batch's last backward starts the data-parallel reduction (``dp.OverlappedGrads``, from ``descend``):
     each leaf's sum goes to it as soon as the backward has computed the leaf's gradient."""
+    def add(j, gr):
+        gr = gr.float()
+        grads[j] = gr if grads[j] is None else grads[j].add_(gr)
+
     if reduce is None:
         for j, gr in enumerate(torch.autograd.grad(loss, leaves, allow_unused=True)):
             if gr is not None:
-                gr = gr.float()
-                grads[j] = gr if grads[j] is None else grads[j].add_(gr)
+                add(j, gr)
         return
 
     def hook(j):
-        def add(gr):
-            gr = gr.float()
-            grads[j] = gr if grads[j] is None else grads[j].add_(gr)
+        def on_grad(gr):
+            add(j, gr)
             reduce.ready(j, grads)
-        return add
+        return on_grad
 
     reduce.start()
     handles = [leaf.register_hook(hook(j)) for j, leaf in enumerate(leaves)]

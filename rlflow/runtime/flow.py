@@ -43,15 +43,20 @@ from rlflow.runtime.graph import FIELDS, ROUTES, ROWS
 from rlflow.sharding.mesh import Mesh
 
 
+def _part(batch, cost: Tensor, mesh: Mesh, part: int, group_size: int = 1):
+    """``batch``'s rows of data-parallel part ``part`` of ``mesh`` under the routing plan (``dock.routing``)
+    balanced by ``cost`` per row, the same on every rank that computes it from the same rows."""
+    zeros = np.zeros(batch.size, dtype=np.int64)
+    plan = route(np.arange(batch.size), zeros, cost.cpu().numpy(), zeros, mesh, group_size=group_size)
+    return batch.select(torch.from_numpy(plan.positions(part)))
+
+
 def rollout_share(prompts: PromptBatch, mesh: Mesh, rank: int) -> PromptBatch:
     """``rank``'s prompts of the step: its data-parallel part of ``mesh`` (the rollout mesh) under the routing
     plan every rank computes alike from the prompts' lengths (one row per prompt)."""
     if mesh.data_parallel_size == 1:
         return prompts
-    lens = prompts.prompt_mask_BTp.sum(-1).cpu().numpy()
-    zeros = np.zeros(prompts.size, dtype=np.int64)
-    plan = route(np.arange(prompts.size), zeros, lens, zeros, mesh)
-    mine = prompts.select(torch.from_numpy(plan.positions(mesh.data_parallel_index(rank))))
+    mine = _part(prompts, prompts.prompt_mask_BTp.sum(-1), mesh, mesh.data_parallel_index(rank))
     tp = int(mine.prompt_mask_BTp.sum(-1).max()) if mine.size else 0  # left padding no row of the part needs
     return mine.replace(prompt_ids_BTp=mine.prompt_ids_BTp[:, -tp:], prompt_mask_BTp=mine.prompt_mask_BTp[:, -tp:])
 
@@ -61,10 +66,8 @@ def score_share(rows: RolloutBatch, mesh: Mesh, rank: int, group_size: int) -> R
     index's share of the groups, balanced by sequence length (with tp 1: all of them)."""
     if mesh.tp == 1:
         return rows
-    cost = (rows.prompt_mask_BTp.sum(-1) + rows.response_mask_BTr.sum(-1)).cpu().numpy()
-    zeros = np.zeros(rows.size, dtype=np.int64)
-    plan = route(np.arange(rows.size), zeros, cost, zeros, Mesh(dp=mesh.tp), group_size=group_size)
-    return rows.select(torch.from_numpy(plan.positions(mesh.coords(rank)["tp"])))
+    cost = rows.prompt_mask_BTp.sum(-1) + rows.response_mask_BTr.sum(-1)
+    return _part(rows, cost, Mesh(dp=mesh.tp), mesh.coords(rank)["tp"], group_size)
 
 
 class MemoryFlow:

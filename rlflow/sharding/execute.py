@@ -79,10 +79,6 @@ def offsets(layout: Layout, segs: Segs) -> tuple[list[int], int]:
     return offs, pos
 
 
-def _view(t: torch.Tensor, layout: Layout, name: str) -> torch.Tensor:
-    return t.reshape(layout[name].local_view(layout.mesh))
-
-
 # Where each segment's bytes come from and go to depends on the plan alone, so the index arithmetic runs once
 # per (plan, segments, rank) and every later call only copies: ``*_moves`` compute, ``pack`` / ``unpack`` /
 # ``copy_local`` run them. The caches are keyed by the plan (compared by identity; a Layout would be hashed
