@@ -176,6 +176,10 @@ def parse_args(argv=None, defaults: dict | None = None, doc: str | None = None) 
     unknown = set(defaults) - {f.name for f in dataclasses.fields(Recipe)}
     if unknown:
         raise TypeError(f"defaults: not Recipe fields: {sorted(unknown)}")
+    from rlflow.runtime.launch import env_world
+    started = env_world()  # this process is one rank of a world torchrun or Slurm started: its size is --world's
+    if started is not None:
+        defaults.setdefault("world", started[1])
     p = argparse.ArgumentParser(description=doc or __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(Recipe):
         default = defaults.get(f.name, f.default)
@@ -192,7 +196,7 @@ def parse_args(argv=None, defaults: dict | None = None, doc: str | None = None) 
     args = vars(p.parse_args(argv))
     args.update({k: v for k, v in defaults.items() if args[k] is None})  # --reward: a given one replaces the default
     r = Recipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
-    for name, why in problems(r):
+    for name, why in problems(r) + (started_problems(r, started[1]) if started is not None else []):
         v = getattr(r, name)
         shown = "" if isinstance(v, bool) else " " + (" ".join(v) if isinstance(v, tuple) else str(v))
         p.error(f"--{name.replace('_', '-')}{shown}: {why}")  # one line, exit 2, nothing written
@@ -201,6 +205,18 @@ def parse_args(argv=None, defaults: dict | None = None, doc: str | None = None) 
     except ValueError as e:  # GRPOConfig names its fields; they are the recipe's flags
         p.error(re.sub(r"GRPOConfig\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(e)))
     return r
+
+
+def started_problems(r: Recipe, world: int) -> list[tuple[str, str]]:
+    """(field, why) for what a rank of a torchrun / Slurm world of ``world`` ranks cannot run with."""
+    out = []
+    if r.world != world:
+        out.append(("world", f"torchrun / Slurm started {world} ranks"))
+    if r.launcher == "ray":  # and so --max-restarts, which needs it (torchrun has its own --max-restarts)
+        out.append(("launcher", "this process is already one rank of a torchrun / Slurm world"))
+    if r.world > 1 and r.dock_backend == "ray":
+        out.append(("dock_backend", "under torchrun / Slurm the dock is procs: its servers run on the ranks' nodes"))
+    return out
 
 
 def grpo_config(r: Recipe) -> grpo.GRPOConfig:
@@ -559,9 +575,10 @@ def check_tokenizer(r: Recipe, cfg) -> None:
                              f"the model's vocabulary [0, {cfg.vocab_size})")
 
 
-def make_dock(r: Recipe, capacity: int):
+def make_dock(r: Recipe, capacity: int, local_rank: int | None = None):
     """The transfer dock the stages exchange rows through, or None (in memory). Made by the driver; the ranks
-    are handed it (its processes or actors outlive them)."""
+    are handed it (its processes or actors outlive them). With ``local_rank`` (under torchrun / Slurm, where
+    no driver exists) every rank calls it: the ranks start the dock's servers together."""
     from rlflow.runtime.graph import graph_for
     g = graph_for(r.adv_estimator)
     warehouses = r.dock if r.dock is not None else (r.world if r.world > 1 else 0)
@@ -571,6 +588,10 @@ def make_dock(r: Recipe, capacity: int):
     if backend == "local":
         from rlflow.dock import Dock
         return Dock.local(g.schema, g.consumers, capacity=capacity, warehouses=warehouses, group_size=r.group_size)
+    if backend == "procs" and local_rank is not None:
+        from rlflow.dock.proc_backend import node_dock
+        return node_dock(g.schema, g.consumers, capacity=capacity, warehouses=warehouses, local_rank=local_rank,
+                         group_size=r.group_size)
     if backend == "procs":
         from rlflow.dock.proc_backend import proc_dock
         return proc_dock(g.schema, g.consumers, capacity=capacity, warehouses=warehouses, group_size=r.group_size)
@@ -633,12 +654,7 @@ def prepare_out(r: Recipe) -> None:
 def main(argv=None, defaults: dict | None = None, doc: str | None = None) -> list[dict]:
     r = parse_args(argv, defaults, doc)
     from rlflow.runtime import launch
-    where = launch.env_world()  # started by torchrun / Slurm: this process is one rank
-    if where is not None:
-        r = dataclasses.replace(r, world=where[1])
-        if r.max_restarts:
-            raise SystemExit("error: --max-restarts: under torchrun / Slurm the ranks are not Ray actors (torchrun "
-                             "has its own --max-restarts)")
+    where = launch.env_world()  # started by torchrun / Slurm: this process is one rank (parse_args checked --world)
     cfg = hf.load_config(r.model) if r.model else get_config(r.preset)
     if r.model:
         check_tokenizer(r, cfg)
@@ -663,10 +679,9 @@ def main(argv=None, defaults: dict | None = None, doc: str | None = None) -> lis
     on_ray = where is None and r.world > 1 and r.launcher == "ray"  # run_on_ray makes a dock per attempt
     dock = make_dock(r, r.prompts_per_step * r.group_size) if (where is None or r.world == 1) and not on_ray else None
     try:
+        if where is not None and r.world > 1:  # no driver: the ranks start the dock's servers themselves
+            return launch.from_env(run_started, r, where[2], timeout_s=r.dist_timeout)
         if where is not None:
-            if r.world > 1 and dock is None:
-                raise SystemExit("error: under torchrun / Slurm with more than one rank the dock is not built yet "
-                                 "(its processes are started by the driver of a local or Ray launch)")
             return launch.from_env(run, r, dock, timeout_s=r.dist_timeout)
         if r.world == 1:
             return run(0, 1, r, dock)
@@ -676,6 +691,19 @@ def main(argv=None, defaults: dict | None = None, doc: str | None = None) -> lis
     finally:
         if dock is not None:
             dock.close()
+
+
+def run_started(rank: int, world: int, r: Recipe, local_rank: int) -> list[dict]:
+    """``run`` on a rank of a world torchrun or Slurm started: the ranks make the dock together
+    (``proc_backend.node_dock``: each node's first rank serves that node's warehouses), and each stops the
+    servers it started once every rank is done with them."""
+    dock = make_dock(r, r.prompts_per_step * r.group_size, local_rank=local_rank)
+    try:
+        out = run(rank, world, r, dock)
+        torch.distributed.barrier()  # no rank reads the dock any more
+        return out
+    finally:
+        dock.close()
 
 
 def run_on_ray(r: Recipe) -> list[dict]:

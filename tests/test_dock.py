@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlflow.dock import CentralizedBuffer, Column, Dock, Schema
-from rlflow.dock.proc_backend import proc_dock
+from rlflow.dock.proc_backend import node_dock, proc_dock
 from rlflow.dock.cost import Shape, centralized_bytes, dock_bytes, stage_bytes
 from rlflow.runtime.graph import GRPO
 from rlflow.dock.samplers import balance, imbalance, pick_groups
@@ -262,6 +262,45 @@ def test_a_clear_fails_a_shared_take_still_waiting():
     assert not t.is_alive() and len(err) == 1 and "cleared while take 1 waited" in str(err[0]), err
     with pytest.raises(TimeoutError, match="waited 0.1 s"):
         d.take_share("update", ["prompt_ids"], CAP, key=2, parts=1, part=0, groups=True, timeout=0.1)
+
+
+def node_worker(rank: int, world: int, node_of: list, local_of: list):
+    """One rank of a torchrun-style world: ``node_of[rank]`` is its node (torchrun's GROUP_RANK)."""
+    import os
+    os.environ["GROUP_RANK"] = str(node_of[rank])
+    try:
+        d = node_dock(GRPO.schema, GRPO.flow_consumers, capacity=CAP, warehouses=3, local_rank=local_of[rank],
+                      group_size=G)
+    except RuntimeError as e:
+        return str(e)
+    try:
+        mine = list(range(rank * 2 * G, (rank + 1) * 2 * G))
+        put_prompts(d, mine)
+        torch.distributed.barrier()
+        got = None
+        if rank == 1:  # reads every rank's rows, its own node's and the other's
+            (t,) = d.take("rollout", ["prompt_ids"], CAP, groups=True, timeout=10)
+            b = d.read(t)
+            got = (t.index.tolist(), t.warehouse.tolist(), [r.tolist() for r in b.rows("prompt_ids")])
+        torch.distributed.barrier()
+        return d.transport.nodes, d.transport.here(), got
+    finally:
+        d.close()
+
+
+@pytest.mark.slow
+def test_a_dock_the_ranks_start_themselves_serves_every_rank_from_its_nodes_warehouses():
+    """``node_dock`` (torchrun / Slurm, no driver): two nodes of one rank each; warehouse i runs on node
+    i % 2, a rank's rows go to its own node's warehouses, and every rank reads every row; two ranks that both
+    claim local rank 0 on one node are refused on every rank."""
+    from rlflow.runtime import launch
+    res = launch.spawn(node_worker, 2, [0, 1], [0, 0])
+    (nodes, here0, _), (nodes1, here1, (index, wh, rows)) = res
+    assert nodes == nodes1 and len(set(nodes)) == 2 and nodes[0] == nodes[2] == here0 and nodes[1] == here1
+    assert index == list(range(CAP)) and rows == [p.tolist() for p in prompts(range(CAP))]
+    assert set(wh[:2 * G]) == {0, 2} and set(wh[2 * G:]) == {1}  # rank 0's rows on node 0's two, rank 1's on its one
+    bad = launch.spawn(node_worker, 2, [0, 0], [0, 0])
+    assert all("has 2 ranks with local rank 0" in m for m in bad), bad
 
 
 # ---- bad input: a clear error, and the dock unchanged ----

@@ -101,6 +101,62 @@ def test_recipe_with_rloo_gspo_and_token_is_runs_and_logs_the_mismatch(tmp_path)
 
 
 
+def _weights(out):
+    from safetensors.torch import load_file
+    return load_file(str(out / "checkpoint-final" / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_ranks_start_the_dock_and_train_as_a_local_launch_does(tmp_path):
+    """torchrun on one node with 2 ranks, and on two nodes of one rank each (two torchrun launches joined by a
+    static rendezvous, as on a cluster): no driver, the ranks start the dock's servers themselves; with the same
+    seed they reach the same rewards and weights as the default local launch."""
+    from rlflow.runtime.launch import free_port
+    flags = ["--steps", "3", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4", "--overwrite"]
+    script = os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py")
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    runs = {"local": [[sys.executable, script]],
+            "one node": [torchrun + ["--standalone", "--nproc-per-node", "2", script]]}
+    port = free_port()
+    runs["two nodes"] = [torchrun + ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(n), "--master-addr",
+                                     "127.0.0.1", "--master-port", str(port), script] for n in (0, 1)]
+    got = {}
+    for name, cmds in runs.items():
+        out = tmp_path / name.replace(" ", "_")
+        procs = [subprocess.Popen(c + flags + ["--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for c in cmds]
+        ends = [p.communicate(timeout=300) for p in procs]
+        for p, (so, se) in zip(procs, ends):
+            assert p.returncode == 0, (name, se[-3000:])
+        assert "transfer dock: 2 warehouses" in ends[0][0] and "allgather-swap" in ends[0][0], (name, ends[0][0])
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        got[name] = [r["reward_mean"] for r in rows], _weights(out), rows[-1]["dock_busiest_bytes"]
+    want_r, want_w, _ = got["local"]
+    assert len(want_r) == 3 and len(set(want_r)) > 1 or want_r[0] > 0, "the rewards must vary to mean something"
+    for name in ("one node", "two nodes"):
+        r, w, dock_bytes = got[name]
+        assert r == want_r, (name, r, want_r)
+        assert dock_bytes > 0
+        diff = max(float((w[k] - want_w[k]).abs().max()) for k in want_w)
+        assert diff < 1e-6, (name, diff)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--world", "4"], "--world 4: torchrun / Slurm started 2 ranks"),
+    (["--launcher", "ray"], "--launcher ray: this process is already one rank"),
+    (["--dock-backend", "ray"], "--dock-backend ray: under torchrun / Slurm the dock is procs"),
+])
+def test_under_torchrun_what_a_rank_cannot_run_is_refused_by_flag(flags, named, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    recipe = recipe_module()
+    assert recipe.parse_args([]).world == 2  # --world defaults to the world torchrun started
+    with pytest.raises(SystemExit) as e:
+        recipe.parse_args(flags)
+    assert e.value.code == 2
+    assert named in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--mini-batch-size", "0"], "--mini-batch-size 0"),  # fell back to the default
     (["--micro-batch-size", "0"], "--micro-batch-size 0"),

@@ -13,6 +13,8 @@ raised in a dock process is raised again, unchanged, in the caller.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.managers import BaseManager
@@ -60,13 +62,12 @@ class ProcTransport:
     pool of threads (a proxy keeps one connection per thread), so a put or read spanning S warehouses
     waits for the slowest, not for the sum. ``close`` (in the process that started them) stops them."""
 
-    nodes: tuple = ()
-
-    def __init__(self, servers: list, hub):
+    def __init__(self, servers: list, hub, nodes: tuple = (), here=None):
         self._servers, self.hub, self._pool = servers, hub, None
+        self.nodes, self._here = tuple(nodes), here  # each warehouse's node, and this process's
 
     def __getstate__(self):  # a copy in another process does not own the servers, nor this one's threads
-        return {"_servers": [], "hub": self.hub, "_pool": None}
+        return {"_servers": [], "hub": self.hub, "_pool": None, "nodes": self.nodes, "_here": self._here}
 
     def call(self, target, method: str, *args):
         if isinstance(target, _Ctrl):
@@ -96,7 +97,7 @@ class ProcTransport:
         return out
 
     def here(self):
-        return None
+        return self._here
 
     def close(self, targets) -> None:
         if self._pool is not None:
@@ -131,4 +132,80 @@ def proc_dock(schema: Schema, consumers: Sequence[str], *, capacity: int,
                 {c: _Ctrl(c) for c in consumers})
 
 
-__all__ = ["ControllerHub", "ProcTransport", "proc_dock"]
+def node_id() -> str:
+    """This process's node: its host name and, where the launcher numbers nodes (torchrun's ``GROUP_RANK``,
+    Slurm's ``SLURM_NODEID``), that number, so two launches on one host count as two nodes."""
+    return f"{socket.gethostname()}:{os.environ.get('GROUP_RANK', os.environ.get('SLURM_NODEID', ''))}"
+
+
+def reachable_host(peer: str) -> str:
+    """The IPv4 address of this node's interface towards ``peer`` (the address ranks on other nodes reach
+    this one by; no packet is sent)."""
+    addr = socket.getaddrinfo(peer, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((addr, 9))
+        return s.getsockname()[0]
+
+
+def node_dock(schema: Schema, consumers: Sequence[str], *, capacity: int, warehouses: int, local_rank: int,
+              group_size: int = 1) -> Dock:
+    """The process dock of a world that was started elsewhere (torchrun, Slurm), where no driver exists to
+    start it: a collective of the default torch.distributed group, called by every rank.
+
+    Warehouse ``i`` runs on node ``i % nodes`` (nodes in the order of their first rank), started by that
+    node's local rank 0; the controllers' hub by rank 0. The servers listen on TCP at the node's address
+    towards ``MASTER_ADDR`` and admit only this world's ranks: rank 0 draws the key and broadcasts it over
+    the process group. The ranks exchange the servers' proxies, so every rank calls every warehouse
+    directly and puts to its own node's. A rank that cannot start its servers makes every rank raise,
+    naming it. ``close()`` on a rank stops the servers it started: call it once no rank uses the dock."""
+    import torch.distributed as dist
+    if warehouses < 1:
+        raise ValueError(f"node_dock: warehouses must be >= 1, got {warehouses}")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    key = [os.urandom(32) if rank == 0 else None]
+    dist.broadcast_object_list(key, src=0)
+    mp.current_process().authkey = key[0]  # the proxies this process unpickles authenticate with it
+    me = node_id()
+    who: list = [None] * world
+    dist.all_gather_object(who, (me, local_rank))
+    nodes = list(dict.fromkeys(n for n, _ in who))
+    firsts = [n for n, lr in who if lr == 0]
+    bad = [n for n in nodes if firsts.count(n) != 1]
+    if bad:
+        raise RuntimeError(f"node_dock: node {bad[0]} has {firsts.count(bad[0])} ranks with local rank 0 "
+                           "(expected one per node: LOCAL_RANK or SLURM_LOCALID)")
+    mine = [i for i in range(warehouses) if nodes[i % len(nodes)] == me] if local_rank == 0 else []
+    servers, made, hub, err = [], {}, None, None
+    try:
+        if mine or rank == 0:
+            host = reachable_host(os.environ["MASTER_ADDR"])
+            ctx = mp.get_context("forkserver")  # this process runs gloo/NCCL threads: no plain fork
+            ctx.set_forkserver_preload([__name__])
+
+            def start():
+                s = _Server(address=(host, 0), authkey=key[0], ctx=ctx)
+                s.start()
+                servers.append(s)
+                return s
+            for i in mine:
+                made[i] = start().Warehouse(f"w{i}", schema.wire_spec())
+            if rank == 0:
+                var = [c.name for c in schema if c.kind == "var"]
+                hub = start().ControllerHub(list(consumers), capacity, schema.names, var, group_size)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the exchange below, then all raise
+        err = f"{type(e).__name__}: {e}"
+    got: list = [None] * world
+    dist.all_gather_object(got, (made, hub, err))
+    failed = [(r, e) for r, (_, _, e) in enumerate(got) if e]
+    if failed:
+        for s in servers:
+            s.shutdown()
+        raise RuntimeError(f"node_dock: rank {failed[0][0]} could not start its dock servers: {failed[0][1]}")
+    whs = {i: w for m, _, _ in got for i, w in m.items()}
+    transport = ProcTransport(servers, got[0][1], nodes=tuple(nodes[i % len(nodes)] for i in range(warehouses)),
+                              here=me)
+    return Dock(schema, consumers, capacity, group_size, transport, [whs[i] for i in range(warehouses)],
+                {c: _Ctrl(c) for c in consumers})
+
+
+__all__ = ["ControllerHub", "ProcTransport", "node_dock", "node_id", "proc_dock", "reachable_host"]
