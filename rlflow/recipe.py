@@ -673,7 +673,7 @@ def main(argv=None, defaults: dict | None = None, doc: str | None = None) -> lis
         prepare_out(r)
     if r.resume and r.resume != "auto":  # a damaged checkpoint is refused before any rank starts
         try:
-            checkpoint.check_sharding(checkpoint.verify(r.resume), r.world, train_layout_name(r))
+            checkpoint.verify(r.resume)
         except (checkpoint.CheckpointError, FileNotFoundError) as e:
             raise SystemExit(f"error: --resume {r.resume}: {e}") from None
     on_ray = where is None and r.world > 1 and r.launcher == "ray"  # run_on_ray makes a dock per attempt
@@ -784,9 +784,10 @@ def evaluate_only(r: Recipe) -> dict[str, float]:
     return m
 
 
-def resume_point(r: Recipe, cfg, source, dev, dtype, say, rank: int = 0):
-    """(checkpoint or None) for --resume: the directory given, or under --out the newest one that verifies; of a
-    sharded checkpoint, rank ``rank``'s shards."""
+def resume_point(r: Recipe, cfg, source, dev, dtype, say, rank: int = 0, where=None):
+    """(checkpoint or None) for --resume: the directory given, or under --out the newest one that verifies; with
+    ``where`` (the run's placement, world > 1) rank ``rank``'s shards of its train layout, resharded when the
+    checkpoint was written in another; else whole tensors."""
     if not r.resume:
         return None
     path, verified = r.resume, r.resume == "auto"
@@ -798,14 +799,17 @@ def resume_point(r: Recipe, cfg, source, dev, dtype, say, rank: int = 0):
             say(f"resume: no checkpoint under {r.out}; starting from scratch")
             return None
     try:
-        checkpoint.check_sharding(checkpoint.read_manifest(path), r.world, train_layout_name(r))
-        ck = checkpoint.load(path, dtype=dtype, device=dev, rank=rank, verified=verified)
+        ck = checkpoint.load(path, dtype=dtype, device=dev, rank=rank, verified=verified,
+                             layout=None if where is None else where.train,
+                             critic_layout=None if where is None else where.critic)
     except (checkpoint.CheckpointError, FileNotFoundError) as e:
         raise SystemExit(f"error: --resume {r.resume}: {e}") from None
     if ck.cfg != cfg:
         raise SystemExit(f"error: --resume {path}: its model config differs from this run's (--model/--preset)")
     checkpoint.restore_source(source, ck.source_state)
-    say(f"resumed from {path} after {ck.steps_done} steps")
+    was = ck.resharded_from
+    say(f"resumed from {path} after {ck.steps_done} steps" + ("" if was is None else
+        f" (resharded from train {was['train_layout']} on {was['world']} ranks)"))
     return ck
 
 
@@ -855,7 +859,7 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
             "warehouses")
     say(loop.TPS_DEFINITION)
     init = {k: v.clone() for k, v in params.items()} if r.kl_coef else None  # the reference: the run's start
-    ck = resume_point(r, cfg, source, dev, dtype, say, rank)
+    ck = resume_point(r, cfg, source, dev, dtype, say, rank, where)
     done = 0 if ck is None else ck.steps_done
     opt_state = None if ck is None else ck.opt_state
     if ck is not None:

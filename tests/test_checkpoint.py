@@ -95,10 +95,11 @@ def test_a_damaged_checkpoint_is_refused_and_auto_falls_back(uninterrupted, tmp_
     assert checkpoint.find_resumable(str(root))[0] is None
 
 
-def test_a_sharded_run_writes_each_ranks_own_shards_and_resumes_only_in_its_layout(uninterrupted, tmp_path):
+def test_a_sharded_run_writes_each_ranks_own_shards_and_loads_them_in_any_layout(uninterrupted, tmp_path):
     """The default run (2 ranks, train tp=2): each rank writes its shards of the weights and of the AdamW state
-    (none of the optimizer state is gathered); they are the whole run's state split by the train layout; a
-    run in another layout is refused naming it (the consolidated weights still load as --model)."""
+    (none of the optimizer state is gathered); they are the whole run's state split by the train layout. Loaded
+    for another layout (dp=2, ep=2, pp=2, one process), each rank gets exactly its shards of that whole state:
+    weights, AdamW moments and step."""
     from rlflow.models.config import get_config
     from rlflow.models.sharding import layout
     from rlflow.parallel.context import shard_params
@@ -113,17 +114,48 @@ def test_a_sharded_run_writes_each_ranks_own_shards_and_resumes_only_in_its_layo
     whole = hf.load(str(final))[1]
     lay = layout(get_config("qwen3-moe-tiny"), Mesh.parse("tp=2", 2), dtype=torch.float32)  # the run's train layout
     split = 0
+    own = []
     for rank in (0, 1):
-        ck = checkpoint.load(str(final), rank=rank)
+        ck = checkpoint.load(str(final), rank=rank, layout=lay)
+        assert ck.sharded == manifest["sharded"] and ck.resharded_from is None
         want = shard_params(whole, lay, rank)
         assert set(ck.params) == set(want) == set(ck.opt_state.v)
         for k in want:
             assert torch.equal(ck.params[k], want[k]), k  # the export is the shards put together
         split += sum(v.shape != whole[k].shape for k, v in ck.params.items())
         assert ck.opt_state.step == 10 and all(float(v.abs().sum()) > 0 for v in ck.opt_state.v.values())
+        own.append(ck.opt_state)
     assert split > 0  # tp=2 did split some parameters
-    res = _run(["--steps", "12", "--world", "1", "--out", str(tmp_path / "r"), "--resume", str(final)])
-    assert res.returncode != 0 and "train layout" in res.stderr.strip().splitlines()[-1], res.stderr[-2000:]
+    from rlflow.sharding.execute import full_from_shards
+    moments = {f: full_from_shards([getattr(s, f) for s in own], lay) for f in ("m", "v")}  # replicas agree
+    cfg = get_config("qwen3-moe-tiny")
+    for spec in ("dp=2", "ep=2", "pp=2", None):
+        dst = None if spec is None else layout(cfg, Mesh.parse(spec, 2), dtype=torch.float32)
+        for rank in (0, 1) if dst else (0,):
+            ck = checkpoint.load(str(final), rank=rank, layout=dst)
+            assert ck.resharded_from == manifest["sharded"] and ck.opt_state.step == 10
+            cut = (lambda full: dict(full)) if dst is None else (lambda full: shard_params(full, dst, rank))  # noqa: B023
+            for got, full in ((ck.params, whole), (ck.opt_state.m, moments["m"]), (ck.opt_state.v, moments["v"])):
+                want = cut(full)
+                assert set(got) == set(want), (spec, rank)
+                for k in want:
+                    assert torch.equal(got[k], want[k]), (spec, rank, k)
+
+
+@pytest.mark.parametrize("layout", [["--world", "1"], ["--train-layout", "dp=2"]])
+def test_a_sharded_checkpoint_resumed_in_another_layout_reaches_the_uninterrupted_weights(layout, uninterrupted,
+                                                                                          tmp_path):
+    """The tp=2 run's checkpoint after 6 steps, resumed in one process or with train dp=2 (the AdamW moments
+    and step resharded with the weights), ends where the uninterrupted run did."""
+    out = tmp_path / "run"
+    ck = uninterrupted / "checkpoint-000006"
+    res = _run(RUN[:2] + ["--kl-coef", "0.05", *layout, "--out", str(out), "--resume", str(ck)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resharded from train mesh(pp=1,dp=1,ep=1,tp=2) on 2 ranks" in res.stdout, res.stdout[-2000:]
+    a, b, start = _weights(uninterrupted / "checkpoint-final"), _weights(out / "checkpoint-final"), _weights(ck)
+    assert max(float((a[k] - start[k]).abs().max()) for k in a) > 1e-4  # steps 6-9 moved the weights
+    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert diff <= 1e-6, diff
 
 
 def test_a_killed_rank_then_resume_auto_reaches_the_uninterrupted_weights(uninterrupted, tmp_path):

@@ -210,7 +210,8 @@ def test_recipe_refuses_gae_with_a_pp_train_layout(capsys):
 def test_a_resumed_ppo_run_continues_its_critic(tmp_path, world):
     """A PPO run continued from its step-2 checkpoint ends with the uninterrupted run's policy and critic (the
     critic's weights and AdamW state are in the checkpoint: whole in one process, each rank's shards with 2
-    ranks); a checkpoint without a critic is refused."""
+    ranks); with 2 ranks also when resumed in another train layout (dp=2: the critic resharded with the policy);
+    a checkpoint without a critic is refused."""
     import shutil
 
     from rlflow.runtime import checkpoint
@@ -224,13 +225,18 @@ def test_a_resumed_ppo_run_continues_its_critic(tmp_path, world):
     resumed = main(flags + ["--out", str(tmp_path / "b"), "--resume", "auto"])
     assert [m["step"] for m in resumed] == [2, 3]
     assert [m["reward_mean"] for m in resumed] == [m["reward_mean"] for m in whole[2:]]
-    for rank in range(world):  # every rank's shards with 2 ranks
-        a, b = (checkpoint.load(str(tmp_path / d / "checkpoint-final"), rank=rank) for d in ("a", "b"))
-        assert a.critic is not None and a.critic.opt_state.step == 4
+    if world > 1:  # b resumed in train dp=2 from the tp=2 checkpoint
+        main(flags + ["--train-layout", "dp=2", "--out", str(tmp_path / "c"),
+                      "--resume", str(tmp_path / "b" / "checkpoint-000002")])
+    # whole tensors (a sharded checkpoint's put together): the states of every run compare, whatever their layouts
+    a, *others = (checkpoint.load(str(tmp_path / d / "checkpoint-final")) for d in ("a", "b", "c")[:2 + (world > 1)])
+    assert a.critic is not None and a.critic.opt_state.step == 4
+    for b in others:
+        assert b.critic.opt_state.step == 4
         for want, got in ((a.params, b.params), (a.critic.params, b.critic.params),
                           (a.critic.opt_state.v, b.critic.opt_state.v)):
             assert max(float((want[k] - got[k]).abs().max()) for k in want) <= 1e-6
-    start = checkpoint.load(str(tmp_path / "b" / "checkpoint-000002"), rank=world - 1).critic.params  # a's rank
+    start = checkpoint.load(str(tmp_path / "b" / "checkpoint-000002")).critic.params
     assert max(float((a.critic.params[k] - start[k]).abs().max()) for k in start) > 1e-4  # the critic trained on
     if world > 1:
         return

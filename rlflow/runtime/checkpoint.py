@@ -19,8 +19,10 @@ In a sharded run every rank writes its own file (``write_shard``: nothing of the
 gathered), and the weights are gathered once for the consolidated transformers export. The directory
 is written under a temporary name in ``root`` (``begin``), every file fsynced, the manifest last, then
 renamed into place (a crash leaves a temporary directory, never a half checkpoint under a real name).
-A sharded checkpoint resumes on the same world and train layout (``check_sharding`` names what
-differs); its export loads anywhere as ``--model``.
+A sharded checkpoint resumes in any train layout on any world: in the layout that wrote it each rank
+reads its own file; in another (or in one process) each rank reads, one tensor at a time, the blocks of
+the writers' files it needs and cuts its own shards from them (``load(..., layout=)``), weights, AdamW
+moments and masters, and the critic's alike. Its export loads anywhere as ``--model``.
 ``load`` refuses a checkpoint whose manifest is missing or whose files are missing, truncated or
 altered, naming the file and what is wrong; ``find_resumable(root)`` returns the newest checkpoint
 that verifies and says which newer ones it skipped, and why.
@@ -62,9 +64,10 @@ class Checkpoint:
     source_state: object
     args: dict
     critic: Critic | None = None  # PPO's critic, when the run has one
-    # a sharded checkpoint: {"world": W, "train_layout": its mesh}; then params, opt_state and critic are
-    # the loading rank's shards. None: whole tensors
+    # {"world": W, "train_layout": mesh}: params, opt_state and critic are the loading rank's shards of that
+    # layout (the run's); None: whole tensors
     sharded: dict | None = None
+    resharded_from: dict | None = None  # the writer's {"world", "train_layout"} when it was another layout
 
 
 def _sha256(path: str) -> str:
@@ -204,43 +207,64 @@ def verify(path: str) -> dict:
     return manifest
 
 
-def load(path: str, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-         rank: int = 0, verified: bool = False) -> Checkpoint:
-    """Read a checkpoint after ``verify`` (``verified``: the caller just did); of a sharded one, rank
-    ``rank``'s shards (and its RNG state)."""
+def load(path: str, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu", rank: int = 0,
+         verified: bool = False, layout=None, critic_layout=None) -> Checkpoint:
+    """Read a checkpoint after ``verify`` (``verified``: the caller just did) for rank ``rank`` of a run whose
+    train layout is ``layout`` (a ``sharding.Layout``; None: one process) and whose critic's is
+    ``critic_layout``: whole tensors for one process, else the rank's shards of ``layout``. A sharded
+    checkpoint written in another layout is resharded (``sharding.execute.reshard``); the RNG state is
+    the writer rank ``rank % W``'s."""
     sharded = (read_manifest(path) if verified else verify(path)).get("sharded")
     st = torch.load(os.path.join(path, STATE), map_location=device, weights_only=False)
     with open(os.path.join(path, ARGS)) as f:
         args = json.load(f)
-    critic = None
-    if sharded is None:
+    critic, cfg = None, hf.load_config(path)
+    want = None if layout is None else {"world": layout.mesh.size, "train_layout": str(layout.mesh)}
+    if sharded is None:  # whole tensors; a sharded run cuts its shards from them
         cfg, params = hf.load(path, dtype=dtype, device=device)
         opt_state, rng = _state(st["opt_state"]), st["torch_rng"]
         if os.path.exists(os.path.join(path, CRITIC)):
             critic = _critic(torch.load(os.path.join(path, CRITIC), map_location=device, weights_only=False))
-    else:
-        if not 0 <= rank < sharded["world"]:
-            raise CheckpointError(f"{path}: sharded over {sharded['world']} ranks, it has no rank {rank}")
-        mine = torch.load(os.path.join(path, shard_file(rank, sharded["world"])), map_location=device,
-                          weights_only=False)
-        cfg = hf.load_config(path)
-        params = {k: v if dtype is None else v.to(dtype) for k, v in mine["params"].items()}
-        opt_state, rng = _state(mine["opt_state"]), mine["torch_rng"]
-        if mine["critic"] is not None:
-            critic = _critic(mine["critic"])
+        return _loaded(path, st, cfg, params, opt_state, critic, args, rng, None)
+    W = sharded["world"]
+    if sharded == want:  # the layout that wrote it: the rank's own file
+        mine = torch.load(os.path.join(path, shard_file(rank, W)), map_location=device, weights_only=False)
+        params, opt_state = mine["params"], _state(mine["opt_state"])
+        critic = None if mine["critic"] is None else _critic(mine["critic"])
+        return _loaded(path, st, cfg, params, opt_state, critic, args, mine["torch_rng"], sharded, dtype)
+    from rlflow.models.sharding import layout as layout_of
+    from rlflow.sharding import Mesh
+    from rlflow.sharding.execute import reshard
+    mesh = Mesh.parse(sharded["train_layout"].removeprefix("mesh(").removesuffix(")"))
+    if mesh.size != W:
+        raise CheckpointError(f"{path}: its manifest says {W} ranks and train layout {mesh}")
+    files = [torch.load(os.path.join(path, shard_file(r, W)), map_location="cpu", mmap=True, weights_only=False)
+             for r in range(W)]  # mapped: only the blocks this rank needs are read
+    src = layout_of(cfg, mesh, dtype=torch.float32)
+
+    def cut(per_rank: list[dict], src, dst) -> dict:
+        return {k: v.to(device) for k, v in reshard(per_rank, src, dst, rank).items()}
+
+    def state(per_rank: list[dict], src, dst) -> optim.AdamWState:
+        return optim.AdamWState(step=per_rank[0]["step"], m=cut([d["m"] for d in per_rank], src, dst),
+                                v=cut([d["v"] for d in per_rank], src, dst),
+                                master=cut([d["master"] for d in per_rank], src, dst))
+    params = cut([f["params"] for f in files], src, layout)
+    opt_state = state([f["opt_state"] for f in files], src, layout)
+    if files[0]["critic"] is not None and (layout is None or critic_layout is not None):  # else: no critic here
+        csrc = layout_of(cfg, mesh, dtype=torch.float32, head="value")
+        critic = Critic(params=cut([f["critic"]["params"] for f in files], csrc, critic_layout),
+                        opt_state=state([f["critic"]["opt_state"] for f in files], csrc, critic_layout))
+    return _loaded(path, st, cfg, params, opt_state, critic, args, files[rank % W]["torch_rng"], want, dtype,
+                   resharded_from=sharded)
+
+
+def _loaded(path, st, cfg, params, opt_state, critic, args, rng, sharded, dtype=None, resharded_from=None):
     torch.set_rng_state(rng)
+    params = {k: v if dtype is None else v.to(dtype) for k, v in params.items()}
     return Checkpoint(path=path, steps_done=int(st["steps_done"]), cfg=cfg, params=params, opt_state=opt_state,
-                      source_state=st["source"], args=args, critic=critic, sharded=sharded)
-
-
-def check_sharding(manifest: dict, world: int, train_layout: str) -> None:
-    """``CheckpointError`` when a sharded checkpoint's world or train layout differs from a run's (its shards fit
-    only the layout that wrote them; the consolidated weights in it load anywhere as ``--model``)."""
-    sh = manifest.get("sharded")
-    if sh is not None and (sh["world"], sh["train_layout"]) != (world, train_layout):
-        raise CheckpointError(f"its shards are of train layout {sh['train_layout']} on {sh['world']} ranks, this "
-                              f"run's is {train_layout} on {world}: resume with that --world / --train-layout, or "
-                              "start from its weights with --model (a fresh optimizer)")
+                      source_state=st["source"], args=args, critic=critic, sharded=sharded,
+                      resharded_from=resharded_from)
 
 
 def _critic_dict(c: Critic) -> dict:
@@ -278,5 +302,5 @@ def find_resumable(root: str) -> tuple[str | None, list[str]]:
     return None, skipped
 
 
-__all__ = ["Checkpoint", "CheckpointError", "begin", "check_sharding", "find_resumable", "load", "read_manifest", "restore_source", "save",
+__all__ = ["Checkpoint", "CheckpointError", "begin", "find_resumable", "load", "read_manifest", "restore_source", "save",
            "shard_file", "source_state", "verify", "write_shard"]

@@ -317,21 +317,44 @@ def _sim_collective(plan: Plan, b: Bucket, shards, tmp, device) -> None:
                 tmp[peer].setdefault(b.index, []).append((segs, pack(plan, segs, shards[r], r, device)))
 
 
+def assemble(shards: list[dict], layout: Layout, name: str, *, check: bool = False) -> torch.Tensor:
+    """The full tensor ``name`` from every rank's shards under ``layout`` (``shards[r]``: rank r's dict), in
+    the shards' dtype; a replicated block is read from its first holder (``check``: every replica must agree
+    bitwise)."""
+    p = layout[name]
+    bl = geo.blocks(*geo.placement(layout, name))
+    full, seen = None, set()
+    for row, r in enumerate(bl.ranks.tolist()):
+        box = bl.box(row)
+        if box in seen and not check:
+            continue
+        sl = tuple(slice(lo, hi) for lo, hi in box)
+        piece = shards[r][name].reshape(p.local_view(layout.mesh)).cpu()
+        if full is None:
+            full = torch.empty(p.view, dtype=piece.dtype)
+        if box in seen and not np.array_equal(_bytes(full[sl]), _bytes(piece)):
+            raise AssertionError(f"replicas of {name} disagree on rank {r}")
+        full[sl] = piece
+        seen.add(box)
+    return full.reshape(p.shape)
+
+
 def full_from_shards(shards: list[dict], layout: Layout) -> dict[str, torch.Tensor]:
     """Reassemble full tensors from every rank's shards (checks that replicas agree bitwise)."""
+    return {n: assemble(shards, layout, n, check=True) for n in layout.names}
+
+
+def reshard(shards: list[dict], src: Layout, dst: Layout | None, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s stored-shape shards under ``dst`` (None: whole tensors) of what the ranks of ``src``
+    hold (``shards[r]``: rank r's dict under ``src``; a name none of them holds is left out). One full tensor
+    at a time: the peak is one parameter, not the model."""
     out = {}
-    for p in layout.params:
-        full = torch.empty(p.view, dtype=p.dtype)
-        seen = torch.zeros(p.view, dtype=torch.bool)
-        bl = geo.blocks(*geo.placement(layout, p.name))
-        for row, r in enumerate(bl.ranks.tolist()):
-            sl = tuple(slice(lo, hi) for lo, hi in bl.box(row))
-            piece = shards[r][p.name].reshape(p.local_view(layout.mesh)).cpu()
-            if seen[sl].any() and not np.array_equal(_bytes(full[sl]), _bytes(piece)):
-                raise AssertionError(f"replicas of {p.name} disagree on rank {r}")
-            full[sl] = piece
-            seen[sl] = True
-        out[p.name] = full.reshape(p.shape)
+    for n in src.names:
+        holder = int(geo.blocks(*geo.placement(src, n)).ranks[0])
+        if n not in shards[holder] or (dst is not None and not dst.holds(n, rank)):
+            continue
+        full = assemble(shards, src, n)
+        out[n] = full if dst is None else shard_tensor(full, dst, n, rank)
     return out
 
 
