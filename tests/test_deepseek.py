@@ -198,3 +198,45 @@ def test_the_recipe_learns_the_built_in_task_with_deepseek_tiny(tmp_path):
                                     "--out", str(tmp_path / "run")])
     r = [m["reward_mean"] for m in history]
     assert sum(r[-10:]) / 10 - sum(r[:10]) / 10 >= 0.15
+
+
+def test_in_bfloat16_the_router_stays_float32_and_chooses_what_transformers_chooses(tmp_path):
+    """transformers keeps DeepSeek-V3's gate and selection bias in float32 whatever the model's dtype
+    (``_keep_in_fp32_modules_strict``): a bfloat16 load here does too, so the bias's small per-expert offsets
+    survive and the experts chosen are transformers' own; the layouts carry the same dtypes, and a transition
+    between two of them moves the mixed-dtype shards exactly."""
+    from rlflow.models.sharding import layout
+    from rlflow.ops.moe import route_grouped
+    from rlflow.sharding import Mesh
+    from rlflow.sharding.execute import shard, simulate
+    from rlflow.sharding.plan import allgather_swap
+
+    m = hf_model(n_group=1, topk_group=1)
+    router = m.model.layers[1].mlp.gate
+    E = router.e_score_correction_bias.numel()
+    with torch.no_grad():  # offsets below bf16's spacing (2^-9 at 0.3): rounded, they would tie or reorder
+        router.e_score_correction_bias.copy_(0.3 + 1e-3 * torch.arange(E).float().flip(0))
+        router.weight.mul_(1e-3)  # scores near sigmoid(0): the bias decides between them
+    m.save_pretrained(tmp_path)
+    cfg, params = hf.load(str(tmp_path), dtype=torch.bfloat16)
+    gate, bias = "model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert params[gate].dtype == params[bias].dtype == torch.float32
+    assert torch.equal(params[bias], router.e_score_correction_bias) and torch.equal(params[gate], router.weight)
+    assert params["model.embed_tokens.weight"].dtype == torch.bfloat16
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).model.layers[1].mlp.gate
+    x = (torch.randn(64, cfg.hidden_size, generator=torch.Generator().manual_seed(2))).to(torch.bfloat16)
+    with torch.no_grad():
+        want = theirs(x)[2].sort(-1)[0]
+
+        def pick(b):
+            return route_grouped(x, params[gate], b, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                                 cfg.norm_topk_prob, cfg.routed_scaling_factor)[1].sort(-1)[0]
+        assert torch.equal(pick(params[bias]), want)
+        assert not torch.equal(pick(params[bias].to(torch.bfloat16)), want)  # rounded, the bias chooses others
+    tiny = get_config("deepseek-tiny")
+    src, dst = (layout(tiny, Mesh.parse(s, 2), dtype=torch.bfloat16) for s in ("tp=2", "dp=2"))
+    full = qwen3_moe.init_params(tiny, dtype=torch.bfloat16)
+    assert all(src[n].dtype == full[n].dtype for n in src.names) and full[bias.replace("1", "2", 1)].dtype == torch.float32
+    got, want = simulate(allgather_swap(src, dst), shard(full, src)), shard(full, dst)
+    for r in (0, 1):
+        assert set(got[r]) == set(want[r]) and all(torch.equal(got[r][n], want[r][n]) for n in want[r])

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rlflow.models.config import ModelConfig, param_shapes
+from rlflow.models.config import ModelConfig, keeps_float32, param_shapes
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -88,7 +88,8 @@ def load(path: str, *, dtype: torch.dtype | None = torch.float32,
     for k, shape in expected.items():
         if tuple(params[k].shape) != shape:
             raise ValueError(f"{path}: parameter {k} has shape {tuple(params[k].shape)}, config says {shape}")
-        params[k] = params[k].to(device=device, dtype=dtype or params[k].dtype)
+        want = torch.float32 if keeps_float32(cfg, k) else dtype or params[k].dtype
+        params[k] = params[k].to(device=device, dtype=want)
     return cfg, {k: params[k] for k in expected}
 
 

@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from rlflow.models import deepseek
-from rlflow.models.config import ModelConfig, param_shapes
+from rlflow.models.config import ModelConfig, keeps_float32, param_shapes
 from rlflow.models.execution import EXPERTS_PREPARED, LOCAL, Exec, Params, View, n_moe_layers
 from rlflow.ops import (attention, causal_padding_mask, prepare_experts, qk_norm_rope, replay_routes, rmsnorm,
                         rope_cos_sin, route, route_grouped)
@@ -41,7 +41,7 @@ def init_params(cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.f
             t = torch.zeros(shape)
         else:
             t = torch.randn(shape, generator=g) * std
-        out[name] = t.to(device=device, dtype=dtype)
+        out[name] = t.to(device=device, dtype=torch.float32 if keeps_float32(cfg, name) else dtype)
     return out
 
 

@@ -147,5 +147,7 @@ def layout(name_or_cfg, mesh: Mesh, rules: dict | None = None, *, dtype: torch.d
     r = dict(RULES)
     r.update(rules or {})
     label = name or (name_or_cfg if isinstance(name_or_cfg, str) else "")
-    return Layout.build(mesh, logical_params(name_or_cfg, head), r, dtype=dtype,
+    cfg, logical = _family(name_or_cfg, head)[0], logical_params(name_or_cfg, head)
+    dtypes = {n: torch.float32 if qwen.keeps_float32(cfg, n) else dtype for n in logical}
+    return Layout.build(mesh, logical, r, dtype=dtypes,
                         layers_per_stage=layers_per_stage, name=label)
