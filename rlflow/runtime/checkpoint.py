@@ -44,7 +44,7 @@ import torch
 from rlflow import optim
 from rlflow.algos.critic import Critic
 from rlflow.models import hf
-from rlflow.models.config import ModelConfig
+from rlflow.models.config import ModelConfig, keeps_float32
 
 MANIFEST, STATE, ARGS, CRITIC = "manifest.json", "trainer_state.pt", "args.json", "critic.pt"
 _NAME = re.compile(r"^checkpoint-(\d+|final)$")
@@ -261,7 +261,8 @@ def load(path: str, *, dtype: torch.dtype | None = None, device: torch.device | 
 
 def _loaded(path, st, cfg, params, opt_state, critic, args, rng, sharded, dtype=None, resharded_from=None):
     torch.set_rng_state(rng)
-    params = {k: v if dtype is None else v.to(dtype) for k, v in params.items()}
+    params = {k: v if dtype is None else v.to(torch.float32 if keeps_float32(cfg, k) else dtype)
+              for k, v in params.items()}
     return Checkpoint(path=path, steps_done=int(st["steps_done"]), cfg=cfg, params=params, opt_state=opt_state,
                       source_state=st["source"], args=args, critic=critic, sharded=sharded,
                       resharded_from=resharded_from)
