@@ -107,10 +107,11 @@ def _weights(out):
 
 
 @pytest.mark.slow
-def test_under_torchrun_the_ranks_start_the_dock_and_train_as_a_local_launch_does(tmp_path):
-    """torchrun on one node with 2 ranks, and on two nodes of one rank each (two torchrun launches joined by a
-    static rendezvous, as on a cluster): no driver, the ranks start the dock's servers themselves; with the same
-    seed they reach the same rewards and weights as the default local launch."""
+def test_under_torchrun_or_slurm_the_ranks_start_the_dock_and_train_as_a_local_launch_does(tmp_path):
+    """torchrun on one node with 2 ranks, on two nodes of one rank each (two torchrun launches joined by a
+    static rendezvous, as on a cluster), and two processes with the variables Slurm's srun sets (one node, two
+    tasks): no driver, the ranks start the dock's servers themselves; with the same seed they reach the same
+    rewards and weights as the default local launch."""
     from rlflow.runtime.launch import free_port
     flags = ["--steps", "3", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4", "--overwrite"]
     script = os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py")
@@ -120,11 +121,14 @@ def test_under_torchrun_the_ranks_start_the_dock_and_train_as_a_local_launch_doe
     port = free_port()
     runs["two nodes"] = [torchrun + ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(n), "--master-addr",
                                      "127.0.0.1", "--master-port", str(port), script] for n in (0, 1)]
+    slurm = dict(SLURM_NTASKS="2", SLURM_NODEID="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    runs["slurm"] = [[sys.executable, script]] * 2
+    envs = {"slurm": [dict(os.environ, **slurm, SLURM_PROCID=str(i), SLURM_LOCALID=str(i)) for i in (0, 1)]}
     got = {}
     for name, cmds in runs.items():
         out = tmp_path / name.replace(" ", "_")
         procs = [subprocess.Popen(c + flags + ["--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True) for c in cmds]
+                                  text=True, env=envs[name][i] if name in envs else None) for i, c in enumerate(cmds)]
         ends = [p.communicate(timeout=300) for p in procs]
         for p, (so, se) in zip(procs, ends):
             assert p.returncode == 0, (name, se[-3000:])
@@ -133,7 +137,7 @@ def test_under_torchrun_the_ranks_start_the_dock_and_train_as_a_local_launch_doe
         got[name] = [r["reward_mean"] for r in rows], _weights(out), rows[-1]["dock_busiest_bytes"]
     want_r, want_w, _ = got["local"]
     assert len(want_r) == 3 and len(set(want_r)) > 1 or want_r[0] > 0, "the rewards must vary to mean something"
-    for name in ("one node", "two nodes"):
+    for name in ("one node", "two nodes", "slurm"):
         r, w, dock_bytes = got[name]
         assert r == want_r, (name, r, want_r)
         assert dock_bytes > 0
