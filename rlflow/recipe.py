@@ -196,7 +196,7 @@ def parse_args(argv=None, defaults: dict | None = None, doc: str | None = None) 
     args = vars(p.parse_args(argv))
     args.update({k: v for k, v in defaults.items() if args[k] is None})  # --reward: a given one replaces the default
     r = Recipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
-    for name, why in problems(r) + (started_problems(r, started[1]) if started is not None else []):
+    for name, why in (started_problems(r, started[1]) if started is not None else []) + problems(r):
         v = getattr(r, name)
         shown = "" if isinstance(v, bool) else " " + (" ".join(v) if isinstance(v, tuple) else str(v))
         p.error(f"--{name.replace('_', '-')}{shown}: {why}")  # one line, exit 2, nothing written
@@ -212,9 +212,12 @@ def started_problems(r: Recipe, world: int) -> list[tuple[str, str]]:
     out = []
     if r.world != world:
         out.append(("world", f"torchrun / Slurm started {world} ranks"))
-    if r.launcher == "ray":  # and so --max-restarts, which needs it (torchrun has its own --max-restarts)
+    if r.launcher == "ray":
         out.append(("launcher", "this process is already one rank of a torchrun / Slurm world"))
-    if r.world > 1 and r.dock_backend == "ray":
+    if r.max_restarts:
+        out.append(("max_restarts", "the ranks are not Ray actors under torchrun / Slurm (torchrun has its own "
+                                    "--max-restarts)"))
+    if r.world > 1 and r.dock_backend in ("ray", "local"):
         out.append(("dock_backend", "under torchrun / Slurm the dock is procs: its servers run on the ranks' nodes"))
     return out
 
@@ -799,13 +802,17 @@ def resume_point(r: Recipe, cfg, source, dev, dtype, say, rank: int = 0, where=N
             say(f"resume: no checkpoint under {r.out}; starting from scratch")
             return None
     try:
+        if hf.load_config(path) != cfg:  # before any shard is cut to this run's layout
+            raise SystemExit(f"error: --resume {path}: its model config differs from this run's (--model/--preset)")
+        wrote = checkpoint.read_args(path).get("dtype")
+        if wrote not in (None, r.dtype):  # the optimizer's float32 masters exist only for a low-precision run
+            raise SystemExit(f"error: --dtype {r.dtype}: --resume {path} was trained in {wrote}; resume it with "
+                             f"--dtype {wrote}, or start from its weights with --model (a fresh optimizer)")
         ck = checkpoint.load(path, dtype=dtype, device=dev, rank=rank, verified=verified,
                              layout=None if where is None else where.train,
                              critic_layout=None if where is None else where.critic)
     except (checkpoint.CheckpointError, FileNotFoundError) as e:
         raise SystemExit(f"error: --resume {r.resume}: {e}") from None
-    if ck.cfg != cfg:
-        raise SystemExit(f"error: --resume {path}: its model config differs from this run's (--model/--preset)")
     checkpoint.restore_source(source, ck.source_state)
     was = ck.resharded_from
     say(f"resumed from {path} after {ck.steps_done} steps" + ("" if was is None else

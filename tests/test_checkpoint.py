@@ -180,3 +180,45 @@ def test_a_killed_rank_then_resume_auto_reaches_the_uninterrupted_weights(uninte
     assert res.returncode == 0, res.stderr[-3000:]
     a, b = _weights(uninterrupted / "checkpoint-final"), _weights(out / "checkpoint-final")
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+
+
+def test_a_bfloat16_checkpoint_reshards_its_float32_masters_and_keeps_its_router_float32(tmp_path):
+    """deepseek-tiny in bfloat16 on 2 ranks (train tp=2), 2 steps: loaded for dp=2 or ep=2, each rank's AdamW
+    float32 masters are exactly its shards of the masters the writers hold (put together by full_from_shards,
+    code of its own), the router (float32 in any dtype) has none and loads float32; resuming it with another
+    --dtype is refused naming the flag."""
+    import dataclasses
+
+    from rlflow.models.config import get_config
+    from rlflow.models.sharding import layout
+    from rlflow.parallel.context import shard_params
+    from rlflow.sharding import Layout, Mesh
+    from rlflow.sharding.execute import full_from_shards
+
+    out = tmp_path / "ds"
+    flags = ["--preset", "deepseek-tiny", "--dtype", "bfloat16", "--prompts-per-step", "4", "--group-size", "4"]
+    res = _run(flags + ["--steps", "2", "--out", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    final, cfg = out / "checkpoint-final", get_config("deepseek-tiny")
+
+    def lay(spec, names=None):  # the masters' own layout: their names, float32
+        full = layout(cfg, Mesh.parse(spec, 2), dtype=torch.bfloat16)
+        return full if names is None else Layout(mesh=full.mesh, params=tuple(
+            dataclasses.replace(p, dtype=torch.float32) for p in full.params if p.name in names))
+    own = [checkpoint.load(str(final), rank=r, layout=lay("tp=2")) for r in (0, 1)]
+    names = set(own[0].opt_state.master)
+    router = {n for n in own[0].params if n.endswith((".gate.weight", ".e_score_correction_bias"))}
+    assert names and router and not names & router
+    masters = full_from_shards([o.opt_state.master for o in own], lay("tp=2", names))
+    for spec in ("dp=2", "ep=2"):
+        for rank in (0, 1):
+            ck = checkpoint.load(str(final), rank=rank, layout=lay(spec), dtype=torch.bfloat16)
+            assert ck.resharded_from is not None
+            assert all(ck.params[n].dtype == torch.float32 for n in router)
+            assert ck.params["model.embed_tokens.weight"].dtype == torch.bfloat16
+            want = shard_params(masters, lay(spec, names), rank)
+            assert set(ck.opt_state.master) == set(want)
+            for n in want:
+                assert ck.opt_state.master[n].dtype == torch.float32 and torch.equal(ck.opt_state.master[n], want[n])
+    res = _run(flags[:2] + ["--steps", "3", "--out", str(tmp_path / "again"), "--resume", str(final)])
+    assert res.returncode != 0 and "--dtype float32: --resume" in res.stderr.strip().splitlines()[-1], res.stderr[-2000:]

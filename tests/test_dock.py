@@ -264,10 +264,20 @@ def test_a_clear_fails_a_shared_take_still_waiting():
         d.take_share("update", ["prompt_ids"], CAP, key=2, parts=1, part=0, groups=True, timeout=0.1)
 
 
-def node_worker(rank: int, world: int, node_of: list, local_of: list):
-    """One rank of a torchrun-style world: ``node_of[rank]`` is its node (torchrun's GROUP_RANK)."""
+def node_worker(rank: int, world: int, node_of: list, local_of: list, unreachable: bool = False,
+                other_host: bool = False):
+    """One rank of a torchrun-style world: ``node_of[rank]`` is its node (torchrun's GROUP_RANK);
+    ``unreachable``: rank 1 cannot connect to any dock server; ``other_host``: rank 1 is on another host."""
     import os
+    import pickle
+    import socket
     os.environ["GROUP_RANK"] = str(node_of[rank])
+    if other_host and rank == 1:
+        socket.gethostname = lambda: "another-host"
+    if unreachable and rank == 1:
+        def refuse(*a, **k):
+            raise ConnectionRefusedError(111, "Connection refused")
+        pickle.loads = refuse  # unpickling the servers' proxies is where a rank connects to them
     try:
         d = node_dock(GRPO.schema, GRPO.flow_consumers, capacity=CAP, warehouses=3, local_rank=local_of[rank],
                       group_size=G)
@@ -292,7 +302,9 @@ def node_worker(rank: int, world: int, node_of: list, local_of: list):
 def test_a_dock_the_ranks_start_themselves_serves_every_rank_from_its_nodes_warehouses():
     """``node_dock`` (torchrun / Slurm, no driver): two nodes of one rank each; warehouse i runs on node
     i % 2, a rank's rows go to its own node's warehouses, and every rank reads every row; two ranks that both
-    claim local rank 0 on one node are refused on every rank."""
+    claim local rank 0 on one node are refused on every rank, and so is a rank that cannot reach another's servers
+    (no rank goes on with a dock another could not build), and a world over two hosts whose servers would listen
+    on loopback (MASTER_ADDR resolving to 127.x on a host)."""
     from rlflow.runtime import launch
     res = launch.spawn(node_worker, 2, [0, 1], [0, 0])
     (nodes, here0, _), (nodes1, here1, (index, wh, rows)) = res
@@ -301,6 +313,12 @@ def test_a_dock_the_ranks_start_themselves_serves_every_rank_from_its_nodes_ware
     assert set(wh[:2 * G]) == {0, 2} and set(wh[2 * G:]) == {1}  # rank 0's rows on node 0's two, rank 1's on its one
     bad = launch.spawn(node_worker, 2, [0, 0], [0, 0])
     assert all("has 2 ranks with local rank 0" in m for m in bad), bad
+    cut = launch.spawn(node_worker, 2, [0, 1], [0, 0], True)
+    assert all(m.startswith("node_dock: rank 1 could not reach the dock's servers: rank 0's, at [(") and
+               "ConnectionRefusedError" in m for m in cut), cut
+    hosts = launch.spawn(node_worker, 2, [0, 1], [0, 0], False, True)
+    assert all("the world spans hosts another-host, " in m and "would listen on 127.0.0.1 (MASTER_ADDR=127.0.0.1"
+               in m for m in hosts), hosts
 
 
 # ---- bad input: a clear error, and the dock unchanged ----

@@ -136,7 +136,7 @@ def test_under_torchrun_or_slurm_the_ranks_start_the_dock_and_train_as_a_local_l
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         got[name] = [r["reward_mean"] for r in rows], _weights(out), rows[-1]["dock_busiest_bytes"]
     want_r, want_w, _ = got["local"]
-    assert len(want_r) == 3 and len(set(want_r)) > 1 or want_r[0] > 0, "the rewards must vary to mean something"
+    assert len(want_r) == 3 and (len(set(want_r)) > 1 or want_r[0] > 0), "the rewards must vary to mean something"
     for name in ("one node", "two nodes", "slurm"):
         r, w, dock_bytes = got[name]
         assert r == want_r, (name, r, want_r)
@@ -149,6 +149,8 @@ def test_under_torchrun_or_slurm_the_ranks_start_the_dock_and_train_as_a_local_l
     (["--world", "4"], "--world 4: torchrun / Slurm started 2 ranks"),
     (["--launcher", "ray"], "--launcher ray: this process is already one rank"),
     (["--dock-backend", "ray"], "--dock-backend ray: under torchrun / Slurm the dock is procs"),
+    (["--dock-backend", "local"], "--dock-backend local: under torchrun / Slurm the dock is procs"),
+    (["--max-restarts", "2"], "--max-restarts 2: the ranks are not Ray actors under torchrun / Slurm"),
 ])
 def test_under_torchrun_what_a_rank_cannot_run_is_refused_by_flag(flags, named, monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")

@@ -108,6 +108,15 @@ class ProcTransport:
         self._servers = []
 
 
+def _hub(server, schema: Schema, consumers: Sequence[str], capacity: int, group_size: int):
+    var = [c.name for c in schema if c.kind == "var"]
+    return server.ControllerHub(list(consumers), capacity, schema.names, var, group_size)
+
+
+def _dock(schema, consumers, capacity, group_size, transport, warehouses) -> Dock:
+    return Dock(schema, consumers, capacity, group_size, transport, warehouses, {c: _Ctrl(c) for c in consumers})
+
+
 def proc_dock(schema: Schema, consumers: Sequence[str], *, capacity: int,
               warehouses: int = 1, group_size: int = 1) -> Dock:
     """A dock whose ``warehouses`` warehouses run in processes of their own and whose controllers share one
@@ -121,15 +130,13 @@ def proc_dock(schema: Schema, consumers: Sequence[str], *, capacity: int,
             s = _Server(ctx=ctx)
             s.start()
             servers.append(s)
-        var = [c.name for c in schema if c.kind == "var"]
         whs = [servers[i].Warehouse(f"w{i}", schema.wire_spec()) for i in range(warehouses)]
-        hub = servers[-1].ControllerHub(list(consumers), capacity, schema.names, var, group_size)
+        hub = _hub(servers[-1], schema, consumers, capacity, group_size)
     except BaseException:
         for s in servers:
             s.shutdown()
         raise
-    return Dock(schema, consumers, capacity, group_size, ProcTransport(servers, hub), whs,
-                {c: _Ctrl(c) for c in consumers})
+    return _dock(schema, consumers, capacity, group_size, ProcTransport(servers, hub), whs)
 
 
 def node_id() -> str:
@@ -138,13 +145,33 @@ def node_id() -> str:
     return f"{socket.gethostname()}:{os.environ.get('GROUP_RANK', os.environ.get('SLURM_NODEID', ''))}"
 
 
+DOCK_HOST = "RLFLOW_DOCK_HOST"  # the address this node's dock servers listen on (default: reachable_host)
+
+
 def reachable_host(peer: str) -> str:
     """The IPv4 address of this node's interface towards ``peer`` (the address ranks on other nodes reach
-    this one by; no packet is sent)."""
-    addr = socket.getaddrinfo(peer, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((addr, 9))
-        return s.getsockname()[0]
+    this one by; no packet is sent). ``RLFLOW_DOCK_HOST`` overrides it."""
+    if os.environ.get(DOCK_HOST):
+        return os.environ[DOCK_HOST]
+    try:
+        addr = socket.getaddrinfo(peer, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((addr, 9))
+            return s.getsockname()[0]
+    except OSError as e:
+        raise OSError(f"MASTER_ADDR={peer}: no IPv4 route to it ({e}); the dock's servers need one, or "
+                      f"{DOCK_HOST}=<this node's IPv4 address>") from None
+
+
+def _all_ok(what: str, err: str | None) -> None:
+    """Every rank says whether its part of ``what`` failed; each raises the first failure, naming its rank
+    (so no rank goes on with a dock another could not build)."""
+    import torch.distributed as dist
+    errs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errs, err)
+    failed = [(r, e) for r, e in enumerate(errs) if e]
+    if failed:
+        raise RuntimeError(f"node_dock: rank {failed[0][0]} could not {what}: {failed[0][1]}")
 
 
 def node_dock(schema: Schema, consumers: Sequence[str], *, capacity: int, warehouses: int, local_rank: int,
@@ -154,58 +181,86 @@ def node_dock(schema: Schema, consumers: Sequence[str], *, capacity: int, wareho
 
     Warehouse ``i`` runs on node ``i % nodes`` (nodes in the order of their first rank), started by that
     node's local rank 0; the controllers' hub by rank 0. The servers listen on TCP at the node's address
-    towards ``MASTER_ADDR`` and admit only this world's ranks: rank 0 draws the key and broadcasts it over
-    the process group. The ranks exchange the servers' proxies, so every rank calls every warehouse
-    directly and puts to its own node's. A rank that cannot start its servers makes every rank raise,
-    naming it. ``close()`` on a rank stops the servers it started: call it once no rank uses the dock."""
+    towards ``MASTER_ADDR`` (``reachable_host``) and admit only this world's ranks: rank 0 draws the key and
+    broadcasts it over the process group. The ranks exchange the servers' proxies, so every rank calls every
+    warehouse directly and puts to its own node's. A rank that cannot start its servers, or reach another's,
+    makes every rank raise, naming it; a world over several hosts whose servers would listen on a loopback
+    address is refused. ``close()`` on a rank stops the servers it started: call it once no rank uses the
+    dock."""
+    import pickle
+
     import torch.distributed as dist
     if warehouses < 1:
         raise ValueError(f"node_dock: warehouses must be >= 1, got {warehouses}")
     rank, world = dist.get_rank(), dist.get_world_size()
     key = [os.urandom(32) if rank == 0 else None]
     dist.broadcast_object_list(key, src=0)
-    mp.current_process().authkey = key[0]  # the proxies this process unpickles authenticate with it
-    me = node_id()
+    # this process's multiprocessing key: the proxies it unpickles (no driver handed them over) authenticate
+    # with it; a rank runs no other manager
+    mp.current_process().authkey = key[0]
+    me, host, err = node_id(), None, None
+    try:
+        host = reachable_host(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    except OSError as e:
+        err = str(e)
     who: list = [None] * world
-    dist.all_gather_object(who, (me, local_rank))
-    nodes = list(dict.fromkeys(n for n, _ in who))
-    firsts = [n for n, lr in who if lr == 0]
+    dist.all_gather_object(who, (me, local_rank, host, err))
+    failed = [(r, w[3]) for r, w in enumerate(who) if w[3]]
+    if failed:
+        raise RuntimeError(f"node_dock: rank {failed[0][0]}: {failed[0][1]}")
+    nodes = list(dict.fromkeys(w[0] for w in who))
+    firsts = [w[0] for w in who if w[1] == 0]
     bad = [n for n in nodes if firsts.count(n) != 1]
     if bad:
         raise RuntimeError(f"node_dock: node {bad[0]} has {firsts.count(bad[0])} ranks with local rank 0 "
                            "(expected one per node: LOCAL_RANK or SLURM_LOCALID)")
+    hosts = sorted({w[0].rsplit(":", 1)[0] for w in who})
+    loop = [(r, w[2]) for r, w in enumerate(who) if w[1] == 0 and w[2].startswith("127.")]
+    if len(hosts) > 1 and loop:
+        raise RuntimeError(f"node_dock: the world spans hosts {', '.join(hosts[:4])}, but rank {loop[0][0]}'s dock "
+                           f"servers would listen on {loop[0][1]} (MASTER_ADDR={os.environ.get('MASTER_ADDR')} "
+                           f"resolves to a loopback address there): set MASTER_ADDR to an address every host "
+                           f"reaches, or {DOCK_HOST}")
     mine = [i for i in range(warehouses) if nodes[i % len(nodes)] == me] if local_rank == 0 else []
-    servers, made, hub, err = [], {}, None, None
+    servers, made, hub = [], {}, None
     try:
-        if mine or rank == 0:
-            host = reachable_host(os.environ["MASTER_ADDR"])
-            ctx = mp.get_context("forkserver")  # this process runs gloo/NCCL threads: no plain fork
-            ctx.set_forkserver_preload([__name__])
+        try:
+            if mine or rank == 0:
+                ctx = mp.get_context("forkserver")  # this process runs gloo/NCCL threads: no plain fork
+                ctx.set_forkserver_preload([__name__])
 
-            def start():
-                s = _Server(address=(host, 0), authkey=key[0], ctx=ctx)
-                s.start()
-                servers.append(s)
-                return s
-            for i in mine:
-                made[i] = start().Warehouse(f"w{i}", schema.wire_spec())
-            if rank == 0:
-                var = [c.name for c in schema if c.kind == "var"]
-                hub = start().ControllerHub(list(consumers), capacity, schema.names, var, group_size)
-    except Exception as e:  # noqa: BLE001 - every rank must reach the exchange below, then all raise
-        err = f"{type(e).__name__}: {e}"
-    got: list = [None] * world
-    dist.all_gather_object(got, (made, hub, err))
-    failed = [(r, e) for r, (_, _, e) in enumerate(got) if e]
-    if failed:
+                def start():
+                    s = _Server(address=(host, 0), authkey=key[0], ctx=ctx)
+                    s.start()
+                    servers.append(s)
+                    return s
+                for i in mine:
+                    made[i] = start().Warehouse(f"w{i}", schema.wire_spec())
+                if rank == 0:
+                    hub = _hub(start(), schema, consumers, capacity, group_size)
+            err = None
+        except Exception as e:  # noqa: BLE001 - every rank must reach the exchange, then all raise
+            err = f"at {host}: {type(e).__name__}: {e}"
+        _all_ok("start its dock servers", err)
+        got: list = [None] * world  # pickled here, unpickled below: unpickling a proxy connects to its server
+        dist.all_gather_object(got, ([s.address for s in servers], pickle.dumps((made, hub))))
+        whs, err = {}, None
+        for r, (addrs, blob) in enumerate(got):
+            try:
+                m, h = pickle.loads(blob)
+            except Exception as e:  # noqa: BLE001 - every rank must reach the exchange, then all raise
+                err = f"rank {r}'s, at {addrs}: {type(e).__name__}: {e}"
+                break
+            whs.update(m)
+            hub = h if r == 0 else hub
+        _all_ok("reach the dock's servers", err)
+    except BaseException:
         for s in servers:
             s.shutdown()
-        raise RuntimeError(f"node_dock: rank {failed[0][0]} could not start its dock servers: {failed[0][1]}")
-    whs = {i: w for m, _, _ in got for i, w in m.items()}
-    transport = ProcTransport(servers, got[0][1], nodes=tuple(nodes[i % len(nodes)] for i in range(warehouses)),
+        raise
+    transport = ProcTransport(servers, hub, nodes=tuple(nodes[i % len(nodes)] for i in range(warehouses)),
                               here=me)
-    return Dock(schema, consumers, capacity, group_size, transport, [whs[i] for i in range(warehouses)],
-                {c: _Ctrl(c) for c in consumers})
+    return _dock(schema, consumers, capacity, group_size, transport, [whs[i] for i in range(warehouses)])
 
 
 __all__ = ["ControllerHub", "ProcTransport", "node_dock", "node_id", "proc_dock", "reachable_host"]

@@ -21,8 +21,8 @@ is written under a temporary name in ``root`` (``begin``), every file fsynced, t
 renamed into place (a crash leaves a temporary directory, never a half checkpoint under a real name).
 A sharded checkpoint resumes in any train layout on any world: in the layout that wrote it each rank
 reads its own file; in another (or in one process) each rank reads, one tensor at a time, the blocks of
-the writers' files it needs and cuts its own shards from them (``load(..., layout=)``), weights, AdamW
-moments and masters, and the critic's alike. Its export loads anywhere as ``--model``.
+the writers' files where they overlap its own blocks (``load(..., layout=)``), weights, AdamW moments and
+masters, and the critic's alike. Its export loads anywhere as ``--model``.
 ``load`` refuses a checkpoint whose manifest is missing or whose files are missing, truncated or
 altered, naming the file and what is wrong; ``find_resumable(root)`` returns the newest checkpoint
 that verifies and says which newer ones it skipped, and why.
@@ -207,17 +207,23 @@ def verify(path: str) -> dict:
     return manifest
 
 
+def read_args(path: str) -> dict:
+    """The configuration of the run that wrote checkpoint ``path``."""
+    with open(os.path.join(path, ARGS)) as f:
+        return json.load(f)
+
+
 def load(path: str, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu", rank: int = 0,
          verified: bool = False, layout=None, critic_layout=None) -> Checkpoint:
     """Read a checkpoint after ``verify`` (``verified``: the caller just did) for rank ``rank`` of a run whose
     train layout is ``layout`` (a ``sharding.Layout``; None: one process) and whose critic's is
-    ``critic_layout``: whole tensors for one process, else the rank's shards of ``layout``. A sharded
-    checkpoint written in another layout is resharded (``sharding.execute.reshard``); the RNG state is
-    the writer rank ``rank % W``'s."""
+    ``critic_layout``. A one-process checkpoint gives whole tensors (``sharded`` None: the caller cuts its
+    shards); a sharded one gives the rank's shards of ``layout`` (whole tensors when ``layout`` is None),
+    from the rank's own file in the layout that wrote it, else resharded (``sharding.execute.reshard``) with
+    the RNG state of writer rank ``rank % W``."""
     sharded = (read_manifest(path) if verified else verify(path)).get("sharded")
     st = torch.load(os.path.join(path, STATE), map_location=device, weights_only=False)
-    with open(os.path.join(path, ARGS)) as f:
-        args = json.load(f)
+    args = read_args(path)
     critic, cfg = None, hf.load_config(path)
     want = None if layout is None else {"world": layout.mesh.size, "train_layout": str(layout.mesh)}
     if sharded is None:  # whole tensors; a sharded run cuts its shards from them
@@ -260,7 +266,7 @@ def load(path: str, *, dtype: torch.dtype | None = None, device: torch.device | 
 
 
 def _loaded(path, st, cfg, params, opt_state, critic, args, rng, sharded, dtype=None, resharded_from=None):
-    torch.set_rng_state(rng)
+    torch.set_rng_state(rng.cpu())  # loaded onto the run's device with the rest; the RNG state is a CPU tensor
     params = {k: v if dtype is None else v.to(torch.float32 if keeps_float32(cfg, k) else dtype)
               for k, v in params.items()}
     return Checkpoint(path=path, steps_done=int(st["steps_done"]), cfg=cfg, params=params, opt_state=opt_state,
@@ -303,5 +309,5 @@ def find_resumable(root: str) -> tuple[str | None, list[str]]:
     return None, skipped
 
 
-__all__ = ["Checkpoint", "CheckpointError", "begin", "find_resumable", "load", "read_manifest", "restore_source", "save",
+__all__ = ["Checkpoint", "CheckpointError", "begin", "find_resumable", "load", "read_args", "read_manifest", "restore_source", "save",
            "shard_file", "source_state", "verify", "write_shard"]

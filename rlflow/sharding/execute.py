@@ -317,44 +317,47 @@ def _sim_collective(plan: Plan, b: Bucket, shards, tmp, device) -> None:
                 tmp[peer].setdefault(b.index, []).append((segs, pack(plan, segs, shards[r], r, device)))
 
 
-def assemble(shards: list[dict], layout: Layout, name: str, *, check: bool = False) -> torch.Tensor:
-    """The full tensor ``name`` from every rank's shards under ``layout`` (``shards[r]``: rank r's dict), in
-    the shards' dtype; a replicated block is read from its first holder (``check``: every replica must agree
-    bitwise)."""
-    p = layout[name]
-    bl = geo.blocks(*geo.placement(layout, name))
-    full, seen = None, set()
-    for row, r in enumerate(bl.ranks.tolist()):
-        box = bl.box(row)
-        if box in seen and not check:
-            continue
-        sl = tuple(slice(lo, hi) for lo, hi in box)
-        piece = shards[r][name].reshape(p.local_view(layout.mesh)).cpu()
-        if full is None:
-            full = torch.empty(p.view, dtype=piece.dtype)
-        if box in seen and not np.array_equal(_bytes(full[sl]), _bytes(piece)):
-            raise AssertionError(f"replicas of {name} disagree on rank {r}")
-        full[sl] = piece
-        seen.add(box)
-    return full.reshape(p.shape)
-
-
 def full_from_shards(shards: list[dict], layout: Layout) -> dict[str, torch.Tensor]:
     """Reassemble full tensors from every rank's shards (checks that replicas agree bitwise)."""
-    return {n: assemble(shards, layout, n, check=True) for n in layout.names}
+    out = {}
+    for p in layout.params:
+        full = torch.empty(p.view, dtype=p.dtype)
+        seen = torch.zeros(p.view, dtype=torch.bool)
+        bl = geo.blocks(*geo.placement(layout, p.name))
+        for row, r in enumerate(bl.ranks.tolist()):
+            sl = tuple(slice(lo, hi) for lo, hi in bl.box(row))
+            piece = shards[r][p.name].reshape(p.local_view(layout.mesh)).cpu()
+            if seen[sl].any() and not np.array_equal(_bytes(full[sl]), _bytes(piece)):
+                raise AssertionError(f"replicas of {p.name} disagree on rank {r}")
+            full[sl] = piece
+            seen[sl] = True
+        out[p.name] = full.reshape(p.shape)
+    return out
 
 
 def reshard(shards: list[dict], src: Layout, dst: Layout | None, rank: int) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s stored-shape shards under ``dst`` (None: whole tensors) of what the ranks of ``src``
-    hold (``shards[r]``: rank r's dict under ``src``; a name none of them holds is left out). One full tensor
-    at a time: the peak is one parameter, not the model."""
+    hold (``shards[r]``: rank r's dict under ``src``, e.g. memory-mapped files; a name none of them holds is
+    left out). Each source block is read only where it overlaps the rank's own block (a replicated block
+    from its first holder), so a rank reads about what it keeps."""
     out = {}
     for n in src.names:
-        holder = int(geo.blocks(*geo.placement(src, n)).ranks[0])
-        if n not in shards[holder] or (dst is not None and not dst.holds(n, rank)):
+        p, bl = src[n], geo.blocks(*geo.placement(src, n))
+        if n not in shards[int(bl.ranks[0])] or (dst is not None and not dst.holds(n, rank)):
             continue
-        full = assemble(shards, src, n)
-        out[n] = full if dst is None else shard_tensor(full, dst, n, rank)
+        box = tuple((0, v) for v in p.view) if dst is None else geo.blocks(*geo.placement(dst, n)).box_of(rank)
+        local, seen = None, set()
+        for row, r in enumerate(bl.ranks.tolist()):
+            sbox = bl.box(row)
+            part = geo.intersect(sbox, box)
+            if part is None or sbox in seen:
+                continue
+            seen.add(sbox)
+            piece = shards[r][n].reshape(p.local_view(src.mesh))
+            if local is None:
+                local = torch.empty(tuple(hi - lo for lo, hi in box), dtype=piece.dtype)
+            local[_rel(part, box)] = piece[_rel(part, sbox)]
+        out[n] = local.reshape(p.shape if dst is None else dst[n].local_shape(dst.mesh))
     return out
 
 
