@@ -67,12 +67,15 @@ def backend_for(world: int) -> str:
 
 
 def process_device() -> torch.device:
-    """This torch.distributed process's device: its accelerator (``LOCAL_RANK``) under nccl or hccl, the CPU
-    under gloo."""
+    """This process's device: with torch.distributed up, its accelerator under nccl or hccl (``LOCAL_RANK``
+    modulo the devices it sees, as ``runtime.launch`` sets it: a Ray actor sees only its own) and the CPU
+    under gloo; else the first device."""
     import torch.distributed as dist
+    if not dist.is_initialized():
+        return device(0)
     if dist.get_backend() == "gloo":
         return torch.device("cpu")
-    return device(int(os.environ.get("LOCAL_RANK", 0)))
+    return device(int(os.environ.get("LOCAL_RANK", 0)) % max(1, device_count()))
 
 
 def synchronize() -> None:

@@ -523,9 +523,11 @@ def placement(r: Recipe, cfg, dtype):
     return loop.Placement(lays["train_layout"], lays["rollout_layout"], critic=critic)
 
 
-def load_model(r: Recipe, rank: int = 0):
-    """(cfg, params, tokenizer, device) of --model, or a random init of --preset with the built-in tokenizer."""
-    dev = rl_device.device(rank)
+def load_model(r: Recipe):
+    """(cfg, params, tokenizer, device) of --model, or a random init of --preset with the built-in tokenizer, on
+    this process's device (``process_device``: under torchrun on several nodes or on Ray the global rank is no
+    device index)."""
+    dev = rl_device.process_device()
     if dev.type == "cpu":
         rl_device.keep_host_memory()  # activations reuse freed memory instead of fresh pages every step
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[r.dtype]
@@ -545,8 +547,8 @@ def load_model(r: Recipe, rank: int = 0):
 DOCK_TIMEOUT_S = 1800.0  # without --dist-timeout: as long as gloo's collectives wait
 
 
-def build(r: Recipe, rank: int = 0):
-    cfg, params, tok, dev = load_model(r, rank)
+def build(r: Recipe):
+    cfg, params, tok, dev = load_model(r)
     source, reward_fn = prompts_and_reward(r)
     gb = r.prompts_per_step * r.group_size
     mini = r.mini_batch_size or gb
@@ -848,7 +850,7 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
     """The recipe on rank ``rank`` of ``world`` (rank 0 prints and writes the outputs); ``dock``: the
     transfer dock the driver made (None: in memory, one process)."""
     torch.manual_seed(r.seed)
-    cfg, params, tok, source, reward_fn, lcfg, dev = build(r, rank)
+    cfg, params, tok, source, reward_fn, lcfg, dev = build(r)
     interrupt = Interrupt()
     dtype = next(iter(params.values())).dtype
     where = None if world == 1 else placement(r, cfg, dtype)

@@ -18,7 +18,6 @@ Processes are launched by ``rlflow.runtime.launch``.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
@@ -220,9 +219,9 @@ def execute(plan: Plan, shards: dict, state: ex.TrainState | None = None, *, dev
     state = state if state is not None else ex.TrainState()
     if device is None:
         device = next((t.device for t in shards.values()), None)
-        if device is None:
-            from rlflow import device as rd
-            device = rd.device(int(os.environ.get("LOCAL_RANK", rank)) % max(1, _local_devices()))
+        if device is None:  # a rank that holds nothing yet
+            from rlflow.device import process_device
+            device = process_device()
     for part in _partitions(plan):
         new_groups(part)
     outs: dict = {}
@@ -242,7 +241,3 @@ def execute(plan: Plan, shards: dict, state: ex.TrainState | None = None, *, dev
     return outs
 
 
-def _local_devices() -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return 1
