@@ -18,7 +18,6 @@ Processes are launched by ``rlflow.runtime.launch``.
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 
