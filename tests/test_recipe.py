@@ -8,6 +8,7 @@ import sys
 import pytest
 from helpers import recipe_module
 
+from rlflow.models import hf
 from rlflow.runtime.loop import validate_sizes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,11 +102,6 @@ def test_recipe_with_rloo_gspo_and_token_is_runs_and_logs_the_mismatch(tmp_path)
 
 
 
-def _weights(out):
-    from safetensors.torch import load_file
-    return load_file(str(out / "checkpoint-final" / "model.safetensors"))
-
-
 @pytest.mark.slow
 def test_under_torchrun_or_slurm_the_ranks_start_the_dock_and_train_as_a_local_launch_does(tmp_path):
     """torchrun on one node with 2 ranks, on two nodes of one rank each (two torchrun launches joined by a
@@ -134,7 +130,8 @@ def test_under_torchrun_or_slurm_the_ranks_start_the_dock_and_train_as_a_local_l
             assert p.returncode == 0, (name, se[-3000:])
         assert "transfer dock: 2 warehouses" in ends[0][0] and "allgather-swap" in ends[0][0], (name, ends[0][0])
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        got[name] = [r["reward_mean"] for r in rows], _weights(out), rows[-1]["dock_busiest_bytes"]
+        weights = hf.load(str(out / "checkpoint-final"))[1]
+        got[name] = [r["reward_mean"] for r in rows], weights, rows[-1]["dock_busiest_bytes"]
     want_r, want_w, _ = got["local"]
     assert len(want_r) == 3 and (len(set(want_r)) > 1 or want_r[0] > 0), "the rewards must vary to mean something"
     for name in ("one node", "two nodes", "slurm"):

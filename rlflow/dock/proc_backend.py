@@ -203,11 +203,9 @@ def node_dock(schema: Schema, consumers: Sequence[str], *, capacity: int, wareho
         host = reachable_host(os.environ.get("MASTER_ADDR", "127.0.0.1"))
     except OSError as e:
         err = str(e)
+    _all_ok("find its address", err)
     who: list = [None] * world
-    dist.all_gather_object(who, (me, local_rank, host, err))
-    failed = [(r, w[3]) for r, w in enumerate(who) if w[3]]
-    if failed:
-        raise RuntimeError(f"node_dock: rank {failed[0][0]}: {failed[0][1]}")
+    dist.all_gather_object(who, (me, local_rank, host))
     nodes = list(dict.fromkeys(w[0] for w in who))
     firsts = [w[0] for w in who if w[1] == 0]
     bad = [n for n in nodes if firsts.count(n) != 1]
