@@ -10,7 +10,7 @@ same optimizer (AdamW, constant LR, betas 0.9/0.99, grad-norm clip 1.0). Gradien
 precision are off on both.
 
 The two systems alternate step by step (A B B A ...) so that noise from a shared machine falls on both.
-Each timed step is one call of `rlflow.runtime.loop.train(steps=1)` (timed around the call, device
+Each timed step is one call of `rlflow.runtime.loop.train` for one step (timed around the call, device
 synchronized) and one `GRPOTrainer.train()` over one step's prompts (timed from `on_step_begin` to
 `on_step_end`). The figure is the paper's Eq. (5), per system, on the median step time.
 
@@ -254,14 +254,24 @@ def main(argv=None) -> dict:
     rows = {"rlflow": [], "trl": []}
 
     opt_state = None  # carried across steps, as TRL's Trainer keeps its optimizer across train() calls
+    try:  # the run state and the step context (an rlflow snapshot without them: the loop's older call)
+        from rlflow.runtime import state as run_state, step as run_step
+    except ImportError:
+        run_state = None
+    else:
+        state = run_state.init(params, source)
 
     def run_rlflow(i):
-        nonlocal params, opt_state
+        nonlocal params, opt_state, state
         _sync(dev)
         t = time.perf_counter()
-        params, opt_state, hist = loop.train(params, cfg, tok, source, reward_fn,
-                                             dataclasses.replace(lcfg, seed=a.seed + i), device=dev,
-                                             opt_state=opt_state)
+        if run_state is None:
+            params, opt_state, hist = loop.train(params, cfg, tok, source, reward_fn,
+                                                 dataclasses.replace(lcfg, seed=a.seed + i), device=dev,
+                                                 opt_state=opt_state)
+        else:  # one more step (LoopConfig.steps counts the run's steps)
+            state, hist = loop.train(state, run_step.context(cfg, tok, reward_fn, dataclasses.replace(
+                lcfg, seed=a.seed + i, steps=i + 1), device=dev))
         _sync(dev)
         wall = time.perf_counter() - t
         m = hist[0]

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from rlflow.batch import PromptBatch, pad
+from rlflow.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -234,3 +235,15 @@ def prompt_batch(examples: list[Example], tokenizer, *, first_index: int = 0,
     idx = torch.arange(first_index, first_index + len(examples))
     return PromptBatch(prompt_ids_BTp=ids_BT, prompt_mask_BTp=mask_BT, index_B=idx, group_B=idx.clone(),
                        answers=tuple(ex.answer for ex in examples))
+
+
+def check_positions(prompts: PromptBatch, max_new_tokens: int, cfg: ModelConfig) -> None:
+    """Refuse prompts whose tokens plus the response budget exceed the model's ``max_position_embeddings``
+    (rope positions past it were trained on without a word)."""
+    lengths = prompts.prompt_mask_BTp.sum(-1)
+    over = (lengths + max_new_tokens > cfg.max_position_embeddings).nonzero()[:, 0]
+    if len(over):
+        i = int(over[0])
+        raise ValueError(f"prompt {int(prompts.index_B[i])} has {int(lengths[i])} tokens; with max_new_tokens="
+                         f"{max_new_tokens} that exceeds the model's max_position_embeddings="
+                         f"{cfg.max_position_embeddings} (truncate with max_prompt_len)")

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from rlflow.algos import stages
-from rlflow.data import Example, prompt_batch
+from rlflow.data import Example, check_positions, prompt_batch
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import LOCAL, Exec
 from rlflow.rollout import SamplingConfig, generate
@@ -59,7 +59,6 @@ def sample_scores(params, cfg: ModelConfig, tokenizer, examples: list[Example], 
         raise ValueError(f"evaluate: batch_size={batch_size} must be >= 1")
     if not examples:
         raise ValueError("evaluate: no examples")
-    from rlflow.runtime.loop import check_positions  # the runtime may import this module: no import cycle
     scfg = SamplingConfig(max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                           temperature=0.0 if samples == 1 else temperature)
     dev = params["model.embed_tokens.weight"].device

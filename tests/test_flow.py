@@ -16,6 +16,9 @@ from rlflow.models import qwen3_moe
 from rlflow.models.config import get_config
 from rlflow.rollout import SamplingConfig
 from rlflow.runtime import loop
+from rlflow.runtime.hooks import OnStep
+from rlflow.runtime.state import init
+from rlflow.runtime.step import context
 from rlflow.tokenizer import CharTokenizer
 
 
@@ -31,9 +34,9 @@ def _run(dock, **gkw):
                            sampling=SamplingConfig(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id))
     d = None if dock is None else Dock.local(GRPO.schema, GRPO.consumers, capacity=P * G, warehouses=dock, group_size=G)
     # a dense reward (response length) so that groups differ and every step has a gradient
-    params, _, hist = loop.train(params, cfg, tok, PromptSource(task="sum_mod10", seed=1),
-                                 per_sample(lambda resp, ans: len(resp) / 4), lcfg, dock=d)
-    return params, hist, d
+    state = init(params, PromptSource(task="sum_mod10", seed=1), kl=bool(gcfg.kl_coef))
+    state, hist = loop.train(state, context(cfg, tok, per_sample(lambda resp, ans: len(resp) / 4), lcfg, dock=d))
+    return state.policy, hist, d
 
 
 @pytest.mark.parametrize("gkw", [dict(), dict(kl_coef=0.1, epochs=2, loss_agg="seq-mean-token-sum-norm")])
@@ -60,12 +63,13 @@ def test_a_continued_run_keeps_its_optimizer_state_and_lr_warm_up():
                            micro_batch_size=16, optim=optim.AdamWConfig(lr=3e-3), warmup_lr_steps=4,
                            sampling=SamplingConfig(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id))
     reward = per_sample(lambda resp, ans: len(resp) / 4)
-    _, _, h = loop.train(qwen3_moe.init_params(cfg, seed=0), cfg, tok, PromptSource(task="sum_mod10", seed=1),
-                         reward, lcfg)
-    src = PromptSource(task="sum_mod10", seed=1)
+    _, h = loop.train(init(qwen3_moe.init_params(cfg, seed=0), PromptSource(task="sum_mod10", seed=1)),
+                      context(cfg, tok, reward, lcfg))
     two = dataclasses.replace(lcfg, steps=2)
-    half, st, h1 = loop.train(qwen3_moe.init_params(cfg, seed=0), cfg, tok, src, reward, two)
-    half, st, h2 = loop.train(half, cfg, tok, src, reward, two, opt_state=st)
+    half, h1 = loop.train(init(qwen3_moe.init_params(cfg, seed=0), PromptSource(task="sum_mod10", seed=1)),
+                          context(cfg, tok, reward, two))
+    half, h2 = loop.train(half, context(cfg, tok, reward, lcfg))
+    st = half.opt_state
     assert st.step == 4
     assert [m["lr"] for m in h] == pytest.approx([3e-3 * k / 4 for k in (1, 2, 3, 4)])
     assert [m["lr"] for m in h1 + h2] == pytest.approx([m["lr"] for m in h])
@@ -89,19 +93,20 @@ def test_a_nan_reward_skips_the_update_and_repeated_ones_stop_the_run(caplog):
 
     seen = []
     with pytest.raises(loop.NonFiniteError, match="steps 1..3"):
-        loop.train({k: v.clone() for k, v in params.items()}, cfg, tok, PromptSource(task="sum_mod10", seed=1),
-                   per_sample(reward), lcfg, on_step=lambda m: seen.append(m))
+        loop.train(init({k: v.clone() for k, v in params.items()}, PromptSource(task="sum_mod10", seed=1)),
+                   context(cfg, tok, per_sample(reward), lcfg), hooks=[OnStep(seen.append)])
     assert [m["update_skipped"] for m in seen] == [0.0, 1.0, 1.0, 1.0]
     assert [m["bad_rewards"] for m in seen] == [0, 1, P * G, P * G]
     assert f"step 1: non-finite rewards [nan] at sample indices [{P * G + 5}]" in caplog.text  # global index
     # the parameters after the skipped steps are those of step 0's update, finite
     one = dataclasses.replace(lcfg, steps=1)
-    p1, _, _ = loop.train({k: v.clone() for k, v in params.items()}, cfg, tok, PromptSource(task="sum_mod10", seed=1),
-                          per_sample(lambda resp, ans: len(resp) / 4), one)
+    p1 = loop.train(init({k: v.clone() for k, v in params.items()}, PromptSource(task="sum_mod10", seed=1)),
+                    context(cfg, tok, per_sample(lambda resp, ans: len(resp) / 4), one))[0].policy
     calls["n"] = 0
     lcfg2 = dataclasses.replace(lcfg, steps=2)
-    p2, _, h2 = loop.train({k: v.clone() for k, v in params.items()}, cfg, tok, PromptSource(task="sum_mod10", seed=1),
-                           per_sample(reward), lcfg2)
+    s2, h2 = loop.train(init({k: v.clone() for k, v in params.items()}, PromptSource(task="sum_mod10", seed=1)),
+                        context(cfg, tok, per_sample(reward), lcfg2))
+    p2 = s2.policy
     assert h2[1]["update_skipped"] == 1.0
     assert all(torch.equal(p1[k], p2[k]) and torch.isfinite(p2[k]).all() for k in p1)
 
@@ -138,6 +143,7 @@ def test_bf16_training_accumulates_gradients_in_float32(monkeypatch):
     lcfg = loop.LoopConfig(steps=1, prompts_per_step=4, grpo=GRPOConfig(group_size=4), mini_batch_size=16,
                            micro_batch_size=4, optim=optim.AdamWConfig(lr=3e-3),
                            sampling=SamplingConfig(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id))
-    new, _, _ = loop.train(params, cfg, tok, PromptSource(task="sum_mod10", seed=1), per_sample(lambda r, a: len(r) / 4), lcfg)
+    new = loop.train(init(params, PromptSource(task="sum_mod10", seed=1)),
+                     context(cfg, tok, per_sample(lambda r, a: len(r) / 4), lcfg))[0].policy
     assert dtypes == {torch.float32}
     assert all(v.dtype == torch.bfloat16 for v in new.values())

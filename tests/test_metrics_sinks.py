@@ -192,6 +192,8 @@ def test_a_resumed_loop_continues_the_cosine_schedule():
     from rlflow.models.config import get_config
     from rlflow.rollout import SamplingConfig
     from rlflow.runtime import loop
+    from rlflow.runtime.state import init
+    from rlflow.runtime.step import context
     from rlflow.tokenizer import CharTokenizer
     tok = CharTokenizer()
     cfg = get_config("qwen3-moe-tiny").replace(eos_token_id=tok.eos_id)
@@ -201,9 +203,9 @@ def test_a_resumed_loop_continues_the_cosine_schedule():
                            sampling=SamplingConfig(max_new_tokens=2, eos_id=tok.eos_id, pad_id=tok.pad_id))
     reward = lambda resp, ans: [float(len(r)) for r in resp]  # noqa: E731
     src, asked = PromptSource(task="max_digit"), []
-    p, st, h1 = loop.train(qwen3_moe.init_params(cfg, seed=0), cfg, tok, src, reward, lcfg, first_step=0,
+    state, h1 = loop.train(init(qwen3_moe.init_params(cfg, seed=0), src), context(cfg, tok, reward, lcfg),
                            should_stop=lambda: asked.append(1) or len(asked) == 2)
-    _, _, h2 = loop.train(p, cfg, tok, src, reward, dataclasses.replace(lcfg, steps=2), first_step=2, opt_state=st)
+    _, h2 = loop.train(state, context(cfg, tok, reward, lcfg))
     assert [m["step"] for m in h1 + h2] == [0, 1, 2, 3]
     # warm-up 1 step, then cosine over steps 1..3 down to 0.5
     assert [m["lr"] for m in h1 + h2] == pytest.approx([ETA, ETA, ETA * 0.75, ETA * 0.5])

@@ -22,6 +22,9 @@ from rlflow.rewards import per_sample
 from rlflow.rollout import SamplingConfig
 from rlflow.runtime import launch, loop
 from rlflow.runtime.graph import GRPO, PPO, graph_for
+from rlflow.runtime.placement import Placement
+from rlflow.runtime.state import init
+from rlflow.runtime.step import context
 from rlflow.sharding.mesh import Mesh
 from rlflow.tokenizer import CharTokenizer
 
@@ -56,9 +59,9 @@ def full_critic(gae: bool):
 
 def one_process(kl: float, dock=None, gae: bool = False):
     c = full_critic(gae)
-    params, _, hist = loop.train(full_params(), CFG, TOK, PromptSource(task="max_digit", seed=1), per_sample(reward),
-                                 lcfg(kl, gae), dock=dock, critic=c)
-    return [m["reward_mean"] for m in hist], {**params, **({} if c is None else prefixed(c.params))}
+    state, hist = loop.train(init(full_params(), PromptSource(task="max_digit", seed=1), kl=bool(kl), critic=c),
+                             context(CFG, TOK, per_sample(reward), lcfg(kl, gae), dock=dock))
+    return [m["reward_mean"] for m in hist], {**state.policy, **({} if c is None else prefixed(c.params))}
 
 
 def prefixed(critic_params: dict) -> dict:
@@ -72,15 +75,16 @@ def worker(rank: int, world: int, train: str, rollout: str, kl: float, dock, gae
 
     mesh = Mesh.parse(train, world)
     clay = layout(CFG, mesh, dtype=torch.float32, head="value")
-    where = loop.Placement(layout(CFG, mesh, dtype=torch.float32),
+    where = Placement(layout(CFG, mesh, dtype=torch.float32),
                            layout(CFG, Mesh.parse(rollout, world), dtype=torch.float32), critic=clay if gae else None)
     mine = shard_params(full_params(), where.train, rank)
     c = full_critic(gae)
     if c is not None:  # the critic's shards in the train layout, its AdamW state fresh
         c = critics.Critic(params=shard_params(c.params, clay, rank), opt_state=None)
         c.opt_state = optim.init(c.params)
-    params, _, hist = loop.train(mine, CFG, TOK, PromptSource(task="max_digit", seed=1), per_sample(reward),
-                                 lcfg(kl, gae, new_tokens), dock=dock, placement=where, critic=c)
+    state, hist = loop.train(init(mine, PromptSource(task="max_digit", seed=1), kl=bool(kl), critic=c),
+                             context(CFG, TOK, per_sample(reward), lcfg(kl, gae, new_tokens), dock=dock, placement=where))
+    params = state.policy
     whole = lambda head: layout(CFG, Mesh(dp=world), {k: None for k in RULES}, dtype=torch.float32, head=head)  # noqa: E731
     full = gather_full(params, where.train, whole("lm"))
     if c is not None:
@@ -182,9 +186,9 @@ def test_a_layout_pair_the_runtime_cannot_run_is_refused_by_name():
     from rlflow.models.sharding import layout
     lay = lambda s: layout(CFG, Mesh.parse(s, 2), dtype=torch.float32)  # noqa: E731
     with pytest.raises(ValueError, match="rollout layout .*no pp"):
-        loop.Placement(lay("tp=2"), lay("pp=2"))
+        Placement(lay("tp=2"), lay("pp=2"))
     with pytest.raises(ValueError, match="same ranks"):
-        loop.Placement(lay("tp=2"), layout(CFG, Mesh(dp=4), dtype=torch.float32))
+        Placement(lay("tp=2"), layout(CFG, Mesh(dp=4), dtype=torch.float32))
 
 
 # ---- sample routing plans ----
@@ -241,6 +245,6 @@ def test_the_graph_declares_every_stage_and_column_once():
         written = {c for s in g.stages for c in s.writes}
         assert {c for s in g.stages for c in s.reads} <= written  # every column read is produced by a stage
     with pytest.raises(ValueError, match="names columns \\['nope'\\]"):
-        Graph(columns=GRPO.columns, stages=(Stage("x", ("nope",), (), "every", len),))
+        Graph(columns=GRPO.columns, stages=(Stage("x", ("nope",), (), "every"),))
     with pytest.raises(ValueError, match="via must be one of"):
-        Stage("x", (), (), "every", len, via="mail")
+        Stage("x", (), (), "every", via="mail")

@@ -74,7 +74,7 @@ def test_a_tokenizer_without_an_eos_token_is_refused(tmp_path):
 
 def test_prompts_past_max_position_embeddings_are_refused():
     from rlflow.models.config import get_config
-    from rlflow.runtime.loop import check_positions
+    from rlflow.data import check_positions
     tok = CharTokenizer()
     cfg = get_config("qwen3-moe-tiny").replace(max_position_embeddings=12)
     batch = prompt_batch([PromptSource(task="max_digit", seed=0).take(1)[0]], tok)

@@ -40,11 +40,14 @@ import tempfile
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from rlflow import optim
 from rlflow.algos.critic import Critic
 from rlflow.models import hf
 from rlflow.models.config import ModelConfig, keeps_float32
+from rlflow.runtime.weights import full_weights
+from rlflow.sharding.dist import all_reduce
 
 MANIFEST, STATE, ARGS, CRITIC = "manifest.json", "trainer_state.pt", "args.json", "critic.pt"
 _NAME = re.compile(r"^checkpoint-(\d+|final)$")
@@ -179,6 +182,38 @@ def save(root: str, name: str, *, steps_done: int, cfg: ModelConfig, params: dic
     return final
 
 
+def save_state(root: str, name: str, state, *, cfg: ModelConfig, args: dict, tokenizer=None,
+               keep_last: int | None = None, train=None, rank: int = 0, world: int = 1) -> str | None:
+    """Checkpoint ``root/name`` of a run's ``state`` (``runtime.state.RunState``); every rank calls it. In one
+    process (``train`` None) ``save`` writes everything. With several ranks (``train``: the train layout)
+    each writes its own shards (``write_shard``), the weights are gathered for the consolidated export (a
+    collective) and rank 0 writes the rest; returns the path on rank 0, None elsewhere. A rank that cannot
+    write its shards makes every rank raise and nothing is saved."""
+    kw = dict(steps_done=state.steps_done, cfg=cfg, source=state.source, args=args, tokenizer=tokenizer,
+              keep_last=keep_last)
+    if train is None:
+        return save(root, name, params=state.policy, opt_state=state.opt_state, critic=state.critic, **kw)
+    lead = rank == 0
+    got = [begin(root, name) if lead else None]
+    dist.broadcast_object_list(got, src=0)
+    failed = None
+    try:
+        write_shard(got[0], rank, world, params=state.policy, opt_state=state.opt_state, critic=state.critic)
+    except Exception as e:  # noqa: BLE001 -- every rank must still reach the collectives below
+        failed = e
+    full = full_weights(cfg, train, state.policy)
+    if float(all_reduce(torch.tensor([failed is not None], dtype=torch.float64))[0]):  # any rank's file missing
+        if lead:
+            shutil.rmtree(got[0], ignore_errors=True)
+        if failed is not None:
+            raise failed
+        raise CheckpointError(f"{name}: another rank could not write its shards; nothing was saved")
+    if not lead:
+        return None
+    return save(root, name, params=full, opt_state=None, tmp=got[0], **kw,
+                sharded={"world": world, "train_layout": str(train.mesh)})
+
+
 def read_manifest(path: str) -> dict:
     """Checkpoint ``path``'s manifest, its files not checked (``verify`` does)."""
     mpath = os.path.join(path, MANIFEST)
@@ -309,5 +344,5 @@ def find_resumable(root: str) -> tuple[str | None, list[str]]:
     return None, skipped
 
 
-__all__ = ["Checkpoint", "CheckpointError", "begin", "find_resumable", "load", "read_args", "read_manifest", "restore_source", "save",
-           "shard_file", "source_state", "verify", "write_shard"]
+__all__ = ["Checkpoint", "CheckpointError", "begin", "find_resumable", "load", "read_args", "read_manifest",
+           "restore_source", "save", "save_state", "shard_file", "source_state", "verify", "write_shard"]

@@ -1,11 +1,13 @@
-"""The RL iteration as data: each stage declared once, with the dock columns it reads and writes, where
-it runs and its pure function; each column once, with its dtype and the batch field it fills. Two
-iterations: ``GRPO`` (the outcome estimators) and ``PPO`` (a critic and GAE); ``graph_for`` picks one.
+"""The RL iteration as data: each stage declared once, with the dock columns it reads and writes and
+where it runs; each column once, with its dtype and the batch field it fills. Two iterations: ``GRPO``
+(the outcome estimators) and ``PPO`` (a critic and GAE); ``graph_for`` picks one. The step
+(``runtime/step.py``) calls the stages' functions in this order.
 
 Everything that names stages or columns reads this declaration: the dock's schema and consumers
 (``GRPO.schema``, ``GRPO.consumers``), the sample flow's column <-> batch-field mapping (``FIELDS``,
-``runtime/flow.py``), the dock cost model's flow (``GRPO.flow``, ``dock/cost.py``), and the loop (which
-stage runs in which layout). Where a stage runs:
+``runtime/flow.py``), the dock cost model's flow (``GRPO.flow``, ``dock/cost.py``), and the step (the
+mesh each stage's worker group runs on, ``placement.Seats.mesh``, and the columns the train group takes
+from the dock: what its stages read that the rollout group's stages wrote). Where a stage runs:
 
 - ``rollout``: the rollout layout's ranks, each its data-parallel part;
 - ``every``: every rank an equal share of the groups (scoring on the CPU: each rank the share of its
@@ -22,15 +24,11 @@ has one consumer per worker group that takes (``consumers``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from rlflow.algos import critic, estimators, stages
-from rlflow.data import prompt_batch
 from rlflow.dock.cost import Stage as FlowStage
 from rlflow.dock.schema import Column, Schema
-from rlflow.rollout import generate
 
 RUNS_ON = ("rollout", "every", "train")
 VIA = ("memory", "dock")
@@ -42,7 +40,6 @@ class Stage:
     reads: tuple[str, ...]
     writes: tuple[str, ...]
     runs_on: str
-    fn: Callable
     via: str = "memory"
 
     def __post_init__(self):
@@ -125,34 +122,32 @@ FIELDS = {c.name: f for c, f in COLUMNS}  # dock column -> batch field, of every
 _CRITIC = ("scored", "values", "token_advantages", "returns")  # PPO's
 
 _HEAD = (  # the stages every iteration starts with (every rank reads the same prompt stream)
-    Stage("prompts", (), PROMPT, "rollout", prompt_batch),
-    Stage("rollout", PROMPT, ("response_ids", "sample_logprobs"), "rollout", generate),
+    Stage("prompts", (), PROMPT, "rollout"),
+    Stage("rollout", PROMPT, ("response_ids", "sample_logprobs"), "rollout"),
 )
 _LOGPROBS = (
-    Stage("ref_logprob", ROWS, ("ref_logprobs",), "train", stages.batched_logprobs, via="dock"),
-    Stage("old_logprob", ROWS, ("old_logprobs",), "train", stages.batched_logprobs, via="dock"),
+    Stage("ref_logprob", ROWS, ("ref_logprobs",), "train", via="dock"),
+    Stage("old_logprob", ROWS, ("old_logprobs",), "train", via="dock"),
 )
 
 # GRPO and the other outcome estimators (RLOO, REINFORCE++): one advantage per sample, from the rewards
 GRPO = Graph(
     columns=tuple(c for c in COLUMNS if c[0].name not in _CRITIC),
-    stages=_HEAD + (Stage("score", ROWS, ("rewards",), "every", stages.score),
-                    Stage("advantage", ("rewards", "group"), ("advantages",), "every", estimators.advantages),)
+    stages=_HEAD + (Stage("score", ROWS, ("rewards",), "every"),
+                    Stage("advantage", ("rewards", "group"), ("advantages",), "every"),)
     + _LOGPROBS + (Stage("update", ROWS + ("rewards", "advantages", "old_logprobs", "ref_logprobs"), (), "train",
-                         stages.update, via="dock"),),
+                         via="dock"),),
 )
 
 # PPO with a critic: the critic's values in the train layout, GAE there (it needs them), then the policy's
 # and the critic's updates
 PPO = Graph(
     columns=tuple(c for c in COLUMNS if c[0].name != "advantages"),
-    stages=_HEAD + (Stage("score", ROWS, ("rewards", "scored"), "every", stages.score_rows),) + _LOGPROBS + (
-        Stage("values", ROWS, ("values",), "train", critic.batched_values, via="dock"),
-        Stage("gae", ("rewards", "scored", "values"), ("token_advantages", "returns"), "train", estimators.gae,
-              via="dock"),
-        Stage("update", ROWS + ("rewards", "token_advantages", "old_logprobs", "ref_logprobs"), (), "train",
-              stages.update, via="dock"),
-        Stage("critic_update", ROWS + ("scored", "values", "returns"), (), "train", critic.update, via="dock"),
+    stages=_HEAD + (Stage("score", ROWS, ("rewards", "scored"), "every"),) + _LOGPROBS + (
+        Stage("values", ROWS, ("values",), "train", via="dock"),
+        Stage("gae", ("rewards", "scored", "values"), ("token_advantages", "returns"), "train", via="dock"),
+        Stage("update", ROWS + ("rewards", "token_advantages", "old_logprobs", "ref_logprobs"), (), "train", via="dock"),
+        Stage("critic_update", ROWS + ("scored", "values", "returns"), (), "train", via="dock"),
     ),
 )
 

@@ -7,7 +7,9 @@ shards, and the train state (weights, the AdamW moments and float32 masters) goe
 way back (``swap_back``): the train state comes in again and the rollout weights are freed. Nothing
 moves between ranks on the way back: the train state did not change while the rollout ran.
 
-Identical layouts need no transition: ``to_rollout`` hands the train weights to the rollout as they are.
+Identical layouts (and one process) need no transition: ``to_rollout`` hands the policy over as it is.
+The transition owns the train state while the engine generates: ``to_rollout`` takes it out of the run
+state (no caller keeps a reference) and ``to_train`` puts it back.
 Every transition's wall time and bytes (sent and received by this rank) are recorded for the metrics,
 with the ledger's peak for this rank (``sharding.memory``: the plan's bytes of train weights, optimizer
 state, rollout weights and buffers at its worst step) beside the naive transition's (which keeps the
@@ -21,12 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-from rlflow import optim
+from rlflow.algos import critic as critics
+from rlflow.models.config import ModelConfig
+from rlflow.models.sharding import RULES, layout
 from rlflow.sharding import dist as sdist
 from rlflow.sharding.execute import TrainState
 from rlflow.sharding.layout import Layout
 from rlflow.sharding.memory import StateBytes, ledger
-from rlflow.sharding.plan import DEFAULT_BUCKET_BYTES, allgather_swap, swap_back
+from rlflow.sharding.mesh import Mesh
+from rlflow.sharding.plan import DEFAULT_BUCKET_BYTES, allgather_swap, plan, swap_back
 
 
 def same_layout(a: Layout, b: Layout) -> bool:
@@ -43,11 +48,13 @@ class Transition:
 
 
 class Weights:
-    """Moves one rank's actor weights train layout -> rollout layout -> train layout (see the module)."""
+    """Moves one rank's train state train layout -> rollout layout -> train layout (see the module).
+    ``train`` None: one process, nothing moves (``to_rollout`` hands the policy over as it is)."""
 
-    def __init__(self, train: Layout, rollout: Layout, rank: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, train: Layout | None, rollout: Layout | None, rank: int = 0, *,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.train, self.rollout, self.rank = train, rollout, rank
-        self.identity = same_layout(train, rollout)
+        self.identity = train is None or same_layout(train, rollout)
         self.forward = None if self.identity else allgather_swap(train, rollout, bucket_bytes=bucket_bytes)
         self.back = None if self.identity else swap_back(self.forward)
         self.peak = self.naive_peak = 0
@@ -59,35 +66,44 @@ class Weights:
         self.state = TrainState()
         self.out, self.ret = Transition(), Transition()
 
-    def to_rollout(self, params: dict, opt_state: optim.AdamWState) -> dict:
-        """This rank's rollout shards. The train weights and ``opt_state`` are swapped out (owned by this
-        object until ``to_train``)."""
+    def to_rollout(self, run) -> dict:
+        """This rank's rollout shards of ``run``'s policy (a ``runtime.state.RunState``). Unless the layouts
+        are the same, ``run``'s train state (the policy, its optimizer state, and the critic) is swapped out
+        and owned by this object until ``to_train``: ``run.policy`` and ``run.opt_state`` are None meanwhile."""
         if self.identity:
-            return params
-        dev = next(iter(params.values())).device
+            return run.policy
+        dev = next(iter(run.policy.values())).device
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         t0 = time.perf_counter()
-        self.state.optim = opt_state
-        out = sdist.execute(self.forward, dict(params), self.state)
+        self.state.optim = run.opt_state
+        params, run.policy, run.opt_state = run.policy, None, None
+        out = sdist.execute(self.forward, params, self.state)
+        del params
+        if run.critic is not None:  # the critic's train state leaves the device with the policy's
+            critics.swap(run.critic, "cpu")
         self.out = Transition(time.perf_counter() - t0, int(self.forward.bytes_sent()[self.rank]),
                               int(self.forward.bytes_received()[self.rank]))
         if dev.type == "cuda":
             self.device_peak = int(torch.cuda.max_memory_allocated(dev))
         return out
 
-    def to_train(self, rollout_params: dict) -> tuple[dict, optim.AdamWState]:
-        """The train weights and optimizer state back; ``rollout_params`` is emptied (freed)."""
+    def to_train(self, run, rollout_params: dict, device) -> None:
+        """``run``'s train state back on ``device`` (its policy, optimizer state and critic); ``rollout_params``
+        is emptied (freed). Nothing to do for identical layouts."""
         if self.identity:
-            raise RuntimeError("to_train: identical layouts keep the train weights in place (nothing to bring back)")
+            return
         t0 = time.perf_counter()
-        params = sdist.execute(self.back, rollout_params, self.state)
-        opt, self.state.optim = self.state.optim, None
+        run.policy = sdist.execute(self.back, rollout_params, self.state)
+        run.opt_state, self.state.optim = self.state.optim, None
+        if run.critic is not None:
+            critics.swap(run.critic, device)
         self.ret = Transition(time.perf_counter() - t0, 0, 0)
-        return params, opt
 
     def figures(self) -> dict[str, float]:
-        """The step's transition figures for the metrics (this rank's)."""
+        """The step's transition figures for the metrics (this rank's; none in one process)."""
+        if self.train is None:
+            return {}
         out = {"transition_out_s": self.out.seconds, "transition_back_s": self.ret.seconds,
                "transition_sent_bytes": float(self.out.sent), "transition_recv_bytes": float(self.out.recv),
                "transition_peak_bytes": float(self.peak), "transition_naive_peak_bytes": float(self.naive_peak)}
@@ -96,15 +112,22 @@ class Weights:
         return out
 
 
-
-
 def gather_full(tensors: dict, src: Layout, full: Layout) -> dict:
     """Every rank's copy of the whole tensors from its shards ``tensors`` under ``src`` (``full``: the same
     parameters replicated on the same mesh); a collective: every rank calls it (checkpoints)."""
     if same_layout(src, full):
         return dict(tensors)
-    from rlflow.sharding.plan import plan
     return sdist.execute(plan(src, full), dict(tensors))
 
 
-__all__ = ["Transition", "Weights", "gather_full", "same_layout"]
+def full_weights(cfg: ModelConfig, train: Layout, shards: dict) -> dict:
+    """Every rank's copy of the whole policy from its shards ``shards`` of the train layout (a collective)."""
+    if not shards:
+        return {}
+    dt = next(iter(shards.values())).dtype
+    mesh = train.mesh  # the whole model on every rank: no pp stages, nothing split
+    return gather_full(shards, layout(cfg, mesh, dtype=dt), layout(cfg, Mesh(dp=mesh.size), {k: None for k in RULES},
+                                                                   dtype=dt))
+
+
+__all__ = ["Transition", "Weights", "full_weights", "gather_full", "same_layout"]

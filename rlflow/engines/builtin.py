@@ -1,0 +1,38 @@
+"""rlflow's own rollout engine: ``rollout.generate`` (batched, continuous batching, KV cache, pure torch)
+in any tensor / expert parallel layout, through the rank's execution context."""
+
+from __future__ import annotations
+
+from rlflow.batch import PromptBatch, RolloutBatch
+from rlflow.models.config import ModelConfig
+from rlflow.models.execution import LOCAL, Exec
+from rlflow.rollout import SamplingConfig, generate
+
+
+class BuiltinEngine:
+    """Generates with the weights it was last given (``load``), in the layout of ``ex``.
+
+    ``compile_decode``: the decode step through torch.compile (``rollout.generate``); ``record_routes``:
+    the MoE expert choices of every token travel with the rows (Rollout Routing Replay)."""
+
+    def __init__(self, cfg: ModelConfig, sampling: SamplingConfig, *, ex: Exec = LOCAL, compile_decode: bool = False,
+                 record_routes: bool = False):
+        self.cfg, self.sampling, self.ex = cfg, sampling, ex
+        self.compile_decode, self.record_routes = compile_decode, record_routes
+        self._weights = None
+
+    def load(self, weights: dict) -> None:
+        self._weights = weights
+
+    def generate(self, prompts: PromptBatch, *, group_size: int, seed: int) -> RolloutBatch:
+        if self._weights is None:
+            raise RuntimeError("BuiltinEngine.generate: no weights loaded (call load first)")
+        return generate(self._weights, self.cfg, prompts, self.sampling, group_size=group_size, seed=seed,
+                        compile_decode=self.compile_decode, record_routes=self.record_routes, ex=self.ex)
+
+    def release(self) -> dict:
+        weights, self._weights = self._weights, None
+        return weights
+
+
+__all__ = ["BuiltinEngine"]

@@ -1,0 +1,114 @@
+"""The sizes and knobs of a run's loop (``LoopConfig``), checked once here, where they are defined, and the
+features the model or the train layout cannot run (``check_features``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlflow import optim
+from rlflow.algos import critic as critics, grpo
+from rlflow.models.config import ModelConfig
+from rlflow.rollout import SamplingConfig
+
+ROUTING_REPLAY = ("off", "measure", "on")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopConfig:
+    steps: int  # the run's RL steps: a state with steps_done of them has nothing left to do
+    prompts_per_step: int
+    grpo: grpo.GRPOConfig
+    mini_batch_size: int  # samples per optimizer step; global batch = prompts_per_step * group_size
+    micro_batch_size: int  # samples per forward/backward
+    optim: optim.AdamWConfig
+    sampling: SamplingConfig
+    max_grad_norm: float = 1.0
+    router_aux_coef: float = 0.0
+    max_prompt_len: int | None = None
+    warmup_lr_steps: int = 0  # linear LR warm-up over this many steps
+    lr_schedule: str = "constant"  # after the warm-up: constant, cosine or linear decay (optim.lr_at)
+    min_lr_ratio: float = 0.0  # the decay ends at optim.lr * this, on the run's last step
+    log_samples_every: int = 0  # hand rank 0's decoded scored rows to on_samples every N steps (0: never)
+    compile_decode: bool = False  # rollout's decode step through torch.compile (see rollout.generate)
+    seed: int = 0
+    max_bad_steps: int = 3  # this many steps in a row whose updates were all skipped (non-finite) stop the run
+    # MoE Rollout Routing Replay: "off"; "measure": the rollout's expert choices travel with the rows and
+    # the update reports the share of (token, layer) pairs whose top-k differs; "on": the old log-probs and
+    # the update route by them (R3; the reference policy routes freely)
+    routing_replay: str = "off"
+    # fail the run when the trainer's log-probs of the sampled tokens differ from the rollout's by more than
+    # this mean |d| per token (a consistency gate; costs one no-grad forward per step when the old
+    # log-probs are not computed anyway). None: off
+    check_logprobs: float | None = None
+    # PPO with a critic (grpo.adv_estimator "gae"): the critic's optimizer and value clip; None otherwise
+    critic: critics.CriticConfig | None = None
+    # seconds a rank waits in the dock for the step's rows (a lost or hung peer) before the run fails with
+    # dock.DockTimeout; None: no limit
+    dock_timeout_s: float | None = None
+
+    @property
+    def global_batch(self) -> int:
+        return self.prompts_per_step * self.grpo.group_size
+
+    def __post_init__(self):
+        if self.sampling.temperature != self.grpo.temperature:
+            raise ValueError(f"sampling.temperature={self.sampling.temperature} differs from grpo.temperature="
+                             f"{self.grpo.temperature}: the loss would score samples under another distribution")
+        if self.max_bad_steps < 1:
+            raise ValueError(f"max_bad_steps={self.max_bad_steps} must be >= 1")
+        if self.warmup_lr_steps < 0:
+            raise ValueError(f"warmup_lr_steps={self.warmup_lr_steps} must be >= 0")
+        if self.lr_schedule not in optim.LR_SCHEDULES:
+            raise ValueError(f"lr_schedule={self.lr_schedule!r} is not one of {', '.join(optim.LR_SCHEDULES)}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.log_samples_every < 0:
+            raise ValueError(f"log_samples_every={self.log_samples_every} must be >= 0")
+        if self.check_logprobs is not None and not self.check_logprobs >= 0:
+            raise ValueError(f"check_logprobs={self.check_logprobs} must be >= 0")
+        if (self.critic is None) == (self.grpo.adv_estimator == "gae"):
+            raise ValueError(f"critic={self.critic}: adv_estimator={self.grpo.adv_estimator!r} "
+                             + ("needs a CriticConfig (GAE reads a critic's values)" if self.critic is None else
+                                "has no critic (only 'gae' trains one)"))
+        if self.dock_timeout_s is not None and not self.dock_timeout_s > 0:
+            raise ValueError(f"dock_timeout_s={self.dock_timeout_s} must be > 0 (None: no limit)")
+        if self.routing_replay not in ROUTING_REPLAY:
+            raise ValueError(f"routing_replay={self.routing_replay!r}: expected one of {ROUTING_REPLAY}")
+        validate_sizes(steps=self.steps, prompts_per_step=self.prompts_per_step, group_size=self.grpo.group_size,
+                       mini_batch_size=self.mini_batch_size, micro_batch_size=self.micro_batch_size)
+
+
+def validate_sizes(*, steps: int, prompts_per_step: int, group_size: int, mini_batch_size: int,
+                   micro_batch_size: int) -> None:
+    """Every size positive and dividing where it has to; the error names the numbers."""
+    for name, v in dict(steps=steps, prompts_per_step=prompts_per_step, group_size=group_size,
+                        mini_batch_size=mini_batch_size, micro_batch_size=micro_batch_size).items():
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    gb = prompts_per_step * group_size
+    if gb % mini_batch_size:
+        raise ValueError(f"global batch {gb} (= prompts_per_step {prompts_per_step} x group_size {group_size}) "
+                         f"is not divisible by mini_batch_size {mini_batch_size}")
+    if mini_batch_size % micro_batch_size:
+        raise ValueError(f"mini_batch_size {mini_batch_size} is not divisible by micro_batch_size {micro_batch_size}")
+
+
+def check_features(cfg: ModelConfig, train_pp: int, *, routing_replay: str, check_logprobs: float | None,
+                   adv_estimator: str = "grpo") -> None:
+    """``ValueError`` for a ``LoopConfig`` feature the model or the train layout (``train_pp`` stages) cannot run
+    (``train`` checks it; a launcher can before any rank starts)."""
+    if routing_replay != "off" and not cfg.is_moe:
+        raise ValueError(f"routing_replay={routing_replay!r} needs an MoE model; {cfg.model_type} has no routed "
+                         "experts")
+    if routing_replay == "measure" and train_pp > 1:
+        raise ValueError("routing_replay='measure' compares in the update's forward, which a pp layout runs in "
+                         "its schedule: use 'on', or a layout without pp")
+    if check_logprobs is not None and train_pp > 1:
+        raise ValueError("check_logprobs compares on every train rank; a pp layout has the log-probs on its last "
+                         "stage only: use a layout without pp")
+    if adv_estimator == "gae" and train_pp > 1:
+        raise ValueError("adv_estimator='gae': the critic does not run in a pp layout (its value head would sit on "
+                         "the last stage); use a train layout without pp")
+
+
+__all__ = ["LoopConfig", "ROUTING_REPLAY", "check_features", "validate_sizes"]

@@ -1,0 +1,207 @@
+"""One RL step: ``step(state, prompts, ctx) -> (state, StepOut)``, the stage calls and nothing else.
+
+    rollout       the policy's weights into the engine's layout (allgather-swap), generation, the train
+                  state back
+    score         the reward of each response (every rank its share of the rows it holds)
+    advantage     outcome advantages from the rewards (GRPO, RLOO, REINFORCE++), on the same ranks
+    -- the rows cross to the train group through the dock --
+    old / ref     the trainer's log-probs of the sampled tokens (when the update needs them) and the
+                  reference policy's (KL)
+    values, gae   PPO: the critic's values and GAE's per-token advantages
+    update        the policy's optimizer steps (and the critic's)
+
+Where each stage runs and which dock columns it reads is ``runtime/graph.py``; ``StepContext`` holds
+what is fixed for a run (the model config, the reward, the sizes, this rank's seats, the sample flow,
+the weight transition, the engine). The step returns this rank's raw figures (``StepOut``); the loop
+reduces them over the ranks once (``loop.reduce``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from rlflow import optim
+from rlflow.algos import corrections, critic as critics, estimators, stages
+from rlflow.batch import PromptBatch, RolloutBatch
+from rlflow.engines import BuiltinEngine
+from rlflow.models.config import ModelConfig
+from rlflow.models.execution import n_moe_layers
+from rlflow.runtime.flow import DockFlow, MemoryFlow, rollout_share, score_share, train_batch
+from rlflow.runtime.graph import ROUTES, ROWS, Graph, graph_for
+from rlflow.runtime.config import LoopConfig, check_features
+from rlflow.runtime.placement import Placement, Seats, seats
+from rlflow.runtime.state import RunState
+from rlflow.runtime.weights import Weights
+
+log = logging.getLogger("rlflow")
+
+
+@dataclass(frozen=True)
+class StepContext:
+    cfg: ModelConfig
+    tokenizer: object
+    reward_fn: Callable
+    config: LoopConfig
+    device: torch.device
+    seats: Seats
+    graph: Graph
+    flow: DockFlow | MemoryFlow
+    weights: Weights
+    engine: BuiltinEngine
+    update: stages.UpdateConfig  # the policy's mini- / micro-batches per data rank, in the train layout
+    critic_update: stages.UpdateConfig  # the same in the critic's layout
+
+
+@dataclass
+class StepOut:
+    """This rank's figures of one step, before the loop reduces them over the ranks."""
+    counts: dict[str, float]  # prompt_tokens, response_tokens, reward_sum, reward_sq, scored (this rank's rows)
+    times: dict[str, float]  # per stage, and the weight transition's figures
+    update: dict[str, float]  # the update's metrics (global already)
+    lr: float
+    bad_rewards: int  # this rank's non-finite rewards
+    rows: RolloutBatch  # the rows this rank scored, and their rewards (NaN: unscored), for the samples sink
+    rewards: torch.Tensor
+
+
+def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device: torch.device | str = "cpu",
+            dock=None, placement: Placement | None = None) -> StepContext:
+    """The fixed part of a run's steps on this rank. ``dock``: the transfer dock the rows cross from the
+    rollout group to the train group through (``rlflow.dock.Dock``, its consumers ``graph_for(...).consumers``);
+    None hands them over in memory (one process only). ``placement``: the layouts of a world of several ranks
+    (torch.distributed initialised); None: one process, unsharded. Sizes in ``conf`` are global."""
+    graph = graph_for(conf.grpo.adv_estimator)
+    check_features(cfg, 1 if placement is None else placement.train.mesh.pp, routing_replay=conf.routing_replay,
+                   check_logprobs=conf.check_logprobs, adv_estimator=conf.grpo.adv_estimator)
+    if conf.critic is not None and placement is not None and placement.critic is None:
+        raise ValueError("train: a critic over several ranks needs its layout: Placement(critic=...)")
+    if placement is not None and dock is None:
+        raise ValueError("train: a placement over several ranks needs a dock (the stages' rows go through it)")
+    if placement is not None:
+        nd = placement.train.mesh.data_parallel_size
+        for name in ("prompts_per_step", "mini_batch_size", "micro_batch_size"):
+            if getattr(conf, name) % nd:
+                raise ValueError(f"{name} {getattr(conf, name)} is not divisible by the train layout's "
+                                 f"{nd} data-parallel ranks ({placement.train.mesh})")
+        if conf.prompts_per_step % placement.world:
+            raise ValueError(f"prompts_per_step {conf.prompts_per_step} is not divisible by the {placement.world} "
+                             "ranks (each scores an equal share of the groups)")
+    where = seats(placement, cfg)
+    routes = conf.routing_replay != "off"
+    route_dims = (n_moe_layers(cfg), cfg.num_experts_per_tok) if routes else None
+    flow = MemoryFlow() if dock is None else DockFlow(dock, where.rank, where.world, route_dims=route_dims,
+                                                      timeout=conf.dock_timeout_s)
+    nd = where.mesh(graph["update"].runs_on).data_parallel_size
+    ucfg = stages.UpdateConfig(mini_batch_size=conf.mini_batch_size // nd, micro_batch_size=conf.micro_batch_size // nd,
+                               max_grad_norm=conf.max_grad_norm, router_aux_coef=conf.router_aux_coef,
+                               layout=where.train, routing_replay=conf.routing_replay)
+    engine = BuiltinEngine(cfg, conf.sampling, ex=where.rollout_ex, compile_decode=conf.compile_decode,
+                           record_routes=routes)
+    return StepContext(cfg=cfg, tokenizer=tokenizer, reward_fn=reward_fn, config=conf, device=torch.device(device),
+                       seats=where, graph=graph, flow=flow, engine=engine, update=ucfg,
+                       weights=Weights(where.train, None if placement is None else placement.rollout, where.rank),
+                       critic_update=ucfg if placement is None else dataclasses.replace(ucfg, layout=placement.critic))
+
+
+def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunState, StepOut]:
+    """One RL step of ``state`` on the step's ``prompts`` (every rank the same ones); returns the next state
+    (``state`` is donated: its tensors are updated in place) and this rank's figures."""
+    conf, algo, where, flow = ctx.config, ctx.config.grpo, ctx.seats, ctx.flow
+    G, rank, index = algo.group_size, where.rank, state.steps_done
+    clock = _Clock()
+    flow.begin(prompts, G)
+
+    # rollout: the engine generates with the policy's weights in the rollout layout
+    ctx.engine.load(ctx.weights.to_rollout(state))
+    rollout = ctx.engine.generate(rollout_share(prompts, where.mesh(ctx.graph["rollout"].runs_on), rank),
+                                  group_size=G, seed=conf.seed * 1_000_003 + index)
+    ctx.weights.to_train(state, ctx.engine.release(), ctx.device)
+    clock.lap("rollout_time_s")
+
+    # score and advantages: each rank its share of the rows its rollout group holds; then through the dock
+    rows = score_share(rollout, where.mesh(ctx.graph["rollout"].runs_on), rank, G)
+    rewards, scored = stages.score_rows(rows, ctx.tokenizer, ctx.reward_fn)
+    bad = (~torch.isfinite(rewards)).nonzero()[:, 0]
+    if len(bad):  # their groups' advantages, hence the gradient, are non-finite: the update is skipped
+        log.warning("step %d: non-finite rewards %s at sample indices %s; the update is skipped", index,
+                    rewards[bad][:8].tolist(), rows.index_B[bad.to(rows.index_B.device)][:8].tolist())
+    if state.critic is None:
+        adv = estimators.advantages(algo.adv_estimator, rewards.to(ctx.device), rows.group_B,
+                                    scale=algo.scale_rewards, total=where.world_sum, scored_B=scored)
+        flow.put_rows(rows, rewards=rewards.to(ctx.device), advantages=adv)
+    else:  # GAE needs the critic's values: it runs in the train layout
+        flow.put_rows(rows, rewards=rewards.to(ctx.device), scored=scored.to(torch.uint8).to(ctx.device))
+    clock.lap("score_time_s")
+
+    # the train group's rows, and the log-probs (and values) the update reads, on the same rows
+    batch, c = flow.get(ctx.graph.consumers[0], _dock_columns(ctx), where.mesh(ctx.graph["update"].runs_on), rank)
+    mb, ex = ctx.update.micro_batch_size, where.train_ex
+    replay = conf.routing_replay == "on"
+    # with one optimizer step per batch the policy that sampled is the one updated: the update detaches its
+    # own log-probs as the ratio's denominator (exact) instead of a forward here
+    single_update = algo.epochs == 1 and conf.mini_batch_size == conf.global_batch
+    if not single_update or conf.check_logprobs is not None:
+        old = stages.batched_logprobs(state.policy, ctx.cfg, batch, micro_batch_size=mb, temperature=algo.temperature,
+                                      ex=ex, replay=replay)
+        if not single_update:
+            c["old_logprobs"] = old
+        if conf.check_logprobs is not None:
+            corrections.check_logprobs(batch.sample_logprobs_BTr, old, batch.response_mask_BTr, batch.index_B,
+                                       conf.check_logprobs, step=index, total=where.world_sum, gather=where.gather)
+    if state.ref is not None:
+        c["ref_logprobs"] = stages.batched_logprobs(state.ref, ctx.cfg, batch, micro_batch_size=mb,
+                                                    temperature=algo.temperature, ex=ex, replay=False)
+    if state.critic is not None:
+        c["values"] = critics.batched_values(state.critic.params, ctx.cfg, batch, micro_batch_size=mb, ex=ex)
+        c["token_advantages"], c["returns"] = estimators.gae(
+            c["rewards"], c["values"], batch.response_mask_BTr, gamma=algo.gae_gamma, lam=algo.gae_lambda,
+            total=where.train_sum, scored_B=c["scored"])
+    train = train_batch(batch, c)
+    clock.lap("logprob_time_s")
+
+    # the update(s)
+    lr = optim.lr_at(index, conf.steps, conf.optim.lr, conf.warmup_lr_steps, conf.lr_schedule, conf.min_lr_ratio)
+    state.policy, state.opt_state, upd = stages.update(
+        state.policy, state.opt_state, train, ctx.cfg, algo, ctx.update, conf.optim, seed=conf.seed + index, lr=lr,
+        old_is_current=single_update, max_len=conf.sampling.max_new_tokens, ex=ex)
+    if state.critic is not None:
+        upd.update(critics.update(state.critic, train, ctx.cfg, conf.critic, ctx.critic_update, epochs=algo.epochs,
+                                  seed=conf.seed + index, ex=ex))
+    flow.end()  # before the loop's closing collective: no rank puts the next step's rows before the clear
+    clock.lap("update_time_s")
+    state.steps_done += 1
+
+    counts = {"prompt_tokens": float(rows.prompt_mask_BTp.sum()), "response_tokens": float(rows.response_mask_BTr.sum()),
+              "reward_sum": float(rewards.sum()), "reward_sq": float((rewards ** 2).sum()), "scored": float(scored.sum())}
+    return state, StepOut(counts=counts, times={**clock.laps, **ctx.weights.figures()}, update=upd, lr=lr,
+                          bad_rewards=int(len(bad)), rows=rows, rewards=rewards.masked_fill(~scored, float("nan")))
+
+
+def _dock_columns(ctx: StepContext) -> list[str]:
+    """The columns the train group takes from the dock: what its stages read that the rollout group's wrote
+    (the rows themselves, ``graph.ROWS``, always come), and the rollout's expert routes with routing replay."""
+    written = {c for s in ctx.graph.stages if s.runs_on != "train" for c in s.writes}
+    read = [c for s in ctx.graph.stages if s.runs_on == "train" for c in s.reads if c in written]
+    routes = list(ROUTES) if ctx.config.routing_replay != "off" else []
+    return [c for c in dict.fromkeys(read) if c not in ROWS] + routes
+
+
+class _Clock:
+    """Wall time per stage: each ``lap`` records the seconds since the previous one."""
+
+    def __init__(self):
+        self.laps: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name], self._t = now - self._t, now
+
+
+__all__ = ["StepContext", "StepOut", "context", "step"]
