@@ -16,13 +16,13 @@ Scoring (``rlflow.algos.stages``, ``rlflow.rewards``)
     Reward, CombinedReward, load_reward, register_reward, per_sample  reward functions: the registry
                                        ("exact", "math"), a user's file or module, weighted sums, and a
                                        per-sample ``fn(response, answer)`` in the loop's batched form
-Advantages (``rlflow.algos.estimators``, ``rlflow.algos.grpo``)
+Advantages (``rlflow.algos.estimators``, ``rlflow.algos.critic``)
     advantages, ADV_ESTIMATORS         grpo, rloo, reinforce++, reinforce++-baseline (gae: ``gae``)
     group_advantages                   GRPO's (r - group mean) / group std
     gae, Critic, CriticConfig, value_loss  PPO with a critic: per-token GAE, the value model, its loss
 Policy loss (``rlflow.algos.grpo``)
     GRPOConfig, policy_loss            the clipped surrogate (PPO / GSPO ratios, KL, entropy, aggregation)
-Log-probs (``rlflow.algos.stages``)
+Log-probs (``rlflow.models.logprobs``, ``rlflow.algos.stages``)
     response_logprobs, batched_logprobs  log pi(response token | prefix): with grad, and no-grad micro-batched
 Update (``rlflow.algos.stages``, ``rlflow.optim``)
     update, UpdateConfig               epochs x mini-batches of AdamW steps on a TrainBatch
@@ -79,7 +79,7 @@ _EXPORTS = {
     # advantages
     "advantages": ("rlflow.algos.estimators", "advantages"),
     "ADV_ESTIMATORS": ("rlflow.algos.estimators", "ADV_ESTIMATORS"),
-    "group_advantages": ("rlflow.algos.grpo", "group_advantages"),
+    "group_advantages": ("rlflow.algos.estimators", "group_advantages"),
     "gae": ("rlflow.algos.estimators", "gae"),
     "Critic": ("rlflow.algos.critic", "Critic"),
     "CriticConfig": ("rlflow.algos.critic", "CriticConfig"),
@@ -88,7 +88,7 @@ _EXPORTS = {
     "GRPOConfig": ("rlflow.algos.grpo", "GRPOConfig"),
     "policy_loss": ("rlflow.algos.grpo", "policy_loss"),
     # log-probs
-    "response_logprobs": ("rlflow.algos.stages", "response_logprobs"),
+    "response_logprobs": ("rlflow.models.logprobs", "response_logprobs"),
     "batched_logprobs": ("rlflow.algos.stages", "batched_logprobs"),
     # update
     "update": ("rlflow.algos.stages", "update"),

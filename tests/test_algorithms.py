@@ -41,9 +41,9 @@ def test_rloo_hand_computed_and_refuses_singleton_groups():
 def test_reinforce_pp_hand_computed_and_global_over_data_ranks():
     r, g = torch.tensor([1.0, 0.0, 3.0, 2.0]), torch.tensor([0, 0, 1, 1])
     std = torch.tensor([1.0, 0.0, 3.0, 2.0]).std()
-    torch.testing.assert_close(estimators.advantages("reinforce++", r, g), (r - 1.5) / (std + grpo.ADV_EPS))
+    torch.testing.assert_close(estimators.advantages("reinforce++", r, g), (r - 1.5) / (std + estimators.ADV_EPS))
     c = torch.tensor([0.5, -0.5, 0.5, -0.5])  # r - group mean
-    torch.testing.assert_close(estimators.advantages("reinforce++-baseline", r, g), c / (c.std() + grpo.ADV_EPS))
+    torch.testing.assert_close(estimators.advantages("reinforce++-baseline", r, g), c / (c.std() + estimators.ADV_EPS))
     # two data ranks holding halves: with their statistics summed they give the whole batch's advantages
     halves = [slice(0, 2), slice(2, 4)]
     parts = [torch.stack([r[h].double().sum(), r[h].double().square().sum(), torch.tensor(2.0, dtype=torch.float64)])
@@ -223,3 +223,58 @@ def test_mismatch_is_rounding_sized_on_one_float32_path_and_reported_for_a_bfloa
         diffs[name] = float(corrections.mismatch(ro.sample_logprobs_BTr, trainer, ro.response_mask_BTr)["logp_diff_mean"])
     assert diffs["float32"] < 1e-5, diffs
     assert diffs["bfloat16"] > 1e-3 and diffs["bfloat16"] > 100 * diffs["float32"], diffs
+
+
+
+@pytest.fixture
+def registries(monkeypatch):
+    """The estimator and policy-loss registries as they are, restored after the test."""
+    monkeypatch.setattr(estimators, "_ADV_REGISTRY", dict(estimators._ADV_REGISTRY))
+    monkeypatch.setattr(grpo, "_POLICY_LOSS_REGISTRY", dict(grpo._POLICY_LOSS_REGISTRY))
+    for mod, name in ((estimators, "ADV_ESTIMATORS"), (estimators, "OUTCOME_ESTIMATORS"), (grpo, "POLICY_LOSSES")):
+        monkeypatch.setattr(mod, name, getattr(mod, name))
+
+
+def test_a_registered_advantage_estimator_is_used(registries):
+    """A user's estimator (here the reward minus its group's best) is a name of ``GRPOConfig`` and runs
+    through ``advantages``, with the unscored rows and ``min_group`` handled as for the built-in ones."""
+    @estimators.register_adv_est("best-baseline", min_group=3)
+    def best_baseline(rewards_B, group_B, *, scale, total):
+        best = torch.full((int(group_B.max()) + 1,), float("-inf")).scatter_reduce(0, group_B, rewards_B, "amax")
+        return rewards_B - best[group_B]
+
+    assert estimators.OUTCOME_ESTIMATORS[-1] == "best-baseline" and estimators.ADV_ESTIMATORS[-2:] == \
+        ("best-baseline", "gae")
+    assert GRPOConfig(adv_estimator="best-baseline").adv_estimator == "best-baseline"
+    r, g = torch.tensor([1.0, 3.0, 2.0, 0.5, 0.0, 4.0]), torch.tensor([0, 0, 0, 1, 1, 1])
+    assert torch.equal(estimators.advantages("best-baseline", r, g), torch.tensor([-2.0, 0.0, -1.0, -3.5, -4.0, 0.0]))
+    scored = torch.tensor([True, True, True, True, False, True])  # group 1 keeps 2 scored samples, under min_group
+    assert torch.equal(estimators.advantages("best-baseline", r, g, scored_B=scored),
+                       torch.tensor([-2.0, 0.0, -1.0, 0.0, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="already registered"):
+        estimators.register_adv_est("grpo")(best_baseline)
+    with pytest.raises(ValueError, match="advantage estimator 'nope': expected one of"):
+        estimators.advantages("nope", r, g)
+    with pytest.raises(ValueError, match="adv_estimator"):
+        GRPOConfig(adv_estimator="nope")
+
+
+def test_a_registered_policy_loss_is_used(registries):
+    """A user's log-ratio form (here half PPO's) is a name of ``GRPOConfig`` and is what ``policy_loss``
+    clamps, exponentiates and clips."""
+    @grpo.register_policy_loss("half-ppo")
+    def half(logp_BT, old_logp_BT, m_BT):
+        return 0.5 * (logp_BT - old_logp_BT)
+
+    assert grpo.POLICY_LOSSES == ("ppo", "gspo", "gspo-token", "half-ppo")
+    logp, old = torch.tensor([[0.2, -0.4, 1.0]]), torch.zeros(1, 3)
+    mask = torch.tensor([[True, True, False]])
+    cfg = GRPOConfig(policy_loss="half-ppo", clip_low=0.5, clip_high=0.5)
+    loss, met = grpo.policy_loss(logp, old, torch.tensor([1.0]), mask, cfg)
+    ratio = torch.exp(0.5 * logp[0, :2])
+    torch.testing.assert_close(met["ratio_mean"], ratio.mean())
+    torch.testing.assert_close(loss, -ratio.mean())
+    with pytest.raises(ValueError, match="already registered"):
+        grpo.register_policy_loss("ppo")(half)
+    with pytest.raises(ValueError, match="policy_loss"):
+        GRPOConfig(policy_loss="nope")

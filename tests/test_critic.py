@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from rlflow import optim
 from rlflow.algos import critic, estimators, grpo, stages
 from rlflow.batch import TrainBatch
-from rlflow.models import qwen3_moe
+from rlflow.models import logprobs, qwen3_moe
 from rlflow.models.config import VALUE_HEAD, get_config
 from rlflow.models.sharding import layout, model_shapes
 from rlflow.rollout import SamplingConfig
@@ -109,7 +109,7 @@ def test_the_critic_is_the_policy_with_a_value_head():
     v = critic.values(c.params, CFG, b)
     assert v.shape == b.response_mask_BTr.shape and bool((v[~b.response_mask_BTr] == 0).all())
     # the value of response token t reads the state before it: the same as the policy's hidden state there
-    h, _ = stages.sequence_hidden(params, CFG, b)
+    h, _ = logprobs.sequence_hidden(params, CFG, b)
     want = (h[:, b.prompt_ids_BTp.shape[1] - 1:] @ c.params[VALUE_HEAD][0]) * b.response_mask_BTr
     torch.testing.assert_close(v, want)
     torch.testing.assert_close(critic.batched_values(c.params, CFG, b, micro_batch_size=4), v)

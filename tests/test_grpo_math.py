@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlflow.algos import grpo
+from rlflow.algos import estimators, grpo
 from rlflow.algos.grpo import GRPOConfig
 
 floats = st.floats(-100, 100, allow_nan=False, width=32)
@@ -26,7 +26,7 @@ def grouped_rewards(draw):
 @given(grouped_rewards(), st.booleans())
 def test_advantages_zero_mean_per_group(rg, scale):
     r, g = rg
-    a = grpo.group_advantages(r, g, scale=scale)
+    a = estimators.group_advantages(r, g, scale=scale)
     for k in g.unique():
         assert abs(a[g == k].mean().item()) < 1e-3 * (1 + a[g == k].abs().max().item())
 
@@ -36,19 +36,19 @@ def test_advantages_invariant_to_constant_shift_of_a_group(rg, c, scale):
     r, g = rg
     shifted = r.clone()
     shifted[g == g[0]] += c
-    a, b = grpo.group_advantages(r, g, scale=scale), grpo.group_advantages(shifted, g, scale=scale)
+    a, b = estimators.group_advantages(r, g, scale=scale), estimators.group_advantages(shifted, g, scale=scale)
     torch.testing.assert_close(a, b, atol=5e-3, rtol=1e-3)
 
 
 def test_advantages_hand_computed():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0])
     g = torch.tensor([0, 0, 0, 0, 1, 1])
-    a = grpo.group_advantages(r, g)
+    a = estimators.group_advantages(r, g)
     std = math.sqrt(((0.5**2) * 4) / 3)  # unbiased std of [1,0,0,1]
-    expect = torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + grpo.ADV_EPS)
+    expect = torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + estimators.ADV_EPS)
     torch.testing.assert_close(a[:4], expect)
     assert torch.equal(a[4:], torch.zeros(2))  # all-equal group: no signal
-    torch.testing.assert_close(grpo.group_advantages(r, g, scale=False)[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    torch.testing.assert_close(estimators.group_advantages(r, g, scale=False)[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]))
 
 
 @given(st.lists(st.floats(-5, 5, allow_nan=False, width=32), min_size=1, max_size=20),
@@ -136,13 +136,13 @@ def test_a_group_of_equal_rewards_gets_advantages_of_exactly_zero(n_other, G, va
     other = torch.randn(n_other * G, generator=g).to(dtype)
     r = torch.cat([same, other])
     group = torch.cat([torch.zeros(G, dtype=torch.long), 1 + torch.arange(n_other).repeat_interleave(G)])
-    a = grpo.group_advantages(r, group, scale=scale)
+    a = estimators.group_advantages(r, group, scale=scale)
     assert torch.equal(a[:G], torch.zeros(G)), a[:G]
     assert a[G:].abs().sum() > 0  # the other groups are untouched
 
 
 def test_the_documented_equal_rewards_case():
-    a = grpo.group_advantages(torch.full((16,), 123.456), torch.zeros(16, dtype=torch.long))
+    a = estimators.group_advantages(torch.full((16,), 123.456), torch.zeros(16, dtype=torch.long))
     assert torch.equal(a, torch.zeros(16))
 
 

@@ -3,7 +3,7 @@
 import torch
 from helpers import random_prompts
 
-from rlflow.algos import stages
+from rlflow.models import logprobs
 from rlflow.models import qwen3_moe as model
 from rlflow.models.config import get_config
 from rlflow.ops.backends import cpu as cpu_kernels
@@ -20,7 +20,7 @@ def _rollout(cfg, seed=0, P=3, G=4):
 
 def _grads(params, cfg, batch, **kw):
     leaves = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-    lp, ent, _ = stages.response_logprobs(leaves, cfg, batch, with_entropy=True, **kw)
+    lp, ent, _ = logprobs.response_logprobs(leaves, cfg, batch, with_entropy=True, **kw)
     m = batch.response_mask_BTr
     w = torch.linspace(0.5, 1.5, m.numel()).view(m.shape)  # a loss that weights every token differently
     loss = (lp * w * m).sum() + 0.1 * (ent * m).sum()
@@ -48,7 +48,7 @@ def test_shared_prompt_forward_equals_plain_forward(monkeypatch):
                               attention_bias=True, qk_norm=False)
     for cfg in (moe, dense_qwen2):
         params, batch = _rollout(cfg)
-        assert stages._prompt_groups(batch) is not None
+        assert logprobs._prompt_groups(batch) is not None
         lp_s, ent_s, g_s = _grads(params, cfg, batch, with_aux=False)  # shared path
         lp_p, ent_p, g_p = _grads(params, cfg, batch, with_aux=False, remat=True)  # plain path (remat)
         m = batch.response_mask_BTr
@@ -62,7 +62,7 @@ def test_rows_with_different_prompts_in_one_group_use_the_plain_forward():
     cfg = get_config("qwen3-moe-tiny")
     _, batch = _rollout(cfg, seed=1)
     bad = batch.replace(group_B=torch.zeros_like(batch.group_B))  # one "group" over different prompts
-    assert stages._prompt_groups(bad) is None
+    assert logprobs._prompt_groups(bad) is None
 
 
 def test_shared_prompt_forward_with_unequal_groups_short_responses_and_only_real_tokens_routed(monkeypatch):
@@ -83,7 +83,7 @@ def test_shared_prompt_forward_with_unequal_groups_short_responses_and_only_real
                       eos_id=5), group_size=4, seed=seed)
         keep = torch.tensor([0, 4, 5, 6, 7, 9, 10, 12])  # groups of 1, 4, 2 and 1 rows
         batch = ro.select(keep[torch.randperm(len(keep), generator=g)])
-        assert stages._prompt_groups(batch) is not None
+        assert logprobs._prompt_groups(batch) is not None
         monkeypatch.setattr(model, "route", counting_route)
         routed.clear()
         lp_s, ent_s, g_s = _grads(params, cfg, batch, with_aux=False)

@@ -6,7 +6,8 @@ from helpers import random_prompts
 
 from rlflow import optim
 from rlflow.algos import stages
-from rlflow.algos.grpo import GRPOConfig, group_advantages
+from rlflow.algos.estimators import group_advantages
+from rlflow.algos.grpo import GRPOConfig
 from rlflow.batch import TrainBatch, extend
 from rlflow.models import qwen3_moe as model
 from rlflow.models.config import get_config

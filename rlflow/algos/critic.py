@@ -27,6 +27,7 @@ from rlflow.algos import grpo, stages
 from rlflow.batch import RolloutBatch, TrainBatch
 from rlflow.models.config import LM_HEAD, VALUE_HEAD, ModelConfig
 from rlflow.models.execution import LOCAL, Exec
+from rlflow.models.logprobs import sequence_hidden
 from rlflow.sharding.execute import to_device, to_host
 
 
@@ -76,7 +77,7 @@ def values(params, cfg: ModelConfig, batch: RolloutBatch, *, remat: bool = False
     MoE layers freely: routing replay is the policy's)."""
     if not (ex.first and ex.last):
         raise ValueError("critic.values: the critic does not run in a pipeline (pp) layout")
-    h, _ = stages.sequence_hidden(params, cfg, batch, remat=remat, ex=ex)
+    h, _ = sequence_hidden(params, cfg, batch, remat=remat, ex=ex)
     v = F.linear(h[:, batch.prompt_ids_BTp.shape[1] - 1:], params[VALUE_HEAD])[..., 0].float()
     return v * batch.response_mask_BTr
 

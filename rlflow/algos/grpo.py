@@ -1,4 +1,5 @@
-"""GRPO as pure functions: group advantages, KL estimators, the clipped policy loss, loss aggregation.
+"""GRPO as pure functions: its config, KL estimators, the clipped policy loss with its registry of ratio
+forms, loss aggregation (the advantages are ``estimators``').
 
 Legend: B samples, T response tokens (right-padded), mask_BT True on real response tokens.
 Variants are knobs of ``GRPOConfig``: Dr.GRPO (``scale_rewards=False``, ``loss_agg="seq-mean-token-sum-norm"``),
@@ -8,18 +9,23 @@ DAPO (``clip_high > clip_low``, ``loss_agg="token-mean"``), dual clip (``dual_cl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-ADV_EPS = 1e-6  # added to the group std: (r - mean) / (std + ADV_EPS)
+from rlflow.algos import corrections, estimators
+
 KL_CLAMP = 10.0  # low_var_kl is clamped to [-KL_CLAMP, KL_CLAMP]
 # log-ratios enter exp() clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] (verl's bound): beyond float32's
 # range exp() overflows and the gradient turns NaN even where the loss itself is finite
 LOG_RATIO_CLAMP = 20.0
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-POLICY_LOSSES = ("ppo", "gspo", "gspo-token")
+# name -> log-ratio form, in registration order (the built-in ones below, then a user's); POLICY_LOSSES
+# is rebuilt by every registration
+_POLICY_LOSS_REGISTRY: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {}
+POLICY_LOSSES: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +62,6 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.loss_agg={self.loss_agg!r}: expected one of {LOSS_AGGS}")
         if not self.temperature > 0:
             raise ValueError(f"GRPOConfig.temperature must be > 0 (log-probs divide by it), got {self.temperature}")
-        from rlflow.algos import corrections, estimators  # they build on this module
         for name, v, ok in (("adv_estimator", self.adv_estimator, estimators.ADV_ESTIMATORS),
                             ("rollout_is", self.rollout_is, corrections.IS_LEVELS),
                             ("rollout_is_mode", self.rollout_is_mode, corrections.IS_MODES)):
@@ -76,30 +81,6 @@ class GRPOConfig:
                              "token-level advantages")
         if self.epochs < 1:
             raise ValueError(f"GRPOConfig.epochs must be >= 1, got {self.epochs}")
-
-
-def group_advantages(rewards_B: Tensor, group_B: Tensor, *, scale: bool = True, eps: float = ADV_EPS) -> Tensor:
-    """GRPO outcome advantages, one per sample, normalized within its group g:
-
-        A_i = (r_i - mean_g(r)) / (std_g(r) + eps)      (scale=True; std is the unbiased sample std)
-        A_i =  r_i - mean_g(r)                          (scale=False: Dr.GRPO)
-
-    A group whose rewards are all equal gets advantages of exactly 0 (in floating point the mean need
-    not equal the common value, and dividing its rounding error by std + eps would amplify it).
-    """
-    _, inv = torch.unique(group_B, return_inverse=True)
-    n_groups = int(inv.max()) + 1 if inv.numel() else 0
-    r = rewards_B.float()
-    count = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inv, torch.ones_like(r))
-    mean = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inv, r) / count
-    hi = torch.full((n_groups,), float("-inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, inv, r, "amax")
-    lo = torch.full((n_groups,), float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, inv, r, "amin")
-    centered = torch.where((hi == lo)[inv], torch.zeros_like(r), r - mean[inv])
-    if not scale:
-        return centered
-    var = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inv, centered**2)
-    std = (var / (count - 1).clamp_min(1)).sqrt()
-    return centered / (std[inv] + eps)
 
 
 def kl_penalty(logp_BT: Tensor, ref_logp_BT: Tensor, estimator: str) -> Tensor:
@@ -143,13 +124,52 @@ def aggregate(loss_BT: Tensor, mask_BT: Tensor, mode: str, *, n_tokens: float | 
     raise ValueError(f"loss_agg {mode!r}: expected one of {LOSS_AGGS}")
 
 
+def register_policy_loss(name: str):
+    """Decorator: ``fn(logp_BT, old_logp_BT, m_BT) -> log_rho_BT`` becomes the policy loss ``name`` of
+    ``GRPOConfig.policy_loss``: the log importance ratio of each token (``m_BT``: the float mask) that ``policy_loss``
+    clamps, exponentiates and clips, as verl's ``register_policy_loss`` (there the whole loss; here the
+    ratio's form, the clipping, KL, entropy and aggregation being ``GRPOConfig``'s). ``POLICY_LOSSES`` is
+    rebuilt (names imported from here before keep the old tuple)."""
+    def deco(fn):
+        global POLICY_LOSSES
+        if name in _POLICY_LOSS_REGISTRY:
+            raise ValueError(f"register_policy_loss: policy loss {name!r} is already registered")
+        _POLICY_LOSS_REGISTRY[name] = fn
+        POLICY_LOSSES = tuple(_POLICY_LOSS_REGISTRY)
+        return fn
+    return deco
+
+
+@register_policy_loss("ppo")
+def _ppo(logp_BT: Tensor, old_logp_BT: Tensor, m_BT: Tensor) -> Tensor:
+    """Per token: logp - old_logp."""
+    return logp_BT - old_logp_BT
+
+
+def _seq_log_ratio(logp_BT: Tensor, old_logp_BT: Tensor, m_BT: Tensor) -> Tensor:
+    """mean_t(logp - old_logp) over each sequence's real tokens [B, 1]."""
+    return ((logp_BT - old_logp_BT) * m_BT).sum(-1, keepdim=True) / m_BT.sum(-1, keepdim=True).clamp_min(1)
+
+
+@register_policy_loss("gspo")
+def _gspo(logp_BT: Tensor, old_logp_BT: Tensor, m_BT: Tensor) -> Tensor:
+    """Per sequence: the sequence's mean log-ratio on each of its tokens."""
+    return _seq_log_ratio(logp_BT, old_logp_BT, m_BT).expand_as(logp_BT)
+
+
+@register_policy_loss("gspo-token")
+def _gspo_token(logp_BT: Tensor, old_logp_BT: Tensor, m_BT: Tensor) -> Tensor:
+    """The sequence's value, each token's gradient."""
+    return _seq_log_ratio(logp_BT, old_logp_BT, m_BT).detach() + logp_BT - logp_BT.detach()
+
+
 def policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv: Tensor, mask_BT: Tensor, cfg: GRPOConfig, *,
                 ref_logp_BT: Tensor | None = None, entropy_BT: Tensor | None = None,
                 n_tokens: float | None = None, n_seqs: float | None = None,
                 max_len: int | None = None, is_weights_BT: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate with optional dual clip, KL and entropy terms, per token then aggregated:
 
-        rho = exp(clamp(log_rho, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), with log_rho
+        rho = exp(clamp(log_rho, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), with log_rho (``register_policy_loss``)
               = logp - old_logp                               (ppo: per token)
               = mean_t(logp - old_logp)                       (gspo: per sequence; GSPO, Zheng et al. 2025)
               = sg[mean_t(logp - old_logp)] + logp - sg[logp] (gspo-token: the sequence's value, the
@@ -166,11 +186,10 @@ def policy_loss(logp_BT: Tensor, old_logp_BT: Tensor, adv: Tensor, mask_BT: Tens
         raise ValueError(f"policy_loss: advantages of shape {tuple(adv.shape)}; expected [B] {tuple(logp_BT.shape[:1])} "
                          f"or [B, T] {tuple(logp_BT.shape)}")
     A = (adv if adv.dim() == 2 else adv[:, None]).to(logp_BT.dtype)
+    if cfg.policy_loss not in _POLICY_LOSS_REGISTRY:
+        raise ValueError(f"policy_loss {cfg.policy_loss!r}: expected one of {POLICY_LOSSES}")
     m = mask_BT.float()
-    log_rho = logp_BT - old_logp_BT
-    if cfg.policy_loss != "ppo":
-        seq = (log_rho * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp_min(1)
-        log_rho = seq.expand_as(logp_BT) if cfg.policy_loss == "gspo" else seq.detach() + logp_BT - logp_BT.detach()
+    log_rho = _POLICY_LOSS_REGISTRY[cfg.policy_loss](logp_BT, old_logp_BT, m)
     ratio = torch.exp(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     pg1 = -A * ratio
     pg2 = -A * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)

@@ -1,7 +1,7 @@
 """The training-side glue of a layout: one rank's log-probs, and its forward and backward over micro-batches
 through the pipeline schedule (``pp.run``), with the loss counted once over tp.
 
-The forward is ``stages.response_logprobs`` of the one model with the rank's execution context
+The forward is ``logprobs.response_logprobs`` of the one model with the rank's execution context
 (``parallel.context.LayoutExec``): a pipeline stage other than the last returns its hidden states, the
 last stage the log-probs. Legend: B batch, Tp / Tr prompt / response tokens, D model dim.
 """
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlflow.algos import stages
+from rlflow.models import logprobs
 from rlflow.parallel import pp
 from rlflow.parallel.context import LayoutExec
 
@@ -30,12 +30,12 @@ class PPStageOut:
 
 def pp_stage_forward(params, ctx: LayoutExec, batch, h_in: Tensor | None = None, *, temperature: float = 1.0,
                      with_entropy: bool = False, remat: bool = False, replay: bool = True) -> PPStageOut:
-    """This rank's stage of ``stages.response_logprobs`` on ``batch`` (every stage gets the batch; stage 0
+    """This rank's stage of ``logprobs.response_logprobs`` on ``batch`` (every stage gets the batch; stage 0
     embeds the ids, later stages start from ``h_in``; the last stage returns the log-probs). ``replay``:
-    a batch's rollout routes are replayed (``stages.response_logprobs``)."""
-    out, ent, aux = stages.response_logprobs(params, ctx.cfg, batch, temperature=temperature,
-                                             with_entropy=with_entropy, remat=remat, with_aux=True, ex=ctx,
-                                             h_in=h_in, replay=replay)
+    a batch's rollout routes are replayed (``logprobs.response_logprobs``)."""
+    out, ent, aux = logprobs.response_logprobs(params, ctx.cfg, batch, temperature=temperature,
+                                               with_entropy=with_entropy, remat=remat, with_aux=True, ex=ctx,
+                                               h_in=h_in, replay=replay)
     if not ctx.last:
         return PPStageOut(h=out, aux=aux)
     return PPStageOut(logprobs=out, entropy=ent, aux=aux)
@@ -43,12 +43,12 @@ def pp_stage_forward(params, ctx: LayoutExec, batch, h_in: Tensor | None = None,
 
 def response_logprobs(params, ctx: LayoutExec, batch, *, temperature: float = 1.0, with_entropy: bool = False,
                       remat: bool = False, with_aux: bool = True) -> tuple[Tensor, Tensor | None, Tensor]:
-    """``stages.response_logprobs`` in a layout without pp: (log-probs, entropy, router aux mean)."""
+    """``logprobs.response_logprobs`` in a layout without pp: (log-probs, entropy, router aux mean)."""
     if ctx.pp_stages != 1:
         raise ValueError(f"response_logprobs runs one stage; {ctx.layout.mesh} has pp={ctx.pp_stages} "
                          "(use forward_backward's pipeline)")
-    return stages.response_logprobs(params, ctx.cfg, batch, temperature=temperature, with_entropy=with_entropy,
-                                    remat=remat, with_aux=with_aux, ex=ctx)
+    return logprobs.response_logprobs(params, ctx.cfg, batch, temperature=temperature, with_entropy=with_entropy,
+                                      remat=remat, with_aux=with_aux, ex=ctx)
 
 
 def _pipe_kw(ctx: LayoutExec, params, micro_batches) -> dict:
@@ -83,7 +83,7 @@ def forward_backward(params, ctx: LayoutExec, micro_batches: list, loss_fn: Call
     params: this rank's shards as leaves that require grad. ``loss_fn(logprobs_BTr, entropy_BTr, mb)``:
     micro-batch ``mb``'s scalar loss with the normalizers of the whole batch (see ``dp``).
     ``aux_weights[m]``: weight of micro-batch m's router aux loss (mean over the MoE layers, as
-    ``stages.response_logprobs`` returns it), e.g. ``coef * b_m / B``; each stage adds its layers' part.
+    ``logprobs.response_logprobs`` returns it), e.g. ``coef * b_m / B``; each stage adds its layers' part.
     Returns (this rank's loss terms, summed; gradients of ``params``, not yet reduced over dp / ep; see
     ``dp.all_reduce_grads`` and ``total_loss``)."""
     for t in params.values():

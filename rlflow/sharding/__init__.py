@@ -5,16 +5,18 @@
     layout.py     Layout = mesh + spec per param + pp stage; Layout.build from logical-dim rules
     geometry.py   shard boxes and exact point-to-point pieces, from shapes alone
     strategy.py   per-parameter choice: slice / all_gather / broadcast / p2p, with the cost model
-    plan.py       plan(src, dst), allgather_swap, swap_back; ``python -m rlflow.sharding.plan``
+    plan.py       plan(src, dst), allgather_swap, swap_back
     memory.py     per-rank ledger: train weights, grads, optimizer state, rollout weights, buffers
     execute.py    simulated executor (the reference), reference slicing, TrainState
-    dist.py       torch.distributed executor, process groups, local process launcher
+    dist.py       torch.distributed executor, process groups
+    cli.py        ``python -m rlflow.sharding.cli``: plan a named model's transition from mesh specs, print it
 """
 
 import importlib
 
-# Lazy exports (PEP 562), so ``python -m rlflow.sharding.plan`` does not import plan.py twice. The
-# function ``plan`` is not exported here: ``rlflow.sharding.plan`` is its module; import it from there.
+# Lazy exports (PEP 562), so importing one module of the package imports no other (a mesh stays pure
+# data, tests/test_layering.py). The function ``plan`` is not exported here: ``rlflow.sharding.plan`` is
+# its module; import it from there.
 _EXPORTS = {
     "Mesh": "mesh", "AXES": "mesh", "P": "spec", "Layout": "layout", "ParamLayout": "layout",
     "Logical": "layout", "Plan": "plan", "Bucket": "plan", "Step": "plan",

@@ -1,4 +1,4 @@
-"""``python -m rlflow.sharding.plan``: plan a train -> rollout transition of a named model from mesh
+"""``python -m rlflow.sharding.cli``: plan a train -> rollout transition of a named model from mesh
 specs alone, and print the steps, the bytes each rank moves and the peak memory per rank with
 allgather-swap and with the naive transition. The last line is one JSON object."""
 
@@ -34,7 +34,7 @@ def _stats(a: np.ndarray) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from rlflow.models.sharding import layout, model_shapes
-    ap = argparse.ArgumentParser(prog="python -m rlflow.sharding.plan", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m rlflow.sharding.cli", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="qwen2.5-7b, qwen2.5-32b, qwen3-moe-30b-a3b, "
                     "deepseek-r1-671b, qwen3-moe-tiny, deepseek-tiny ...")

@@ -25,7 +25,7 @@ from rlflow.sharding import execute as ex
 from rlflow.sharding.plan import COLLECTIVES, Bucket, Plan
 
 _GROUPS: dict[tuple, object] = {}
-# torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single; the project allows >= 2.4.
+# torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single; the project allows torch >= 2.5.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 

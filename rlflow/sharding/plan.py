@@ -12,7 +12,7 @@ buffer), ``slice b`` (copy each destination shard out), ``swap_out train b`` (al
 ``free tmp b``. The way back (``swap_back``) is ``swap_in train``, ``free rollout``, ``swap_in grads``,
 ``swap_in optim``: the train state never changed on the host, so nothing moves between ranks.
 
-Run ``python -m rlflow.sharding.plan --help`` for the command line.
+Run ``python -m rlflow.sharding.cli --help`` for the command line.
 """
 
 from __future__ import annotations
@@ -259,9 +259,3 @@ def swap_back(forward: Plan) -> Plan:
              Step("swap_in", None, "optim"))
     return Plan(src=forward.dst, dst=forward.src, kind="swap_back", buckets=(), steps=steps,
                 bucket_bytes=forward.bucket_bytes)
-
-
-if __name__ == "__main__":
-    from rlflow.sharding.cli import main
-
-    raise SystemExit(main())
