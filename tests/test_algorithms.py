@@ -225,7 +225,6 @@ def test_mismatch_is_rounding_sized_on_one_float32_path_and_reported_for_a_bfloa
     assert diffs["bfloat16"] > 1e-3 and diffs["bfloat16"] > 100 * diffs["float32"], diffs
 
 
-
 @pytest.fixture
 def registries(monkeypatch):
     """The estimator and policy-loss registries as they are, restored after the test."""
