@@ -1,4 +1,4 @@
-"""``python -m rlflow.sharding.timing``: run an allgather-swap transition (and its way back) of a named
+"""``python bench/transition_timing.py``: run an allgather-swap transition (and its way back) of a named
 model on local processes with real collectives, and time it.
 
 Every rank builds its train shards (random bf16), then runs the plan ``--repeat`` times after one
@@ -66,7 +66,7 @@ def _worker(rank: int, world: int, model: str, src: str, dst: str, repeat: int, 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rlflow.sharding.timing", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python bench/transition_timing.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-moe-0.5b")
     ap.add_argument("--world", type=int, default=4)
