@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor; the project allows torch >= 2.5.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from rlflow.sharding.dist import all_gather_single, reduce_scatter_single
+
+# module names, so that a benchmark can time them (bench/decode_tp.py)
+_all_gather_single, _reduce_scatter_single = all_gather_single, reduce_scatter_single
 
 
 def group_size(group) -> int:

@@ -25,8 +25,10 @@ from rlflow.sharding import execute as ex
 from rlflow.sharding.plan import COLLECTIVES, Bucket, Plan
 
 _GROUPS: dict[tuple, object] = {}
-# torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single; the project allows torch >= 2.5.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (deprecated) to all_gather_single /
+# reduce_scatter_single; the project allows torch >= 2.5. One shim for both executors and the model's collectives.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _key(ranks) -> tuple:
@@ -105,7 +107,7 @@ def all_gather_rows(t: torch.Tensor, group=None) -> torch.Tensor:
     from rlflow.device import process_device
     x = t.to(process_device(), copy=True).reshape(-1)
     out = x.new_empty(dist.get_world_size(group) * x.numel())
-    _all_gather_single(out, x, group=group)
+    all_gather_single(out, x, group=group)
     return out.view(-1, x.numel()).to(t.device)
 
 
@@ -143,7 +145,7 @@ def _gather(plan: Plan, b: Bucket, rank: int, shards: dict, device):
     i = grp.index(rank)
     ex.pack(plan, mine, shards, rank, device, out=out[i * n:(i + 1) * n])
     if len(grp) > 1:  # in place: the input is this rank's slot of the output
-        _all_gather_single(out, out[i * n:(i + 1) * n], group=group(grp))
+        all_gather_single(out, out[i * n:(i + 1) * n], group=group(grp))
     return segs, out
 
 
