@@ -108,6 +108,7 @@ def test_the_restart_loop_resumes_from_this_runs_newest_checkpoint_and_gives_up_
     the newest checkpoint this run wrote (not an earlier run's left in --out by --overwrite), the K + 1-th loss
     ends the run naming the rank, and a failure that is not a lost rank is not retried."""
     recipe = recipe_module()
+    from rlflow.recipe import driver  # run_on_ray's module: the make_dock it calls
     from rlflow.runtime import launch
     out = tmp_path / "run"
     _checkpoint(out, "checkpoint-000008")  # an earlier run's
@@ -120,7 +121,7 @@ def test_the_restart_loop_resumes_from_this_runs_newest_checkpoint_and_gives_up_
 
         def close(self):
             self.closed = True
-    monkeypatch.setattr(recipe, "make_dock", lambda r, capacity: docks.append(FakeDock()) or docks[-1])
+    monkeypatch.setattr(driver, "make_dock", lambda r, capacity: docks.append(FakeDock()) or docks[-1])
 
     def lose_rank_1(fn, world, attempt, dock, **kw):
         resumed.append(attempt.resume)

@@ -1,0 +1,253 @@
+"""The checks that refuse a value by its flag before anything runs: each returns (field, why) pairs, which
+``parse_args`` turns into one argparse line, ``--field value: why``. A rule is checked once, where its config
+is defined: the rules of the configs the flags make (``GRPOConfig``, ``AdamWConfig``, ``SamplingConfig``,
+``CriticConfig``, ``loop.LoopConfig``: their ``__post_init__``) are theirs, and ``config_problems`` builds them
+and maps their ValueErrors onto the flags; the rules here are the ones no config owns."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import TYPE_CHECKING
+
+from rlflow import metrics, rewards
+from rlflow.data import PromptSource, apply_chat_template, load_examples
+from rlflow.recipe.pieces import (chat_template, critic_config, grpo_config, loop_config, mesh_of, optim_config,
+                                  reward_specs, reward_weights, sampling_config)
+
+if TYPE_CHECKING:  # the flags' module imports this one
+    from rlflow.recipe.flags import Recipe
+
+
+def started_problems(r: Recipe, world: int) -> list[tuple[str, str]]:
+    """(field, why) for what a rank of a torchrun / Slurm world of ``world`` ranks cannot run with."""
+    out = []
+    if r.world != world:
+        out.append(("world", f"torchrun / Slurm started {world} ranks"))
+    if r.launcher == "ray":
+        out.append(("launcher", "this process is already one rank of a torchrun / Slurm world"))
+    if r.max_restarts:
+        out.append(("max_restarts", "the ranks are not Ray actors under torchrun / Slurm (torchrun has its own "
+                                    "--max-restarts)"))
+    if r.world > 1 and r.dock_backend in ("ray", "local"):
+        out.append(("dock_backend", "under torchrun / Slurm the dock is procs: its servers run on the ranks' nodes"))
+    return out
+
+
+GAE_FLAGS = ("gae_gamma", "gae_lambda", "critic_lr", "value_clip")
+
+
+def problems(r: Recipe) -> list[tuple[str | None, str]]:
+    """(field, why) for every value the recipe cannot run with; a size of 0 is refused, never replaced by a
+    default. The configs' own rules come from ``config_problems``."""
+    out = []
+    for name in ("steps", "prompts_per_step", "world"):
+        if getattr(r, name) < 1:
+            out.append((name, "must be >= 1"))
+    for name in ("mini_batch_size", "micro_batch_size", "max_prompt_len", "dock"):
+        if getattr(r, name) is not None and getattr(r, name) < 1:
+            out.append((name, "must be >= 1 (leave it out for the default)"))
+    for name in ("kl_coef", "entropy_coef", "weight_decay", "save_every", "keep_last"):
+        if getattr(r, name) < 0:
+            out.append((name, "must be >= 0"))
+    if not r.max_grad_norm > 0:
+        out.append(("max_grad_norm", "must be > 0"))
+    if 0 < r.min_lr_ratio <= 1 and r.lr_schedule == "constant":  # its range is LoopConfig's
+        out.append(("min_lr_ratio", "needs --lr-schedule cosine or linear (constant does not decay)"))
+    for name in GAE_FLAGS:  # their ranges are GRPOConfig's, AdamWConfig's and CriticConfig's
+        if getattr(r, name) is not None and r.adv_estimator != "gae":
+            out.append((name, "needs --adv-estimator gae (only PPO's GAE has a critic)"))
+    if (r.save_every or r.resume == "auto") and not r.out:
+        out.append(("save_every" if r.save_every else "resume", "needs --out (where checkpoints go)"))
+    if r.world > 1 and r.dock == 0:
+        out.append(("dock", "must be >= 1 with --world > 1 (the stages' rows go through the dock)"))
+    if r.world > 1 and r.dock_backend == "local":
+        out.append(("dock_backend", "local keeps the dock in one process; with --world > 1 use procs or ray"))
+    if r.launcher == "ray" and r.dock_backend == "procs":
+        out.append(("dock_backend", "procs serves local processes; the Ray launcher's ranks use --dock-backend ray"))
+    if r.max_restarts < 0:
+        out.append(("max_restarts", "must be >= 0"))
+    elif r.max_restarts and r.launcher != "ray":
+        out.append(("max_restarts", "needs --launcher ray (a local run stops when a rank is lost; continue it with "
+                                    "--resume auto)"))
+    elif r.max_restarts and r.world == 1:
+        out.append(("max_restarts", "needs --world > 1 (one rank runs in this process, not as a Ray actor)"))
+    elif r.max_restarts and not (r.out and r.save_every):
+        out.append(("max_restarts", "needs --out and --save-every N (a restart resumes from the newest checkpoint)"))
+    if r.world == 1 and (r.train_layout or r.rollout_layout):
+        out.append(("train_layout" if r.train_layout else "rollout_layout", "needs --world > 1"))
+    out += config_problems(r)
+    if r.world > 1 and not out:
+        for name, spec in (("train_layout", r.train_layout), ("rollout_layout", r.rollout_layout)):
+            try:
+                mesh_of(r, spec, name)
+            except ValueError as e:
+                out.append((name, str(e)))
+    return out + log_problems(r) + data_problems(r) + eval_problems(r)
+
+
+# a config field its ValueError names: qualified (GRPOConfig.group_size, GRPOConfig.clip_low/clip_high,
+# sampling.temperature) or bare before its value (LoopConfig's min_lr_ratio=1.5)
+_NAMED = re.compile(r"\b[A-Za-z_]\w*\.(?P<q>[a-z_]\w*(?:/[a-z_]\w*)*)|(?<![\w.(])(?P<b>[a-z_]\w*)(?==)")
+
+
+def flagged(r: Recipe, e: ValueError, renames: dict[str, str] | None = None) -> tuple[str | None, str]:
+    """(field, why) of a config's ValueError: the config fields it names become the flags (``renames``: a
+    config field that holds another flag's value, e.g. LoopConfig's dock_timeout_s is --dist-timeout); the
+    field is the first one named, and a leading ``field=value`` leaves the message (the line starts with
+    ``--field value:``). None: the message names no flag, or several at once (``clip_low/clip_high``): the
+    line is the message itself."""
+    renames = renames or {}
+    fields = {f.name for f in dataclasses.fields(r)}
+    named = []
+
+    def as_flags(m: re.Match) -> str:
+        names = [renames.get(n, n) for n in (m["q"] or m["b"]).split("/")]
+        if not all(n in fields for n in names):
+            return m[0]  # a word of the message, or a field of no flag
+        named.append(names)
+        return "/".join("--" + n.replace("_", "-") for n in names)
+    why = _NAMED.sub(as_flags, str(e))
+    if not named or len(named[0]) > 1:
+        return None, why
+    flag = "--" + named[0][0].replace("_", "-")
+    return named[0][0], re.sub(rf"^{re.escape(flag)}=('[^']*'|[^\s:]+):?\s+", "", why)
+
+
+def config_problems(r: Recipe) -> list[tuple[str | None, str]]:
+    """(field, why) of the first config of ``loop_config`` the flags cannot make, built in its order: its
+    ``__post_init__`` owns the rule (``flagged`` names the flag). The tokenizer's ids are no flag's and no
+    rule's: 0 stands in for them."""
+    try:
+        grpo_config(r)
+        policy = optim_config(r)
+        sampling_config(r, eos_id=0, pad_id=0)
+    except ValueError as e:
+        return [flagged(r, e)]
+    try:
+        critic_config(r, policy)
+    except ValueError as e:  # its AdamW's learning rate is --critic-lr
+        return [flagged(r, e, {"lr": "critic_lr"})]
+    try:
+        loop_config(r, eos_id=0, pad_id=0)
+    except ValueError as e:
+        return [flagged(r, e, {"dock_timeout_s": "dist_timeout"})]
+    return []
+
+
+def log_problems(r: Recipe) -> list[tuple[str, str]]:
+    """(field, why) for --log-to and the flags that go with it: a sink's missing package is named before
+    training, not after."""
+    try:
+        names = metrics.sink_names(r.log_to)
+    except ValueError as e:
+        return [("log_to", str(e))]
+    out = [("log_to", f"{n} needs the {pkg} package, which is not installed: {metrics.INSTALL_HINT}")
+           for n in names if (pkg := metrics.missing_package(n))]
+    if "tensorboard" in names and not r.out:
+        out.append(("log_to", "tensorboard needs --out (where its event files go)"))
+    if r.log_samples_every and not ("wandb" in names or (r.out and names)):
+        out.append(("log_samples_every", "needs a sink to write to: --out with --log-to jsonl or tensorboard, or "
+                                         "--log-to wandb"))
+    for name in ("wandb_project", "wandb_mode"):
+        if getattr(r, name) is not None and "wandb" not in names:
+            out.append((name, "needs --log-to wandb"))
+    return out
+
+
+def data_problems(r: Recipe) -> list[tuple[str, str]]:
+    """(field, why) for the dataset, the chat template and the reward functions: each is loaded, the first
+    prompt rendered and the reward functions' signatures checked against the dataset's columns."""
+    out = []
+    if r.dataset is None:
+        out += [("dataset_split", "needs --dataset")] if r.dataset_split != "train" else []
+        if r.eval_dataset is None:  # the keys name the eval set's columns too
+            out += [(name, "needs --dataset or --eval-dataset") for name, default in (("prompt_key", "prompt"),
+                                                                                     ("answer_key", "answer"))
+                    if getattr(r, name) != default]
+    specs = reward_specs(r)
+    if r.reward_weights is not None:
+        try:
+            weights = reward_weights(r)
+        except ValueError:
+            out.append(("reward_weights", "expected comma-separated numbers, e.g. 0.5,1"))
+        else:
+            if len(weights) != len(specs):
+                out.append(("reward_weights", f"gives {len(weights)} weights for {len(specs)} --reward functions "
+                                              f"({', '.join(specs)})"))
+            elif not all(math.isfinite(w) for w in weights):
+                out.append(("reward_weights", "weights must be finite"))
+    reward = None
+    try:
+        reward = rewards.CombinedReward.load(specs, None)
+    except ValueError as e:
+        out.append(("reward", str(e)))
+    try:
+        examples = load_examples(r.dataset, prompt_key=r.prompt_key, answer_key=r.answer_key,
+                                 split=r.dataset_split) if r.dataset else [PromptSource(task=r.task).take(1)[0]]
+    except ValueError as e:
+        return out + [("dataset" if r.dataset else "task", str(e))]
+    try:
+        chat = chat_template(r)
+    except ValueError as e:
+        return out + [("model", str(e))]
+    if chat is None:
+        if r.system_prompt is not None:
+            out.append(("system_prompt", "needs a chat template: a --model that has one, without --no-chat-template "
+                                         "(the built-in tasks use none)"))
+        chats = [i for i, ex in enumerate(examples) if ex.messages is not None]
+        if chats:
+            out.append(("dataset", f"its prompts are chat messages (row {chats[0]}, {len(chats)} in all); they need a "
+                                   "chat template: a --model that has one, without --no-chat-template"))
+    else:
+        try:
+            apply_chat_template(examples[:1], chat, system_prompt=r.system_prompt)
+        except ValueError as e:
+            out.append(("system_prompt" if r.system_prompt is not None else "dataset" if r.dataset else "model",
+                        str(e)))
+    if reward is not None:
+        try:
+            reward.check_columns(list(examples[0].extra))
+        except ValueError as e:
+            out.append(("reward", str(e)))
+    return out
+
+
+def eval_problems(r: Recipe) -> list[tuple[str, str]]:
+    """(field, why) for the --eval-* flags; the eval set is checked as --dataset is (loaded, its first prompt
+    rendered, the reward functions' signatures against its columns)."""
+    out = []
+    if r.eval_samples < 1:
+        out.append(("eval_samples", "must be >= 1"))
+    if r.eval_max_prompts is not None and r.eval_max_prompts < 1:
+        out.append(("eval_max_prompts", "must be >= 1 (leave it out for all)"))
+    if r.eval_every < 0:
+        out.append(("eval_every", "must be >= 0"))
+    if not r.eval_temperature > 0:
+        out.append(("eval_temperature", "must be > 0 (--eval-samples 1 is the greedy evaluation)"))
+    if r.eval_dataset is None:
+        return out + [(f.name, "needs --eval-dataset") for f in dataclasses.fields(r)
+                      if f.name.startswith("eval_") and f.name != "eval_dataset" and getattr(r, f.name) != f.default]
+    if r.eval_only and r.resume:
+        out.append(("resume", "--eval-only trains nothing; evaluate a checkpoint with --model DIR"))
+    try:
+        examples = load_examples(r.eval_dataset, prompt_key=r.prompt_key, answer_key=r.answer_key,
+                                 split=r.eval_split)
+    except ValueError as e:
+        return out + [("eval_dataset", str(e))]
+    try:
+        reward, chat = rewards.CombinedReward.load(reward_specs(r), None), chat_template(r)
+    except ValueError:  # a bad --reward or --model: data_problems names it
+        return out
+    chats = [i for i, ex in enumerate(examples) if ex.messages is not None]
+    if chat is None and chats:
+        out.append(("eval_dataset", f"its prompts are chat messages (row {chats[0]}, {len(chats)} in all); they need "
+                                    "a chat template: a --model that has one, without --no-chat-template"))
+    try:
+        if chat is not None:
+            apply_chat_template(examples[:1], chat, system_prompt=r.system_prompt)
+        reward.check_columns(list(examples[0].extra))
+    except ValueError as e:
+        out.append(("eval_dataset", str(e)))
+    return out

@@ -1,0 +1,149 @@
+"""What a recipe script runs: ``main`` parses the flags, refuses what the model and the layouts cannot run
+before any process starts, and picks the launcher (one process, local processes, Ray actors, or the ranks
+torchrun / Slurm started); nothing here runs per rank (that is ``run.run``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import tempfile
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlflow.models import hf
+from rlflow.models.config import get_config
+from rlflow.recipe.evals import evaluate_only
+from rlflow.recipe.flags import parse_args
+from rlflow.recipe.pieces import check_tokenizer, make_dock, placement
+from rlflow.recipe.run import run
+from rlflow.runtime import checkpoint, launch, loop
+
+if TYPE_CHECKING:
+    from rlflow.recipe.flags import Recipe
+
+
+RUN_FILES = ("args.json", "metrics.jsonl", "samples.jsonl", "tensorboard", "reward.png", "checkpoint-final",
+             "eval.json")
+
+
+def prepare_out(r: Recipe) -> None:
+    """Check --out before anything is trained or written: an earlier run there is refused unless
+    --overwrite, and the directory must be writable (a run that cannot save would lose its weights at the end)."""
+    if not r.out:
+        return
+    earlier = [n for n in RUN_FILES if os.path.exists(os.path.join(r.out, n))]
+    earlier += sorted(n for n in (os.listdir(r.out) if os.path.isdir(r.out) else ()) if n.startswith("checkpoint-")
+                      and n not in earlier)
+    if earlier and not (r.overwrite or r.resume):
+        raise SystemExit(f"error: --out {r.out} holds an earlier run ({', '.join(earlier)}); choose another "
+                         "directory or pass --overwrite")
+    try:
+        os.makedirs(r.out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=r.out):
+            pass
+    except OSError as e:
+        raise SystemExit(f"error: --out {r.out}: cannot write there ({e.strerror or e})") from None
+
+
+def main(argv=None, defaults: dict | None = None, doc: str | None = None) -> list[dict]:
+    r = parse_args(argv, defaults, doc)
+    where = launch.env_world()  # started by torchrun / Slurm: this process is one rank (parse_args checked --world)
+    cfg = hf.load_config(r.model) if r.model else get_config(r.preset)
+    if r.model:
+        check_tokenizer(r, cfg)
+    if r.eval_only:  # in this process (under torchrun / Slurm: rank 0's): no layouts, no dock
+        if where is not None and where[0] != 0:
+            return []
+        prepare_out(r)
+        return [evaluate_only(r)]
+    try:  # what the model and the layouts cannot run is refused here, once, before any process starts
+        pp = placement(r, cfg, torch.float32).train.mesh.pp if r.world > 1 else 1
+        loop.check_features(cfg, pp, routing_replay=r.routing_replay, check_logprobs=r.check_logprobs,
+                            adv_estimator=r.adv_estimator)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if where is None or where[0] == 0:
+        prepare_out(r)
+    if r.resume and r.resume != "auto":  # a damaged checkpoint is refused before any rank starts
+        try:
+            checkpoint.verify(r.resume)
+        except (checkpoint.CheckpointError, FileNotFoundError) as e:
+            raise SystemExit(f"error: --resume {r.resume}: {e}") from None
+    on_ray = where is None and r.world > 1 and r.launcher == "ray"  # run_on_ray makes a dock per attempt
+    dock = make_dock(r, r.prompts_per_step * r.group_size) if (where is None or r.world == 1) and not on_ray else None
+    try:
+        if where is not None and r.world > 1:  # no driver: the ranks start the dock's servers themselves
+            return launch.from_env(run_started, r, where[2], timeout_s=r.dist_timeout)
+        if where is not None:
+            return launch.from_env(run, r, dock, timeout_s=r.dist_timeout)
+        if r.world == 1:
+            return run(0, 1, r, dock)
+        if on_ray:
+            return run_on_ray(r)
+        return launch.spawn(run, r.world, r, dock, timeout_s=r.dist_timeout)[0]  # torch.distributed: gloo on CPU, nccl on CUDA, hccl on NPU
+    finally:
+        if dock is not None:
+            dock.close()
+
+
+def run_started(rank: int, world: int, r: Recipe, local_rank: int) -> list[dict]:
+    """``run`` on a rank of a world torchrun or Slurm started: the ranks make the dock together
+    (``proc_backend.node_dock``: each node's first rank serves that node's warehouses), and each stops the
+    servers it started once every rank is done with them."""
+    dock = make_dock(r, r.prompts_per_step * r.group_size, local_rank=local_rank)
+    try:
+        out = run(rank, world, r, dock)
+        torch.distributed.barrier()  # no rank reads the dock any more
+        return out
+    finally:
+        dock.close()
+
+
+def run_on_ray(r: Recipe) -> list[dict]:
+    """--launcher ray: the ranks as actors of a placement group, the dock's warehouses and controllers as actors
+    too. When a rank is lost (``launch.RankLost``: its actor died, or it stopped answering) the actors and the
+    placement group are gone and the dock is closed (its rows are the interrupted step's); with --max-restarts K
+    the run starts again, up to K times, with new actors and a fresh dock from the newest checkpoint this run
+    wrote under --out (none yet: from where it started). Other failures (an exception in the ranks' code, a
+    rank's exit) would repeat, and end the run."""
+    earlier = checkpoints_in(r.out)  # an earlier run's (--overwrite) are not this run's to resume from
+    attempt = r
+    for restart in range(r.max_restarts + 1):
+        dock = make_dock(attempt, r.prompts_per_step * r.group_size)
+        try:
+            return launch.ray_spawn(run, r.world, attempt, dock, address=r.ray_address, timeout_s=r.dist_timeout)[0]
+        except launch.RankLost as e:
+            if restart == r.max_restarts:
+                tried = f" (after {restart} restart{'s' * (restart > 1)}, --max-restarts {r.max_restarts})"
+                raise SystemExit(f"error: {e}{tried if restart else ''}") from None
+            ck = newest_checkpoint(r.out, earlier)
+            attempt = dataclasses.replace(r, resume=ck or r.resume)
+            start = ck or (f"--resume {r.resume}" if r.resume else "the start (no checkpoint yet)")
+            print(f"restart {restart + 1} of {r.max_restarts}: {e}; restarting from {start}", file=sys.stderr,
+                  flush=True)
+        finally:
+            dock.close()
+
+
+def checkpoints_in(root: str) -> dict[str, int]:
+    """{name: its manifest's mtime} of the checkpoints under ``root``."""
+    found = {}
+    for n in os.listdir(root) if root and os.path.isdir(root) else ():
+        m = os.path.join(root, n, checkpoint.MANIFEST)
+        if n.startswith("checkpoint-") and os.path.isfile(m):
+            found[n] = os.stat(m).st_mtime_ns
+    return found
+
+
+def newest_checkpoint(root: str, earlier: dict[str, int]) -> str | None:
+    """The newest checkpoint under ``root`` that verifies and is not one of ``earlier`` (``checkpoints_in``)."""
+    ours = [n for n, t in checkpoints_in(root).items() if earlier.get(n) != t]
+    for n in sorted(ours, key=lambda n: (n == "checkpoint-final", n), reverse=True):
+        try:
+            checkpoint.verify(os.path.join(root, n))
+            return os.path.join(root, n)
+        except checkpoint.CheckpointError:
+            continue
+    return None

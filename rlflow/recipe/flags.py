@@ -1,0 +1,190 @@
+"""Every flag of the recipe as a field of ``Recipe`` (its default and --help text), the flags' choices, and
+``parse_args``: the command line's Recipe, or one argparse line naming the flag it refuses (``checks``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+
+from rlflow import optim
+from rlflow.algos import grpo
+from rlflow.algos.corrections import IS_LEVELS, IS_MODES
+from rlflow.algos.estimators import ADV_ESTIMATORS
+from rlflow.recipe.checks import problems, started_problems
+from rlflow.runtime import loop
+from rlflow.runtime.launch import env_world
+
+
+def _f(default, help):  # a field with its --help text
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model: str | None = _f(None, "Hugging Face checkpoint directory (default: random init of --preset)")
+    preset: str = _f("qwen3-moe-tiny", "named model config used when --model is not given")
+    dataset: str | None = _f(None, "prompts and answers: a .jsonl, .json, .csv or .parquet file, or a Hugging Face "
+                                   "datasets folder (save_to_disk, or data files) (default: the built-in --task)")
+    dataset_split: str = _f("train", "split of --dataset (a data file's one split is train; slices like "
+                                     "train[:100] for files read by datasets)")
+    prompt_key: str = _f("prompt", "--dataset column of the prompts: text, or chat messages [{role, content}] "
+                                   "(when it is missing, GSM8K's question column)")
+    answer_key: str = _f("answer", "--dataset column of the reference answers")
+    task: str = _f("max_digit", "built-in task: max_digit, sum_mod10, first_digit")
+    chat_template: bool = _f(True, "render each prompt with --model's chat template (chat_template.jinja or "
+                                   "tokenizer_config.json's), as transformers' apply_chat_template does; "
+                                   "--no-chat-template: the prompt text as it is")
+    system_prompt: str | None = _f(None, "system message put before each prompt's messages (needs a chat template)")
+    reward: tuple[str, ...] | None = _f(None, "reward function: exact, math, path/to/file.py:function or "
+                                              "module:function; repeat for several, summed with --reward-weights "
+                                              "(default: exact for tasks, math for datasets)")
+    reward_weights: str | None = _f(None, "weights of the --reward functions, comma-separated, e.g. 0.5,1 "
+                                          "(default: 1 each)")
+    steps: int = _f(500, "GRPO steps")
+    prompts_per_step: int = _f(16, "prompts per step")
+    group_size: int = _f(8, "samples per prompt (G)")
+    mini_batch_size: int | None = _f(None, "samples per optimizer step (default: the whole step's batch)")
+    micro_batch_size: int | None = _f(None, "samples per forward/backward (default: the mini-batch)")
+    epochs: int = _f(1, "passes over each step's samples")
+    max_new_tokens: int = _f(3, "response length limit")
+    max_prompt_len: int | None = _f(None, "truncate prompts to their last N tokens")
+    lr: float = _f(3e-4, "AdamW learning rate")
+    warmup_lr_steps: int = _f(10, "linear LR warm-up steps")
+    lr_schedule: str = _f("constant", "learning rate after the warm-up: constant, or a cosine or linear decay to "
+                                      "--lr x --min-lr-ratio at the last step (see docs/logging.md)")
+    min_lr_ratio: float = _f(0.0, "where --lr-schedule cosine/linear ends, as a fraction of --lr")
+    kl_coef: float = _f(0.0, "KL(pi || pi_ref) coefficient; non-zero keeps a frozen reference copy")
+    kl_estimator: str = _f("low_var_kl", "KL estimator: k1, k2, k3, low_var_kl (clamped k3)")
+    adv_estimator: str = _f("grpo", "advantages: grpo (group-normalized), rloo (leave-one-out), reinforce++ "
+                                    "(batch-normalized), reinforce++-baseline (group mean, then batch-normalized), "
+                                    "gae (PPO: per token, from a critic trained beside the policy)")
+    gae_gamma: float | None = _f(None, "gae: discount (default 1.0)")
+    gae_lambda: float | None = _f(None, "gae: GAE's lambda (default 1.0: the return minus the value)")
+    critic_lr: float | None = _f(None, "gae: the critic's AdamW learning rate, constant (default: --lr)")
+    value_clip: float | None = _f(None, "gae: the critic's new values stay within the old ones +- this in its loss "
+                                        "(default 0.5)")
+    scale_rewards: bool = _f(True, "grpo: divide by the group's std (--no-scale-rewards: Dr.GRPO)")
+    policy_loss: str = _f("ppo", "ratio: ppo (per token), gspo (per sequence), gspo-token")
+    loss_agg: str = _f("token-mean", "loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm "
+                                     "(Dr.GRPO)")
+    clip_low: float = _f(0.2, "lower ratio clip: ratios below 1 - clip_low are clipped")
+    clip_high: float = _f(0.28, "upper ratio clip (DAPO clip-higher)")
+    dual_clip: float | None = _f(None, "dual-clip PPO: for negative advantages cap the loss at -A * c (c > 1)")
+    entropy_coef: float = _f(0.0, "entropy bonus coefficient")
+    rollout_is: str = _f("none", "importance-sample the rollout/trainer log-prob mismatch: none, token, seq")
+    rollout_is_cap: float = _f(2.0, "rollout IS: truncate weights at c, or (mask) drop those outside [1/c, c]")
+    rollout_is_mode: str = _f("truncate", "rollout IS: truncate (TIS) or mask (MIS)")
+    dist_timeout: float | None = _f(None, "seconds a collective, or a rank's get of the step's rows from the dock, "
+                                          "waits for a peer before the run fails (a hung rank); default: torch's "
+                                          "for collectives (30 min on gloo, 10 min on nccl), 30 min for the dock")
+    check_logprobs: float | None = _f(None, "fail the run when the trainer's log-probs of the sampled tokens differ "
+                                            "from the rollout's by more than this mean |d| per token (a consistency "
+                                            "gate for CI; reports the worst rows)")
+    routing_replay: str = _f("off", "MoE Rollout Routing Replay: off; measure (report the share of tokens whose "
+                                    "experts differ from the rollout's); on (R3: the old log-probs and the update "
+                                    "route each token to the rollout's experts)")
+    max_grad_norm: float = _f(1.0, "clip the global gradient norm to this")
+    weight_decay: float = _f(0.0, "AdamW weight decay (matrices only)")
+    temperature: float = _f(1.0, "sampling temperature")
+    top_p: float = _f(1.0, "nucleus sampling")
+    seed: int = _f(0, "seed for init, prompts and sampling")
+    dtype: str = _f("float32", "parameter dtype: float32 or bfloat16 (AdamW keeps float32 masters)")
+    world: int = _f(2, "ranks (one device each; on a CPU one process and one thread each): the stages run in "
+                       "their layouts over all of them and take turns; 1: one process, unsharded")
+    train_layout: str | None = _f(None, "layout of the update and the old/ref log-probs, e.g. tp=2, ep=2,tp=2, pp=2,tp=2, dp=4 "
+                                        "(axes not named are 1, dp fills the world; default: tp=2 when world >= 2)")
+    rollout_layout: str | None = _f(None, "layout of generation, e.g. dp=2, dp=2,tp=2 (default: dp over the world); "
+                                          "the weights move train -> rollout layout before every rollout")
+    launcher: str = _f("local", "how the ranks start: local (processes on this machine) or ray (one actor per "
+                                "rank in a placement group; see --ray-address); under torchrun or Slurm the ranks "
+                                "are those processes")
+    dock: int | None = _f(None, "route the rows from the rollout ranks to the train ranks through a transfer dock "
+                                "with this many warehouses (default: one per rank when world > 1; 0 with world 1: "
+                                "batches in memory)")
+    dock_backend: str | None = _f(None, "transfer dock backend: local (threads, world 1), procs (warehouses and "
+                                        "controllers in processes of their own) or ray (as Ray actors spread over "
+                                        "the cluster's nodes); default: local with world 1, ray with --launcher ray, "
+                                        "else procs")
+    ray_address: str | None = _f(None, "Ray cluster to join (e.g. auto: the one `ray start --head` runs here); "
+                                       "default: start a local Ray")
+    max_restarts: int = _f(0, "--launcher ray: when a rank is lost (its actor died, or it stopped answering), "
+                              "restart the ranks and a fresh dock from the newest checkpoint of this run, up to K "
+                              "times (needs --out and --save-every); 0: the run fails naming the rank")
+    compile_decode: bool = _f(False, "compile the rollout's decode step with torch.compile (static shapes; "
+                                     "pays off on long runs with fixed shapes, CUDA graphs on CUDA)")
+    max_bad_steps: int = _f(3, "stop after this many steps in a row whose updates were skipped for non-finite "
+                               "rewards, losses or gradients (a skipped update leaves the parameters unchanged)")
+    out: str | None = _f(None, "directory for args.json, metrics.jsonl, reward.png, the --log-to files and the final "
+                               "checkpoint")
+    overwrite: bool = _f(False, "let --out be a directory that holds an earlier run (its files are replaced)")
+    log_to: str = _f("jsonl", "metrics sinks, comma-separated: jsonl (--out/metrics.jsonl), tensorboard "
+                              "(--out/tensorboard), wandb (needs the logging extra for the last two)")
+    log_samples_every: int = _f(0, "every N steps log a table of rank 0's (prompt, response, reward) rows to the "
+                                   "sinks (jsonl: --out/samples.jsonl); 0: never")
+    wandb_project: str | None = _f(None, "W&B project of --log-to wandb (default: WANDB_PROJECT, else W&B's own)")
+    wandb_mode: str | None = _f(None, "W&B mode of --log-to wandb: online, or offline (wandb sync uploads it later) "
+                                      "(default: WANDB_MODE, else online)")
+    eval_dataset: str | None = _f(None, "held-out prompts and answers to evaluate on, in any --dataset format (the "
+                                        "same --prompt-key/--answer-key, chat template and --reward): before the "
+                                        "first step, every --eval-every steps and after the last, logged as eval/* "
+                                        "at the steps done")
+    eval_split: str = _f("train", "split of --eval-dataset (e.g. test for a datasets folder)")
+    eval_every: int = _f(0, "also evaluate every N steps (0: only before the first step and after the last)")
+    eval_samples: int = _f(1, "responses per eval prompt: 1 is greedy (eval/accuracy); k > 1 are sampled at "
+                              "--eval-temperature (eval/pass@1, eval/pass@k)")
+    eval_max_prompts: int | None = _f(None, "evaluate on the first N prompts of --eval-dataset (default: all)")
+    eval_temperature: float = _f(1.0, "sampling temperature of --eval-samples > 1")
+    eval_only: bool = _f(False, "evaluate --model (or a random --preset) on --eval-dataset once, in one process, "
+                                "write --out/eval.json and exit without training")
+    save_every: int = _f(0, "also write a checkpoint every N steps into --out (0: only the final one)")
+    keep_last: int = _f(2, "keep the newest K periodic checkpoints (the final one is always kept)")
+    resume: str | None = _f(None, "continue a run: a checkpoint directory, or 'auto' (the newest good one under "
+                                  "--out; a fresh start if there is none)")
+
+
+CHOICES = {"dtype": {"choices": ["float32", "bfloat16"]}, "dock_backend": {"choices": ["local", "procs", "ray"]},
+           "launcher": {"choices": ["local", "ray"]}, "lr_schedule": {"choices": list(optim.LR_SCHEDULES)},
+           "wandb_mode": {"choices": ["online", "offline"]},
+           "kl_estimator": {"choices": list(grpo.KL_ESTIMATORS)}, "loss_agg": {"choices": list(grpo.LOSS_AGGS)},
+           "policy_loss": {"choices": list(grpo.POLICY_LOSSES)}, "adv_estimator": {"choices": list(ADV_ESTIMATORS)},
+           "rollout_is": {"choices": list(IS_LEVELS)}, "rollout_is_mode": {"choices": list(IS_MODES)},
+           "routing_replay": {"choices": list(loop.ROUTING_REPLAY)}}
+
+
+def parse_args(argv=None, defaults: dict | None = None, doc: str | None = None) -> Recipe:
+    """The Recipe of the command line; ``defaults`` replace Recipe's field defaults and ``doc`` the --help
+    text (another recipe reusing this one, e.g. recipes/grpo_qwen25_dense.py)."""
+    defaults = dict(defaults or {})
+    unknown = set(defaults) - {f.name for f in dataclasses.fields(Recipe)}
+    if unknown:
+        raise TypeError(f"defaults: not Recipe fields: {sorted(unknown)}")
+    started = env_world()  # this process is one rank of a world torchrun or Slurm started: its size is --world's
+    if started is not None:
+        defaults.setdefault("world", started[1])
+    # without ``doc``: the package's docstring (rlflow/recipe/__init__.py), the recipe's own --help text
+    p = argparse.ArgumentParser(description=doc or sys.modules[__package__].__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(Recipe):
+        default = defaults.get(f.name, f.default)
+        flag, help = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: {default})"
+        if str(f.type) == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
+            continue
+        if str(f.type) == "tuple[str, ...] | None":
+            p.add_argument(flag, action="append", default=None, help=help)
+            continue
+        typ = {"int | None": int, "str | None": str, "float | None": float}.get(str(f.type), None) or \
+            {"int": int, "float": float, "str": str}[str(f.type)]
+        p.add_argument(flag, type=typ, default=default, help=help, **CHOICES.get(f.name, {}))
+    args = vars(p.parse_args(argv))
+    args.update({k: v for k, v in defaults.items() if args[k] is None})  # --reward: a given one replaces the default
+    r = Recipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
+    for name, why in (started_problems(r, started[1]) if started is not None else []) + problems(r):
+        if name is None:  # a config's refusal that names no flag: its message as it is
+            p.error(why)
+        v = getattr(r, name)
+        shown = "" if isinstance(v, bool) else " " + (" ".join(v) if isinstance(v, tuple) else str(v))
+        p.error(f"--{name.replace('_', '-')}{shown}: {why}")  # one line, exit 2, nothing written
+    return r

@@ -1,0 +1,210 @@
+"""The run's pieces of the flags: the model (a checkpoint or a preset's random init), the configs of
+``loop.train``, the prompts and the reward, the layouts and the transfer dock."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from rlflow import device as rl_device
+from rlflow import optim, rewards
+from rlflow.algos import grpo
+from rlflow.algos.critic import CriticConfig
+from rlflow.data import Example, PromptSource, apply_chat_template, load_examples
+from rlflow.dock import Dock
+from rlflow.dock.proc_backend import node_dock, proc_dock
+from rlflow.models import hf, qwen3_moe
+from rlflow.models.config import get_config
+from rlflow.models.sharding import layout
+from rlflow.parallel.context import check_layout
+from rlflow.rollout import SamplingConfig
+from rlflow.runtime import loop
+from rlflow.runtime.graph import graph_for
+from rlflow.runtime.launch import ray_init
+from rlflow.sharding import Mesh
+from rlflow.tokenizer import CharTokenizer, ChatTemplate, HFTokenizer, find_chat_template
+
+if TYPE_CHECKING:  # the flags' module imports this one (through the checks)
+    from rlflow.recipe.flags import Recipe
+
+
+def grpo_config(r: Recipe) -> grpo.GRPOConfig:
+    return grpo.GRPOConfig(group_size=r.group_size, clip_low=r.clip_low, clip_high=r.clip_high, dual_clip=r.dual_clip,
+                           kl_coef=r.kl_coef, kl_estimator=r.kl_estimator, entropy_coef=r.entropy_coef,
+                           loss_agg=r.loss_agg, scale_rewards=r.scale_rewards, epochs=r.epochs,
+                           temperature=r.temperature, policy_loss=r.policy_loss, adv_estimator=r.adv_estimator,
+                           rollout_is=r.rollout_is, rollout_is_cap=r.rollout_is_cap, rollout_is_mode=r.rollout_is_mode,
+                           gae_gamma=1.0 if r.gae_gamma is None else r.gae_gamma,
+                           gae_lambda=1.0 if r.gae_lambda is None else r.gae_lambda)
+
+
+def optim_config(r: Recipe) -> optim.AdamWConfig:
+    return optim.AdamWConfig(lr=r.lr, betas=(0.9, 0.99), weight_decay=r.weight_decay)
+
+
+def critic_config(r: Recipe, policy: optim.AdamWConfig) -> CriticConfig | None:
+    """PPO's critic with --adv-estimator gae (the policy's AdamW but for --critic-lr), else None."""
+    if r.adv_estimator != "gae":
+        return None
+    return CriticConfig(optim=dataclasses.replace(policy, lr=r.lr if r.critic_lr is None else r.critic_lr),
+                        value_clip=0.5 if r.value_clip is None else r.value_clip)
+
+
+def sampling_config(r: Recipe, eos_id: int, pad_id: int) -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=r.max_new_tokens, eos_id=eos_id, pad_id=pad_id, temperature=r.temperature,
+                          top_p=r.top_p)
+
+
+DOCK_TIMEOUT_S = 1800.0  # without --dist-timeout: as long as gloo's collectives wait
+
+
+def loop_config(r: Recipe, eos_id: int, pad_id: int) -> loop.LoopConfig:
+    """``loop.train``'s config of the flags (``eos_id``, ``pad_id``: the tokenizer's). Each config it is made
+    of checks its own fields (a ValueError naming them: ``checks.config_problems`` maps it onto the flags)."""
+    gb = r.prompts_per_step * r.group_size
+    mini = r.mini_batch_size or gb
+    ocfg = optim_config(r)
+    return loop.LoopConfig(
+        steps=r.steps, prompts_per_step=r.prompts_per_step, mini_batch_size=mini,
+        micro_batch_size=r.micro_batch_size or mini,
+        grpo=grpo_config(r), optim=ocfg,
+        max_grad_norm=r.max_grad_norm,
+        sampling=sampling_config(r, eos_id, pad_id),
+        max_prompt_len=r.max_prompt_len, warmup_lr_steps=r.warmup_lr_steps, lr_schedule=r.lr_schedule,
+        min_lr_ratio=r.min_lr_ratio, log_samples_every=r.log_samples_every, seed=r.seed,
+        compile_decode=r.compile_decode, max_bad_steps=r.max_bad_steps, routing_replay=r.routing_replay,
+        check_logprobs=r.check_logprobs, critic=critic_config(r, ocfg),
+        dock_timeout_s=r.dist_timeout if r.dist_timeout is not None else DOCK_TIMEOUT_S)
+
+
+def load_model(r: Recipe):
+    """(cfg, params, tokenizer, device) of --model, or a random init of --preset with the built-in tokenizer, on
+    this process's device (``process_device``: under torchrun on several nodes or on Ray the global rank is no
+    device index)."""
+    dev = rl_device.process_device()
+    if dev.type == "cpu":
+        rl_device.keep_host_memory()  # activations reuse freed memory instead of fresh pages every step
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[r.dtype]
+    if r.model:
+        cfg, params = hf.load(r.model, dtype=dtype, device=dev)
+        tok = HFTokenizer(r.model)
+    else:
+        tok = CharTokenizer()
+        cfg = get_config(r.preset)
+        if cfg.vocab_size < tok.vocab_size:
+            raise ValueError(f"--preset {r.preset}: vocab_size {cfg.vocab_size} < built-in tokenizer's {tok.vocab_size}")
+        cfg = cfg.replace(eos_token_id=tok.eos_id)
+        params = qwen3_moe.init_params(cfg, seed=r.seed, dtype=dtype, device=dev)
+    return cfg, params, tok, dev
+
+
+def build(r: Recipe):
+    """(cfg, params, tokenizer, prompt source, reward function, loop config, device) of the flags."""
+    cfg, params, tok, dev = load_model(r)
+    source, reward_fn = prompts_and_reward(r)
+    return cfg, params, tok, source, reward_fn, loop_config(r, tok.eos_id, tok.pad_id), dev
+
+
+def check_tokenizer(r: Recipe, cfg) -> None:
+    """--model's tokenizer must fit its model's vocabulary (SystemExit naming the flag)."""
+    tok = HFTokenizer(r.model)
+    if tok.vocab_size > cfg.vocab_size:
+        raise SystemExit(f"error: --model {r.model}: the tokenizer has {tok.vocab_size} tokens but the model's "
+                         f"vocab_size is {cfg.vocab_size}")
+    for name in ("eos_id", "pad_id"):
+        if not 0 <= getattr(tok, name) < cfg.vocab_size:
+            raise SystemExit(f"error: --model {r.model}: the tokenizer's {name} {getattr(tok, name)} is outside "
+                             f"the model's vocabulary [0, {cfg.vocab_size})")
+
+
+def reward_specs(r: Recipe) -> list[str]:
+    """--reward, else the default: math for datasets (the eval set of --eval-only is one), exact for the tasks."""
+    return list(r.reward) if r.reward else ["math" if r.dataset or (r.eval_only and r.eval_dataset) else "exact"]
+
+
+def reward_weights(r: Recipe) -> list[float] | None:
+    return None if r.reward_weights is None else [float(w) for w in r.reward_weights.split(",")]
+
+
+def chat_template(r: Recipe) -> ChatTemplate | None:
+    """--model's chat template, unless --no-chat-template or the model has none."""
+    if not (r.model and r.chat_template and find_chat_template(r.model) is not None):
+        return None
+    return ChatTemplate(r.model)
+
+
+def prompts_and_reward(r: Recipe) -> tuple[PromptSource, rewards.RewardFn]:
+    """The prompt source (each batch rendered by the chat template, carrying what the reward functions are
+    called with) and the loop's reward (``CombinedReward.score``: one call per scorer's rows)."""
+    reward = rewards.CombinedReward.load(reward_specs(r), reward_weights(r))
+    prepare = prompt_transform(r, reward)
+    if r.dataset:
+        examples = load_examples(r.dataset, prompt_key=r.prompt_key, answer_key=r.answer_key, split=r.dataset_split)
+        source = PromptSource(examples=examples, seed=r.seed, transform=prepare)
+    else:
+        source = PromptSource(task=r.task, seed=r.seed, transform=prepare)
+    return source, reward.score
+
+
+def prompt_transform(r: Recipe, reward: rewards.CombinedReward) -> Callable[[list[Example]], list[Example]]:
+    """Examples as the model and the reward functions see them: rendered by the chat template, carrying what
+    the reward functions are called with."""
+    chat = chat_template(r)
+
+    def prepare(batch: list[Example]) -> list[Example]:
+        if chat is not None:
+            batch = apply_chat_template(batch, chat, system_prompt=r.system_prompt)
+        return reward.carry(batch)
+    return prepare
+
+
+def mesh_of(r: Recipe, spec: str | None, name: str):
+    """The mesh of --train-layout / --rollout-layout (their defaults: tp=2, and dp over the world)."""
+    if spec is None:
+        spec = "tp=2" if name == "train_layout" else ""
+    return Mesh.parse(spec, r.world)
+
+
+def train_layout_name(r: Recipe) -> str:
+    """The train layout's mesh as a checkpoint's manifest names it (one process: the trivial mesh)."""
+    return str(mesh_of(r, r.train_layout, "train_layout") if r.world > 1 else Mesh())
+
+
+def placement(r: Recipe, cfg, dtype):
+    """The train and rollout layouts of a --world > 1 run (ValueError naming what the model cannot run)."""
+    lays = {}
+    for name in ("train_layout", "rollout_layout"):
+        mesh = mesh_of(r, getattr(r, name), name)
+        try:
+            lays[name] = layout(cfg, mesh, dtype=dtype)
+            check_layout(lays[name], cfg)
+        except ValueError as e:
+            given = getattr(r, name) or f"{mesh} (the default)"
+            raise ValueError(f"--{name.replace('_', '-')} {given}: {e}") from None
+    critic = layout(cfg, lays["train_layout"].mesh, dtype=dtype, head="value") if r.adv_estimator == "gae" else None
+    return loop.Placement(lays["train_layout"], lays["rollout_layout"], critic=critic)
+
+
+def make_dock(r: Recipe, capacity: int, local_rank: int | None = None):
+    """The transfer dock the stages exchange rows through, or None (in memory). Made by the driver; the ranks
+    are handed it (its processes or actors outlive them). With ``local_rank`` (under torchrun / Slurm, where
+    no driver exists) every rank calls it: the ranks start the dock's servers together."""
+    g = graph_for(r.adv_estimator)
+    warehouses = r.dock if r.dock is not None else (r.world if r.world > 1 else 0)
+    backend = r.dock_backend or ("local" if r.world == 1 else "ray" if r.launcher == "ray" else "procs")
+    if not warehouses:
+        return None
+    if backend == "local":
+        return Dock.local(g.schema, g.consumers, capacity=capacity, warehouses=warehouses, group_size=r.group_size)
+    if backend == "procs" and local_rank is not None:
+        return node_dock(g.schema, g.consumers, capacity=capacity, warehouses=warehouses, local_rank=local_rank,
+                         group_size=r.group_size)
+    if backend == "procs":
+        return proc_dock(g.schema, g.consumers, capacity=capacity, warehouses=warehouses, group_size=r.group_size)
+    ray_init(r.ray_address)
+    from rlflow.dock.ray_backend import ray_dock
+    # every train rank may wait in the controller at once (take_share) while the others' puts still need threads
+    return ray_dock(g.schema, g.consumers, capacity=capacity, warehouses=warehouses, group_size=r.group_size,
+                    max_concurrency=max(64, 2 * r.world + 16))
