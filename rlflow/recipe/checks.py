@@ -42,9 +42,8 @@ def problems(r: Recipe) -> list[tuple[str | None, str]]:
     """(field, why) for every value the recipe cannot run with; a size of 0 is refused, never replaced by a
     default. The configs' own rules come from ``config_problems``."""
     out = []
-    for name in ("steps", "prompts_per_step", "world"):
-        if getattr(r, name) < 1:
-            out.append((name, "must be >= 1"))
+    if r.world < 1:
+        out.append(("world", "must be >= 1"))
     for name in ("mini_batch_size", "micro_batch_size", "max_prompt_len", "dock"):
         if getattr(r, name) is not None and getattr(r, name) < 1:
             out.append((name, "must be >= 1 (leave it out for the default)"))
@@ -87,32 +86,35 @@ def problems(r: Recipe) -> list[tuple[str | None, str]]:
     return out + log_problems(r) + data_problems(r) + eval_problems(r)
 
 
-# a config field its ValueError names: qualified (GRPOConfig.group_size, GRPOConfig.clip_low/clip_high,
-# sampling.temperature) or bare before its value (LoopConfig's min_lr_ratio=1.5)
-_NAMED = re.compile(r"\b[A-Za-z_]\w*\.(?P<q>[a-z_]\w*(?:/[a-z_]\w*)*)|(?<![\w.(])(?P<b>[a-z_]\w*)(?==)")
+# the config fields a config's ValueError names: qualified (GRPOConfig.group_size, sampling.temperature,
+# GRPOConfig.clip_low/clip_high), before their value (LoopConfig's min_lr_ratio=1.5), any snake_case name
+# (validate_sizes' "mini_batch_size 8 is not divisible by micro_batch_size 3") and the message's subject
+# (its first word: "steps must be a positive integer")
+_NAMED = re.compile(r"\b[A-Za-z_]\w*\.(?P<q>[a-z_]\w*(?:/[a-z_]\w*)*)|(?<![\w.(-])(?P<b>[a-z_]\w*)(?==)"
+                    r"|(?<![\w.(-])(?P<u>[a-z]\w*_\w*)\b|^(?P<s>[a-z]\w*)\b")
 
 
 def flagged(r: Recipe, e: ValueError, renames: dict[str, str] | None = None) -> tuple[str | None, str]:
     """(field, why) of a config's ValueError: the config fields it names become the flags (``renames``: a
-    config field that holds another flag's value, e.g. LoopConfig's dock_timeout_s is --dist-timeout); the
-    field is the first one named, and a leading ``field=value`` leaves the message (the line starts with
-    ``--field value:``). None: the message names no flag, or several at once (``clip_low/clip_high``): the
-    line is the message itself."""
+    config field that holds another flag's value, e.g. LoopConfig's dock_timeout_s is --dist-timeout). When
+    it names one flag, that is the field, and a leading ``field=value`` leaves the message (the line starts
+    with ``--field value:``); when it names none, or several (``clip_low/clip_high``, ``mini_batch_size`` and
+    ``micro_batch_size``), the field is None: the line is the message itself, its flags named there."""
     renames = renames or {}
     fields = {f.name for f in dataclasses.fields(r)}
-    named = []
+    named: list[str] = []
 
     def as_flags(m: re.Match) -> str:
-        names = [renames.get(n, n) for n in (m["q"] or m["b"]).split("/")]
+        names = [renames.get(n, n) for n in (m["q"] or m["b"] or m["u"] or m["s"]).split("/")]
         if not all(n in fields for n in names):
             return m[0]  # a word of the message, or a field of no flag
-        named.append(names)
+        named.extend(n for n in names if n not in named)
         return "/".join("--" + n.replace("_", "-") for n in names)
     why = _NAMED.sub(as_flags, str(e))
-    if not named or len(named[0]) > 1:
+    if len(named) != 1:
         return None, why
-    flag = "--" + named[0][0].replace("_", "-")
-    return named[0][0], re.sub(rf"^{re.escape(flag)}=('[^']*'|[^\s:]+):?\s+", "", why)
+    flag = "--" + named[0].replace("_", "-")
+    return named[0], re.sub(rf"^{re.escape(flag)}=('[^']*'|[^\s:]+):?\s+", "", why)
 
 
 def config_problems(r: Recipe) -> list[tuple[str | None, str]]:

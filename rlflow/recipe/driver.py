@@ -18,7 +18,8 @@ from rlflow.recipe.evals import evaluate_only
 from rlflow.recipe.flags import parse_args
 from rlflow.recipe.pieces import check_tokenizer, make_dock, placement
 from rlflow.recipe.run import run
-from rlflow.runtime import checkpoint, launch, loop
+from rlflow.runtime import checkpoint, launch
+from rlflow.runtime.config import check_features
 
 if TYPE_CHECKING:
     from rlflow.recipe.flags import Recipe
@@ -60,8 +61,8 @@ def main(argv=None, defaults: dict | None = None, doc: str | None = None) -> lis
         return [evaluate_only(r)]
     try:  # what the model and the layouts cannot run is refused here, once, before any process starts
         pp = placement(r, cfg, torch.float32).train.mesh.pp if r.world > 1 else 1
-        loop.check_features(cfg, pp, routing_replay=r.routing_replay, check_logprobs=r.check_logprobs,
-                            adv_estimator=r.adv_estimator)
+        check_features(cfg, pp, routing_replay=r.routing_replay, check_logprobs=r.check_logprobs,
+                       adv_estimator=r.adv_estimator)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     if where is None or where[0] == 0:

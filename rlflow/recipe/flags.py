@@ -13,7 +13,7 @@ from rlflow.algos import grpo
 from rlflow.algos.corrections import IS_LEVELS, IS_MODES
 from rlflow.algos.estimators import ADV_ESTIMATORS
 from rlflow.recipe.checks import problems, started_problems
-from rlflow.runtime import loop
+from rlflow.runtime.config import ROUTING_REPLAY
 from rlflow.runtime.launch import env_world
 
 
@@ -150,7 +150,7 @@ CHOICES = {"dtype": {"choices": ["float32", "bfloat16"]}, "dock_backend": {"choi
            "kl_estimator": {"choices": list(grpo.KL_ESTIMATORS)}, "loss_agg": {"choices": list(grpo.LOSS_AGGS)},
            "policy_loss": {"choices": list(grpo.POLICY_LOSSES)}, "adv_estimator": {"choices": list(ADV_ESTIMATORS)},
            "rollout_is": {"choices": list(IS_LEVELS)}, "rollout_is_mode": {"choices": list(IS_MODES)},
-           "routing_replay": {"choices": list(loop.ROUTING_REPLAY)}}
+           "routing_replay": {"choices": list(ROUTING_REPLAY)}}
 
 
 def parse_args(argv=None, defaults: dict | None = None, doc: str | None = None) -> Recipe:

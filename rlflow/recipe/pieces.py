@@ -23,6 +23,7 @@ from rlflow.rollout import SamplingConfig
 from rlflow.runtime import loop
 from rlflow.runtime.graph import graph_for
 from rlflow.runtime.launch import ray_init
+from rlflow.runtime.placement import Placement
 from rlflow.sharding import Mesh
 from rlflow.tokenizer import CharTokenizer, ChatTemplate, HFTokenizer, find_chat_template
 
@@ -184,7 +185,7 @@ def placement(r: Recipe, cfg, dtype):
             given = getattr(r, name) or f"{mesh} (the default)"
             raise ValueError(f"--{name.replace('_', '-')} {given}: {e}") from None
     critic = layout(cfg, lays["train_layout"].mesh, dtype=dtype, head="value") if r.adv_estimator == "gae" else None
-    return loop.Placement(lays["train_layout"], lays["rollout_layout"], critic=critic)
+    return Placement(lays["train_layout"], lays["rollout_layout"], critic=critic)
 
 
 def make_dock(r: Recipe, capacity: int, local_rank: int | None = None):
