@@ -156,7 +156,9 @@ def main(argv=None) -> dict:
                       micro_batch_size=micro, lr=a.lr, warmup_lr_steps=0, seed=a.seed, dtype=a.dtype, steps=1,
                       compile_decode=a.compile)
     torch.manual_seed(a.seed)
-    cfg, params, tok, source, reward_fn, lcfg, dev = recipe.build(r)
+    built = recipe.build(r)  # a RunSpec (a tuple in rlflow snapshots before it)
+    cfg, params, tok, source, reward_fn, lcfg, dev = built if isinstance(built, tuple) else (
+        built.cfg, built.params, built.tokenizer, built.source, built.reward_fn, built.config, built.device)
     # build() tunes the host allocator on CPU (rlflow.device.keep_host_memory); process-wide, so TRL, run in
     # this process, gets it too. Recorded as build() left it (None: an rlflow snapshot without it).
     from rlflow import device as rl_device

@@ -9,7 +9,8 @@ template renders the prompts), --dataset a JSONL, JSON, CSV or Parquet file or a
 {"prompt", "answer"} (GSM8K's {"question", "answer"} works too; reward "math"), --reward your own reward
 function (path/to/file.py:function). See docs/data.md.
 
-Every flag is a field of rlflow.recipe.Recipe, with its default and --help text; the run is rlflow/recipe.py.
+Every flag is a field of rlflow.recipe.Recipe, with its default and --help text; the run is rlflow/recipe/
+(run.py on every rank, over rlflow/runtime/step.py).
 """
 
 from rlflow.recipe import Recipe, build, main, parse_args, prepare_out  # noqa: F401  (what tests and bench/ import)

@@ -39,8 +39,9 @@ The transfer dock (``rlflow.dock``, ``rlflow.runtime.graph``)
 Layouts and plans (``rlflow.sharding``, ``rlflow.models.sharding``)
     Mesh, P, Layout, layout            meshes, partition specs, a model's layout on a mesh
     Plan, plan, allgather_swap, swap_back  transition plans between two layouts
-The loop (``rlflow.runtime.loop``, ``rlflow.metrics``)
-    train, LoopConfig, Placement       the whole GRPO loop, on one process or a world of ranks
+The loop (``rlflow.runtime``, ``rlflow.metrics``)
+    init_state, step_context, train    a run's state, the fixed part of its steps, the whole loop
+    LoopConfig, Placement              the loop's sizes and configs; the layouts of a world of ranks
     make_sinks                         where per-step metrics go: JSONL, TensorBoard, W&B
 
 Every name is resolved on first use (PEP 562 module ``__getattr__``), so ``import rlflow`` imports neither
@@ -128,9 +129,11 @@ _EXPORTS = {
     "allgather_swap": ("rlflow.sharding.plan", "allgather_swap"),
     "swap_back": ("rlflow.sharding.plan", "swap_back"),
     # the loop
+    "init_state": ("rlflow.runtime.state", "init"),
+    "step_context": ("rlflow.runtime.step", "context"),
     "train": ("rlflow.runtime.loop", "train"),
-    "LoopConfig": ("rlflow.runtime.loop", "LoopConfig"),
-    "Placement": ("rlflow.runtime.loop", "Placement"),
+    "LoopConfig": ("rlflow.runtime.config", "LoopConfig"),
+    "Placement": ("rlflow.runtime.placement", "Placement"),
     "make_sinks": ("rlflow.metrics", "make_sinks"),  # TensorBoard / W&B imported only when a sink needs them
 }
 

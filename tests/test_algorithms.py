@@ -177,6 +177,8 @@ def test_a_reward_that_leaves_samples_unscored_trains_on_the_others(adv):
     from rlflow.models.config import get_config
     from rlflow.rollout import SamplingConfig
     from rlflow.runtime import loop
+    from rlflow.runtime.state import init
+    from rlflow.runtime.step import context
     from rlflow.tokenizer import CharTokenizer
 
     tok = CharTokenizer()
@@ -193,7 +195,7 @@ def test_a_reward_that_leaves_samples_unscored_trains_on_the_others(adv):
                            critic=critic.CriticConfig(optim=optim.AdamWConfig(lr=1e-2)) if adv == "gae" else None)
     params = qwen3_moe.init_params(cfg, seed=0)
     c = critic.Critic.from_policy(params, cfg) if adv == "gae" else None
-    params, _, hist = loop.train(params, cfg, tok, PromptSource(task="max_digit", seed=1), reward, lcfg, critic=c)
+    _, hist = loop.train(init(params, PromptSource(task="max_digit", seed=1), critic=c), context(cfg, tok, reward, lcfg))
     assert [h["unscored"] for h in hist] == [8, 8]
     scored = [v for v in seen[0] if v is not None]
     assert hist[0]["reward_mean"] == pytest.approx(sum(scored) / len(scored))
@@ -256,6 +258,16 @@ def test_a_registered_advantage_estimator_is_used(registries):
         estimators.advantages("nope", r, g)
     with pytest.raises(ValueError, match="adv_estimator"):
         GRPOConfig(adv_estimator="nope")
+
+
+def test_the_recipe_offers_a_registered_estimator_and_policy_loss(registries):
+    """The recipe's --adv-estimator / --policy-loss choices are read when its parser is built, after a recipe
+    script registered its own."""
+    from rlflow import recipe
+    estimators.register_adv_est("mine")(lambda rewards_B, group_B, *, scale, total: rewards_B)
+    grpo.register_policy_loss("mine")(lambda logp_BT, old_logp_BT, m_BT: logp_BT - old_logp_BT)
+    r = recipe.parse_args(["--adv-estimator", "mine", "--policy-loss", "mine", "--world", "1"])
+    assert (r.adv_estimator, r.policy_loss) == ("mine", "mine")
 
 
 def test_a_registered_policy_loss_is_used(registries):

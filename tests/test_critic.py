@@ -15,6 +15,7 @@ from rlflow.models import logprobs, qwen3_moe
 from rlflow.models.config import VALUE_HEAD, get_config
 from rlflow.models.sharding import layout, model_shapes
 from rlflow.rollout import SamplingConfig
+from rlflow.runtime.config import check_features
 from rlflow.runtime import loop
 from rlflow.sharding.mesh import Mesh
 from tests.helpers import recipe_module
@@ -134,9 +135,9 @@ def test_critic_update_fits_the_returns():
         return float(((critic.values(c.params, CFG, b) - ret) ** 2)[b.response_mask_BTr].mean())
 
     before = err()
-    first = critic.update(c, b, CFG, ccfg, ucfg)
+    c, first = critic.update(c, b, CFG, ccfg, ucfg)
     for _ in range(20):
-        m = critic.update(c, b, CFG, ccfg, ucfg)
+        c, m = critic.update(c, b, CFG, ccfg, ucfg)
     assert first["critic_loss"] == pytest.approx(0.5 * before, rel=1e-4)  # the loss of the values before the step
     assert err() < 0.1 * before, (before, err())
     assert m["critic_grad_norm"] > 0 and c.opt_state.step == 21
@@ -176,7 +177,7 @@ def test_batches_and_configs_refuse_a_missing_or_doubled_advantage():
     with pytest.raises(ValueError, match="gae_lambda"):
         grpo.GRPOConfig(group_size=2, gae_lambda=1.5)
     with pytest.raises(ValueError, match="pp layout"):
-        loop.check_features(CFG, 2, routing_replay="off", check_logprobs=None, adv_estimator="gae")
+        check_features(CFG, 2, routing_replay="off", check_logprobs=None, adv_estimator="gae")
     with pytest.raises(ValueError, match="needs a critic's values"):
         estimators.advantages("gae", torch.zeros(4), torch.zeros(4, dtype=torch.long))
 
@@ -270,6 +271,6 @@ def test_unscored_rows_take_no_part_in_gae_or_the_critic():
     ucfg = stages.UpdateConfig(mini_batch_size=6, micro_batch_size=6)
     ccfg = critic.CriticConfig(optim=optim.AdamWConfig(lr=1e-2), value_clip=None)
     a, z = critic.Critic.from_policy(params, CFG, seed=2), critic.Critic.from_policy(params, CFG, seed=2)
-    critic.update(a, full, CFG, ccfg, ucfg)
-    critic.update(z, full.replace(returns_BTr=ret), CFG, ccfg, ucfg)  # the same without the junk
+    a, _ = critic.update(a, full, CFG, ccfg, ucfg)
+    z, _ = critic.update(z, full.replace(returns_BTr=ret), CFG, ccfg, ucfg)  # the same without the junk
     assert all(torch.equal(a.params[k], z.params[k]) for k in a.params)

@@ -9,7 +9,7 @@ import pytest
 from helpers import recipe_module
 
 from rlflow.models import hf
-from rlflow.runtime.loop import validate_sizes
+from rlflow.runtime.config import validate_sizes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

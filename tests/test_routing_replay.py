@@ -133,7 +133,7 @@ def test_the_recipe_refuses_replay_for_a_dense_model_before_any_rank_starts(caps
 
 def test_routing_replay_is_refused_for_a_dense_model_and_an_unknown_mode():
     recipe = recipe_module()
-    lcfg = recipe.build(recipe.parse_args(["--world", "1", "--steps", "1"]))[5]
+    lcfg = recipe.build(recipe.parse_args(["--world", "1", "--steps", "1"])).config
     with pytest.raises(ValueError, match="routing_replay='sometimes': expected one of"):
         dataclasses.replace(lcfg, routing_replay="sometimes")
     with pytest.raises(ValueError, match="record_routes needs an MoE model"):

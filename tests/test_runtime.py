@@ -61,7 +61,7 @@ def one_process(kl: float, dock=None, gae: bool = False):
     c = full_critic(gae)
     state, hist = loop.train(init(full_params(), PromptSource(task="max_digit", seed=1), kl=bool(kl), critic=c),
                              context(CFG, TOK, per_sample(reward), lcfg(kl, gae), dock=dock))
-    return [m["reward_mean"] for m in hist], {**state.policy, **({} if c is None else prefixed(c.params))}
+    return [m["reward_mean"] for m in hist], {**state.policy, **({} if c is None else prefixed(state.critic.params))}
 
 
 def prefixed(critic_params: dict) -> dict:
@@ -88,7 +88,7 @@ def worker(rank: int, world: int, train: str, rollout: str, kl: float, dock, gae
     whole = lambda head: layout(CFG, Mesh(dp=world), {k: None for k in RULES}, dtype=torch.float32, head=head)  # noqa: E731
     full = gather_full(params, where.train, whole("lm"))
     if c is not None:
-        full.update(prefixed(gather_full(c.params, clay, whole("value"))))
+        full.update(prefixed(gather_full(state.critic.params, clay, whole("value"))))
     return [m["reward_mean"] for m in hist], full, hist[-1]
 
 

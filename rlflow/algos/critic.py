@@ -44,7 +44,7 @@ class CriticConfig:
 @dataclass
 class Critic:
     """The critic a run carries from step to step: its parameters (this rank's shards in a layout) and
-    their AdamW state. ``loop.train`` replaces both after every update (they are donated, as the policy's)."""
+    their AdamW state; ``update`` returns the next one (its tensors donated, as the policy's)."""
 
     params: dict[str, Tensor]
     opt_state: optim.AdamWState
@@ -106,11 +106,11 @@ def value_loss(v_BT: Tensor, old_BT: Tensor, returns_BT: Tensor, mask_BT: Tensor
 
 
 def update(critic: Critic, batch: TrainBatch, cfg: ModelConfig, ccfg: CriticConfig, ucfg: stages.UpdateConfig, *,
-           epochs: int = 1, seed: int = 0, ex: Exec = LOCAL) -> dict[str, float]:
+           epochs: int = 1, seed: int = 0, ex: Exec = LOCAL) -> tuple[Critic, dict[str, float]]:
     """``epochs`` passes of the value loss over ``batch`` (its ``values_BTr`` the old values, ``returns_BTr``
     the targets) with the policy's mini- and micro-batches (``stages.descend``); rows a reward left unscored
-    (``scored_B`` 0) take no part. Replaces ``critic``'s params and state, returns the metrics
-    (``critic_loss``, ``critic_grad_norm``, ...)."""
+    (``scored_B`` 0) take no part. Returns the updated critic (``critic``'s tensors are donated: updated in
+    place, as the policy's in ``stages.update``) and the metrics (``critic_loss``, ``critic_grad_norm``, ...)."""
     if batch.returns_BTr is None:
         raise ValueError("critic.update: the batch has no returns_BTr (estimators.gae makes them)")
     sums: dict[str, float] = {}
@@ -126,10 +126,10 @@ def update(critic: Critic, batch: TrainBatch, cfg: ModelConfig, ccfg: CriticConf
             stages.accumulate(grads, loss, leaves, reduce if mb is mbs[-1] else None)
         return grads
 
-    critic.params, critic.opt_state, n_mb = stages.descend(
-        critic.params, critic.opt_state, batch, ucfg, ccfg.optim, epochs=epochs, seed=seed, lr=None,
-        grads_of=grads_of, sums=sums)
-    return stages.finite_or_nan({f"critic_{k}": v for k, v in stages.averaged(sums, n_mb, ucfg.layout).items()})
+    params, opt_state, n_mb = stages.descend(critic.params, critic.opt_state, batch, ucfg, ccfg.optim, epochs=epochs,
+                                             seed=seed, lr=None, grads_of=grads_of, sums=sums)
+    return Critic(params=params, opt_state=opt_state), stages.finite_or_nan(
+        {f"critic_{k}": v for k, v in stages.averaged(sums, n_mb, ucfg.layout).items()})
 
 
 __all__ = ["Critic", "CriticConfig", "batched_values", "swap", "update", "value_loss", "values"]

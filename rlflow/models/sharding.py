@@ -20,7 +20,7 @@ import re
 import numpy as np
 import torch
 
-from rlflow.models import config as qwen
+from rlflow.models.config import ModelConfig, critic_shapes, get_config, keeps_float32, param_shapes
 from rlflow.sharding.layout import Layout, Logical
 from rlflow.sharding.mesh import Mesh
 
@@ -81,12 +81,12 @@ HEADS = ("lm", "value")  # the policy's LM head, or a critic's value head (``alg
 
 def _family(name_or_cfg, head: str = "lm"):
     """(config, shapes, table, known inner sizes) for a model name or config, with ``head`` (``HEADS``)."""
-    cfg = qwen.get_config(name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
-    if not isinstance(cfg, qwen.ModelConfig):
+    cfg = get_config(name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
+    if not isinstance(cfg, ModelConfig):
         raise TypeError(f"expected a model name or a ModelConfig, got {type(cfg).__name__}")
     if head not in HEADS:
         raise ValueError(f"head={head!r}: expected one of {HEADS}")
-    shapes = qwen.param_shapes(cfg) if head == "lm" else qwen.critic_shapes(cfg)
+    shapes = param_shapes(cfg) if head == "lm" else critic_shapes(cfg)
     if cfg.mla:
         sizes = {"qk_head_dim": cfg.qk_head_dim, "kv_head_dim": cfg.qk_nope_head_dim + cfg.v_head_dim,
                  "v_head_dim": cfg.v_head_dim, "gate_up": 2}
@@ -148,6 +148,6 @@ def layout(name_or_cfg, mesh: Mesh, rules: dict | None = None, *, dtype: torch.d
     r.update(rules or {})
     label = name or (name_or_cfg if isinstance(name_or_cfg, str) else "")
     cfg, logical = _family(name_or_cfg, head)[0], logical_params(name_or_cfg, head)
-    dtypes = {n: torch.float32 if qwen.keeps_float32(cfg, n) else dtype for n in logical}
+    dtypes = {n: torch.float32 if keeps_float32(cfg, n) else dtype for n in logical}
     return Layout.build(mesh, logical, r, dtype=dtypes,
                         layers_per_stage=layers_per_stage, name=label)

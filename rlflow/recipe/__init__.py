@@ -8,7 +8,7 @@ evaluation, metrics sinks and the reward plot.
 and ``doc`` is the --help text.
 """
 
-# flags.py   Recipe (every flag, its default and --help), CHOICES, parse_args
+# flags.py   Recipe (every flag, its default and --help), the choices of a flag, parse_args
 # checks.py  the refusals by flag: the rules no config owns, and the configs' own errors mapped onto the flags
 # pieces.py  the run's pieces of the flags: model, configs, prompts and reward, layouts, transfer dock, build
 # evals.py   the eval set, --eval-only, a run's evaluation over its ranks

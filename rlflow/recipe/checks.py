@@ -47,7 +47,7 @@ def problems(r: Recipe) -> list[tuple[str | None, str]]:
     for name in ("mini_batch_size", "micro_batch_size", "max_prompt_len", "dock"):
         if getattr(r, name) is not None and getattr(r, name) < 1:
             out.append((name, "must be >= 1 (leave it out for the default)"))
-    for name in ("kl_coef", "entropy_coef", "weight_decay", "save_every", "keep_last"):
+    for name in ("kl_coef", "entropy_coef", "weight_decay", "save_every", "keep_last", "log_samples_every"):
         if getattr(r, name) < 0:
             out.append((name, "must be >= 0"))
     if not r.max_grad_norm > 0:

@@ -1,6 +1,6 @@
 """Evaluation: the eval set prepared as the training prompts are, --eval-only's one evaluation in this
-process, and a run's evaluation over its ranks (every rank gathers the whole weights, ``full_params``, and
-scores a share of the prompts)."""
+process, and a run's evaluation over its ranks (every rank gathers the whole weights,
+``runtime.weights.full_weights``, and scores a share of the prompts)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,8 @@ import torch
 from rlflow import eval as rl_eval
 from rlflow import rewards
 from rlflow.data import Example, load_examples
-from rlflow.models.sharding import RULES, layout
 from rlflow.recipe.pieces import load_model, prompt_transform, reward_specs, reward_weights
-from rlflow.runtime.weights import gather_full
-from rlflow.sharding import Mesh
+from rlflow.runtime.weights import full_weights
 
 if TYPE_CHECKING:
     from rlflow.recipe.flags import Recipe
@@ -58,16 +56,6 @@ def evaluate_only(r: Recipe) -> dict[str, float]:
     return m
 
 
-def full_params(cfg, where, ts: dict) -> dict:
-    """Every rank's copy of the whole tensors from its train shards ``ts`` (a collective)."""
-    if not ts:
-        return {}
-    dt = next(iter(ts.values())).dtype
-    mesh = where.train.mesh  # the whole model on every rank: no pp stages, nothing split
-    return gather_full(ts, layout(cfg, mesh, dtype=dt), layout(cfg, Mesh(dp=mesh.size), {k: None for k in RULES},
-                                                               dtype=dt))
-
-
 def evaluation(r: Recipe, cfg, tok, examples: list[Example], reward_fn, params, where, rank: int,
                world: int) -> dict[str, float]:
     """The eval/* metrics of the policy whose train shards this rank holds (``where`` None: one process, the
@@ -76,7 +64,7 @@ def evaluation(r: Recipe, cfg, tok, examples: list[Example], reward_fn, params, 
     rank and summed up there. Every rank makes the same two collective calls, whatever its share; a prompt
     samples what it would in one process (its noise is keyed by its index in the eval set)."""
     if where is not None:
-        params = full_params(cfg, where, params)
+        params = full_weights(cfg, where.train, params)
     lo, hi = rank * len(examples) // world, (rank + 1) * len(examples) // world
     part = rl_eval.sample_scores(params, cfg, tok, examples[lo:hi], reward_fn, first_index=lo,
                                  **eval_settings(r)) if hi > lo else None

@@ -9,9 +9,8 @@ import sys
 from dataclasses import dataclass, field
 
 from rlflow import optim
-from rlflow.algos import grpo
+from rlflow.algos import estimators, grpo
 from rlflow.algos.corrections import IS_LEVELS, IS_MODES
-from rlflow.algos.estimators import ADV_ESTIMATORS
 from rlflow.recipe.checks import problems, started_problems
 from rlflow.runtime.config import ROUTING_REPLAY
 from rlflow.runtime.launch import env_world
@@ -144,13 +143,15 @@ class Recipe:
                                   "--out; a fresh start if there is none)")
 
 
-CHOICES = {"dtype": {"choices": ["float32", "bfloat16"]}, "dock_backend": {"choices": ["local", "procs", "ray"]},
-           "launcher": {"choices": ["local", "ray"]}, "lr_schedule": {"choices": list(optim.LR_SCHEDULES)},
-           "wandb_mode": {"choices": ["online", "offline"]},
-           "kl_estimator": {"choices": list(grpo.KL_ESTIMATORS)}, "loss_agg": {"choices": list(grpo.LOSS_AGGS)},
-           "policy_loss": {"choices": list(grpo.POLICY_LOSSES)}, "adv_estimator": {"choices": list(ADV_ESTIMATORS)},
-           "rollout_is": {"choices": list(IS_LEVELS)}, "rollout_is_mode": {"choices": list(IS_MODES)},
-           "routing_replay": {"choices": list(ROUTING_REPLAY)}}
+def choices() -> dict[str, list[str]]:
+    """Each flag with a fixed set of values, and that set; read when the parser is built, so that an advantage
+    estimator or policy loss a recipe registers (``estimators.register_adv_est``, ``grpo.register_policy_loss``)
+    is one of them."""
+    return {"dtype": ["float32", "bfloat16"], "dock_backend": ["local", "procs", "ray"], "launcher": ["local", "ray"],
+            "lr_schedule": list(optim.LR_SCHEDULES), "wandb_mode": ["online", "offline"],
+            "kl_estimator": list(grpo.KL_ESTIMATORS), "loss_agg": list(grpo.LOSS_AGGS),
+            "policy_loss": list(grpo.POLICY_LOSSES), "adv_estimator": list(estimators.ADV_ESTIMATORS),
+            "rollout_is": list(IS_LEVELS), "rollout_is_mode": list(IS_MODES), "routing_replay": list(ROUTING_REPLAY)}
 
 
 def parse_args(argv=None, defaults: dict | None = None, doc: str | None = None) -> Recipe:
@@ -166,6 +167,7 @@ def parse_args(argv=None, defaults: dict | None = None, doc: str | None = None) 
     # without ``doc``: the package's docstring (rlflow/recipe/__init__.py), the recipe's own --help text
     p = argparse.ArgumentParser(description=doc or sys.modules[__package__].__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    fixed = choices()
     for f in dataclasses.fields(Recipe):
         default = defaults.get(f.name, f.default)
         flag, help = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: {default})"
@@ -177,7 +179,8 @@ def parse_args(argv=None, defaults: dict | None = None, doc: str | None = None) 
             continue
         typ = {"int | None": int, "str | None": str, "float | None": float}.get(str(f.type), None) or \
             {"int": int, "float": float, "str": str}[str(f.type)]
-        p.add_argument(flag, type=typ, default=default, help=help, **CHOICES.get(f.name, {}))
+        p.add_argument(flag, type=typ, default=default, help=help,
+                       **({"choices": fixed[f.name]} if f.name in fixed else {}))
     args = vars(p.parse_args(argv))
     args.update({k: v for k, v in defaults.items() if args[k] is None})  # --reward: a given one replaces the default
     r = Recipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})

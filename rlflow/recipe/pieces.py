@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -16,7 +17,7 @@ from rlflow.data import Example, PromptSource, apply_chat_template, load_example
 from rlflow.dock import Dock
 from rlflow.dock.proc_backend import node_dock, proc_dock
 from rlflow.models import hf, qwen3_moe
-from rlflow.models.config import get_config
+from rlflow.models.config import ModelConfig, get_config
 from rlflow.models.sharding import layout
 from rlflow.parallel.context import check_layout
 from rlflow.rollout import SamplingConfig
@@ -74,7 +75,7 @@ def loop_config(r: Recipe, eos_id: int, pad_id: int) -> loop.LoopConfig:
         max_grad_norm=r.max_grad_norm,
         sampling=sampling_config(r, eos_id, pad_id),
         max_prompt_len=r.max_prompt_len, warmup_lr_steps=r.warmup_lr_steps, lr_schedule=r.lr_schedule,
-        min_lr_ratio=r.min_lr_ratio, log_samples_every=r.log_samples_every, seed=r.seed,
+        min_lr_ratio=r.min_lr_ratio, seed=r.seed,
         compile_decode=r.compile_decode, max_bad_steps=r.max_bad_steps, routing_replay=r.routing_replay,
         check_logprobs=r.check_logprobs, critic=critic_config(r, ocfg),
         dock_timeout_s=r.dist_timeout if r.dist_timeout is not None else DOCK_TIMEOUT_S)
@@ -101,11 +102,24 @@ def load_model(r: Recipe):
     return cfg, params, tok, dev
 
 
-def build(r: Recipe):
-    """(cfg, params, tokenizer, prompt source, reward function, loop config, device) of the flags."""
+@dataclass(frozen=True)
+class RunSpec:
+    """What a run is made of, from the flags: the model (its config, the whole initial weights on this
+    process's device), the tokenizer, the prompt source, the reward and the loop's config."""
+    cfg: ModelConfig
+    params: dict
+    tokenizer: object
+    source: PromptSource
+    reward_fn: Callable
+    config: loop.LoopConfig
+    device: torch.device
+
+
+def build(r: Recipe) -> RunSpec:
     cfg, params, tok, dev = load_model(r)
     source, reward_fn = prompts_and_reward(r)
-    return cfg, params, tok, source, reward_fn, loop_config(r, tok.eos_id, tok.pad_id), dev
+    return RunSpec(cfg=cfg, params=params, tokenizer=tok, source=source, reward_fn=reward_fn,
+                   config=loop_config(r, tok.eos_id, tok.pad_id), device=dev)
 
 
 def check_tokenizer(r: Recipe, cfg) -> None:

@@ -1,37 +1,33 @@
-"""The recipe on one rank: ``run(rank, world, r, dock)`` builds the run's pieces from the flags, resumes
-from a checkpoint, trains with ``rlflow.runtime.loop.train``, evaluates, logs to the metrics sinks, writes
-checkpoints and the reward plot; and what only it uses."""
+"""The recipe on one rank: ``run(rank, world, r, dock)`` builds the run from the flags (``pieces.build``), makes
+this rank's state (fresh, or resumed from a checkpoint in any layout), the step's context and the hooks (sinks,
+progress bar, evaluation, checkpoints), trains with ``rlflow.runtime.loop.train`` and reports."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import shutil
 import signal
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING
 
 import torch
 
-from rlflow import metrics, optim
+from rlflow import metrics
 from rlflow.algos.corrections import LogprobMismatchError
-from rlflow.algos.critic import Critic
 from rlflow.models import hf
-from rlflow.parallel.context import shard_params
-from rlflow.recipe.evals import eval_examples, eval_line, evaluation, full_params
-from rlflow.recipe.pieces import build, placement, train_layout_name
-from rlflow.runtime import checkpoint, loop
+from rlflow.recipe.evals import eval_examples, eval_line, evaluation
+from rlflow.recipe.pieces import RunSpec, build, placement
+from rlflow.runtime import checkpoint, hooks, loop, state as run_state, step
+from rlflow.runtime.placement import Placement
 from rlflow.runtime.weights import same_layout
-from rlflow.sharding.dist import all_reduce
 
 if TYPE_CHECKING:
     from rlflow.recipe.flags import Recipe
 
 
-def resume_point(r: Recipe, cfg, source, dev, dtype, say, rank: int = 0, where=None):
+def resume_point(r: Recipe, cfg, dev, dtype, say, rank: int = 0, where=None):
     """(checkpoint or None) for --resume: the directory given, or under --out the newest one that verifies; with
     ``where`` (the run's placement, world > 1) rank ``rank``'s shards of its train layout, resharded when the
     checkpoint was written in another; else whole tensors."""
@@ -57,7 +53,6 @@ def resume_point(r: Recipe, cfg, source, dev, dtype, say, rank: int = 0, where=N
                              critic_layout=None if where is None else where.critic)
     except (checkpoint.CheckpointError, FileNotFoundError) as e:
         raise SystemExit(f"error: --resume {r.resume}: {e}") from None
-    checkpoint.restore_source(source, ck.source_state)
     was = ck.resharded_from
     say(f"resumed from {path} after {ck.steps_done} steps" + ("" if was is None else
         f" (resharded from train {was['train_layout']} on {was['world']} ranks)"))
@@ -92,15 +87,58 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
     """The recipe on rank ``rank`` of ``world`` (rank 0 prints and writes the outputs); ``dock``: the
     transfer dock the driver made (None: in memory, one process)."""
     torch.manual_seed(r.seed)
-    cfg, params, tok, source, reward_fn, lcfg, dev = build(r)
+    spec = build(r)
+    cfg, dev = spec.cfg, spec.device
     interrupt = Interrupt()
-    dtype = next(iter(params.values())).dtype
+    dtype = next(iter(spec.params.values())).dtype
     where = None if world == 1 else placement(r, cfg, dtype)
     lead = rank == 0
     say = print if lead else (lambda *a, **k: None)
-    n = sum(p.numel() for p in params.values())
+    introduce(r, spec, where, dock, world, say)
+    ck = resume_point(r, cfg, dev, dtype, say, rank, where)
+    if ck is not None and ck.steps_done >= r.steps:
+        say(f"nothing to do: {ck.steps_done} of {r.steps} steps are done")
+        return []
+    try:
+        state = run_state.start(spec.params, spec.source, cfg, kl=bool(r.kl_coef),
+                                with_critic=spec.config.critic is not None, placement=where, rank=rank, ck=ck,
+                                seed=r.seed)
+    except checkpoint.CheckpointError as e:
+        raise SystemExit(f"error: --resume {ck.path}: {e}") from None
+    ctx = step.context(cfg, spec.tokenizer, spec.reward_fn, spec.config, device=dev, dock=dock, placement=where)
+    if lead and r.out:
+        with open(os.path.join(r.out, "args.json"), "w") as f:
+            json.dump(dataclasses.asdict(r), f, indent=2)
+    run_hooks = make_hooks(r, spec, where, rank, world, state.steps_done)
+    t0 = time.perf_counter()
+    try:
+        state, history = loop.train(state, ctx, hooks=run_hooks, should_stop=interrupt)
+    except (loop.NonFiniteError, LogprobMismatchError) as e:  # the run's verdict, not a crash: no traceback;
+        raise SystemExit(f"error: {e}" if lead else 1) from None  # every rank reaches it, the lead says it
+    finally:
+        interrupt.restore()
+    if state.steps_done < r.steps:  # interrupted: the checkpointer kept what was done and said how to go on
+        raise SystemExit(128 + int(interrupt.signal or 0))
+    report(r, history, where, dock, world, time.perf_counter() - t0, say)
+    if r.out:
+        names = metrics.sink_names(r.log_to)
+        if lead:  # metrics.jsonl holds a resumed run's earlier steps too; without it, this call's steps
+            jsonl = os.path.join(r.out, "metrics.jsonl")
+            plot_rewards([json.loads(ln) for ln in open(jsonl)] if "jsonl" in names else history,
+                         os.path.join(r.out, "reward.png"))
+        path = next(h.path for h in run_hooks if isinstance(h, hooks.Checkpointer))
+        shown = ["args.json", *("metrics.jsonl" if n == "jsonl" else "tensorboard/" for n in names if n != "wandb"),
+                 "reward.png"]
+        say(f"wrote {', '.join(f'{r.out}/{n}' for n in shown)}, {path}/ (--model {path} loads it)")
+    return history
+
+
+def introduce(r: Recipe, spec: RunSpec, where: Placement | None, dock, world: int, say) -> None:
+    """The run's first lines: the model, the sizes, the layouts and the dock, the TPS definition."""
+    cfg, lcfg = spec.cfg, spec.config
+    n = sum(p.numel() for p in spec.params.values())
     moe = f"{cfg.num_experts} experts top-{cfg.num_experts_per_tok}" if cfg.num_experts else "dense"
-    say(f"model: {r.model or r.preset} ({cfg.model_type}, {n / 1e6:.2f}M params, {moe}) on {dev} x {world}; "
+    say(f"model: {r.model or r.preset} ({cfg.model_type}, {n / 1e6:.2f}M params, {moe}) on {spec.device} x {world}; "
         f"task: {r.dataset or r.task}")
     say(f"sizes: {r.prompts_per_step} prompts x {r.group_size} samples = {lcfg.global_batch} per step, "
         f"mini-batch {lcfg.mini_batch_size}, micro-batch {lcfg.micro_batch_size}")
@@ -109,134 +147,50 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
             f"{type(dock.transport).__name__.removesuffix('Transport').lower()} with {len(dock.warehouses)} "
             "warehouses")
     say(loop.TPS_DEFINITION)
-    init = {k: v.clone() for k, v in params.items()} if r.kl_coef else None  # the reference: the run's start
-    ck = resume_point(r, cfg, source, dev, dtype, say, rank, where)
-    done = 0 if ck is None else ck.steps_done
-    opt_state = None if ck is None else ck.opt_state
-    if ck is not None:
-        params = ck.params
-    critic = None if ck is None else ck.critic  # PPO's critic; a fresh one is made below from the policy's shards
-    if lcfg.critic is not None and ck is not None and ck.critic is None:
-        raise SystemExit(f"error: --resume {ck.path}: the checkpoint has no critic (a run without "
-                         "--adv-estimator gae); it cannot continue as a PPO run")
-    if where is not None:  # this rank's shards of the train layout (a sharded checkpoint holds them as they are)
-        mine = lambda full: shard_params(full, where.train, rank)  # noqa: E731
-        init = None if init is None else mine(init)
-    if where is not None and (ck is None or ck.sharded is None):
-        params = mine(params)
-        if opt_state is not None:
-            opt_state = optim.map_state(opt_state, mine)
-        if critic is not None:
-            ours = lambda full: shard_params(full, where.critic, rank)  # noqa: E731
-            critic = Critic(params=ours(critic.params), opt_state=optim.map_state(critic.opt_state, ours))
-    if lcfg.critic is not None and critic is None:  # the critic's shards are the policy's, with its value head
-        critic = Critic.from_policy(params, cfg, seed=r.seed)
-    if done >= r.steps:
-        say(f"nothing to do: {done} of {r.steps} steps are done")
-        return []
-    lcfg = dataclasses.replace(lcfg, steps=r.steps - done)
-    sinks: list[metrics.Sink] = []
-    if lead:
-        if r.out:
-            with open(os.path.join(r.out, "args.json"), "w") as f:
-                json.dump(dataclasses.asdict(r), f, indent=2)
-        # a resumed run does the steps after its checkpoint again: the sinks drop what they logged from there on
-        sinks = metrics.make_sinks(sink_spec(r), r.out, dataclasses.asdict(r), first_step=done,
-                                   wandb_project=r.wandb_project, wandb_mode=r.wandb_mode)
 
-    def save(name, steps_done, p, state, keep=None):
-        """Every rank calls it: with several ranks each writes its own shards, the weights are gathered for
-        the consolidated export (a collective), and the lead writes the rest."""
-        kw = dict(steps_done=steps_done, cfg=cfg, source=source, args=dataclasses.asdict(r), tokenizer=tok,
-                  keep_last=keep)
-        if where is None:
-            return checkpoint.save(r.out, name, params=p, opt_state=state, critic=critic, **kw)
-        got = [checkpoint.begin(r.out, name) if lead else None]
-        torch.distributed.broadcast_object_list(got, src=0)
-        failed = None
-        try:
-            checkpoint.write_shard(got[0], rank, world, params=p, opt_state=state, critic=critic)
-        except Exception as e:  # noqa: BLE001 -- every rank must still reach the collectives below
-            failed = e
-        full = full_params(cfg, where, p)
-        if float(all_reduce(torch.tensor([failed is not None], dtype=torch.float64))[0]):  # any rank's file missing
-            if lead:
-                shutil.rmtree(got[0], ignore_errors=True)
-            if failed is not None:
-                raise failed
-            raise checkpoint.CheckpointError(f"{name}: another rank could not write its shards; nothing was saved")
-        if not lead:
-            return None
-        return checkpoint.save(r.out, name, params=full, opt_state=None, tmp=got[0], **kw,
-                               sharded={"world": world, "train_layout": train_layout_name(r)})
 
-    evals = eval_examples(r) if r.eval_dataset else None
-
-    def evaluate_at(steps_done, p):
-        """Every rank calls it (the weights and the shares' scores are gathered: collectives); the lead logs
-        the eval/* row at the steps done."""
-        m = evaluation(r, cfg, tok, evals, reward_fn, p, where, rank, world)
-        for s in sinks:
-            s.log(steps_done, {"step": steps_done, **m})
-        (bar.write if bar is not None else say)(f"eval after {steps_done} steps: {eval_line(m)}")
-
-    def after_step(steps_done, p, state):
-        if evals is not None and (steps_done == r.steps or (r.eval_every and steps_done % r.eval_every == 0)):
-            evaluate_at(steps_done, p)
-        if r.out and r.save_every and steps_done % r.save_every == 0 and steps_done < r.steps:
-            save(f"checkpoint-{steps_done:06d}", steps_done, p, state, keep=r.keep_last)
-    bar = None
-    if lead:
-        try:
-            from tqdm import tqdm
-            bar = tqdm(total=r.steps, initial=done, unit="step", file=sys.stdout, mininterval=0.5,
-                       dynamic_ncols=True)
-        except ImportError:
-            pass
-    t0 = time.perf_counter()
-
-    def on_step(m):
-        for s in sinks:
-            s.log(m["step"], m)
-        if bar is not None:
-            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", tps=f"{m['tps']:.0f}", step_s=f"{m['step_time_s']:.2f}",
-                            refresh=False)
-            bar.update(1)
-
-    def on_samples(step, rows):
-        for s in sinks:
-            s.log_samples(step, rows)
-
-    try:
-        if evals is not None:
-            evaluate_at(done, params)
-        params, opt_state, history = loop.train(
-            params, cfg, tok, source, reward_fn, lcfg, on_step=on_step, device=dev, dock=dock, placement=where,
-            opt_state=opt_state, first_step=done, ref_params=init, after_step=after_step, should_stop=interrupt,
-            on_samples=on_samples if lead else None, critic=critic)
-    except (loop.NonFiniteError, LogprobMismatchError) as e:  # the run's verdict, not a crash: no traceback;
-        raise SystemExit(f"error: {e}" if lead else 1) from None  # every rank reaches it, the lead says it
-    finally:
-        interrupt.restore()
-        for s in sinks:
-            s.close()
+def make_hooks(r: Recipe, spec: RunSpec, where: Placement | None, rank: int, world: int,
+               done: int) -> list[hooks.Hook]:
+    """The run's hooks on this rank, in the order they act after a step: the lead's sinks and progress bar,
+    the evaluation schedule (every rank: it gathers), the checkpoint policy (every rank: each writes its
+    shards)."""
+    lead, tok = rank == 0, spec.tokenizer
+    # a resumed run does the steps after its checkpoint again: the sinks drop what they logged from there on
+    sinks = hooks.Sinks(metrics.make_sinks(sink_spec(r), r.out, dataclasses.asdict(r), first_step=done,
+                                           wandb_project=r.wandb_project, wandb_mode=r.wandb_mode) if lead else [],
+                        tok, r.log_samples_every if lead else 0)
+    out: list[hooks.Hook] = [sinks]
+    bar = hooks.Progress(r.steps, done) if lead else None
     if bar is not None:
-        bar.close()
-    steps_done = done + len(history)
-    if steps_done < r.steps:  # interrupted: keep what was done, say how to go on
-        path = save(f"checkpoint-{steps_done:06d}", steps_done, params, opt_state) if r.out else None
-        if path is not None:
-            print(f"interrupted after step {steps_done - 1}: wrote {path}; continue with --resume auto "
-                  f"(or --resume {path})", file=sys.stderr)
-        raise SystemExit(128 + int(interrupt.signal or 0))
-    wall = time.perf_counter() - t0
+        out.append(bar)
+    if r.eval_dataset:
+        examples = eval_examples(r)
+
+        def report(steps_done: int, m: dict) -> None:
+            sinks.log(steps_done, {"step": steps_done, **m})
+            if lead:
+                bar.write(f"eval after {steps_done} steps: {eval_line(m)}")
+        out.append(hooks.Evaluator(lambda s: evaluation(r, spec.cfg, tok, examples, spec.reward_fn, s.policy, where,
+                                                        rank, world),
+                                   every=r.eval_every, last=r.steps, report=report))
+    if r.out:
+        def save(name: str, s, keep: int | None) -> str | None:
+            return checkpoint.save_state(r.out, name, s, cfg=spec.cfg, args=dataclasses.asdict(r), tokenizer=tok,
+                                         keep_last=keep, train=None if where is None else where.train, rank=rank,
+                                         world=world)
+        out.append(hooks.Checkpointer(save, every=r.save_every, keep_last=r.keep_last, last=r.steps))
+    return out
+
+
+def report(r: Recipe, history: list[dict], where: Placement | None, dock, world: int, wall: float, say) -> None:
+    """The run's closing lines: reward first and last, TPS, the weight transition's and the dock's figures."""
     first = sum(m["reward_mean"] for m in history[:10]) / len(history[:10])
     last = sum(m["reward_mean"] for m in history[-10:]) / len(history[-10:])
     tps = sum(m["prompt_tokens"] + m["response_tokens"] for m in history) / sum(m["step_time_s"] for m in history)
     say(f"done: {len(history)} steps in {wall:.1f}s; mean reward first 10 steps {first:.3f} -> last 10 "
         f"{last:.3f} (+{last - first:.3f}); mean TPS {tps / world:.0f}")
     mean = lambda k: sum(m.get(k, 0.0) for m in history) / len(history)  # noqa: E731
-    if where is not None and not _same_layouts(where):
+    if where is not None and not same_layout(where.train, where.rollout):
         say(f"weights train -> rollout layout (allgather-swap): {mean('transition_out_s') * 1e3:.1f} ms per step, "
             f"{mean('transition_recv_bytes') / 2**20:.2f} MiB received by rank 0; back (swap-in): "
             f"{mean('transition_back_s') * 1e3:.1f} ms")
@@ -244,21 +198,6 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
         say(f"transfer dock: {len(dock.warehouses)} warehouses, busiest dock process moved "
             f"{sum(m.get('dock_busiest_bytes', 0.0) for m in history) / 2**20:.1f} MiB in all "
             f"({mean('dock_busiest_bytes') / 2**10:.1f} KiB per step)")
-    if r.out:
-        names = metrics.sink_names(r.log_to)
-        if lead:  # metrics.jsonl holds a resumed run's earlier steps too; without it, this call's steps
-            jsonl = os.path.join(r.out, "metrics.jsonl")
-            plot_rewards([json.loads(ln) for ln in open(jsonl)] if "jsonl" in names else history,
-                         os.path.join(r.out, "reward.png"))
-        path = save("checkpoint-final", steps_done, params, opt_state)
-        shown = ["args.json", *("metrics.jsonl" if n == "jsonl" else "tensorboard/" for n in names if n != "wandb"),
-                 "reward.png"]
-        say(f"wrote {', '.join(f'{r.out}/{n}' for n in shown)}, {path}/ (--model {path} loads it)")
-    return history
-
-
-def _same_layouts(where) -> bool:
-    return same_layout(where.train, where.rollout)
 
 
 def sink_spec(r: Recipe) -> str:

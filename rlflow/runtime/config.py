@@ -28,7 +28,6 @@ class LoopConfig:
     warmup_lr_steps: int = 0  # linear LR warm-up over this many steps
     lr_schedule: str = "constant"  # after the warm-up: constant, cosine or linear decay (optim.lr_at)
     min_lr_ratio: float = 0.0  # the decay ends at optim.lr * this, on the run's last step
-    log_samples_every: int = 0  # hand rank 0's decoded scored rows to on_samples every N steps (0: never)
     compile_decode: bool = False  # rollout's decode step through torch.compile (see rollout.generate)
     seed: int = 0
     max_bad_steps: int = 3  # this many steps in a row whose updates were all skipped (non-finite) stop the run
@@ -62,8 +61,6 @@ class LoopConfig:
             raise ValueError(f"lr_schedule={self.lr_schedule!r} is not one of {', '.join(optim.LR_SCHEDULES)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
-        if self.log_samples_every < 0:
-            raise ValueError(f"log_samples_every={self.log_samples_every} must be >= 0")
         if self.check_logprobs is not None and not self.check_logprobs >= 0:
             raise ValueError(f"check_logprobs={self.check_logprobs} must be >= 0")
         if (self.critic is None) == (self.grpo.adv_estimator == "gae"):

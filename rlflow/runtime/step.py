@@ -171,8 +171,9 @@ def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunSt
         state.policy, state.opt_state, train, ctx.cfg, algo, ctx.update, conf.optim, seed=conf.seed + index, lr=lr,
         old_is_current=single_update, max_len=conf.sampling.max_new_tokens, ex=ex)
     if state.critic is not None:
-        upd.update(critics.update(state.critic, train, ctx.cfg, conf.critic, ctx.critic_update, epochs=algo.epochs,
-                                  seed=conf.seed + index, ex=ex))
+        state.critic, vf = critics.update(state.critic, train, ctx.cfg, conf.critic, ctx.critic_update,
+                                          epochs=algo.epochs, seed=conf.seed + index, ex=ex)
+        upd.update(vf)
     flow.end()  # before the loop's closing collective: no rank puts the next step's rows before the clear
     clock.lap("update_time_s")
     state.steps_done += 1
