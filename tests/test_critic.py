@@ -12,7 +12,8 @@ from rlflow import optim
 from rlflow.algos import critic, estimators, grpo, stages
 from rlflow.batch import TrainBatch
 from rlflow.models import logprobs, qwen3_moe
-from rlflow.models.config import VALUE_HEAD, get_config
+from rlflow.models.config import get_config
+from rlflow.models.shapes import VALUE_HEAD
 from rlflow.models.sharding import layout, model_shapes
 from rlflow.rollout import SamplingConfig
 from rlflow.runtime.config import check_features

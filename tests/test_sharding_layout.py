@@ -10,14 +10,15 @@ import re
 import pytest
 import torch
 
-from rlflow.models import config as qwen
+from rlflow.models.config import PRESETS
+from rlflow.models.shapes import num_params
 from rlflow.models.sharding import RULES, _logical, layout, logical_params, model_shapes
 from rlflow.sharding.execute import shard
 from rlflow.sharding.layout import Layout, ParamLayout, split_layers
 from rlflow.sharding.mesh import Mesh
 from rlflow.sharding.spec import P
 
-ALL_MODELS = sorted(qwen.PRESETS)
+ALL_MODELS = sorted(PRESETS)
 
 
 @pytest.mark.parametrize("model", ALL_MODELS)
@@ -113,9 +114,9 @@ def test_layout_errors_name_the_param_and_the_value():
 
 
 def test_deepseek_r1_671b_shapes():
-    cfg = qwen.PRESETS["deepseek-r1-671b"]
+    cfg = PRESETS["deepseek-r1-671b"]
     shapes = model_shapes("deepseek-r1-671b")
-    assert 670.5e9 < qwen.num_params(cfg) < 671.5e9
+    assert 670.5e9 < num_params(cfg) < 671.5e9
     assert shapes["model.embed_tokens.weight"] == shapes["lm_head.weight"] == (129280, 7168)
     a = "model.layers.5.self_attn."
     assert shapes[a + "q_a_proj.weight"] == (1536, 7168)

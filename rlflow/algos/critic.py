@@ -25,7 +25,8 @@ from torch import Tensor
 from rlflow import optim
 from rlflow.algos import grpo, stages
 from rlflow.batch import RolloutBatch, TrainBatch
-from rlflow.models.config import LM_HEAD, VALUE_HEAD, ModelConfig
+from rlflow.models.config import ModelConfig
+from rlflow.models.shapes import LM_HEAD, VALUE_HEAD
 from rlflow.models.execution import LOCAL, Exec
 from rlflow.models.logprobs import sequence_hidden
 from rlflow.sharding.execute import to_device, to_host

@@ -18,7 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rlflow.models.config import ModelConfig, keeps_float32, param_shapes
+from rlflow.models.config import ModelConfig
+from rlflow.models.shapes import keeps_float32, param_shapes
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

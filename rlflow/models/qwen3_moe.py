@@ -5,7 +5,7 @@ routes by sigmoid scores in groups and adds shared experts). The config's switch
 Legend: B batch, T tokens of this call, S key positions (cache), D model dim, H query heads,
 K key/value heads, d head dim, V vocab, N = B*T tokens, E experts.
 
-``params`` maps transformers' parameter names (see ``models/config.py: param_shapes``) to tensors. The
+``params`` maps transformers' parameter names (see ``models/shapes.py: param_shapes``) to tensors. The
 functions hold no layout code: where a layout changes the computation (the q/k/v and output
 projections, the experts, the embedding and the head, the layers of a pipeline stage) they call the
 execution context ``ex`` (``models/execution.py``; unsharded by default, one rank of a layout with
@@ -23,7 +23,8 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from rlflow.models import deepseek
-from rlflow.models.config import ModelConfig, keeps_float32, param_shapes
+from rlflow.models.config import ModelConfig
+from rlflow.models.shapes import keeps_float32, param_shapes
 from rlflow.models.execution import EXPERTS_PREPARED, LOCAL, Exec, Params, View, n_moe_layers
 from rlflow.ops import (attention, causal_padding_mask, prepare_experts, qk_norm_rope, replay_routes, rmsnorm,
                         rope_cos_sin, route, route_grouped)

@@ -20,7 +20,8 @@ import re
 import numpy as np
 import torch
 
-from rlflow.models.config import ModelConfig, critic_shapes, get_config, keeps_float32, param_shapes
+from rlflow.models.config import ModelConfig, get_config
+from rlflow.models.shapes import critic_shapes, keeps_float32, param_shapes
 from rlflow.sharding.layout import Layout, Logical
 from rlflow.sharding.mesh import Mesh
 

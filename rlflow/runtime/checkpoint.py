@@ -45,7 +45,8 @@ import torch.distributed as dist
 from rlflow import optim
 from rlflow.algos.critic import Critic
 from rlflow.models import hf
-from rlflow.models.config import ModelConfig, keeps_float32
+from rlflow.models.config import ModelConfig
+from rlflow.models.shapes import keeps_float32
 from rlflow.runtime.weights import full_weights
 from rlflow.sharding.dist import all_reduce
 
