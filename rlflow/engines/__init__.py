@@ -10,12 +10,9 @@ An engine is built once per run for this rank's place in the rollout layout and 
     engine.release() -> weights             the weights handed back (the transition's way back frees
                                             them); the engine keeps nothing of them
 
-``builtin`` is rlflow's own engine (``rlflow/rollout.py``). ``ENGINES`` maps the names a recipe may ask
-for to their classes.
+``builtin`` is rlflow's own engine (``rlflow/rollout.py``).
 """
 
 from rlflow.engines.builtin import BuiltinEngine
 
-ENGINES = {"builtin": BuiltinEngine}
-
-__all__ = ["ENGINES", "BuiltinEngine"]
+__all__ = ["BuiltinEngine"]

@@ -21,7 +21,7 @@ from rlflow.models.config import ModelConfig, get_config
 from rlflow.models.sharding import layout
 from rlflow.parallel.context import check_layout
 from rlflow.rollout import SamplingConfig
-from rlflow.runtime import loop
+from rlflow.runtime.config import LoopConfig
 from rlflow.runtime.graph import graph_for
 from rlflow.runtime.launch import ray_init
 from rlflow.runtime.placement import Placement
@@ -62,13 +62,13 @@ def sampling_config(r: Recipe, eos_id: int, pad_id: int) -> SamplingConfig:
 DOCK_TIMEOUT_S = 1800.0  # without --dist-timeout: as long as gloo's collectives wait
 
 
-def loop_config(r: Recipe, eos_id: int, pad_id: int) -> loop.LoopConfig:
+def loop_config(r: Recipe, eos_id: int, pad_id: int) -> LoopConfig:
     """``loop.train``'s config of the flags (``eos_id``, ``pad_id``: the tokenizer's). Each config it is made
     of checks its own fields (a ValueError naming them: ``checks.config_problems`` maps it onto the flags)."""
     gb = r.prompts_per_step * r.group_size
     mini = r.mini_batch_size or gb
     ocfg = optim_config(r)
-    return loop.LoopConfig(
+    return LoopConfig(
         steps=r.steps, prompts_per_step=r.prompts_per_step, mini_batch_size=mini,
         micro_batch_size=r.micro_batch_size or mini,
         grpo=grpo_config(r), optim=ocfg,
@@ -111,7 +111,7 @@ class RunSpec:
     tokenizer: object
     source: PromptSource
     reward_fn: Callable
-    config: loop.LoopConfig
+    config: LoopConfig
     device: torch.device
 
 
@@ -180,11 +180,6 @@ def mesh_of(r: Recipe, spec: str | None, name: str):
     if spec is None:
         spec = "tp=2" if name == "train_layout" else ""
     return Mesh.parse(spec, r.world)
-
-
-def train_layout_name(r: Recipe) -> str:
-    """The train layout's mesh as a checkpoint's manifest names it (one process: the trivial mesh)."""
-    return str(mesh_of(r, r.train_layout, "train_layout") if r.world > 1 else Mesh())
 
 
 def placement(r: Recipe, cfg, dtype):

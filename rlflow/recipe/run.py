@@ -59,9 +59,10 @@ def resume_point(r: Recipe, cfg, dev, dtype, say, rank: int = 0, where=None):
     return ck
 
 
-class Interrupt:
+class Interrupt(hooks.Hook):
     """SIGINT / SIGTERM (Ctrl-C, a scheduler's preemption) ask the run to stop after the current step; a
-    second one stops at once."""
+    second one stops at once. Once the steps are over (``end``, before the final or the interrupt checkpoint
+    is written) the handlers are the process's own again."""
 
     def __init__(self):
         self.signal, self._old = None, {}
@@ -72,6 +73,13 @@ class Interrupt:
     def restore(self) -> None:
         for s, h in self._old.items():
             signal.signal(s, h)
+        self._old = {}
+
+    def end(self, state) -> None:
+        self.restore()
+
+    def close(self) -> None:
+        self.restore()
 
     def _handle(self, sig, _frame):
         if self.signal is not None:
@@ -88,8 +96,15 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
     transfer dock the driver made (None: in memory, one process)."""
     torch.manual_seed(r.seed)
     spec = build(r)
-    cfg, dev = spec.cfg, spec.device
     interrupt = Interrupt()
+    try:
+        return _run(rank, world, r, dock, spec, interrupt)
+    finally:
+        interrupt.restore()
+
+
+def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Interrupt) -> list[dict]:
+    cfg, dev = spec.cfg, spec.device
     dtype = next(iter(spec.params.values())).dtype
     where = None if world == 1 else placement(r, cfg, dtype)
     lead = rank == 0
@@ -105,21 +120,19 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
                                 seed=r.seed)
     except checkpoint.CheckpointError as e:
         raise SystemExit(f"error: --resume {ck.path}: {e}") from None
+    # the state holds what the run needs: neither the whole initial weights nor the checkpoint stay alive
+    spec, ck = dataclasses.replace(spec, params={}), None
     ctx = step.context(cfg, spec.tokenizer, spec.reward_fn, spec.config, device=dev, dock=dock, placement=where)
     if lead and r.out:
         with open(os.path.join(r.out, "args.json"), "w") as f:
             json.dump(dataclasses.asdict(r), f, indent=2)
-    run_hooks = make_hooks(r, spec, where, rank, world, state.steps_done)
-    t0 = time.perf_counter()
+    run_hooks = make_hooks(r, spec, where, dock, rank, world, state.steps_done, interrupt)
     try:
         state, history = loop.train(state, ctx, hooks=run_hooks, should_stop=interrupt)
     except (loop.NonFiniteError, LogprobMismatchError) as e:  # the run's verdict, not a crash: no traceback;
         raise SystemExit(f"error: {e}" if lead else 1) from None  # every rank reaches it, the lead says it
-    finally:
-        interrupt.restore()
     if state.steps_done < r.steps:  # interrupted: the checkpointer kept what was done and said how to go on
         raise SystemExit(128 + int(interrupt.signal or 0))
-    report(r, history, where, dock, world, time.perf_counter() - t0, say)
     if r.out:
         names = metrics.sink_names(r.log_to)
         if lead:  # metrics.jsonl holds a resumed run's earlier steps too; without it, this call's steps
@@ -149,11 +162,12 @@ def introduce(r: Recipe, spec: RunSpec, where: Placement | None, dock, world: in
     say(loop.TPS_DEFINITION)
 
 
-def make_hooks(r: Recipe, spec: RunSpec, where: Placement | None, rank: int, world: int,
-               done: int) -> list[hooks.Hook]:
-    """The run's hooks on this rank, in the order they act after a step: the lead's sinks and progress bar,
-    the evaluation schedule (every rank: it gathers), the checkpoint policy (every rank: each writes its
-    shards)."""
+def make_hooks(r: Recipe, spec: RunSpec, where: Placement | None, dock, rank: int, world: int, done: int,
+               interrupt: Interrupt) -> list[hooks.Hook]:
+    """The run's hooks on this rank, in the order they act: the lead's sinks and progress bar (closed when the
+    steps are over), the closing report (the lead's lines then), the evaluation schedule (every rank: it
+    gathers), the interrupt's signal handlers (restored when the steps are over), the checkpoint policy
+    (every rank: each writes its shards)."""
     lead, tok = rank == 0, spec.tokenizer
     # a resumed run does the steps after its checkpoint again: the sinks drop what they logged from there on
     sinks = hooks.Sinks(metrics.make_sinks(sink_spec(r), r.out, dataclasses.asdict(r), first_step=done,
@@ -163,26 +177,49 @@ def make_hooks(r: Recipe, spec: RunSpec, where: Placement | None, rank: int, wor
     bar = hooks.Progress(r.steps, done) if lead else None
     if bar is not None:
         out.append(bar)
+    out.append(Report(r.steps, where, dock, world, print if lead else (lambda *a, **k: None)))
     if r.eval_dataset:
         examples = eval_examples(r)
 
-        def report(steps_done: int, m: dict) -> None:
+        def log_eval(steps_done: int, m: dict) -> None:
             sinks.log(steps_done, {"step": steps_done, **m})
             if lead:
                 bar.write(f"eval after {steps_done} steps: {eval_line(m)}")
         out.append(hooks.Evaluator(lambda s: evaluation(r, spec.cfg, tok, examples, spec.reward_fn, s.policy, where,
                                                         rank, world),
-                                   every=r.eval_every, last=r.steps, report=report))
+                                   every=r.eval_every, last=r.steps, report=log_eval))
     if r.out:
         def save(name: str, s, keep: int | None) -> str | None:
             return checkpoint.save_state(r.out, name, s, cfg=spec.cfg, args=dataclasses.asdict(r), tokenizer=tok,
                                          keep_last=keep, train=None if where is None else where.train, rank=rank,
                                          world=world)
+    out.append(interrupt)
+    if r.out:
         out.append(hooks.Checkpointer(save, every=r.save_every, keep_last=r.keep_last, last=r.steps))
     return out
 
 
-def report(r: Recipe, history: list[dict], where: Placement | None, dock, world: int, wall: float, say) -> None:
+class Report(hooks.Hook):
+    """The run's closing lines once its ``last`` step is done: reward first and last, TPS, the weight
+    transition's and the dock's figures; the wall time from the first hook's start (the first evaluation
+    included) to the end of the steps (the final checkpoint not)."""
+
+    def __init__(self, last: int, where: Placement | None, dock, world: int, say):
+        self.last, self.where, self.dock, self.world, self.say = last, where, dock, world, say
+        self.history: list[dict] = []
+
+    def start(self, state) -> None:
+        self.t0 = time.perf_counter()
+
+    def after_step(self, state, metrics: dict, out) -> None:
+        self.history.append(metrics)
+
+    def end(self, state) -> None:
+        if state.steps_done >= self.last and self.history:
+            report(self.history, self.where, self.dock, self.world, time.perf_counter() - self.t0, self.say)
+
+
+def report(history: list[dict], where: Placement | None, dock, world: int, wall: float, say) -> None:
     """The run's closing lines: reward first and last, TPS, the weight transition's and the dock's figures."""
     first = sum(m["reward_mean"] for m in history[:10]) / len(history[:10])
     last = sum(m["reward_mean"] for m in history[-10:]) / len(history[-10:])

@@ -92,6 +92,9 @@ class Progress(Hook):
             self.bar.close()
             self.bar = None
 
+    def end(self, state) -> None:  # the bar is done before the run's closing lines
+        self.close()
+
 
 class Evaluator(Hook):
     """Evaluation before the first step, every ``every`` steps (0: never in between) and after the run's

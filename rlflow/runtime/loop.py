@@ -44,6 +44,17 @@ def train(state: RunState, ctx: StepContext, *, hooks: Sequence[Hook] = (),
     A resumed state (``steps_done > 0``) continues as the uninterrupted run would: seeds, sample indices,
     the metrics' ``step`` and the LR schedule follow ``steps_done``."""
     conf = ctx.config
+    try:
+        _check(state, conf)
+        state, history = _steps(state, ctx, hooks, should_stop)
+        for h in hooks:
+            h.end(state)
+    finally:
+        _close(hooks)
+    return state, history
+
+
+def _check(state: RunState, conf: LoopConfig) -> None:
     if (state.critic is None) != (conf.critic is None):
         raise ValueError("train: adv_estimator='gae' needs the state's critic (e.g. critic.Critic.from_policy(params, "
                          "cfg))" if state.critic is None else
@@ -51,33 +62,43 @@ def train(state: RunState, ctx: StepContext, *, hooks: Sequence[Hook] = (),
     if (state.ref is None) == bool(conf.grpo.kl_coef):
         raise ValueError(f"train: kl_coef={conf.grpo.kl_coef} " + ("needs the state's reference policy (state.init(..., "
                          "kl=True))" if state.ref is None else "is 0 but the state carries a reference policy"))
-    history, bad_streak = [], 0
-    try:
+
+
+def _steps(state: RunState, ctx: StepContext, hooks: Sequence[Hook], should_stop) -> tuple[RunState, list[dict]]:
+    """The steps, each reduced once and handed to the hooks: the state after them, and their metrics."""
+    conf, history, bad_streak = ctx.config, [], 0
+    for h in hooks:
+        h.start(state)
+    while state.steps_done < conf.steps:
+        t0 = time.perf_counter()
+        state, out = step(state, take_prompts(state, ctx), ctx)
+        wall = time.perf_counter() - t0
+        stop = should_stop is not None and state.steps_done < conf.steps and bool(should_stop())
+        m, stop = reduce(out, ctx, wall, stop, index=state.steps_done - 1)
+        history.append(m)
         for h in hooks:
-            h.start(state)
-        while state.steps_done < conf.steps:
-            t0 = time.perf_counter()
-            state, out = step(state, take_prompts(state, ctx), ctx)
-            wall = time.perf_counter() - t0
-            stop = should_stop is not None and state.steps_done < conf.steps and bool(should_stop())
-            m, stop = reduce(out, ctx, wall, stop, index=state.steps_done - 1)
-            history.append(m)
-            for h in hooks:
-                h.after_step(state, m, out)
-            bad_streak = bad_streak + 1 if m["update_skipped"] == 1.0 else 0
-            if bad_streak >= conf.max_bad_steps:
-                first = m["step"] - bad_streak + 1
-                raise NonFiniteError(f"steps {first}..{m['step']}: {bad_streak} steps in a row had every update "
-                                     f"skipped for non-finite rewards, losses or gradients (max_bad_steps="
-                                     f"{conf.max_bad_steps}); the parameters are those before step {first}")
-            if stop:
-                break
-        for h in hooks:
-            h.end(state)
-    finally:
-        for h in hooks:
-            h.close()
+            h.after_step(state, m, out)
+        bad_streak = bad_streak + 1 if m["update_skipped"] == 1.0 else 0
+        if bad_streak >= conf.max_bad_steps:
+            first = m["step"] - bad_streak + 1
+            raise NonFiniteError(f"steps {first}..{m['step']}: {bad_streak} steps in a row had every update "
+                                 f"skipped for non-finite rewards, losses or gradients (max_bad_steps="
+                                 f"{conf.max_bad_steps}); the parameters are those before step {first}")
+        if stop:
+            break
     return state, history
+
+
+def _close(hooks: Sequence[Hook]) -> None:
+    """Every hook's ``close``, even when one raises (the first error is raised after the others closed)."""
+    failed = None
+    for h in hooks:
+        try:
+            h.close()
+        except Exception as e:  # noqa: BLE001 -- the others still close
+            failed = failed or e
+    if failed is not None:
+        raise failed
 
 
 def take_prompts(state: RunState, ctx: StepContext) -> PromptBatch:

@@ -38,12 +38,15 @@ class RunState:
 
 def init(policy: dict[str, Tensor], source: PromptSource, *, kl: bool = False, ref: dict[str, Tensor] | None = None,
          critic: Critic | None = None, opt_state: optim.AdamWState | None = None, steps_done: int = 0) -> RunState:
-    """A run's state from this rank's tensors: fresh AdamW moments unless ``opt_state``; with ``kl`` a frozen
-    copy of ``ref`` (default: ``policy``) as the reference."""
+    """A run's state from this rank's tensors (the state holds its own dict of them: a transition empties
+    it while the engine generates); fresh AdamW moments unless ``opt_state``; with ``kl`` a frozen copy of
+    ``ref`` (default: ``policy``) as the reference."""
+    if ref is not None and not kl:
+        raise ValueError("state.init: ref= is the reference policy of KL; pass kl=True with it")
     reference = None
     if kl:
         reference = {k: v.detach().clone() for k, v in (policy if ref is None else ref).items()}
-    return RunState(policy=policy, opt_state=optim.init(policy) if opt_state is None else opt_state, source=source,
+    return RunState(policy=dict(policy), opt_state=optim.init(policy) if opt_state is None else opt_state, source=source,
                     ref=reference, critic=critic, steps_done=steps_done)
 
 

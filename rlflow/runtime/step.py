@@ -54,8 +54,8 @@ class StepContext:
     flow: DockFlow | MemoryFlow
     weights: Weights
     engine: BuiltinEngine
-    update: stages.UpdateConfig  # the policy's mini- / micro-batches per data rank, in the train layout
-    critic_update: stages.UpdateConfig  # the same in the critic's layout
+    update_config: stages.UpdateConfig  # the policy's mini- / micro-batches per data rank, in the train layout
+    critic_update_config: stages.UpdateConfig  # the same in the critic's layout
 
 
 @dataclass
@@ -80,11 +80,12 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
     check_features(cfg, 1 if placement is None else placement.train.mesh.pp, routing_replay=conf.routing_replay,
                    check_logprobs=conf.check_logprobs, adv_estimator=conf.grpo.adv_estimator)
     if conf.critic is not None and placement is not None and placement.critic is None:
-        raise ValueError("train: a critic over several ranks needs its layout: Placement(critic=...)")
+        raise ValueError("step.context: a critic over several ranks needs its layout: Placement(critic=...)")
     if placement is not None and dock is None:
-        raise ValueError("train: a placement over several ranks needs a dock (the stages' rows go through it)")
+        raise ValueError("step.context: a placement over several ranks needs a dock (the stages' rows go through it)")
+    where = seats(placement, cfg)
+    nd = where.mesh(graph["update"].runs_on).data_parallel_size
     if placement is not None:
-        nd = placement.train.mesh.data_parallel_size
         for name in ("prompts_per_step", "mini_batch_size", "micro_batch_size"):
             if getattr(conf, name) % nd:
                 raise ValueError(f"{name} {getattr(conf, name)} is not divisible by the train layout's "
@@ -92,21 +93,19 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
         if conf.prompts_per_step % placement.world:
             raise ValueError(f"prompts_per_step {conf.prompts_per_step} is not divisible by the {placement.world} "
                              "ranks (each scores an equal share of the groups)")
-    where = seats(placement, cfg)
     routes = conf.routing_replay != "off"
     route_dims = (n_moe_layers(cfg), cfg.num_experts_per_tok) if routes else None
     flow = MemoryFlow() if dock is None else DockFlow(dock, where.rank, where.world, route_dims=route_dims,
                                                       timeout=conf.dock_timeout_s)
-    nd = where.mesh(graph["update"].runs_on).data_parallel_size
     ucfg = stages.UpdateConfig(mini_batch_size=conf.mini_batch_size // nd, micro_batch_size=conf.micro_batch_size // nd,
                                max_grad_norm=conf.max_grad_norm, router_aux_coef=conf.router_aux_coef,
                                layout=where.train, routing_replay=conf.routing_replay)
     engine = BuiltinEngine(cfg, conf.sampling, ex=where.rollout_ex, compile_decode=conf.compile_decode,
                            record_routes=routes)
     return StepContext(cfg=cfg, tokenizer=tokenizer, reward_fn=reward_fn, config=conf, device=torch.device(device),
-                       seats=where, graph=graph, flow=flow, engine=engine, update=ucfg,
+                       seats=where, graph=graph, flow=flow, engine=engine, update_config=ucfg,
                        weights=Weights(where.train, None if placement is None else placement.rollout, where.rank),
-                       critic_update=ucfg if placement is None else dataclasses.replace(ucfg, layout=placement.critic))
+                       critic_update_config=ucfg if placement is None else dataclasses.replace(ucfg, layout=placement.critic))
 
 
 def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunState, StepOut]:
@@ -140,8 +139,9 @@ def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunSt
     clock.lap("score_time_s")
 
     # the train group's rows, and the log-probs (and values) the update reads, on the same rows
-    batch, c = flow.get(ctx.graph.consumers[0], _dock_columns(ctx), where.mesh(ctx.graph["update"].runs_on), rank)
-    mb, ex = ctx.update.micro_batch_size, where.train_ex
+    train_group = ctx.graph["update"].runs_on  # the dock's consumer: the train group
+    batch, c = flow.get(train_group, _dock_columns(ctx), where.mesh(train_group), rank)
+    mb, ex = ctx.update_config.micro_batch_size, where.train_ex
     replay = conf.routing_replay == "on"
     # with one optimizer step per batch the policy that sampled is the one updated: the update detaches its
     # own log-probs as the ratio's denominator (exact) instead of a forward here
@@ -168,10 +168,10 @@ def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunSt
     # the update(s)
     lr = optim.lr_at(index, conf.steps, conf.optim.lr, conf.warmup_lr_steps, conf.lr_schedule, conf.min_lr_ratio)
     state.policy, state.opt_state, upd = stages.update(
-        state.policy, state.opt_state, train, ctx.cfg, algo, ctx.update, conf.optim, seed=conf.seed + index, lr=lr,
+        state.policy, state.opt_state, train, ctx.cfg, algo, ctx.update_config, conf.optim, seed=conf.seed + index, lr=lr,
         old_is_current=single_update, max_len=conf.sampling.max_new_tokens, ex=ex)
     if state.critic is not None:
-        state.critic, vf = critics.update(state.critic, train, ctx.cfg, conf.critic, ctx.critic_update,
+        state.critic, vf = critics.update(state.critic, train, ctx.cfg, conf.critic, ctx.critic_update_config,
                                           epochs=algo.epochs, seed=conf.seed + index, ex=ex)
         upd.update(vf)
     flow.end()  # before the loop's closing collective: no rank puts the next step's rows before the clear
