@@ -24,8 +24,8 @@ from torch.utils.checkpoint import checkpoint
 
 from rlflow.models import deepseek
 from rlflow.models.config import ModelConfig
-from rlflow.models.shapes import keeps_float32, param_shapes
 from rlflow.models.execution import EXPERTS_PREPARED, LOCAL, Exec, Params, View, n_moe_layers
+from rlflow.models.shapes import keeps_float32, param_shapes
 from rlflow.ops import (attention, causal_padding_mask, prepare_experts, qk_norm_rope, replay_routes, rmsnorm,
                         rope_cos_sin, route, route_grouped)
 
@@ -280,12 +280,28 @@ def mlp_block(params: Params, cfg: ModelConfig, layer: int, x_BTD: Tensor, real_
     return y.view(B, T, D), aux
 
 
-def decoder_layer(params, cfg, i, h, cos, sin, mask, cache, cache_slots, real_N, with_aux, ex, routing=None):
+@dataclass(frozen=True)
+class LayerInputs:
+    """What every decoder layer of one forward shares besides the hidden states: the rotary tables, the
+    attention mask, the KV cache and the slots this forward writes, the real tokens (MoE), whether the router
+    aux loss is computed, the execution context and the MoE routing (recorded or replayed)."""
+    cos: Tensor
+    sin: Tensor
+    mask: Tensor | None
+    cache: KVCache | None
+    cache_slots: tuple | None
+    real_N: Tensor | None
+    with_aux: bool
+    ex: Exec
+    routing: Routing | None = None
+
+
+def decoder_layer(params: Params, cfg: ModelConfig, i: int, h: Tensor, x: LayerInputs) -> tuple[Tensor, Tensor]:
     p = f"model.layers.{i}."
     h = h + attention_block(params, cfg, i, rmsnorm(h, params[p + "input_layernorm.weight"], cfg.rms_norm_eps),
-                            cos, sin, mask, cache, cache_slots, ex)
+                            x.cos, x.sin, x.mask, x.cache, x.cache_slots, x.ex)
     m, aux = mlp_block(params, cfg, i, rmsnorm(h, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps),
-                       real_N, with_aux, ex, routing)
+                       x.real_N, x.with_aux, x.ex, x.routing)
     return h + m, aux
 
 
@@ -332,12 +348,12 @@ def forward(params: Params, cfg: ModelConfig, ids_BT: Tensor, positions_BT: Tens
         mask = None if valid_BT is None else causal_padding_mask(valid_BT, 0, T)
     aux_total = h.new_zeros((), dtype=torch.float32)
     real_N = real_tokens(valid_BT) if cfg.is_moe else None
+    shared = LayerInputs(cos, sin, mask, cache, cache_slots, real_N, with_aux, ex, routing)
     for i in ex.layers(cfg):
-        args = (params, cfg, i, h, cos, sin, mask, cache, cache_slots, real_N, with_aux, ex, routing)
         if remat and torch.is_grad_enabled():
-            h, aux = checkpoint(decoder_layer, *args, use_reentrant=False)
+            h, aux = checkpoint(decoder_layer, params, cfg, i, h, shared, use_reentrant=False)
         else:
-            h, aux = decoder_layer(*args)
+            h, aux = decoder_layer(params, cfg, i, h, shared)
         if cfg.is_moe_layer(i):
             aux_total = aux_total + aux
     if ex.last:
