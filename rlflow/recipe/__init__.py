@@ -8,15 +8,15 @@ evaluation, metrics sinks and the reward plot.
 and ``doc`` is the --help text.
 """
 
-# flags.py   Recipe (every flag, its default and --help), the choices of a flag, parse_args
+# flags.py   Recipe (every flag, its default and --help), the choices of a flag
 # checks.py  the refusals by flag: the rules no config owns, and the configs' own errors mapped onto the flags
 # pieces.py  the run's pieces of the flags: model, configs, prompts and reward, layouts, transfer dock, build
 # evals.py   the eval set, --eval-only, a run's evaluation over its ranks
-# driver.py  main (picks the launcher; nothing per rank), run_started, run_on_ray, prepare_out
+# driver.py  parse_args, main (picks the launcher; nothing per rank), run_started, run_on_ray, prepare_out
 # run.py     run: the recipe on one rank
 
-from rlflow.recipe.driver import main, prepare_out, run_on_ray
-from rlflow.recipe.flags import Recipe, parse_args
+from rlflow.recipe.driver import main, parse_args, prepare_out, run_on_ray
+from rlflow.recipe.flags import Recipe
 from rlflow.recipe.pieces import build
 
 __all__ = ["Recipe", "build", "main", "parse_args", "prepare_out", "run_on_ray"]

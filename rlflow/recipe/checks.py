@@ -9,15 +9,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import TYPE_CHECKING
 
 from rlflow import metrics, rewards
 from rlflow.data import PromptSource, apply_chat_template, load_examples
+from rlflow.recipe.flags import Recipe
 from rlflow.recipe.pieces import (chat_template, critic_config, grpo_config, loop_config, mesh_of, optim_config,
                                   reward_specs, reward_weights, sampling_config)
 
-if TYPE_CHECKING:  # the flags' module imports this one
-    from rlflow.recipe.flags import Recipe
 
 
 def started_problems(r: Recipe, world: int) -> list[tuple[str, str]]:

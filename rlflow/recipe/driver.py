@@ -1,28 +1,27 @@
-"""What a recipe script runs: ``main`` parses the flags, refuses what the model and the layouts cannot run
-before any process starts, and picks the launcher (one process, local processes, Ray actors, or the ranks
+"""What a recipe script runs: ``parse_args`` makes the command line of ``Recipe``'s fields and refuses a bad
+value by its flag (``checks``), ``main`` refuses what the model and the layouts cannot run before any process
+starts and picks the launcher (one process, local processes, Ray actors, or the ranks
 torchrun / Slurm started); nothing here runs per rank (that is ``run.run``)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import sys
 import tempfile
-from typing import TYPE_CHECKING
 
 import torch
 
 from rlflow.models import hf
 from rlflow.models.config import get_config
+from rlflow.recipe.checks import problems, started_problems
 from rlflow.recipe.evals import evaluate_only
-from rlflow.recipe.flags import parse_args
+from rlflow.recipe.flags import Recipe, choices
 from rlflow.recipe.pieces import check_tokenizer, make_dock, placement
 from rlflow.recipe.run import run
 from rlflow.runtime import checkpoint, launch
 from rlflow.runtime.config import check_features
-
-if TYPE_CHECKING:
-    from rlflow.recipe.flags import Recipe
 
 
 RUN_FILES = ("args.json", "metrics.jsonl", "samples.jsonl", "tensorboard", "reward.png", "checkpoint-final",
@@ -46,6 +45,45 @@ def prepare_out(r: Recipe) -> None:
             pass
     except OSError as e:
         raise SystemExit(f"error: --out {r.out}: cannot write there ({e.strerror or e})") from None
+
+
+def parse_args(argv=None, defaults: dict | None = None, doc: str | None = None) -> Recipe:
+    """The Recipe of the command line; ``defaults`` replace Recipe's field defaults and ``doc`` the --help
+    text (another recipe reusing this one, e.g. recipes/grpo_qwen25_dense.py)."""
+    defaults = dict(defaults or {})
+    unknown = set(defaults) - {f.name for f in dataclasses.fields(Recipe)}
+    if unknown:
+        raise TypeError(f"defaults: not Recipe fields: {sorted(unknown)}")
+    started = launch.env_world()  # this process is one rank of a world torchrun or Slurm started: its size is --world's
+    if started is not None:
+        defaults.setdefault("world", started[1])
+    # without ``doc``: the package's docstring (rlflow/recipe/__init__.py), the recipe's own --help text
+    p = argparse.ArgumentParser(description=doc or sys.modules[__package__].__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    fixed = choices()
+    for f in dataclasses.fields(Recipe):
+        default = defaults.get(f.name, f.default)
+        flag, help = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: {default})"
+        if str(f.type) == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
+            continue
+        if str(f.type) == "tuple[str, ...] | None":
+            p.add_argument(flag, action="append", default=None, help=help)
+            continue
+        typ = {"int | None": int, "str | None": str, "float | None": float}.get(str(f.type), None) or \
+            {"int": int, "float": float, "str": str}[str(f.type)]
+        p.add_argument(flag, type=typ, default=default, help=help,
+                       **({"choices": fixed[f.name]} if f.name in fixed else {}))
+    args = vars(p.parse_args(argv))
+    args.update({k: v for k, v in defaults.items() if args[k] is None})  # --reward: a given one replaces the default
+    r = Recipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
+    for name, why in (started_problems(r, started[1]) if started is not None else []) + problems(r):
+        if name is None:  # a config's refusal that names no flag: its message as it is
+            p.error(why)
+        v = getattr(r, name)
+        shown = "" if isinstance(v, bool) else " " + (" ".join(v) if isinstance(v, tuple) else str(v))
+        p.error(f"--{name.replace('_', '-')}{shown}: {why}")  # one line, exit 2, nothing written
+    return r
 
 
 def main(argv=None, defaults: dict | None = None, doc: str | None = None) -> list[dict]:

@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
 from rlflow import eval as rl_eval
 from rlflow import rewards
 from rlflow.data import Example, load_examples
+from rlflow.recipe.flags import Recipe
 from rlflow.recipe.pieces import load_model, prompt_transform, reward_specs, reward_weights
 from rlflow.runtime.weights import full_weights
 
-if TYPE_CHECKING:
-    from rlflow.recipe.flags import Recipe
 
 
 def eval_examples(r: Recipe) -> list[Example]:

@@ -1,19 +1,14 @@
-"""Every flag of the recipe as a field of ``Recipe`` (its default and --help text), the flags' choices, and
-``parse_args``: the command line's Recipe, or one argparse line naming the flag it refuses (``checks``)."""
+"""Every flag of the recipe as a field of ``Recipe`` (its default and --help text), and the flags' choices
+(``driver.parse_args`` makes the command line of them)."""
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import sys
 from dataclasses import dataclass, field
 
 from rlflow import optim
 from rlflow.algos import estimators, grpo
 from rlflow.algos.corrections import IS_LEVELS, IS_MODES
-from rlflow.recipe.checks import problems, started_problems
 from rlflow.runtime.config import ROUTING_REPLAY
-from rlflow.runtime.launch import env_world
 
 
 def _f(default, help):  # a field with its --help text
@@ -154,40 +149,4 @@ def choices() -> dict[str, list[str]]:
             "rollout_is": list(IS_LEVELS), "rollout_is_mode": list(IS_MODES), "routing_replay": list(ROUTING_REPLAY)}
 
 
-def parse_args(argv=None, defaults: dict | None = None, doc: str | None = None) -> Recipe:
-    """The Recipe of the command line; ``defaults`` replace Recipe's field defaults and ``doc`` the --help
-    text (another recipe reusing this one, e.g. recipes/grpo_qwen25_dense.py)."""
-    defaults = dict(defaults or {})
-    unknown = set(defaults) - {f.name for f in dataclasses.fields(Recipe)}
-    if unknown:
-        raise TypeError(f"defaults: not Recipe fields: {sorted(unknown)}")
-    started = env_world()  # this process is one rank of a world torchrun or Slurm started: its size is --world's
-    if started is not None:
-        defaults.setdefault("world", started[1])
-    # without ``doc``: the package's docstring (rlflow/recipe/__init__.py), the recipe's own --help text
-    p = argparse.ArgumentParser(description=doc or sys.modules[__package__].__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    fixed = choices()
-    for f in dataclasses.fields(Recipe):
-        default = defaults.get(f.name, f.default)
-        flag, help = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: {default})"
-        if str(f.type) == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
-            continue
-        if str(f.type) == "tuple[str, ...] | None":
-            p.add_argument(flag, action="append", default=None, help=help)
-            continue
-        typ = {"int | None": int, "str | None": str, "float | None": float}.get(str(f.type), None) or \
-            {"int": int, "float": float, "str": str}[str(f.type)]
-        p.add_argument(flag, type=typ, default=default, help=help,
-                       **({"choices": fixed[f.name]} if f.name in fixed else {}))
-    args = vars(p.parse_args(argv))
-    args.update({k: v for k, v in defaults.items() if args[k] is None})  # --reward: a given one replaces the default
-    r = Recipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
-    for name, why in (started_problems(r, started[1]) if started is not None else []) + problems(r):
-        if name is None:  # a config's refusal that names no flag: its message as it is
-            p.error(why)
-        v = getattr(r, name)
-        shown = "" if isinstance(v, bool) else " " + (" ".join(v) if isinstance(v, tuple) else str(v))
-        p.error(f"--{name.replace('_', '-')}{shown}: {why}")  # one line, exit 2, nothing written
-    return r
+__all__ = ["Recipe", "choices"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
@@ -21,6 +21,7 @@ from rlflow.models.config import ModelConfig, get_config
 from rlflow.models.sharding import layout
 from rlflow.parallel.context import check_layout
 from rlflow.rollout import SamplingConfig
+from rlflow.recipe.flags import Recipe
 from rlflow.runtime.config import LoopConfig
 from rlflow.runtime.graph import graph_for
 from rlflow.runtime.launch import ray_init
@@ -28,8 +29,6 @@ from rlflow.runtime.placement import Placement
 from rlflow.sharding import Mesh
 from rlflow.tokenizer import CharTokenizer, ChatTemplate, HFTokenizer, find_chat_template
 
-if TYPE_CHECKING:  # the flags' module imports this one (through the checks)
-    from rlflow.recipe.flags import Recipe
 
 
 def grpo_config(r: Recipe) -> grpo.GRPOConfig:

@@ -10,7 +10,6 @@ import os
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,13 +17,12 @@ from rlflow import metrics
 from rlflow.algos.corrections import LogprobMismatchError
 from rlflow.models import hf
 from rlflow.recipe.evals import eval_examples, eval_line, evaluation
+from rlflow.recipe.flags import Recipe
 from rlflow.recipe.pieces import RunSpec, build, placement
 from rlflow.runtime import checkpoint, hooks, loop, state as run_state, step
 from rlflow.runtime.placement import Placement
 from rlflow.runtime.weights import same_layout
 
-if TYPE_CHECKING:
-    from rlflow.recipe.flags import Recipe
 
 
 def resume_point(r: Recipe, cfg, dev, dtype, say, rank: int = 0, where=None):
