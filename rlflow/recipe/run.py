@@ -79,6 +79,12 @@ class Interrupt(hooks.Hook):
     def close(self) -> None:
         self.restore()
 
+    def __enter__(self) -> "Interrupt":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
     def _handle(self, sig, _frame):
         if self.signal is not None:
             signal.signal(sig, signal.SIG_DFL)
@@ -93,55 +99,52 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
     """The recipe on rank ``rank`` of ``world`` (rank 0 prints and writes the outputs); ``dock``: the
     transfer dock the driver made (None: in memory, one process)."""
     torch.manual_seed(r.seed)
-    spec = build(r)
-    interrupt = Interrupt()
-    try:
-        return _run(rank, world, r, dock, spec, interrupt)
-    finally:
-        interrupt.restore()
+    return _run(rank, world, r, dock, build(r), Interrupt())  # the spec's only reference is _run's
 
 
 def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Interrupt) -> list[dict]:
-    cfg, dev = spec.cfg, spec.device
-    dtype = next(iter(spec.params.values())).dtype
-    where = None if world == 1 else placement(r, cfg, dtype)
-    lead = rank == 0
-    say = print if lead else (lambda *a, **k: None)
-    introduce(r, spec, where, dock, world, say)
-    ck = resume_point(r, cfg, dev, dtype, say, rank, where)
-    if ck is not None and ck.steps_done >= r.steps:
-        say(f"nothing to do: {ck.steps_done} of {r.steps} steps are done")
-        return []
-    try:
-        state = run_state.start(spec.params, spec.source, cfg, kl=bool(r.kl_coef),
-                                with_critic=spec.config.critic is not None, placement=where, rank=rank, ck=ck,
-                                seed=r.seed)
-    except checkpoint.CheckpointError as e:
-        raise SystemExit(f"error: --resume {ck.path}: {e}") from None
-    # the state holds what the run needs: neither the whole initial weights nor the checkpoint stay alive
-    spec, ck = dataclasses.replace(spec, params={}), None
-    ctx = step.context(cfg, spec.tokenizer, spec.reward_fn, spec.config, device=dev, dock=dock, placement=where)
-    if lead and r.out:
-        with open(os.path.join(r.out, "args.json"), "w") as f:
-            json.dump(dataclasses.asdict(r), f, indent=2)
-    run_hooks = make_hooks(r, spec, where, dock, rank, world, state.steps_done, interrupt)
-    try:
-        state, history = loop.train(state, ctx, hooks=run_hooks, should_stop=interrupt)
-    except (loop.NonFiniteError, LogprobMismatchError) as e:  # the run's verdict, not a crash: no traceback;
-        raise SystemExit(f"error: {e}" if lead else 1) from None  # every rank reaches it, the lead says it
-    if state.steps_done < r.steps:  # interrupted: the checkpointer kept what was done and said how to go on
-        raise SystemExit(128 + int(interrupt.signal or 0))
-    if r.out:
-        names = metrics.sink_names(r.log_to)
-        if lead:  # metrics.jsonl holds a resumed run's earlier steps too; without it, this call's steps
-            jsonl = os.path.join(r.out, "metrics.jsonl")
-            plot_rewards([json.loads(ln) for ln in open(jsonl)] if "jsonl" in names else history,
-                         os.path.join(r.out, "reward.png"))
-        path = next(h.path for h in run_hooks if isinstance(h, hooks.Checkpointer))
-        shown = ["args.json", *("metrics.jsonl" if n == "jsonl" else "tensorboard/" for n in names if n != "wandb"),
-                 "reward.png"]
-        say(f"wrote {', '.join(f'{r.out}/{n}' for n in shown)}, {path}/ (--model {path} loads it)")
-    return history
+    """``run`` with ``spec`` and the interrupt's handlers (restored on every way out)."""
+    with interrupt:
+        cfg, dev = spec.cfg, spec.device
+        dtype = next(iter(spec.params.values())).dtype
+        where = None if world == 1 else placement(r, cfg, dtype)
+        lead = rank == 0
+        say = print if lead else (lambda *a, **k: None)
+        introduce(r, spec, where, dock, world, say)
+        ck = resume_point(r, cfg, dev, dtype, say, rank, where)
+        if ck is not None and ck.steps_done >= r.steps:
+            say(f"nothing to do: {ck.steps_done} of {r.steps} steps are done")
+            return []
+        try:
+            state = run_state.start(spec.params, spec.source, cfg, kl=bool(r.kl_coef),
+                                    with_critic=spec.config.critic is not None, placement=where, rank=rank, ck=ck,
+                                    seed=r.seed)
+        except checkpoint.CheckpointError as e:
+            raise SystemExit(f"error: --resume {ck.path}: {e}") from None
+        # the state holds what the run needs: neither the whole initial weights nor the checkpoint stay alive
+        spec, ck = dataclasses.replace(spec, params={}), None
+        ctx = step.context(cfg, spec.tokenizer, spec.reward_fn, spec.config, device=dev, dock=dock, placement=where)
+        if lead and r.out:
+            with open(os.path.join(r.out, "args.json"), "w") as f:
+                json.dump(dataclasses.asdict(r), f, indent=2)
+        run_hooks = make_hooks(r, spec, where, dock, rank, world, state.steps_done, interrupt)
+        try:
+            state, history = loop.train(state, ctx, hooks=run_hooks, should_stop=interrupt)
+        except (loop.NonFiniteError, LogprobMismatchError) as e:  # the run's verdict, not a crash: no traceback;
+            raise SystemExit(f"error: {e}" if lead else 1) from None  # every rank reaches it, the lead says it
+        if state.steps_done < r.steps:  # interrupted: the checkpointer kept what was done and said how to go on
+            raise SystemExit(128 + int(interrupt.signal or 0))
+        if r.out:
+            names = metrics.sink_names(r.log_to)
+            if lead:  # metrics.jsonl holds a resumed run's earlier steps too; without it, this call's steps
+                jsonl = os.path.join(r.out, "metrics.jsonl")
+                plot_rewards([json.loads(ln) for ln in open(jsonl)] if "jsonl" in names else history,
+                             os.path.join(r.out, "reward.png"))
+            path = next(h.path for h in run_hooks if isinstance(h, hooks.Checkpointer))
+            shown = ["args.json", *("metrics.jsonl" if n == "jsonl" else "tensorboard/" for n in names if n != "wandb"),
+                     "reward.png"]
+            say(f"wrote {', '.join(f'{r.out}/{n}' for n in shown)}, {path}/ (--model {path} loads it)")
+        return history
 
 
 def introduce(r: Recipe, spec: RunSpec, where: Placement | None, dock, world: int, say) -> None:

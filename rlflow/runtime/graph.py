@@ -146,7 +146,8 @@ PPO = Graph(
     stages=_HEAD + (Stage("score", ROWS, ("rewards", "scored"), "every"),) + _LOGPROBS + (
         Stage("values", ROWS, ("values",), "train", via="dock"),
         Stage("gae", ("rewards", "scored", "values"), ("token_advantages", "returns"), "train", via="dock"),
-        Stage("update", ROWS + ("rewards", "token_advantages", "old_logprobs", "ref_logprobs"), (), "train", via="dock"),
+        Stage("update", ROWS + ("rewards", "token_advantages", "old_logprobs", "ref_logprobs"), (), "train",
+              via="dock"),
         Stage("critic_update", ROWS + ("scored", "values", "returns"), (), "train", via="dock"),
     ),
 )

@@ -60,8 +60,9 @@ def _check(state: RunState, conf: LoopConfig) -> None:
                          "cfg))" if state.critic is None else
                          f"train: the state has a critic but adv_estimator={conf.grpo.adv_estimator!r}")
     if (state.ref is None) == bool(conf.grpo.kl_coef):
-        raise ValueError(f"train: kl_coef={conf.grpo.kl_coef} " + ("needs the state's reference policy (state.init(..., "
-                         "kl=True))" if state.ref is None else "is 0 but the state carries a reference policy"))
+        raise ValueError(f"train: kl_coef={conf.grpo.kl_coef} " + (
+            "needs the state's reference policy (state.init(..., kl=True))" if state.ref is None else
+            "is 0 but the state carries a reference policy"))
 
 
 def _steps(state: RunState, ctx: StepContext, hooks: Sequence[Hook], should_stop) -> tuple[RunState, list[dict]]:

@@ -46,8 +46,8 @@ def init(policy: dict[str, Tensor], source: PromptSource, *, kl: bool = False, r
     reference = None
     if kl:
         reference = {k: v.detach().clone() for k, v in (policy if ref is None else ref).items()}
-    return RunState(policy=dict(policy), opt_state=optim.init(policy) if opt_state is None else opt_state, source=source,
-                    ref=reference, critic=critic, steps_done=steps_done)
+    return RunState(policy=dict(policy), opt_state=optim.init(policy) if opt_state is None else opt_state,
+                    source=source, ref=reference, critic=critic, steps_done=steps_done)
 
 
 def start(policy: dict[str, Tensor], source: PromptSource, cfg: ModelConfig, *, kl: bool, with_critic: bool,

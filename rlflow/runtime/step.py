@@ -102,10 +102,11 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
                                layout=where.train, routing_replay=conf.routing_replay)
     engine = BuiltinEngine(cfg, conf.sampling, ex=where.rollout_ex, compile_decode=conf.compile_decode,
                            record_routes=routes)
+    critic_ucfg = ucfg if placement is None else dataclasses.replace(ucfg, layout=placement.critic)
     return StepContext(cfg=cfg, tokenizer=tokenizer, reward_fn=reward_fn, config=conf, device=torch.device(device),
                        seats=where, graph=graph, flow=flow, engine=engine, update_config=ucfg,
                        weights=Weights(where.train, None if placement is None else placement.rollout, where.rank),
-                       critic_update_config=ucfg if placement is None else dataclasses.replace(ucfg, layout=placement.critic))
+                       critic_update_config=critic_ucfg)
 
 
 def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunState, StepOut]:
@@ -168,8 +169,8 @@ def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunSt
     # the update(s)
     lr = optim.lr_at(index, conf.steps, conf.optim.lr, conf.warmup_lr_steps, conf.lr_schedule, conf.min_lr_ratio)
     state.policy, state.opt_state, upd = stages.update(
-        state.policy, state.opt_state, train, ctx.cfg, algo, ctx.update_config, conf.optim, seed=conf.seed + index, lr=lr,
-        old_is_current=single_update, max_len=conf.sampling.max_new_tokens, ex=ex)
+        state.policy, state.opt_state, train, ctx.cfg, algo, ctx.update_config, conf.optim, seed=conf.seed + index,
+        lr=lr, old_is_current=single_update, max_len=conf.sampling.max_new_tokens, ex=ex)
     if state.critic is not None:
         state.critic, vf = critics.update(state.critic, train, ctx.cfg, conf.critic, ctx.critic_update_config,
                                           epochs=algo.epochs, seed=conf.seed + index, ex=ex)
@@ -178,8 +179,9 @@ def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunSt
     clock.lap("update_time_s")
     state.steps_done += 1
 
-    counts = {"prompt_tokens": float(rows.prompt_mask_BTp.sum()), "response_tokens": float(rows.response_mask_BTr.sum()),
-              "reward_sum": float(rewards.sum()), "reward_sq": float((rewards ** 2).sum()), "scored": float(scored.sum())}
+    counts = {"prompt_tokens": float(rows.prompt_mask_BTp.sum()),
+              "response_tokens": float(rows.response_mask_BTr.sum()), "reward_sum": float(rewards.sum()),
+              "reward_sq": float((rewards ** 2).sum()), "scored": float(scored.sum())}
     return state, StepOut(counts=counts, times={**clock.laps, **ctx.weights.figures()}, update=upd, lr=lr,
                           bad_rewards=int(len(bad)), rows=rows, rewards=rewards.masked_fill(~scored, float("nan")))
 
