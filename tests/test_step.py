@@ -16,7 +16,7 @@ from rlflow.rollout import SamplingConfig
 from rlflow.runtime import hooks, loop
 from rlflow.runtime.graph import GRPO, PPO
 from rlflow.runtime.state import init
-from rlflow.runtime.step import _dock_columns, context
+from rlflow.runtime.step import context, dock_columns
 from rlflow.tokenizer import CharTokenizer
 
 
@@ -26,8 +26,7 @@ from rlflow.tokenizer import CharTokenizer
     (GRPO, "on", ["rewards", "advantages", "prompt_routes", "response_routes"]),
 ])
 def test_the_train_group_takes_what_its_stages_read_from_the_rollout_group(graph, replay, want):
-    ctx = SimpleNamespace(graph=graph, config=SimpleNamespace(routing_replay=replay))
-    assert _dock_columns(ctx) == want
+    assert dock_columns(graph, replay) == want
 
 
 def _lcfg(**kw):

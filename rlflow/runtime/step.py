@@ -52,6 +52,7 @@ class StepContext:
     seats: Seats
     graph: Graph
     flow: DockFlow | MemoryFlow
+    dock_columns: list[str]  # what the train group takes from the dock (``dock_columns``)
     weights: Weights
     engine: BuiltinEngine
     update_config: stages.UpdateConfig  # the policy's mini- / micro-batches per data rank, in the train layout
@@ -105,6 +106,7 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
     critic_ucfg = ucfg if placement is None else dataclasses.replace(ucfg, layout=placement.critic)
     return StepContext(cfg=cfg, tokenizer=tokenizer, reward_fn=reward_fn, config=conf, device=torch.device(device),
                        seats=where, graph=graph, flow=flow, engine=engine, update_config=ucfg,
+                       dock_columns=dock_columns(graph, conf.routing_replay),
                        weights=Weights(where.train, None if placement is None else placement.rollout, where.rank),
                        critic_update_config=critic_ucfg)
 
@@ -141,7 +143,7 @@ def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunSt
 
     # the train group's rows, and the log-probs (and values) the update reads, on the same rows
     train_group = ctx.graph["update"].runs_on  # the dock's consumer: the train group
-    batch, c = flow.get(train_group, _dock_columns(ctx), where.mesh(train_group), rank)
+    batch, c = flow.get(train_group, ctx.dock_columns, where.mesh(train_group), rank)
     mb, ex = ctx.update_config.micro_batch_size, where.train_ex
     replay = conf.routing_replay == "on"
     # with one optimizer step per batch the policy that sampled is the one updated: the update detaches its
@@ -186,12 +188,12 @@ def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunSt
                           bad_rewards=int(len(bad)), rows=rows, rewards=rewards.masked_fill(~scored, float("nan")))
 
 
-def _dock_columns(ctx: StepContext) -> list[str]:
+def dock_columns(graph: Graph, routing_replay: str) -> list[str]:
     """The columns the train group takes from the dock: what its stages read that the rollout group's wrote
     (the rows themselves, ``graph.ROWS``, always come), and the rollout's expert routes with routing replay."""
-    written = {c for s in ctx.graph.stages if s.runs_on != "train" for c in s.writes}
-    read = [c for s in ctx.graph.stages if s.runs_on == "train" for c in s.reads if c in written]
-    routes = list(ROUTES) if ctx.config.routing_replay != "off" else []
+    written = {c for s in graph.stages if s.runs_on != "train" for c in s.writes}
+    read = [c for s in graph.stages if s.runs_on == "train" for c in s.reads if c in written]
+    routes = list(ROUTES) if routing_replay != "off" else []
     return [c for c in dict.fromkeys(read) if c not in ROWS] + routes
 
 
