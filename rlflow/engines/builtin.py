@@ -34,5 +34,11 @@ class BuiltinEngine:
         weights, self._weights = self._weights, None
         return weights
 
+    def figures(self) -> dict[str, float]:
+        return {}  # the weights are used where they are: nothing is loaded
+
+    def close(self) -> None:
+        pass
+
 
 __all__ = ["BuiltinEngine"]

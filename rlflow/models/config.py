@@ -308,13 +308,13 @@ PRESETS: dict[str, ModelConfig] = {
     # The recipe's default: small enough to train on 2 CPU cores in minutes.
     "qwen3-moe-tiny": ModelConfig(
         model_type="qwen3_moe", vocab_size=32, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
         rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False),
     # The dense recipe's default (recipes/grpo_qwen25_dense.py): the Qwen2.5 structure at qwen3-moe-tiny's size.
     "qwen2.5-tiny": ModelConfig(
         model_type="qwen2", vocab_size=32, hidden_size=64, intermediate_size=256,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
         attention_bias=True, qk_norm=False, rope_theta=10000.0, max_position_embeddings=512,
         tie_word_embeddings=False),
     # About 0.5B parameters, for GPU benchmarks.

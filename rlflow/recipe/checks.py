@@ -81,7 +81,29 @@ def problems(r: Recipe) -> list[tuple[str | None, str]]:
                 mesh_of(r, spec, name)
             except ValueError as e:
                 out.append((name, str(e)))
-    return out + log_problems(r) + data_problems(r) + eval_problems(r)
+    return out + engine_problems(r) + log_problems(r) + data_problems(r) + eval_problems(r)
+
+
+def engine_problems(r: Recipe) -> list[tuple[str, str]]:
+    """(field, why) for the rollout engine: vLLM's package, and the settings it cannot honour
+    (``engines.vllm.unsupported``); its memory share is vLLM's only."""
+    if r.rollout_engine != "vllm":
+        if r.vllm_memory_utilization is not None:
+            return [("vllm_memory_utilization", "needs --rollout-engine vllm")]
+        return []
+    from rlflow.engines import vllm
+
+    if not vllm.available():
+        return [("rollout_engine", f"the vllm package is not installed: {vllm.INSTALL_HINT}")]
+    splits = False
+    if r.world > 1 and r.rollout_layout:
+        try:
+            mesh = mesh_of(r, r.rollout_layout, "rollout_layout")
+            splits = mesh.tp > 1 or mesh.ep > 1
+        except ValueError:
+            pass  # problems() names it
+    return vllm.unsupported(splits_model=splits, compile_decode=r.compile_decode,
+                            record_routes=r.routing_replay != "off")
 
 
 # the config fields a config's ValueError names: qualified (GRPOConfig.group_size, sampling.temperature,

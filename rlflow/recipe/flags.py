@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from rlflow import optim
 from rlflow.algos import estimators, grpo
 from rlflow.algos.corrections import IS_LEVELS, IS_MODES
+from rlflow.engines import ENGINES
 from rlflow.runtime.config import ROUTING_REPLAY
 
 
@@ -106,6 +107,11 @@ class Recipe:
     max_restarts: int = _f(0, "--launcher ray: when a rank is lost (its actor died, or it stopped answering), "
                               "restart the ranks and a fresh dock from the newest checkpoint of this run, up to K "
                               "times (needs --out and --save-every); 0: the run fails naming the rank")
+    rollout_engine: str = _f("builtin", "what generates: builtin (rlflow's engine) or vllm (vLLM in each rank's process, "
+                                        "the weights pushed into it in place every step; see docs/engines.md)")
+    vllm_memory_utilization: float | None = _f(None, "--rollout-engine vllm: vLLM's gpu_memory_utilization, the share "
+                                                     "of the device's memory it may take (on a CPU, of host memory; "
+                                                     "default 0.5 on an accelerator, 0.2 on a CPU)")
     compile_decode: bool = _f(False, "compile the rollout's decode step with torch.compile (static shapes; "
                                      "pays off on long runs with fixed shapes, CUDA graphs on CUDA)")
     max_bad_steps: int = _f(3, "stop after this many steps in a row whose updates were skipped for non-finite "
@@ -146,7 +152,8 @@ def choices() -> dict[str, list[str]]:
             "lr_schedule": list(optim.LR_SCHEDULES), "wandb_mode": ["online", "offline"],
             "kl_estimator": list(grpo.KL_ESTIMATORS), "loss_agg": list(grpo.LOSS_AGGS),
             "policy_loss": list(grpo.POLICY_LOSSES), "adv_estimator": list(estimators.ADV_ESTIMATORS),
-            "rollout_is": list(IS_LEVELS), "rollout_is_mode": list(IS_MODES), "routing_replay": list(ROUTING_REPLAY)}
+            "rollout_is": list(IS_LEVELS), "rollout_is_mode": list(IS_MODES), "routing_replay": list(ROUTING_REPLAY),
+            "rollout_engine": list(ENGINES)}
 
 
 __all__ = ["Recipe", "choices"]

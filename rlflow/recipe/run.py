@@ -132,6 +132,8 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
             state, history = loop.train(state, ctx, hooks=run_hooks, should_stop=interrupt)
         except (loop.NonFiniteError, LogprobMismatchError) as e:  # the run's verdict, not a crash: no traceback;
             raise SystemExit(f"error: {e}" if lead else 1) from None  # every rank reaches it, the lead says it
+        finally:
+            ctx.engine.close()
         if state.steps_done < r.steps:  # interrupted: the checkpointer kept what was done and said how to go on
             raise SystemExit(128 + int(interrupt.signal or 0))
         if r.out:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from rlflow import optim
 from rlflow.algos import critic as critics, grpo
+from rlflow.engines import ENGINES
 from rlflow.models.config import ModelConfig
 from rlflow.rollout import SamplingConfig
 
@@ -29,6 +30,9 @@ class LoopConfig:
     lr_schedule: str = "constant"  # after the warm-up: constant, cosine or linear decay (optim.lr_at)
     min_lr_ratio: float = 0.0  # the decay ends at optim.lr * this, on the run's last step
     compile_decode: bool = False  # rollout's decode step through torch.compile (see rollout.generate)
+    rollout_engine: str = "builtin"  # engines.ENGINES: rlflow's own, or vLLM in the rank's process
+    # vLLM's gpu_memory_utilization (on a CPU a share of host memory); None: 0.5 on an accelerator, 0.2 on a CPU
+    vllm_memory_utilization: float | None = None
     seed: int = 0
     max_bad_steps: int = 3  # this many steps in a row whose updates were all skipped (non-finite) stop the run
     # MoE Rollout Routing Replay: "off"; "measure": the rollout's expert choices travel with the rows and
@@ -69,6 +73,10 @@ class LoopConfig:
                                 "has no critic (only 'gae' trains one)"))
         if self.dock_timeout_s is not None and not self.dock_timeout_s > 0:
             raise ValueError(f"dock_timeout_s={self.dock_timeout_s} must be > 0 (None: no limit)")
+        if self.rollout_engine not in ENGINES:
+            raise ValueError(f"rollout_engine={self.rollout_engine!r}: expected one of {ENGINES}")
+        if self.vllm_memory_utilization is not None and not 0 < self.vllm_memory_utilization <= 1:
+            raise ValueError(f"vllm_memory_utilization={self.vllm_memory_utilization} must be in (0, 1]")
         if self.routing_replay not in ROUTING_REPLAY:
             raise ValueError(f"routing_replay={self.routing_replay!r}: expected one of {ROUTING_REPLAY}")
         validate_sizes(steps=self.steps, prompts_per_step=self.prompts_per_step, group_size=self.grpo.group_size,

@@ -29,7 +29,7 @@ import torch
 from rlflow import optim
 from rlflow.algos import corrections, critic as critics, estimators, stages
 from rlflow.batch import PromptBatch, RolloutBatch
-from rlflow.engines import BuiltinEngine
+from rlflow import engines
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import n_moe_layers
 from rlflow.runtime.flow import DockFlow, MemoryFlow, rollout_share, score_share, train_batch
@@ -54,7 +54,7 @@ class StepContext:
     flow: DockFlow | MemoryFlow
     dock_columns: list[str]  # what the train group takes from the dock (``dock_columns``)
     weights: Weights
-    engine: BuiltinEngine
+    engine: object  # engines.build: the seam load / generate / release
     update_config: stages.UpdateConfig  # the policy's mini- / micro-batches per data rank, in the train layout
     critic_update_config: stages.UpdateConfig  # the same in the critic's layout
 
@@ -101,8 +101,11 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
     ucfg = stages.UpdateConfig(mini_batch_size=conf.mini_batch_size // nd, micro_batch_size=conf.micro_batch_size // nd,
                                max_grad_norm=conf.max_grad_norm, router_aux_coef=conf.router_aux_coef,
                                layout=where.train, routing_replay=conf.routing_replay)
-    engine = BuiltinEngine(cfg, conf.sampling, ex=where.rollout_ex, compile_decode=conf.compile_decode,
-                           record_routes=routes)
+    max_len = (conf.max_prompt_len or cfg.max_position_embeddings) + conf.sampling.max_new_tokens
+    engine = engines.build(conf.rollout_engine, cfg, conf.sampling, ex=where.rollout_ex,
+                           compile_decode=conf.compile_decode, record_routes=routes, seed=conf.seed,
+                           max_model_len=min(max_len, cfg.max_position_embeddings),
+                           memory_utilization=conf.vllm_memory_utilization)
     critic_ucfg = ucfg if placement is None else dataclasses.replace(ucfg, layout=placement.critic)
     return StepContext(cfg=cfg, tokenizer=tokenizer, reward_fn=reward_fn, config=conf, device=torch.device(device),
                        seats=where, graph=graph, flow=flow, engine=engine, update_config=ucfg,
@@ -184,7 +187,7 @@ def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunSt
     counts = {"prompt_tokens": float(rows.prompt_mask_BTp.sum()),
               "response_tokens": float(rows.response_mask_BTr.sum()), "reward_sum": float(rewards.sum()),
               "reward_sq": float((rewards ** 2).sum()), "scored": float(scored.sum())}
-    return state, StepOut(counts=counts, times={**clock.laps, **ctx.weights.figures()}, update=upd, lr=lr,
+    return state, StepOut(counts=counts, times={**clock.laps, **ctx.weights.figures(), **ctx.engine.figures()}, update=upd, lr=lr,
                           bad_rewards=int(len(bad)), rows=rows, rewards=rewards.masked_fill(~scored, float("nan")))
 
 

