@@ -1,0 +1,117 @@
+"""The vLLM engine against the built-in one, in a process of its own (tests/test_vllm_engine.py runs it):
+vLLM binds this process's threads and, in one process, starts a torch.distributed world of its own, which
+the test session must not inherit. Prints one JSON object of figures; the tests assert on them."""
+
+import dataclasses
+import json
+import sys
+
+import torch
+
+from rlflow.engines.vllm import VLLMEngine
+from rlflow.models import qwen3_moe
+from rlflow.models.config import PRESETS
+from rlflow.models.logprobs import response_logprobs
+from rlflow.rollout import SamplingConfig, generate
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from helpers import random_prompts  # noqa: E402
+
+TN = 12
+
+
+def prompts(cfg, P=6, seed=0):
+    return random_prompts(cfg.vocab_size, P, torch.Generator().manual_seed(seed))
+
+
+def an_eos(params, cfg, batch) -> int:
+    """A token the greedy responses produce after their first one, so that some rows end at EOS."""
+    out = generate(params, cfg, batch, SamplingConfig(max_new_tokens=TN, eos_id=cfg.vocab_size - 1, temperature=0))
+    return int(torch.mode(out.response_ids_BTr[:, 1:].flatten()).values)
+
+
+def greedy(name: str) -> dict:
+    cfg = PRESETS[name]
+    params = qwen3_moe.init_params(cfg, seed=1)
+    batch = prompts(cfg)
+    scfg = SamplingConfig(max_new_tokens=TN, eos_id=an_eos(params, cfg, batch), temperature=0)
+    eng = VLLMEngine(cfg, scfg, max_model_len=64)
+    eng.load(params)
+    got = eng.generate(batch, group_size=2, seed=0)
+    eng.release()
+    eng.close()
+    want = generate(params, cfg, batch, scfg, group_size=2)
+    return {"ids_equal": torch.equal(got.response_ids_BTr, want.response_ids_BTr),
+            "mask_equal": torch.equal(got.response_mask_BTr, want.response_mask_BTr),
+            "lp_max_diff": float((got.sample_logprobs_BTr - want.sample_logprobs_BTr).abs().max()),
+            "ended_at_eos": int((want.response_mask_BTr.sum(-1) < TN).sum()),
+            "prompt_lengths": sorted(set(batch.prompt_mask_BTp.sum(-1).tolist())),
+            "rows": int(got.response_ids_BTr.shape[0])}
+
+
+def pushes() -> dict:
+    """Weights pushed again and again into one engine: each time, greedy against the built-in engine with the
+    same weights. One parameter at a time is changed (a stale one would keep the old log-probs)."""
+    cfg = PRESETS["qwen3-moe-tiny"]
+    batch = prompts(cfg, P=4, seed=3)
+    scfg = SamplingConfig(max_new_tokens=8, eos_id=cfg.vocab_size - 1, temperature=0)
+    eng = VLLMEngine(cfg, scfg, max_model_len=64)
+
+    def both(params):
+        eng.load(params)
+        got = eng.generate(batch, group_size=1, seed=0)
+        eng.release()
+        want = generate(params, cfg, batch, scfg)
+        return got, want
+
+    def diff(a, b):
+        return float((a.sample_logprobs_BTr - b.sample_logprobs_BTr).abs().max())
+
+    a, b = qwen3_moe.init_params(cfg, seed=0), qwen3_moe.init_params(cfg, seed=1)
+    got_a, want_a = both(a)
+    got_b, want_b = both(b)
+    got_b2, _ = both(b)  # the same weights pushed twice
+    per_param = {}
+    g = torch.Generator().manual_seed(0)
+    for name in sorted(b):
+        changed = dict(b)
+        changed[name] = b[name] + 0.5 * b[name].abs().mean().clamp_min(0.02) * torch.randn(b[name].shape, generator=g)
+        got, want = both(changed)
+        per_param[name] = {"engine_vs_builtin": diff(got, want), "visible": diff(want, want_b)}
+    eng.close()
+    return {"a": diff(got_a, want_a), "b": diff(got_b, want_b), "a_vs_b": diff(want_a, want_b),
+            "b_twice": diff(got_b2, want_b), "ids_b_equal": torch.equal(got_b.response_ids_BTr, want_b.response_ids_BTr),
+            "per_param": per_param}
+
+
+def sampled() -> dict:
+    """Sampled at temperature 0.7: vLLM's log-probs of its tokens against the trainer's of the same tokens."""
+    cfg = PRESETS["qwen3-moe-tiny"]
+    params = qwen3_moe.init_params(cfg, seed=2)
+    batch = prompts(cfg, P=8, seed=5)
+    scfg = SamplingConfig(max_new_tokens=TN, eos_id=cfg.vocab_size - 1, temperature=0.7)
+    eng = VLLMEngine(cfg, scfg, max_model_len=64)
+    eng.load(params)
+    out = eng.generate(batch, group_size=4, seed=11)
+    again = eng.generate(batch, group_size=4, seed=11)
+    other = eng.generate(batch, group_size=4, seed=12)
+    eng.close()
+    with torch.no_grad():
+        lp, _, _ = response_logprobs(params, cfg, out, temperature=0.7)
+    m = out.response_mask_BTr
+    d = (lp - out.sample_logprobs_BTr).abs()[m]
+    groups = out.response_ids_BTr.view(8, 4, -1)
+    return {"mean_abs": float(d.mean()), "max_abs": float(d.max()), "tokens": int(m.sum()),
+            "same_seed_same_tokens": torch.equal(out.response_ids_BTr, again.response_ids_BTr),
+            "other_seed_differs": not torch.equal(out.response_ids_BTr, other.response_ids_BTr),
+            "distinct_in_groups": int(sum(len({tuple(r.tolist()) for r in grp}) for grp in groups))}
+
+
+def main():
+    res = {"greedy_moe": greedy("qwen3-moe-tiny"), "greedy_dense": greedy("qwen2.5-tiny"), "pushes": pushes(),
+           "sampled": sampled()}
+    print("RESULT " + json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
