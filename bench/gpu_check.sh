@@ -44,6 +44,13 @@ if $PY -c "import trl" 2>/dev/null; then  # the lent machine's python may lack T
 else
   echo "=== e2e_tiny, e2e_0p5b: skipped, TRL is not installed" | tee -a "$LOG"
 fi
+# vLLM as the rollout engine (rlflow/engines/vllm.py): where the lent machine's python has vllm
+if $PY -c "import vllm" 2>/dev/null; then
+  run vllm_tests 120 $PY -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py -m "not slow"
+  run rollout_vllm_0p5b 120 $PY bench/rollout_vs_vllm.py --device cuda --dtype bfloat16 --preset qwen3-moe-0.5b --batch 256 --new-tokens 128 --repeats 2
+else
+  echo "=== vllm_tests, rollout_vllm_0p5b: skipped, vllm is not installed" | tee -a "$LOG"
+fi
 # PPO's critic (values, GAE, its update) on the device, one process: the recipe's own run, 20 steps
 run ppo_recipe 40 $PY recipes/grpo_qwen3_moe.py --world 1 --adv-estimator gae --steps 20 --out "$OUT_DIR/ppo" --overwrite
 echo "figures: $FIG" | tee -a "$LOG"

@@ -139,13 +139,14 @@ def test_mismatch_is_zero_for_equal_log_probs_and_reports_a_difference():
 
 def test_the_logprob_gate_passes_a_consistent_run_and_fails_naming_the_worst_rows(tmp_path):
     """The rollout (decode with a KV cache) and the trainer (one forward over prompt + response) differ by
-    float32 rounding only: a tolerance of 1e-3 passes, one below the rounding (1e-9) stops the first step."""
+    float32 rounding only: a tolerance of 1e-3 passes, one below the rounding (1e-9) stops the run at the first
+    step whose rounding is not exactly 0 (a step of few short responses can match to the bit)."""
     from helpers import recipe_module
 
     flags = ["--world", "1", "--steps", "2", "--prompts-per-step", "2", "--group-size", "2"]
     history = recipe_module().main(flags + ["--check-logprobs", "1e-3", "--out", str(tmp_path / "a")])
     assert len(history) == 2 and 0 < max(h["logp_diff_mean"] for h in history) < 1e-3
-    with pytest.raises(SystemExit, match=r"error: step 0: .* mean \|d\| = .* above --check-logprobs 1e-09 .*worst "
+    with pytest.raises(SystemExit, match=r"error: step [01]: .* mean \|d\| = .* above --check-logprobs 1e-09 .*worst "
                                                    r"rows:\n  sample \d+: mean \|d\| .* over \d+ tokens, max .* at token"):
         recipe_module().main(flags + ["--check-logprobs", "1e-9", "--out", str(tmp_path / "b")])
 

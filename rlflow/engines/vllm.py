@@ -177,7 +177,7 @@ class VLLMEngine:
         self._dir = tempfile.mkdtemp(prefix="rlflow-vllm-")
         hf = self.cfg.to_hf()
         hf["torch_dtype"] = str(dtype).removeprefix("torch.")
-        hf["eos_token_id"] = self.sampling.eos_id
+        hf["eos_token_id"] = self.sampling.eos_id if self.sampling.eos_id >= 0 else None
         with open(os.path.join(self._dir, "config.json"), "w") as f:
             json.dump(hf, f)
         util = self.memory_utilization
@@ -243,7 +243,9 @@ def generate(llm, prompts: PromptBatch, scfg: SamplingConfig, *, group_size: int
     ids, mask = prompts.prompt_ids_BTp.cpu(), prompts.prompt_mask_BTp.cpu()
     reqs = [TokensPrompt(prompt_token_ids=ids[p][mask[p]].tolist()) for p in range(P)]
     greedy = scfg.temperature == 0
-    common = dict(max_tokens=Tn, stop_token_ids=[scfg.eos_id], logprobs=0, detokenize=False, skip_special_tokens=False)
+    # eos_id < 0: no token ends a row (the built-in engine's convention)
+    stop = dict(stop_token_ids=[scfg.eos_id]) if scfg.eos_id >= 0 else dict(ignore_eos=True)
+    common = dict(max_tokens=Tn, logprobs=0, detokenize=False, skip_special_tokens=False, **stop)
     if greedy:
         params = SamplingParams(n=1, temperature=0.0, **common)
     else:

@@ -223,7 +223,8 @@ class Report(hooks.Hook):
 
 
 def report(history: list[dict], where: Placement | None, dock, world: int, wall: float, say) -> None:
-    """The run's closing lines: reward first and last, TPS, the weight transition's and the dock's figures."""
+    """The run's closing lines: reward first and last, TPS, the weight transition's, the engine's weight push
+    and the dock's figures."""
     first = sum(m["reward_mean"] for m in history[:10]) / len(history[:10])
     last = sum(m["reward_mean"] for m in history[-10:]) / len(history[-10:])
     tps = sum(m["prompt_tokens"] + m["response_tokens"] for m in history) / sum(m["step_time_s"] for m in history)
@@ -234,6 +235,9 @@ def report(history: list[dict], where: Placement | None, dock, world: int, wall:
         say(f"weights train -> rollout layout (allgather-swap): {mean('transition_out_s') * 1e3:.1f} ms per step, "
             f"{mean('transition_recv_bytes') / 2**20:.2f} MiB received by rank 0; back (swap-in): "
             f"{mean('transition_back_s') * 1e3:.1f} ms")
+    if "engine_load_bytes" in history[0]:
+        say(f"weights into the rollout engine (in-place reload): {mean('engine_load_s') * 1e3:.1f} ms per step, "
+            f"{mean('engine_load_bytes') / 2**20:.2f} MiB per rank")
     if dock is not None:
         say(f"transfer dock: {len(dock.warehouses)} warehouses, busiest dock process moved "
             f"{sum(m.get('dock_busiest_bytes', 0.0) for m in history) / 2**20:.1f} MiB in all "
