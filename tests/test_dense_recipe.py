@@ -41,7 +41,7 @@ def test_defaults_replace_the_recipe_defaults_and_flags_override_them():
         moe.parse_args([], {"entropy_coeff": 0.1})
 
 
-LEARN_STEPS, LEARN_MARGIN = 150, 0.15  # seed 0 reaches +0.32 by step 150 (seeds 1, 2: +0.30, +0.39), ~+0.72 by 500
+LEARN_STEPS, LEARN_MARGIN = 150, 0.15  # seed 0 reaches +0.24 by step 150
 
 
 def test_the_default_dense_run_learns(capsys):
@@ -49,7 +49,7 @@ def test_the_default_dense_run_learns(capsys):
     reward of the last 10 steps is clearly above the first 10."""
     dense = dense_module()
     history = dense.main(["--world", "1", "--steps", str(LEARN_STEPS)], defaults=dense.DEFAULTS)
-    assert "model: qwen2.5-tiny (qwen2, 0.25M params, dense)" in capsys.readouterr().out
+    assert "model: qwen2.5-tiny (qwen2, 0.27M params, dense)" in capsys.readouterr().out
     r = [m["reward_mean"] for m in history]
     rise = sum(r[-10:]) / 10 - sum(r[:10]) / 10
     assert rise >= LEARN_MARGIN, rise

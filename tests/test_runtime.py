@@ -31,7 +31,7 @@ from rlflow.tokenizer import CharTokenizer
 TOK = CharTokenizer()
 CFG = get_config("qwen3-moe-tiny").replace(eos_token_id=TOK.eos_id)
 P, G, STEPS = 4, 4, 3
-TOL = 2e-5
+TOL = 1e-4  # on weights after 3 AdamW steps of lr 1e-2: a layout bug moves them by ~lr, rounding by < 1% of it
 
 
 def reward(text: str, answer: str) -> float:

@@ -129,7 +129,7 @@ def _load() -> bool:
             errors.append(str(e))
             continue
         ops = torch.ops.rlflow
-        if omp and not _shares_torch_threads():
+        if omp and _shares_torch_threads() is False:
             # results are right, but two thread pools compete: warn, and let later processes build without
             warnings.warn(f"rlflow: {cxx}'s OpenMP runtime is not torch's: the fused CPU kernels run their own "
                           "thread pool in this process; later processes build them without OpenMP")
@@ -139,14 +139,17 @@ def _load() -> bool:
     return False
 
 
-def _shares_torch_threads() -> bool:
+def _shares_torch_threads() -> bool | None:
     """The library's OpenMP thread count follows torch.set_num_threads: one runtime, one thread pool. The
     probe count differs from both torch's and the library's current ones, so a foreign runtime cannot
-    answer it by chance."""
+    answer it by chance. None: the probe cannot tell, torch's own count did not change (vLLM's CPU worker
+    makes torch.set_num_threads a no-op once it has bound its threads)."""
     n0 = torch.get_num_threads()
     probe = max(n0, ops._kernels_max_threads()) + 1
     try:
         torch.set_num_threads(probe)
+        if torch.get_num_threads() != probe:
+            return None
         return ops._kernels_max_threads() == probe
     finally:
         torch.set_num_threads(n0)
