@@ -96,7 +96,8 @@ def main(argv=None):
     for k in tps:
         print(f"  {k:17s} {tps[k]:10.0f} tokens/s   (median {statistics.median(times[k]):.3f} s; first call "
               f"{first[k]:.1f} s)   builtin / this: {tps['builtin'] / tps[k]:.2f}x")
-    print(f"  weight push     {push * 1e3:10.1f} ms for {nbytes / 2**20:.1f} MiB   bound (copy at {bw / 1e9:.1f} GB/s): "
+    print(f"  weight push     {push * 1e3:10.1f} ms for {nbytes / 2**20:.1f} MiB   "
+          f"bound (copy at {bw / 1e9:.1f} GB/s): "
           f"{nbytes / bw * 1e3:.1f} ms   push / bound: {push / (nbytes / bw):.1f}x")
     res = {"tokens_per_s": tps, "builtin_over_vllm": tps["builtin"] / tps["vllm"], "push_s": push,
            "push_bytes": nbytes, "push_bound_s": nbytes / bw, "copy_bandwidth_GBps": bw / 1e9, "first_call_s": first,

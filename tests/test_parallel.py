@@ -1,7 +1,7 @@
 """Model execution in a layout (rlflow.parallel) on real gloo processes: the tiny Qwen3-MoE's (and the tiny
 DeepSeek-V3's) GRPO loss (clipped surrogate + entropy bonus + router aux loss) and its gradients, gathered
-from every rank's shards, equal one process's within 1e-5 in float32 (relative where they exceed 1), for TP, EP, PP, DP and combinations
-of three axes.
+from every rank's shards, equal one process's within 1e-5 in float32 (relative where they exceed 1), for TP,
+EP, PP, DP and combinations of three axes.
 
 One group of processes per world size runs all of that size's cases (process start dominates). The
 reference runs in the test process with ``stages.response_logprobs`` and ``grpo.policy_loss`` on the same
@@ -190,7 +190,8 @@ def _check(world: int):
                     rlp, rent, _ = stages.response_logprobs(params_full(cfg), cfg, batch.select(rows),
                                                             with_entropy=True)
                 dlp = max(dlp, float((lp - rlp).abs().max()), float((ent - rent).abs().max()))
-        report.append(f"{name}: loss {ref_loss:.6f} |dloss| / max(1, |loss|) {dl:.2e} max|dgrad| / max(1, max|grad|) {dg:.2e} grad norm {ref_norm:.4f} "
+        report.append(f"{name}: loss {ref_loss:.6f} |dloss| / max(1, |loss|) {dl:.2e} "
+                      f"max|dgrad| / max(1, max|grad|) {dg:.2e} grad norm {ref_norm:.4f} "
                       f"|dnorm| {dn:.2e} forward-only max|dlogp|,|dent| {dlp:.2e}")
         if max(dl, dg, dn / max(1.0, ref_norm), dlp) > TOL:  # the norm: relative (a sum of ~1e5 squares)
             fails.append(report[-1])

@@ -80,7 +80,8 @@ def pushes() -> dict:
         per_param[name] = {"engine_vs_builtin": diff(got, want), "visible": diff(want, want_b)}
     eng.close()
     return {"a": diff(got_a, want_a), "b": diff(got_b, want_b), "a_vs_b": diff(want_a, want_b),
-            "b_twice": diff(got_b2, want_b), "ids_b_equal": torch.equal(got_b.response_ids_BTr, want_b.response_ids_BTr),
+            "b_twice": diff(got_b2, want_b),
+            "ids_b_equal": torch.equal(got_b.response_ids_BTr, want_b.response_ids_BTr),
             "per_param": per_param}
 
 

@@ -79,7 +79,8 @@ def unsupported(cfg: ModelConfig | None = None, *, splits_model: bool = False, c
         out.append(("routing_replay", "needs the rollout's expert choices, which the vllm engine does not return "
                                       "yet: use --rollout-engine builtin, or --routing-replay off"))
     if cfg is not None and cfg.model_type not in ARCHITECTURES:
-        out.append(("model", f"model_type {cfg.model_type!r} has no vLLM architecture mapped ({', '.join(ARCHITECTURES)})"))
+        out.append(("model", f"model_type {cfg.model_type!r} has no vLLM architecture mapped "
+                              f"({', '.join(ARCHITECTURES)})"))
     return out
 
 
@@ -214,10 +215,11 @@ def _cpu_moe_layers(model) -> list:
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         if isinstance(experts, CPUUnquantizedExperts) and not getattr(experts, "_use_zentorch", False):
-            if experts._padded_intermediate_size(experts.moe_config) != experts.moe_config.intermediate_size_per_partition:
+            width = experts.moe_config.intermediate_size_per_partition
+            if experts._padded_intermediate_size(experts.moe_config) != width:
                 raise ValueError("rollout engine vllm: this MoE's expert width is padded by vLLM's CPU kernels, "
                                  "which its in-place weight reload does not repack (moe_intermediate_size "
-                                 f"{experts.moe_config.intermediate_size_per_partition})")
+                                 f"{width})")
             out.append((module, experts))
     return out
 

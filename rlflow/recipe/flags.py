@@ -107,8 +107,8 @@ class Recipe:
     max_restarts: int = _f(0, "--launcher ray: when a rank is lost (its actor died, or it stopped answering), "
                               "restart the ranks and a fresh dock from the newest checkpoint of this run, up to K "
                               "times (needs --out and --save-every); 0: the run fails naming the rank")
-    rollout_engine: str = _f("builtin", "what generates: builtin (rlflow's engine) or vllm (vLLM in each rank's process, "
-                                        "the weights pushed into it in place every step; see docs/engines.md)")
+    rollout_engine: str = _f("builtin", "what generates: builtin (rlflow's engine) or vllm (vLLM in each rank's "
+                                        "process, the weights pushed into it in place every step; docs/engines.md)")
     vllm_memory_utilization: float | None = _f(None, "--rollout-engine vllm: vLLM's gpu_memory_utilization, the share "
                                                      "of the device's memory it may take (on a CPU, of host memory; "
                                                      "default 0.5 on an accelerator, 0.2 on a CPU)")

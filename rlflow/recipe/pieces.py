@@ -76,7 +76,8 @@ def loop_config(r: Recipe, eos_id: int, pad_id: int) -> LoopConfig:
         max_prompt_len=r.max_prompt_len, warmup_lr_steps=r.warmup_lr_steps, lr_schedule=r.lr_schedule,
         min_lr_ratio=r.min_lr_ratio, seed=r.seed,
         compile_decode=r.compile_decode, rollout_engine=r.rollout_engine,
-        vllm_memory_utilization=r.vllm_memory_utilization, max_bad_steps=r.max_bad_steps, routing_replay=r.routing_replay,
+        vllm_memory_utilization=r.vllm_memory_utilization, max_bad_steps=r.max_bad_steps,
+        routing_replay=r.routing_replay,
         check_logprobs=r.check_logprobs, critic=critic_config(r, ocfg),
         dock_timeout_s=r.dist_timeout if r.dist_timeout is not None else DOCK_TIMEOUT_S)
 

@@ -26,10 +26,9 @@ from typing import Callable
 
 import torch
 
-from rlflow import optim
+from rlflow import engines, optim
 from rlflow.algos import corrections, critic as critics, estimators, stages
 from rlflow.batch import PromptBatch, RolloutBatch
-from rlflow import engines
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import n_moe_layers
 from rlflow.runtime.flow import DockFlow, MemoryFlow, rollout_share, score_share, train_batch
@@ -187,8 +186,9 @@ def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunSt
     counts = {"prompt_tokens": float(rows.prompt_mask_BTp.sum()),
               "response_tokens": float(rows.response_mask_BTr.sum()), "reward_sum": float(rewards.sum()),
               "reward_sq": float((rewards ** 2).sum()), "scored": float(scored.sum())}
-    return state, StepOut(counts=counts, times={**clock.laps, **ctx.weights.figures(), **ctx.engine.figures()}, update=upd, lr=lr,
-                          bad_rewards=int(len(bad)), rows=rows, rewards=rewards.masked_fill(~scored, float("nan")))
+    times = {**clock.laps, **ctx.weights.figures(), **ctx.engine.figures()}
+    return state, StepOut(counts=counts, times=times, update=upd, lr=lr, bad_rewards=int(len(bad)), rows=rows,
+                          rewards=rewards.masked_fill(~scored, float("nan")))
 
 
 def dock_columns(graph: Graph, routing_replay: str) -> list[str]:
