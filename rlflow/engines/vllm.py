@@ -76,8 +76,10 @@ def unsupported(cfg: ModelConfig | None = None, *, splits_model: bool = False, c
     if compile_decode:
         out.append(("compile_decode", "is the built-in engine's (vLLM runs eagerly here)"))
     if record_routes:
-        out.append(("routing_replay", "needs the rollout's expert choices, which the vllm engine does not return "
-                                      "yet: use --rollout-engine builtin, or --routing-replay off"))
+        out.append(("routing_replay", "needs the rollout's expert choices: vLLM returns them only from its V2 "
+                                      "model runner (enable_return_routed_experts; it needs Triton, so not on a "
+                                      "CPU) and the vllm engine does not map them into the rows yet: use "
+                                      "--rollout-engine builtin, or --routing-replay off"))
     if cfg is not None and cfg.model_type not in ARCHITECTURES:
         out.append(("model", f"model_type {cfg.model_type!r} has no vLLM architecture mapped "
                               f"({', '.join(ARCHITECTURES)})"))
