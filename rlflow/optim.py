@@ -27,8 +27,13 @@ class AdamWConfig:
     weight_decay: float = 0.0
 
     def __post_init__(self):
-        if not self.lr > 0:
-            raise ValueError(f"AdamWConfig.lr must be > 0, got {self.lr}")
+        # not finite: every weight NaN after the first step, with a finite gradient norm (nothing would skip it)
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"AdamWConfig.lr must be finite and > 0, got {self.lr}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"AdamWConfig.weight_decay must be finite and >= 0, got {self.weight_decay}")
+        if not 0 < self.eps < math.inf:
+            raise ValueError(f"AdamWConfig.eps must be finite and > 0, got {self.eps}")
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"AdamWConfig.betas must be in [0, 1), got {self.betas}")
 

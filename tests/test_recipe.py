@@ -176,6 +176,13 @@ def test_under_torchrun_what_a_rank_cannot_run_is_refused_by_flag(flags, named, 
     (["--rollout-is-cap", "1"], "--rollout-is-cap must be > 1"),
     (["--adv-estimator", "ppo"], "--adv-estimator"),
     (["--max-grad-norm", "0"], "--max-grad-norm 0.0"),
+    # not finite: every weight NaN after step 0 with a finite gradient norm, and every checkpoint after it
+    (["--lr", "inf"], "--lr must be finite"),
+    (["--weight-decay", "nan"], "--weight-decay must be finite"),
+    (["--kl-coef", "nan"], "--kl-coef must be finite"),
+    (["--entropy-coef", "inf"], "--entropy-coef must be finite"),
+    (["--temperature", "inf"], "--temperature must be finite"),
+    (["--adv-estimator", "gae", "--critic-lr", "nan"], "--critic-lr must be finite"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag_and_write_nothing(flags, named, tmp_path, capsys):
     recipe = recipe_module()

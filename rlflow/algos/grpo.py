@@ -8,6 +8,7 @@ DAPO (``clip_high > clip_low``, ``loss_agg="token-mean"``), dual clip (``dual_cl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -60,8 +61,12 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.kl_estimator={self.kl_estimator!r}: expected one of {KL_ESTIMATORS}")
         if self.loss_agg not in LOSS_AGGS:
             raise ValueError(f"GRPOConfig.loss_agg={self.loss_agg!r}: expected one of {LOSS_AGGS}")
-        if not self.temperature > 0:
-            raise ValueError(f"GRPOConfig.temperature must be > 0 (log-probs divide by it), got {self.temperature}")
+        if not 0 < self.temperature < math.inf:
+            raise ValueError(f"GRPOConfig.temperature must be finite and > 0 (log-probs divide by it), got "
+                             f"{self.temperature}")
+        for name in ("kl_coef", "entropy_coef"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"GRPOConfig.{name} must be finite, got {getattr(self, name)}")
         for name, v, ok in (("adv_estimator", self.adv_estimator, estimators.ADV_ESTIMATORS),
                             ("rollout_is", self.rollout_is, corrections.IS_LEVELS),
                             ("rollout_is_mode", self.rollout_is_mode, corrections.IS_MODES)):
