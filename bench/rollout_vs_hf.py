@@ -63,19 +63,24 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def workload_args(doc: str, group_size: int, compile_help: str) -> argparse.ArgumentParser:
+    """The rollout benchmarks' flags: the model, the rows, the tokens, the repeats, the device."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen3-moe-tiny")
     ap.add_argument("--batch", type=int, default=64, help="rows per generate call")
-    ap.add_argument("--group-size", type=int, default=1, help="samples per prompt (rlflow shares the prefill)")
+    ap.add_argument("--group-size", type=int, default=group_size, help="samples per prompt (rlflow shares the prefill)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--compile", action="store_true",
-                    help="rlflow's decode step through torch.compile (static shapes; compile time excluded)")
-    a = ap.parse_args(argv)
+    ap.add_argument("--compile", action="store_true", help=compile_help)
+    return ap
+
+
+def main(argv=None):
+    a = workload_args(__doc__, 1, "rlflow's decode step through torch.compile (static shapes; compile time "
+                                  "excluded)").parse_args(argv)
     dev = torch.device(a.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
     tok = CharTokenizer()

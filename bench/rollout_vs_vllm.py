@@ -14,7 +14,6 @@ bound = its bytes / the device's copy bandwidth. Last line: one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -28,7 +27,7 @@ from rlflow.models import qwen3_moe
 from rlflow.models.config import get_config
 from rlflow.rollout import SamplingConfig
 from rlflow.tokenizer import CharTokenizer
-from rollout_vs_hf import _sync, copy_bandwidth
+from rollout_vs_hf import _sync, copy_bandwidth, workload_args
 
 DEFINITION = "tokens/s = rows x new tokens / wall time of one generate call (prefill included); median of repeats"
 PUSH_DEFINITION = ("push: wall time of one VLLMEngine.load of the whole weights (median of repeats); bound: "
@@ -36,17 +35,7 @@ PUSH_DEFINITION = ("push: wall time of one VLLMEngine.load of the whole weights 
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="qwen3-moe-tiny")
-    ap.add_argument("--batch", type=int, default=64, help="rows per generate call")
-    ap.add_argument("--group-size", type=int, default=8, help="samples per prompt")
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--compile", action="store_true", help="also the built-in engine's compiled decode step")
-    a = ap.parse_args(argv)
+    a = workload_args(__doc__, 8, "also the built-in engine's compiled decode step").parse_args(argv)
     dev = torch.device(a.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
     tok = CharTokenizer()
