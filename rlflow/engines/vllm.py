@@ -17,9 +17,9 @@ builds those weights from the train shards, and ``load`` pushes them into the en
   temperature, top-k and top-p), so the mismatch metrics and ``--rollout-is`` see the engine as it sampled.
   rlflow's own engine reports the log-prob under softmax(logits / temperature) without the truncation: the
   two agree unless top-k or top-p truncate (the recipe's defaults do not).
-- **Memory.** On CUDA the engine sleeps while the update runs (``release``: level 2, its weights and KV
-  cache dropped) and wakes before the next push; vLLM's sleep mode does not exist on a CPU, where the
-  engine keeps its weights and KV cache (``VLLM_CPU_KVCACHE_SPACE`` GiB) throughout.
+- **Memory.** On CUDA the engine sleeps while the update runs (``release``: level 1, its weights offloaded
+  to host memory and its KV cache dropped) and wakes before the next push; vLLM's sleep mode does not
+  exist on a CPU, where the engine keeps its weights and KV cache (``VLLM_CPU_KVCACHE_SPACE`` GiB).
 
 NOT RUN HERE: CUDA vLLM and vllm-ascend (only vllm-cpu ran on this machine), hence the sleep / wake path.
 """
@@ -60,8 +60,11 @@ def _import_vllm():
     try:
         import vllm
     except ImportError as e:
-        raise ImportError(f"--rollout-engine vllm: the vllm package is not installed ({e}); {INSTALL_HINT}") from None
+        raise ImportError(f"rollout engine vllm: the vllm package is not installed ({e}); {INSTALL_HINT}") from None
     return vllm
+
+
+ARCHITECTURES = ("qwen3_moe", "qwen2", "deepseek_v3")  # model types whose config.json vLLM loads as rlflow writes it
 
 
 def unsupported(cfg: ModelConfig | None = None, *, splits_model: bool = False, compile_decode: bool = False,
@@ -86,9 +89,6 @@ def unsupported(cfg: ModelConfig | None = None, *, splits_model: bool = False, c
     return out
 
 
-ARCHITECTURES = ("qwen3_moe", "qwen2", "deepseek_v3")  # model types whose config.json vLLM loads as rlflow writes it
-
-
 def check(cfg: ModelConfig, *, ex: Exec = LOCAL, compile_decode: bool = False, record_routes: bool = False) -> None:
     """What this engine cannot run, refused by name before anything starts (ValueError)."""
     bad = unsupported(cfg, splits_model=ex.collective_forward, compile_decode=compile_decode,
@@ -99,8 +99,9 @@ def check(cfg: ModelConfig, *, ex: Exec = LOCAL, compile_decode: bool = False, r
 
 class VLLMEngine:
     """One ``vllm.LLM`` on this rank (see the module). ``max_model_len``: the longest prompt plus response it
-    serves; ``memory_utilization``: vLLM's ``gpu_memory_utilization`` (on a CPU a share of host memory);
-    ``device``: where the weights it is given live (cpu, cuda)."""
+    serves; ``memory_utilization``: vLLM's ``gpu_memory_utilization`` (on a CPU a share of host memory; None:
+    0.5 on an accelerator, 0.2 on a CPU). It starts on the first ``load``, on the device and in the dtype of
+    the weights it is given."""
 
     def __init__(self, cfg: ModelConfig, sampling: SamplingConfig, *, ex: Exec = LOCAL, max_model_len: int,
                  memory_utilization: float | None = None, seed: int = 0, compile_decode: bool = False,
@@ -142,7 +143,9 @@ class VLLMEngine:
     def release(self) -> dict:
         weights, self._weights = self._weights, None
         if self.llm is not None and self._sleep_mode:
-            self.llm.sleep(level=2)  # NOT RUN HERE: weights and KV cache dropped (the next load pushes anew)
+            # NOT RUN HERE. Level 1 (weights to host, KV cache dropped), not 2: level 2 discards every tensor of
+            # the model, the buffers no push rewrites (rotary tables) with them
+            self.llm.sleep(level=1)
             self._asleep = True
         return weights
 
@@ -170,7 +173,7 @@ class VLLMEngine:
 
     # ---- start-up and the push ----
     def _start(self, dtype: torch.dtype, device: torch.device) -> None:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (the reload reaches it)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: the reload reaches it
         if device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's own default sizes it from RAM
         vllm = _import_vllm()
@@ -268,8 +271,8 @@ def generate(llm, prompts: PromptBatch, scfg: SamplingConfig, *, group_size: int
             out_mask[r, :n] = True
             out_lp[r, :n] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
     dev = prompts.prompt_ids_BTp.device
-    return extend(prompts.repeat(G), RolloutBatch, response_ids_BTr=out_ids.to(dev), response_mask_BTr=out_mask.to(dev),
-                  sample_logprobs_BTr=out_lp.to(dev))
+    return extend(prompts.repeat(G), RolloutBatch, response_ids_BTr=out_ids.to(dev),
+                  response_mask_BTr=out_mask.to(dev), sample_logprobs_BTr=out_lp.to(dev))
 
 
 __all__ = ["ARCHITECTURES", "VLLMEngine", "available", "check", "generate", "unsupported"]
