@@ -370,6 +370,24 @@ def test_disabled_by_environment():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.unavailable_reason or "")
+def test_a_build_killed_midway_does_not_hang_the_next_run(tmp_path):
+    """A process killed while cpp_extension built the kernels left its ``lock`` file, and every later run
+    waited on it forever (with no message). The build lock is an OS lock that dies with its holder; holding
+    it, the next run removes the stale file and loads the kernels."""
+    cache = tmp_path / "cache"
+    for d in os.listdir(cpu_kernels.cache_dir()):  # this machine's builds (a copy: the next load is quick)
+        if d.startswith("cpu_ops_") and os.path.isdir(os.path.join(cpu_kernels.cache_dir(), d)):
+            shutil.copytree(os.path.join(cpu_kernels.cache_dir(), d), cache / d)
+            (cache / d / "lock").write_text("")  # what a killed builder leaves
+    assert any(cache.iterdir())
+    env = dict(os.environ, RLFLOW_CACHE_DIR=str(cache))
+    out = subprocess.run([sys.executable, "-c", "from rlflow.ops.backends import cpu; print(cpu.available())"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]
+    assert "left by a kernel build that was killed" in out.stderr
+
+
 def _double_backward_cases():
     g = torch.Generator().manual_seed(0)
     cos, sin = rope_cos_sin(torch.arange(6), 16, 10000.0, torch.float32)

@@ -29,6 +29,7 @@ not used while torch.compile traces (inductor fuses the torch ops there); ``moe_
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import logging
 import os
@@ -36,6 +37,7 @@ import platform
 import shutil
 import subprocess
 import threading
+import time
 import warnings
 
 import torch
@@ -116,15 +118,21 @@ def _load() -> bool:
     # different CPUs builds one library per CPU kind; a compiler that rejects it builds without
     for march in (["-march=native"], []):
         flags = ["-O3", *march] + (["-fopenmp"] if omp else [])
-        key = hashlib.sha256(src + repr((flags, version, machine, cxx)).encode()).hexdigest()[:16]
+        # the sources' path is part of the key: build.ninja names it, so two checkouts sharing one build
+        # directory would rewrite it and recompile on every run of the other
+        key = hashlib.sha256(src + repr((flags, version, machine, cxx, _SOURCES)).encode()).hexdigest()[:16]
         build = os.path.join(cache_dir(), f"cpu_ops_{key}")
         try:
             os.makedirs(build, exist_ok=True)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # cpp_extension's notes on the compiler's ABI/version
-                cpp_extension.load(name=f"rlflow_cpu_ops_{key}", sources=[_SOURCES[0]], extra_cflags=flags,
-                                   extra_ldflags=["-fopenmp"] if omp else [], build_directory=build,
-                                   is_python_module=False, verbose=False)
+            with _build_lock(build):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # cpp_extension's notes on the compiler's ABI/version
+                    cpp_extension.load(name=f"rlflow_cpu_ops_{key}", sources=[_SOURCES[0]], extra_cflags=flags,
+                                       extra_ldflags=["-fopenmp"] if omp else [], build_directory=build,
+                                       is_python_module=False, verbose=False)
+        except BuildLockTimeout as e:  # a live process has been building for too long: the torch path
+            errors.append(str(e))
+            break
         except Exception as e:  # a compile or link error: cpp_extension raises RuntimeError with the log
             errors.append(str(e))
             continue
@@ -137,6 +145,42 @@ def _load() -> bool:
         return True
     unavailable_reason = "the build failed: " + errors[-1][-800:]
     return False
+
+
+BUILD_WAIT_S = 600.0  # how long a process waits for another one's build of the same kernels
+
+
+class BuildLockTimeout(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def _build_lock(build: str):
+    """One builder per build directory, by an OS lock (``flock``) that dies with its holder. Holding it, a
+    ``lock`` file of cpp_extension's (its FileBaton, which every later load waits on while it exists) can
+    only have been left by a builder that was killed: it is removed, so a crashed build never hangs the next
+    run. Waits ``BUILD_WAIT_S`` at most for a live builder (BuildLockTimeout)."""
+    import fcntl  # POSIX: the kernels are built on Linux only
+
+    with open(os.path.join(build, "rlflow.lock"), "w") as f:
+        deadline = time.monotonic() + BUILD_WAIT_S
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise BuildLockTimeout(f"another process has been building the CPU kernels in {build} for "
+                                           f"over {BUILD_WAIT_S:.0f} s") from None
+                time.sleep(0.2)
+        try:
+            stale = os.path.join(build, "lock")
+            if os.path.exists(stale):
+                log.warning("rlflow: removing %s, left by a kernel build that was killed", stale)
+                os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _shares_torch_threads() -> bool | None:
