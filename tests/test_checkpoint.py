@@ -2,6 +2,7 @@
 continued with --resume auto ends with the weights of an uninterrupted run; damaged checkpoints are refused
 naming the file, and --resume auto falls back to the previous good one; the final checkpoint loads as --model."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -35,6 +36,26 @@ def uninterrupted(tmp_path_factory):
     res = _run(RUN + ["--out", str(out)])
     assert res.returncode == 0, res.stderr[-3000:]
     return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the long start-up here is vLLM's")
+def test_a_signal_before_the_first_step_ends_the_run_at_once(tmp_path):
+    """A SIGTERM while a run starts up (here the vLLM engine's start, seconds long, in the first step) was
+    only noted: the run went on to finish its first step (17 s here), and one stuck in its start-up could not
+    be stopped by ``timeout`` or a scheduler at all. Before any step is done there is nothing to save: the
+    first signal ends the run as the default action does."""
+    p = subprocess.Popen([sys.executable, "-u", *RECIPE[1:], "--world", "1", "--rollout-engine", "vllm", "--steps",
+                          "50", "--out", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    for line in p.stdout:  # the handlers are installed before the run's first lines
+        if line.startswith("TPS ="):
+            break
+    t0 = time.time()
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=120)
+    assert p.returncode == -signal.SIGTERM, p.returncode
+    assert time.time() - t0 < 5
 
 
 def test_interrupted_and_resumed_equals_uninterrupted(uninterrupted, tmp_path):

@@ -59,11 +59,13 @@ def resume_point(r: Recipe, cfg, dev, dtype, say, rank: int = 0, where=None):
 
 class Interrupt(hooks.Hook):
     """SIGINT / SIGTERM (Ctrl-C, a scheduler's preemption) ask the run to stop after the current step; a
-    second one stops at once. Once the steps are over (``end``, before the final or the interrupt checkpoint
-    is written) the handlers are the process's own again."""
+    second one stops at once, and so does the first before this run's first step is done (there is nothing
+    to save yet, and the start-up, a kernel build or an engine's, may take long). Once the steps are over
+    (``end``, before the final or the interrupt checkpoint is written) the handlers are the process's own
+    again."""
 
     def __init__(self):
-        self.signal, self._old = None, {}
+        self.signal, self._old, self.stepped = None, {}, False
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, signal.SIGTERM):
                 self._old[s] = signal.signal(s, self._handle)
@@ -72,6 +74,9 @@ class Interrupt(hooks.Hook):
         for s, h in self._old.items():
             signal.signal(s, h)
         self._old = {}
+
+    def after_step(self, state, metrics: dict, out) -> None:
+        self.stepped = True
 
     def end(self, state) -> None:
         self.restore()
@@ -86,7 +91,7 @@ class Interrupt(hooks.Hook):
         self.restore()
 
     def _handle(self, sig, _frame):
-        if self.signal is not None:
+        if self.signal is not None or not self.stepped:
             signal.signal(sig, signal.SIG_DFL)
             signal.raise_signal(sig)
         self.signal = sig
