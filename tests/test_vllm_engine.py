@@ -75,15 +75,27 @@ def _run(tmp_path, name, *flags, steps):
     return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()], res.stdout
 
 
+SPREAD = """
+def distinct(prompts, completions, answers, **kwargs):
+    return [len(set(c)) / 4.0 for c in completions]
+"""  # a reward with spread in every group from the first step: the built-in task's is ~0 for the first steps
+
+
 @needs_vllm
 @pytest.mark.slow
 def test_vllm_world_2_equals_world_1(tmp_path):
     """Train tp=2 with a vLLM engine on each of the 2 ranks (the weights gathered into them every step), against
-    one process: the same samples (the rewards), the same updates (the losses) within float tolerance."""
-    one, _ = _run(tmp_path, "w1", "--world", "1", steps=4)
-    two, out = _run(tmp_path, "w2", "--world", "2", steps=4)
+    one process: the same samples (their rewards and lengths), the same updates (the losses) within float
+    tolerance. The reward varies from the first step, so the updates move the weights the next samples
+    come from."""
+    (tmp_path / "spread.py").write_text(SPREAD)
+    reward = ["--reward", f"{tmp_path / 'spread.py'}:distinct"]
+    one, _ = _run(tmp_path, "w1", "--world", "1", *reward, steps=4)
+    two, out = _run(tmp_path, "w2", "--world", "2", *reward, steps=4)
     assert "rollout mesh(pp=1,dp=2,ep=1,tp=1)" in out
+    assert all(m["reward_std"] > 0 and m["grad_norm"] > 0 for m in one)  # the comparison means something
     assert [m["reward_mean"] for m in one] == [m["reward_mean"] for m in two]
+    assert [m["response_tokens"] for m in one] == [m["response_tokens"] for m in two]
     for a, b in zip(one, two):
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a["step"], a["loss"], b["loss"])
         assert b["engine_load_bytes"] > 0  # the push is measured
