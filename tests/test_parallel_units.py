@@ -1,6 +1,6 @@
-"""rlflow.parallel without processes: pipeline schedules (each action once, in order, bounded memory, no
-deadlock when simulated with non-blocking sends and blocking receives), the layouts the executor
-accepts or refuses, and the one-rank layout against the plain model."""
+"""rlflow.parallel without processes: pipeline schedules (each action once, in order, bounded memory; their
+point-to-point programs are checked in tests/test_gpu_readiness.py), the layouts the executor accepts or
+refuses, and the one-rank layout against the plain model."""
 
 from __future__ import annotations
 
@@ -34,33 +34,6 @@ def test_schedule_runs_each_micro_batch_once_in_order_with_bounded_activations(k
                 live.remove(m)
             peak = max(peak, len(live))
         assert peak <= (min(n_stages - s, n_micro) if kind == "1f1b" else n_micro)
-
-
-@given(st.sampled_from(pp.SCHEDULES), st.integers(1, 6), st.integers(1, 9))
-def test_schedules_cannot_deadlock(kind, n_stages, n_micro):
-    """Simulate ``pp.run``'s messages: sends never block, a receive waits for its message; every stage
-    must finish. F m on stage s > 0 receives activation m from s - 1; B m on s < S - 1 receives gradient m
-    from s + 1; the stage sends after computing."""
-    acts = [list(pp.schedule(kind, n_micro, s, n_stages)) for s in range(n_stages)]
-    pos = [0] * n_stages
-    sent: set[tuple[str, int, int]] = set()  # (kind, to stage, micro-batch)
-    progress = True
-    while progress:
-        progress = False
-        for s in range(n_stages):
-            if pos[s] == len(acts[s]):
-                continue
-            op, m = acts[s][pos[s]]
-            need = ("act", s, m) if op == "F" and s > 0 else ("grad", s, m) if op == "B" and s < n_stages - 1 else None
-            if need is not None and need not in sent:
-                continue
-            if op == "F" and s < n_stages - 1:
-                sent.add(("act", s + 1, m))
-            if op == "B" and s > 0:
-                sent.add(("grad", s - 1, m))
-            pos[s] += 1
-            progress = True
-    assert pos == [len(a) for a in acts], f"{kind} S={n_stages} M={n_micro} stuck at {pos}"
 
 
 @pytest.mark.parametrize("n_stages", [1, 2, 3, 4])

@@ -12,9 +12,14 @@ Schedules (``F m`` forward of micro-batch m, ``B m`` its backward), for S stages
     1f1b    min(S - 1 - s, M) warm-up forwards, then F/B pairs, then the remaining backwards
             (at most S - s activations in flight on stage s)
 
-Sends are non-blocking (``isend``, waited at the end of the schedule) and receives blocking, so no
-ordering of the two schedules can deadlock; messages between two ranks go one way per direction, in
-micro-batch order on both sides.
+Every message goes through an exchange: one ``batch_isend_irecv`` of the ops with one peer, waited at once
+(``program``: the schedule with its exchanges). NCCL runs a pair of ranks' point-to-point ops in order on
+one stream, and a send larger than its buffer waits for the matching receive; so a send queued before a
+receive the peer needs first deadlocks at real sizes (gloo buffers, and hides it). In the steady 1F1B
+phase the forward's send and the backward's receive with the next stage are one exchange, the
+backward's send and the next forward's receive with the previous stage another (Megatron's
+``send_forward_recv_backward`` / ``send_backward_recv_forward``): the two directions progress together.
+tests/test_gpu_readiness.py checks every program under those rendezvous semantics.
 """
 
 from __future__ import annotations
@@ -61,10 +66,53 @@ def schedule(kind: str, n_micro: int, stage: int, n_stages: int) -> tuple[tuple[
     return tuple(out)
 
 
+# An exchange's ops: ("send" | "recv", "act" | "grad", micro-batch). Activations go to the next stage and
+# come from the previous one; gradients the other way. All ops of one exchange are with one peer.
+PEER = {("send", "act"): +1, ("recv", "act"): -1, ("send", "grad"): -1, ("recv", "grad"): +1}
+
+
+def program(kind: str, n_micro: int, stage: int, n_stages: int, *, backward: bool = True) -> tuple[tuple, ...]:
+    """``stage``'s steps: ``("F", m)``, ``("B", m)`` in ``schedule`` order (forwards only without
+    ``backward``), and ``("X", ops)``, an exchange with one peer (see ``PEER``) done before the next step.
+    What a step receives is exchanged just before it, what it sends just after; a send and the next step's
+    receive with the same peer are one exchange."""
+    acts = schedule(kind, n_micro, stage, n_stages) if backward else tuple(("F", m) for m in range(n_micro))
+    first, last = stage == 0, stage == n_stages - 1
+    out, pending = [], ()
+    for op, m in acts:
+        need = ((("recv", "act", m),) if op == "F" and not first else
+                (("recv", "grad", m),) if op == "B" and not last else ())
+        if pending and need and PEER[pending[0][:2]] == PEER[need[0][:2]]:
+            out.append(("X", pending + need))
+        else:
+            out += [("X", ops) for ops in (pending, need) if ops]
+        out.append((op, m))
+        pending = ((("send", "act", m),) if op == "F" and not last else
+                   (("send", "grad", m),) if op == "B" and not first else ())
+    if pending:
+        out.append(("X", pending))
+    return tuple(out)
+
+
+def _exchange(ops, bufs: dict, shape: Callable[[str, int], tuple], *, prev_rank, next_rank, dtype, device) -> None:
+    """One exchange, waited here: each send's ``bufs[(what, m)]`` goes (and is dropped), each receive's is
+    allocated (``shape(what, m)``) and filled."""
+    for d, what, m in ops:
+        if d == "recv":
+            bufs[(what, m)] = torch.empty(shape(what, m), dtype=dtype, device=device)
+    p2p = [dist.P2POp(dist.isend if d == "send" else dist.irecv, bufs[(what, m)],
+                      next_rank if PEER[(d, what)] > 0 else prev_rank) for d, what, m in ops]
+    for w in dist.batch_isend_irecv(p2p):
+        w.wait()
+    for d, what, m in ops:
+        if d == "send":
+            del bufs[(what, m)]
+
+
 def run(forward: Callable[[int, Tensor | None], tuple[Tensor, Tensor | None]], n_micro: int, *, stage: int,
         n_stages: int, prev_rank: int | None, next_rank: int | None, recv_shape: Callable[[int], tuple],
         dtype: torch.dtype, device, kind: str = "1f1b") -> Tensor:
-    """Run the schedule on this rank; gradients accumulate into the parameters' ``.grad``.
+    """Run the schedule's ``program`` on this rank; gradients accumulate into the parameters' ``.grad``.
 
     ``forward(m, x)``: stage 0 gets ``x = None``, later stages the received hidden states (a leaf that
     requires grad). It returns ``(out, extra)``: on the last stage ``out`` is micro-batch m's scalar
@@ -72,42 +120,32 @@ def run(forward: Callable[[int, Tensor | None], tuple[Tensor, Tensor | None]], n
     (e.g. router aux loss), or None. ``recv_shape(m)``: the shape of the hidden states stage s receives.
     Returns the sum of this stage's loss terms (the last stage's losses plus every ``extra``)."""
     last = stage == n_stages - 1
+    peers = dict(prev_rank=prev_rank, next_rank=next_rank, dtype=dtype, device=device)
     saved: dict[int, tuple] = {}
-    sends: list = []
+    bufs: dict[tuple[str, int], Tensor] = {}  # what the exchanges send and receive, until they are done
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for op, m in schedule(kind, n_micro, stage, n_stages):
-        if op == "F":
-            x = None
-            if stage > 0:
-                x = torch.empty(recv_shape(m), dtype=dtype, device=device)
-                dist.recv(x, src=prev_rank)
-                x.requires_grad_(True)
+    for op, m in program(kind, n_micro, stage, n_stages):
+        if op == "X":
+            _exchange(m, bufs, lambda what, k: recv_shape(k) if what == "act" else saved[k][1].shape, **peers)
+        elif op == "F":
+            x = bufs.pop(("act", m)).requires_grad_(True) if stage > 0 else None
             out, extra = forward(m, x)
             if not last:
-                h = out.detach().contiguous()
-                sends.append((dist.isend(h, dst=next_rank), h))
+                bufs[("act", m)] = out.detach().contiguous()
             for t in (out if last else None, extra):
                 if t is not None:
                     total = total + t.detach().float()
             saved[m] = (x, out, extra)
         else:
             x, out, extra = saved.pop(m)
-            if last:
-                tensors, grads = [out], [None]
-            else:
-                g = torch.empty(out.shape, dtype=out.dtype, device=device)
-                dist.recv(g, src=next_rank)
-                tensors, grads = [out], [g]
+            tensors, grads = [out], [None if last else bufs.pop(("grad", m))]
             if extra is not None and extra.requires_grad:
                 tensors.append(extra)
                 grads.append(None)
             torch.autograd.backward(tensors, grads)
             if stage > 0:
                 gx = x.grad if x.grad is not None else torch.zeros_like(x)
-                gx = gx.contiguous()
-                sends.append((dist.isend(gx, dst=prev_rank), gx))
-    for w, _ in sends:
-        w.wait()
+                bufs[("grad", m)] = gx.contiguous()
     return total
 
 
@@ -116,23 +154,20 @@ def run_forward(forward: Callable[[int, Tensor | None], Tensor], n_micro: int, *
                 prev_rank: int | None, next_rank: int | None, recv_shape: Callable[[int], tuple],
                 dtype: torch.dtype, device) -> list:
     """Forward only (log-probs of the old / reference policy): micro-batches flow through the stages in
-    order, no gradients kept. ``forward(m, x)`` as in ``run``; returns the last stage's outputs in
-    micro-batch order (an empty list on the other stages)."""
-    outs, sends = [], []
-    for m in range(n_micro):
-        x = None
-        if stage > 0:
-            x = torch.empty(recv_shape(m), dtype=dtype, device=device)
-            dist.recv(x, src=prev_rank)
-        out = forward(m, x)
+    order, no gradients kept (``program(..., backward=False)``). ``forward(m, x)`` as in ``run``; returns the
+    last stage's outputs in micro-batch order (an empty list on the other stages)."""
+    outs, bufs = [], {}
+    peers = dict(prev_rank=prev_rank, next_rank=next_rank, dtype=dtype, device=device)
+    for op, m in program("gpipe", n_micro, stage, n_stages, backward=False):
+        if op == "X":
+            _exchange(m, bufs, lambda what, k: recv_shape(k), **peers)
+            continue
+        out = forward(m, bufs.pop(("act", m)) if stage > 0 else None)
         if stage < n_stages - 1:
-            h = out.contiguous()
-            sends.append((dist.isend(h, dst=next_rank), h))
+            bufs[("act", m)] = out.contiguous()
         else:
             outs.append(out)
-    for w, _ in sends:
-        w.wait()
     return outs
 
 
-__all__ = ["SCHEDULES", "layers_of_stage", "schedule", "run", "run_forward"]
+__all__ = ["PEER", "SCHEDULES", "layers_of_stage", "program", "schedule", "run", "run_forward"]
