@@ -92,7 +92,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM
     with tempfile.TemporaryDirectory() as d:
         hf.save(d, cfg, params)
-        ref = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(dev).eval()
+        ref = AutoModelForCausalLM.from_pretrained(d, **hf.dtype_kwarg(dtype)).to(dev).eval()
 
     scfg = SamplingConfig(max_new_tokens=a.new_tokens, eos_id=-1, pad_id=tok.pad_id, temperature=1.0)
 

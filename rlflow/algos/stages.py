@@ -50,8 +50,8 @@ def score_rows(batch: RolloutBatch, tokenizer, reward_fn) -> tuple[Tensor, Tenso
 
 def _trim(batch: RolloutBatch) -> RolloutBatch:
     """Drop columns that are padding in every row (left of the prompts, right of the responses)."""
-    tp = int(batch.prompt_mask_BTp.sum(-1).max())
-    tr = max(int(batch.response_mask_BTr.sum(-1).max()), 1)
+    tp, tr = torch.stack([batch.prompt_mask_BTp.sum(-1).max(), batch.response_mask_BTr.sum(-1).max()]).tolist()
+    tr = max(tr, 1)
     kw = {k: v[:, -tp:] for k, v in batch.tensors().items() if k.endswith(("_BTp", "_BTpMK"))}
     kw.update({k: v[:, :tr] for k, v in batch.tensors().items() if k.endswith(("_BTr", "_BTrMK"))})
     return batch.replace(**kw)
@@ -178,18 +178,26 @@ def descend(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch
     return {k: p.detach() for k, p in live.items()}, opt_state, n_mb
 
 
-def record(sums: dict[str, float], loss: Tensor, metrics: dict[str, Tensor], share: float) -> None:
+def record(sums: dict, loss: Tensor, metrics: dict[str, Tensor], share: float) -> None:
     """Add a micro-batch's figures to a mini-batch's ``sums``: its loss as it is (it carries the mini-batch's
     normalizers, so the micro-batches' parts add up), its per-token means (clip_frac, kl, ...) weighted by
-    ``share``, its share of the mini-batch's rows."""
-    sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+    ``share``, its share of the mini-batch's rows. They stay on the device (``read`` takes them once)."""
+    sums["loss"] = sums.get("loss", 0.0) + loss.detach().float()
     for k, v in metrics.items():
-        sums[k] = sums.get(k, 0.0) + float(v) * share
+        sums[k] = sums.get(k, 0.0) + torch.as_tensor(v).detach().float() * share
+
+
+def read(figures: dict) -> dict[str, float]:
+    """``figures`` as floats, every device tensor among them read in one transfer (one host sync)."""
+    on_device = [k for k, v in figures.items() if isinstance(v, Tensor)]
+    values = torch.stack([figures[k].reshape(()) for k in on_device]).tolist() if on_device else []
+    return {**figures, **dict(zip(on_device, values))}
 
 
 def averaged(sums: dict[str, float], n_mb: int, layout) -> dict[str, float]:
     """The mean per optimizer step of ``descend``'s ``sums`` over ``n_mb`` mini-batches, the loss summed over
     the data ranks' shares of each mini-batch (``layout`` None: one process)."""
+    sums = read(sums)
     if layout is not None:
         sums = {**sums, "loss": dp.batch_total(sums.get("loss", 0.0), layout)}
     return {k: v / max(n_mb, 1) for k, v in sums.items()}
@@ -261,7 +269,9 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
             loss, met = grpo.policy_loss(lp, old, adv, rmask, gcfg, ref_logp_BT=mb.ref_logprobs_BTr, entropy_BT=ent,
                                          n_tokens=n_tokens, n_seqs=n_seqs, max_len=Tr, is_weights_BT=w)
             mis = corrections.mismatch(sample, old, rmask, cap=gcfg.rollout_is_cap)
-            maxes["logp_diff_max"] = max(maxes.get("logp_diff_max", 0.0), float(mis.pop("logp_diff_max")))
+            worst = mis.pop("logp_diff_max")
+            maxes["logp_diff_max"] = worst if "logp_diff_max" not in maxes else torch.maximum(maxes["logp_diff_max"],
+                                                                                              worst)
             met = {**met, **mis}
             if aux is not None and ucfg.router_aux_coef:
                 loss = loss + ucfg.router_aux_coef * aux * (mb.size / n_seqs)
@@ -286,6 +296,7 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
 
     new_params, opt_state, n_mb = descend(params, opt_state, batch, ucfg, ocfg, epochs=gcfg.epochs, seed=seed, lr=lr,
                                           grads_of=grads_of, sums=sums)
+    sums, maxes = read(sums), read(maxes)
     if pipelined:  # the loss and its metrics were computed on the last stage: every stage reports them
         got = [(sums, maxes)]
         torch.distributed.broadcast_object_list(got, src=ex.peer(ex.pp_stages - 1), group=ex.pp_group)

@@ -94,6 +94,14 @@ def load(path: str, *, dtype: torch.dtype | None = torch.float32,
     return cfg, {k: params[k] for k in expected}
 
 
+def dtype_kwarg(dtype: torch.dtype) -> dict:
+    """transformers' ``from_pretrained`` keyword for ``dtype``: ``dtype=`` from 4.56, ``torch_dtype=`` before
+    (deprecated after)."""
+    import transformers
+    from packaging.version import Version  # transformers' own dependency
+    return {"dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype": dtype}
+
+
 def to_disk_names(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Unstack experts into transformers' per-expert checkpoint names."""
     out: dict[str, torch.Tensor] = {}

@@ -62,8 +62,21 @@ def attention_reference(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1T
             and (q_BHTd.requires_grad or k_BKSd.requires_grad or v_BKSd.requires_grad)
             and S <= F32_MAX_KEYS and B * H * T * S <= F32_MAX_SCORES):
         return _attention_f32(q_BHTd, k_BKSd, v_BKSd, mask_B1TS, is_causal, scale)
+    k_BKSd, v_BKSd, gqa = fused_kernel_heads(q_BHTd, k_BKSd, v_BKSd, mask_B1TS)
     return F.scaled_dot_product_attention(q_BHTd, k_BKSd, v_BKSd, attn_mask=mask_B1TS,
-                                          is_causal=is_causal and mask_B1TS is None, enable_gqa=H != K, scale=scale)
+                                          is_causal=is_causal and mask_B1TS is None, enable_gqa=gqa, scale=scale)
+
+
+def fused_kernel_heads(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | None
+                       ) -> tuple[Tensor, Tensor, bool]:
+    """(k, v, enable_gqa) for SDPA. On an accelerator a mask with ``enable_gqa`` rules out every fused kernel
+    (flash takes no mask, the memory-efficient and cuDNN ones no grouped heads) and SDPA builds the whole
+    [B, H, T, S] scores: there the keys and values are repeated to the query heads (H/K times their bytes,
+    far less than the scores), which keeps the memory-efficient kernel. The CPU's kernels take both."""
+    H, K = q_BHTd.shape[1], k_BKSd.shape[1]
+    if H == K or mask_B1TS is None or q_BHTd.device.type == "cpu":
+        return k_BKSd, v_BKSd, H != K
+    return k_BKSd.repeat_interleave(H // K, 1), v_BKSd.repeat_interleave(H // K, 1), False
 
 
 def _attention_f32(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | None,
@@ -107,7 +120,7 @@ class PrefixLayout:
 
     def per_row(self, t_P: Tensor) -> Tensor:
         """A per-prompt tensor repeated for each of the prompt's rows."""
-        return t_P.repeat_interleave(self.counts_P, 0)
+        return t_P.repeat_interleave(self.counts_P, 0, output_size=self.resp_valid_BR.shape[0])  # no host sync
 
     @functools.cached_property
     def masks(self) -> tuple[Tensor, Tensor]:

@@ -43,9 +43,10 @@ def moe(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_El2FD: Tensor, down_
     order = torch.argsort(flat, stable=True)
     tok = order // K
     dest = flat[order] // El
-    send = torch.bincount(dest, minlength=n)
+    # counted with index_add_: CUDA's bincount reads its input's maximum on the host
+    send = torch.zeros(n, dtype=torch.int64, device=dest.device).index_add_(0, dest, torch.ones_like(dest))
     recv = exchange_counts(send, group)
-    s_splits, r_splits = send.tolist(), recv.tolist()
+    s_splits, r_splits = torch.stack([send, recv]).tolist()  # the splits all_to_all needs, in one read
     x_RD = all_to_all(x_ND[tok], r_splits, s_splits, group)
     e_R = all_to_all_rows(flat[order] - dest * El, r_splits, s_splits, group)
     y_RD = moe_experts(x_RD, x_RD.new_ones(x_RD.shape[0], 1), e_R[:, None], gate_up_El2FD, down_EDF)

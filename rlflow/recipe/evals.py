@@ -13,7 +13,7 @@ from rlflow import eval as rl_eval
 from rlflow import rewards
 from rlflow.data import Example, load_examples
 from rlflow.recipe.flags import Recipe
-from rlflow.recipe.pieces import load_model, prompt_transform, reward_specs, reward_weights
+from rlflow.recipe.pieces import concrete, load_model, prompt_transform, reward_specs, reward_weights
 from rlflow.runtime.weights import full_weights
 
 
@@ -42,6 +42,7 @@ def eval_line(m: dict) -> str:
 def evaluate_only(r: Recipe) -> dict[str, float]:
     """--eval-only: the eval/* metrics of --model (or a random --preset), printed and written to --out/eval.json."""
     torch.manual_seed(r.seed)
+    r = concrete(r)
     cfg, params, tok, _ = load_model(r)
     reward = rewards.CombinedReward.load(reward_specs(r), reward_weights(r))
     m = rl_eval.evaluate(params, cfg, tok, eval_examples(r), reward.score, **eval_settings(r))

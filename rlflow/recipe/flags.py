@@ -85,7 +85,8 @@ class Recipe:
     temperature: float = _f(1.0, "sampling temperature")
     top_p: float = _f(1.0, "nucleus sampling")
     seed: int = _f(0, "seed for init, prompts and sampling")
-    dtype: str = _f("float32", "parameter dtype: float32 or bfloat16 (AdamW keeps float32 masters)")
+    dtype: str = _f("auto", "parameter dtype: float32, bfloat16, or auto: bfloat16 on a GPU or NPU (where the MoE "
+                            "grouped GEMM needs it), float32 on a CPU; AdamW keeps float32 masters")
     world: int = _f(2, "ranks (one device each; on a CPU one process and one thread each): the stages run in "
                        "their layouts over all of them and take turns; 1: one process, unsharded")
     train_layout: str | None = _f(None, "layout of the update and the old/ref log-probs, e.g. tp=2, ep=2,tp=2, pp=2,tp=2, dp=4 "
@@ -148,7 +149,7 @@ def choices() -> dict[str, list[str]]:
     """Each flag with a fixed set of values, and that set; read when the parser is built, so that an advantage
     estimator or policy loss a recipe registers (``estimators.register_adv_est``, ``grpo.register_policy_loss``)
     is one of them."""
-    return {"dtype": ["float32", "bfloat16"], "dock_backend": ["local", "procs", "ray"], "launcher": ["local", "ray"],
+    return {"dtype": ["auto", "float32", "bfloat16"], "dock_backend": ["local", "procs", "ray"], "launcher": ["local", "ray"],
             "lr_schedule": list(optim.LR_SCHEDULES), "wandb_mode": ["online", "offline"],
             "kl_estimator": list(grpo.KL_ESTIMATORS), "loss_agg": list(grpo.LOSS_AGGS),
             "policy_loss": list(grpo.POLICY_LOSSES), "adv_estimator": list(estimators.ADV_ESTIMATORS),

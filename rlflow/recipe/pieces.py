@@ -82,6 +82,14 @@ def loop_config(r: Recipe, eos_id: int, pad_id: int) -> LoopConfig:
         dock_timeout_s=r.dist_timeout if r.dist_timeout is not None else DOCK_TIMEOUT_S)
 
 
+def concrete(r: Recipe) -> Recipe:
+    """``r`` with --dtype auto resolved for this process's device kind (each rank resolves it where it runs:
+    a Ray driver may have no accelerator)."""
+    if r.dtype != "auto":
+        return r
+    return dataclasses.replace(r, dtype="float32" if rl_device.kind() == "cpu" else "bfloat16")
+
+
 def load_model(r: Recipe):
     """(cfg, params, tokenizer, device) of --model, or a random init of --preset with the built-in tokenizer, on
     this process's device (``process_device``: under torchrun on several nodes or on Ray the global rank is no

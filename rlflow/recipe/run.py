@@ -18,7 +18,7 @@ from rlflow.algos.corrections import LogprobMismatchError
 from rlflow.models import hf
 from rlflow.recipe.evals import eval_examples, eval_line, evaluation
 from rlflow.recipe.flags import Recipe
-from rlflow.recipe.pieces import RunSpec, build, placement
+from rlflow.recipe.pieces import RunSpec, build, concrete, placement
 from rlflow.runtime import checkpoint, hooks, loop, state as run_state, step
 from rlflow.runtime.placement import Placement
 from rlflow.runtime.weights import same_layout
@@ -104,6 +104,7 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
     """The recipe on rank ``rank`` of ``world`` (rank 0 prints and writes the outputs); ``dock``: the
     transfer dock the driver made (None: in memory, one process)."""
     torch.manual_seed(r.seed)
+    r = concrete(r)
     return _run(rank, world, r, dock, build(r), Interrupt())  # the spec's only reference is _run's
 
 
@@ -143,13 +144,16 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
             raise SystemExit(128 + int(interrupt.signal or 0))
         if r.out:
             names = metrics.sink_names(r.log_to)
+            plotted = False
             if lead:  # metrics.jsonl holds a resumed run's earlier steps too; without it, this call's steps
                 jsonl = os.path.join(r.out, "metrics.jsonl")
-                plot_rewards([json.loads(ln) for ln in open(jsonl)] if "jsonl" in names else history,
-                             os.path.join(r.out, "reward.png"))
+                plotted = plot_rewards([json.loads(ln) for ln in open(jsonl)] if "jsonl" in names else history,
+                                       os.path.join(r.out, "reward.png"))
+                if not plotted:
+                    say("reward.png: skipped, matplotlib is not installed")
             path = next(h.path for h in run_hooks if isinstance(h, hooks.Checkpointer))
             shown = ["args.json", *("metrics.jsonl" if n == "jsonl" else "tensorboard/" for n in names if n != "wandb"),
-                     "reward.png"]
+                     *(["reward.png"] if plotted else [])]
             say(f"wrote {', '.join(f'{r.out}/{n}' for n in shown)}, {path}/ (--model {path} loads it)")
         return history
 
@@ -254,8 +258,15 @@ def sink_spec(r: Recipe) -> str:
     return ",".join(n for n in metrics.sink_names(r.log_to) if r.out or n != "jsonl")
 
 
-def plot_rewards(history: list[dict], path: str) -> None:
-    import matplotlib
+def plot_rewards(history: list[dict], path: str) -> bool:
+    """The reward curve into ``path``; False, nothing written, where matplotlib is not installed (a bare
+    accelerator machine may lack it, and the run's weights and metrics matter more than its picture)."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError as e:
+        if e.name != "matplotlib":  # installed but broken (a missing dependency of its own): say so
+            raise
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     evals = [m for m in history if "eval/reward_mean" in m]
@@ -277,3 +288,4 @@ def plot_rewards(history: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True

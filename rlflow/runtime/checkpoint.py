@@ -16,7 +16,8 @@ A checkpoint is a directory ``<root>/checkpoint-<step>`` (``checkpoint-final`` a
                                                  sharded run its world and train layout; written last
 
 In a sharded run every rank writes its own file (``write_shard``: nothing of the optimizer state is
-gathered), and the weights are gathered once for the consolidated transformers export. The directory
+gathered), and the weights are gathered once for the consolidated transformers export, tensor by tensor to
+rank 0's host (``weights.gather_to_host``: no rank's device holds the whole model). The directory
 is written under a temporary name in ``root`` (``begin``), every file fsynced, the manifest last, then
 renamed into place (a crash leaves a temporary directory, never a half checkpoint under a real name).
 A sharded checkpoint resumes in any train layout on any world: in the layout that wrote it each rank
@@ -47,7 +48,7 @@ from rlflow.algos.critic import Critic
 from rlflow.models import hf
 from rlflow.models.config import ModelConfig
 from rlflow.models.shapes import keeps_float32
-from rlflow.runtime.weights import full_weights
+from rlflow.runtime.weights import gather_to_host
 from rlflow.sharding.dist import all_reduce
 
 MANIFEST, STATE, ARGS, CRITIC = "manifest.json", "trainer_state.pt", "args.json", "critic.pt"
@@ -202,7 +203,7 @@ def save_state(root: str, name: str, state, *, cfg: ModelConfig, args: dict, tok
         write_shard(got[0], rank, world, params=state.policy, opt_state=state.opt_state, critic=state.critic)
     except Exception as e:  # noqa: BLE001 -- every rank must still reach the collectives below
         failed = e
-    full = full_weights(cfg, train, state.policy)
+    full = gather_to_host(state.policy, train)  # on rank 0's host, tensor by tensor
     if float(all_reduce(torch.tensor([failed is not None], dtype=torch.float64))[0]):  # any rank's file missing
         if lead:
             shutil.rmtree(got[0], ignore_errors=True)

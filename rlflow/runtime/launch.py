@@ -40,15 +40,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _node_devices(backend: str) -> int:
+    return torch.cuda.device_count() if backend == "nccl" else torch.npu.device_count()
+
+
 def _init(rank: int, world: int, local_rank: int, addr: str, port: int, backend: str,
           timeout_s: float | None = None) -> None:
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(local_rank))
-    torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     elif backend == "hccl":  # NOT RUN HERE (no Ascend NPU)
+        import torch_npu  # noqa: F401  (torch.npu exists once it is imported)
         torch.npu.set_device(local_rank % torch.npu.device_count())
+    # a CPU rank computes on one core (the ranks share them); an accelerator's rank keeps its share of the
+    # node's cores for its host-side work (tokenizing, rewards, the dock)
+    torch.set_num_threads(1 if backend == "gloo" else max(1, (os.cpu_count() or 1) // max(1, _node_devices(backend))))
     # timeout_s: how long a collective waits for a peer before it raises (None: torch's default)
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world, timeout=timeout)
@@ -199,6 +206,24 @@ class _RankExit(Exception):
         self.code = code
 
 
+# Ray would set each GPU actor's CUDA_VISIBLE_DEVICES to its one GPU: NCCL then cannot see its same-node peers'
+# devices (no P2P / NVLink path; NeMo-RL traced hangs and slow first collectives on NVSwitch nodes to this).
+# The actors see the node's GPUs and each picks its own by the id Ray gave it.
+RAY_GPU_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+
+
+def gpu_index(gpu_ids: list, visible: str | None) -> int:
+    """The device index of the first of a Ray actor's ``gpu_ids`` among the devices this process sees
+    (``visible``: the node's CUDA_VISIBLE_DEVICES, None or empty when it sees them all)."""
+    first = str(gpu_ids[0])
+    if not visible:
+        return int(first)
+    order = [v.strip() for v in visible.split(",")]
+    if first not in order:
+        raise RuntimeError(f"Ray gave this actor GPU {first}, which CUDA_VISIBLE_DEVICES={visible} does not list")
+    return order.index(first)
+
+
 class _RankActor:
     """One rank of a Ray-launched world."""
 
@@ -209,7 +234,8 @@ class _RankActor:
     def run(self, fn, rank: int, world: int, addr: str, port: int, backend: str, timeout_s, args):
         import ray
         gpus = ray.get_gpu_ids()
-        _init(rank, world, 0 if gpus else rank, addr, port, backend, timeout_s)
+        local = gpu_index(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")) if gpus else rank
+        _init(rank, world, local, addr, port, backend, timeout_s)
         try:
             return fn(rank, world, *args)
         except SystemExit as e:
@@ -314,8 +340,11 @@ def ray_spawn(fn, world: int, *args, address: str | None = None, backend: str | 
     actor = ray.remote(_RankActor)
     workers = []
     try:
-        workers = [actor.options(num_cpus=1, num_gpus=1 if gpu else 0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=r)).remote() for r in range(world)]
+        env = {"runtime_env": {"env_vars": RAY_GPU_ENV}} if gpu else {}
+        workers = [actor.options(num_cpus=1, num_gpus=1 if gpu else 0, **env,
+                                 scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                     placement_group=pg, placement_group_bundle_index=r)).remote()
+                   for r in range(world)]
         addr, port = ray.get(workers[0].node_address.remote())
         return _ray_results([w.run.remote(fn, r, world, addr, port, backend, timeout_s, args)
                              for r, w in enumerate(workers)])

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from rlflow.algos import critic as critics
+from rlflow.device import process_device
 from rlflow.models.config import ModelConfig
 from rlflow.models.sharding import RULES, layout
-from rlflow.sharding import dist as sdist
+from rlflow.sharding import dist as sdist, geometry as geo
 from rlflow.sharding.execute import TrainState
 from rlflow.sharding.layout import Layout
 from rlflow.sharding.memory import StateBytes, ledger
@@ -58,10 +59,12 @@ class Weights:
         self.forward = None if self.identity else allgather_swap(train, rollout, bucket_bytes=bucket_bytes)
         self.back = None if self.identity else swap_back(self.forward)
         self.peak = self.naive_peak = 0
+        self.state_bytes = None  # what the ledger counts per train element
         if not self.identity:  # no gradients are kept between steps; AdamW: two float32 moments (+ a master)
-            state = StateBytes(grad_bytes=0, optim_bytes=8 + (4 if train.params[0].dtype != torch.float32 else 0))
-            self.peak = int(ledger(self.forward, state).peak[rank])
-            self.naive_peak = int(ledger(self.forward, state, naive=True).peak[rank])
+            self.state_bytes = StateBytes(grad_bytes=0,
+                                          optim_bytes=8 + (4 if train.params[0].dtype != torch.float32 else 0))
+            self.peak = int(ledger(self.forward, self.state_bytes).peak[rank])
+            self.naive_peak = int(ledger(self.forward, self.state_bytes, naive=True).peak[rank])
         self.device_peak = None
         self.state = TrainState()
         self.out, self.ret = Transition(), Transition()
@@ -81,7 +84,7 @@ class Weights:
         out = sdist.execute(self.forward, params, self.state)
         del params
         if run.critic is not None:  # the critic's train state leaves the device with the policy's
-            critics.swap(run.critic, "cpu")
+            critics.swap(run.critic)
         self.out = Transition(time.perf_counter() - t0, int(self.forward.bytes_sent()[self.rank]),
                               int(self.forward.bytes_received()[self.rank]))
         if dev.type == "cuda":
@@ -120,6 +123,50 @@ def gather_full(tensors: dict, src: Layout, full: Layout) -> dict:
     return sdist.execute(plan(src, full), dict(tensors))
 
 
+def gather_to_host(shards: dict, src: Layout, root: int = 0) -> dict:
+    """The whole tensors of this rank's shards ``shards`` under ``src``, on rank ``root``'s host ({} on the
+    other ranks); a collective. Tensor by tensor: each distinct block comes from its first holder (a
+    replicated block once) to one receive buffer on ``root``'s device, then to the host, so no rank holds
+    more on its device than its own shards and one tensor's blocks (a checkpoint's consolidated export)."""
+    import torch.distributed as dist
+    rank, out = dist.get_rank(), {}
+    for p in src.params:
+        full = _gather_one(shards, src, p, rank, root)
+        if full is not None:
+            out[p.name] = full
+    return out
+
+
+def _gather_one(shards: dict, src: Layout, p, rank: int, root: int):
+    """``gather_to_host`` of one parameter (a function: its receive buffers are gone when it returns)."""
+    import torch.distributed as dist
+    bl, view = geo.blocks(*geo.placement(src, p.name)), p.local_view(src.mesh)
+    full = torch.empty(p.view, dtype=p.dtype) if rank == root else None
+    ops, recvd, seen = [], [], set()
+    for row, r in enumerate(bl.ranks.tolist()):
+        box = bl.box(row)
+        if box in seen:
+            continue
+        seen.add(box)
+        sl = tuple(slice(lo, hi) for lo, hi in box)
+        if r == rank and shards[p.name].dtype != p.dtype:
+            raise ValueError(f"gather_to_host: {p.name} is {shards[p.name].dtype}, its layout says {p.dtype}")
+        if r == root == rank:
+            full[sl] = shards[p.name].reshape(view).cpu()
+        elif r == rank:
+            ops.append(dist.P2POp(dist.isend, shards[p.name].contiguous(), root))
+        elif rank == root:
+            buf = torch.empty(view, dtype=p.dtype, device=process_device())
+            ops.append(dist.P2POp(dist.irecv, buf, r))
+            recvd.append((sl, buf))
+    if ops:
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+    for sl, buf in recvd:
+        full[sl] = buf.cpu()
+    return None if full is None else full.reshape(p.shape)
+
+
 def full_weights(cfg: ModelConfig, train: Layout, shards: dict) -> dict:
     """Every rank's copy of the whole policy from its shards ``shards`` of the train layout (a collective)."""
     if not shards:
@@ -130,4 +177,4 @@ def full_weights(cfg: ModelConfig, train: Layout, shards: dict) -> dict:
                                                                    dtype=dt))
 
 
-__all__ = ["Transition", "Weights", "full_weights", "gather_full", "same_layout"]
+__all__ = ["Transition", "Weights", "full_weights", "gather_full", "gather_to_host", "same_layout"]

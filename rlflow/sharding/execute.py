@@ -49,8 +49,10 @@ def shard_tensor(full: torch.Tensor, layout: Layout, name: str, rank: int) -> to
     box = geo.blocks(*geo.placement(layout, name)).box_of(rank)
     if box is None:
         return None
-    v = full.reshape(p.view)[tuple(slice(lo, hi) for lo, hi in box)]
-    return v.contiguous().reshape(p.local_shape(layout.mesh))
+    v = full.reshape(p.view)[tuple(slice(lo, hi) for lo, hi in box)].contiguous()
+    if v.untyped_storage().nbytes() > v.numel() * v.element_size():  # a slice along the first axis is a view:
+        v = v.clone()  # kept, it would hold the whole tensor on every rank
+    return v.reshape(p.local_shape(layout.mesh))
 
 
 def shard(full: dict[str, torch.Tensor], layout: Layout) -> list[dict[str, torch.Tensor]]:
