@@ -207,6 +207,42 @@ def test_an_earlier_run_in_out_is_refused_and_left_untouched(tmp_path, capsys):
     recipe.prepare_out(recipe.parse_args(["--out", str(out), "--overwrite"]))  # allowed when asked
 
 
+def test_a_second_run_on_one_out_is_refused_naming_the_first(tmp_path):
+    """Two runs started together on one --out both trained and corrupted metrics.jsonl; two --resume auto
+    (a requeued job beside the first) deleted each other's temporary checkpoints. The second is refused
+    before it writes anything, naming the holder (this process here); once the first ends, --out is free."""
+    import multiprocessing as mp
+    import os
+
+    recipe = recipe_module()
+    out = tmp_path / "run"
+    first = recipe.parse_args(["--out", str(out), "--world", "1"])
+    recipe.prepare_out(first)
+    with recipe.holding_out(first):
+        for again in (["--world", "1"], ["--world", "1", "--resume", "auto"]):
+            with pytest.raises(SystemExit, match=f"--out {out} is in use by another run \\(pid {os.getpid()} on "):
+                recipe.main(["--out", str(out), "--steps", "1", *again])
+        assert sorted(p.name for p in out.iterdir()) == [recipe.driver.OUT_LOCK]
+        # another process is refused too (the lock is the OS's, not this process's)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=_try_out, args=(str(out), q))
+        p.start()
+        p.join(60)
+        assert "is in use by another run" in q.get(timeout=5)
+    with recipe.holding_out(first):  # released when the first run ended
+        pass
+
+
+def _try_out(out: str, q) -> None:
+    from rlflow import recipe
+    try:
+        with recipe.holding_out(recipe.parse_args(["--out", out, "--world", "1"])):
+            q.put("held")
+    except SystemExit as e:
+        q.put(str(e))
+
+
 def test_an_unwritable_out_is_refused_before_training(tmp_path):
     """A run whose checkpoint path was unwritable trained to the end and then lost the weights."""
     recipe = recipe_module()

@@ -12,11 +12,12 @@ and ``doc`` is the --help text.
 # checks.py  the refusals by flag: the rules no config owns, and the configs' own errors mapped onto the flags
 # pieces.py  the run's pieces of the flags: model, configs, prompts and reward, layouts, transfer dock, build
 # evals.py   the eval set, --eval-only, a run's evaluation over its ranks
-# driver.py  parse_args, main (picks the launcher; nothing per rank), run_started, run_on_ray, prepare_out
+# driver.py  parse_args, main (picks the launcher; nothing per rank), run_started, run_on_ray, prepare_out,
+#            holding_out (one run per --out)
 # run.py     run: the recipe on one rank
 
-from rlflow.recipe.driver import main, parse_args, prepare_out, run_on_ray
+from rlflow.recipe.driver import holding_out, main, parse_args, prepare_out, run_on_ray
 from rlflow.recipe.flags import Recipe
 from rlflow.recipe.pieces import build
 
-__all__ = ["Recipe", "build", "main", "parse_args", "prepare_out", "run_on_ray"]
+__all__ = ["Recipe", "build", "holding_out", "main", "parse_args", "prepare_out", "run_on_ray"]

@@ -6,8 +6,11 @@ torchrun / Slurm started); nothing here runs per rank (that is ``run.run``)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import os
+import socket
 import sys
 import tempfile
 
@@ -45,6 +48,35 @@ def prepare_out(r: Recipe) -> None:
             pass
     except OSError as e:
         raise SystemExit(f"error: --out {r.out}: cannot write there ({e.strerror or e})") from None
+
+
+OUT_LOCK = ".rlflow-run.lock"
+
+
+@contextlib.contextmanager
+def holding_out(r: Recipe):
+    """One run per --out, for the run's life: an OS lock (``flock``: released when its holder ends, killed too)
+    on a file in --out that names its holder. A second run there (two jobs started together, a requeued
+    ``--resume auto`` beside the first) is refused with that name before it writes anything."""
+    if not r.out:
+        yield
+        return
+    with open(os.path.join(r.out, OUT_LOCK), "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "a process that has not said who it is yet"
+            raise SystemExit(f"error: --out {r.out} is in use by another run ({holder}); wait for it to end or "
+                             "choose another directory") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def parse_args(argv=None, defaults: dict | None = None, doc: str | None = None) -> Recipe:
@@ -96,15 +128,23 @@ def main(argv=None, defaults: dict | None = None, doc: str | None = None) -> lis
         if where is not None and where[0] != 0:
             return []
         prepare_out(r)
-        return [evaluate_only(r)]
+        with holding_out(r):
+            return [evaluate_only(r)]
     try:  # what the model and the layouts cannot run is refused here, once, before any process starts
         pp = placement(r, cfg, torch.float32).train.mesh.pp if r.world > 1 else 1
         check_features(cfg, pp, routing_replay=r.routing_replay, check_logprobs=r.check_logprobs,
                        adv_estimator=r.adv_estimator)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    if where is None or where[0] == 0:
+    lead = where is None or where[0] == 0
+    if lead:
         prepare_out(r)
+    with holding_out(r) if lead else contextlib.nullcontext():
+        return _launch(r, where)
+
+
+def _launch(r: Recipe, where) -> list[dict]:
+    """``main`` once --out is this run's: the checkpoint to resume verified, the dock made, the ranks run."""
     if r.resume and r.resume != "auto":  # a damaged checkpoint is refused before any rank starts
         try:
             checkpoint.verify(r.resume)
