@@ -114,6 +114,17 @@ def test_a_damaged_checkpoint_is_refused_and_auto_falls_back(uninterrupted, tmp_
     assert res.returncode != 0 and "SHA-256" in res.stderr.strip().splitlines()[-1], res.stderr[-2000:]
     (root / "checkpoint-000006" / checkpoint.MANIFEST).unlink()
     assert checkpoint.find_resumable(str(root))[0] is None
+    # every checkpoint damaged: --resume auto is refused, naming them, and overwrites nothing (it started
+    # from scratch and replaced the metrics, exit 0)
+    def files():  # the run's lock file names its holder: not the run's data
+        return {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()
+                and p.name != ".rlflow-run.lock"}
+    before = files()
+    res = _run(["--steps", "10", "--out", str(root), "--resume", "auto"])
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 1 and f"no checkpoint under {root} verifies" in last and "checkpoint-000009" in last \
+        and "checkpoint-000006" in last, res.stderr[-2000:]
+    assert files() == before
 
 
 def test_a_sharded_run_writes_each_ranks_own_shards_and_loads_them_in_any_layout(uninterrupted, tmp_path):

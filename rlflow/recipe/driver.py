@@ -150,6 +150,13 @@ def _launch(r: Recipe, where) -> list[dict]:
             checkpoint.verify(r.resume)
         except (checkpoint.CheckpointError, FileNotFoundError) as e:
             raise SystemExit(f"error: --resume {r.resume}: {e}") from None
+    if r.resume == "auto":  # checkpoints, none of them whole: a fresh start would overwrite them and the metrics
+        found, skipped = checkpoint.find_resumable(r.out)
+        if found is None and skipped:
+            raise SystemExit(f"error: --resume auto: no checkpoint under {r.out} verifies, nothing was written: "
+                             + "; ".join(s.removeprefix("skipped ") for s in skipped[:3])
+                             + (f"; and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+                             + ". Repair one, pass --resume DIR, or start afresh in another --out")
     on_ray = where is None and r.world > 1 and r.launcher == "ray"  # run_on_ray makes a dock per attempt
     dock = make_dock(r, r.prompts_per_step * r.group_size) if (where is None or r.world == 1) and not on_ray else None
     try:
