@@ -35,9 +35,12 @@ def mismatch(sample_lp_BT: Tensor, old_lp_BT: Tensor, mask_BT: Tensor, cap: floa
     """The mismatch metrics above (float32 scalars, no gradient; ratio 1 and the rest 0 without tokens).
     Masked sums, not a selection of the real tokens: no host sync."""
     with torch.no_grad():
+        if mask_BT.numel() == 0:
+            z = torch.zeros((), device=mask_BT.device)
+            return {"logp_diff_mean": z, "logp_diff_max": z, "ratio_mean": z + 1, "out_of_band": z}
         m = mask_BT.to(torch.float32)
         n = m.sum().clamp_min(1)
-        d = (old_lp_BT.float() - sample_lp_BT.float()) * m
+        d = torch.where(mask_BT.bool(), old_lp_BT.float() - sample_lp_BT.float(), 0.0)  # padding's NaN stays out
         r = d.clamp(-LOG_W_CLAMP, LOG_W_CLAMP).exp()
         return {"logp_diff_mean": d.abs().sum() / n, "logp_diff_max": d.abs().max(),
                 "ratio_mean": ((r - 1) * m).sum() / n + 1,

@@ -94,12 +94,13 @@ def program(kind: str, n_micro: int, stage: int, n_stages: int, *, backward: boo
     return tuple(out)
 
 
-def _exchange(ops, bufs: dict, shape: Callable[[str, int], tuple], *, prev_rank, next_rank, dtype, device) -> None:
+def _exchange(ops, bufs: dict, like: Callable[[str, int], tuple], *, prev_rank, next_rank, device) -> None:
     """One exchange, waited here: each send's ``bufs[(what, m)]`` goes (and is dropped), each receive's is
-    allocated (``shape(what, m)``) and filled."""
+    allocated (``like(what, m)``: its shape and dtype) and filled."""
     for d, what, m in ops:
         if d == "recv":
-            bufs[(what, m)] = torch.empty(shape(what, m), dtype=dtype, device=device)
+            shape, dt = like(what, m)
+            bufs[(what, m)] = torch.empty(shape, dtype=dt, device=device)
     p2p = [dist.P2POp(dist.isend if d == "send" else dist.irecv, bufs[(what, m)],
                       next_rank if PEER[(d, what)] > 0 else prev_rank) for d, what, m in ops]
     for w in dist.batch_isend_irecv(p2p):
@@ -120,13 +121,14 @@ def run(forward: Callable[[int, Tensor | None], tuple[Tensor, Tensor | None]], n
     (e.g. router aux loss), or None. ``recv_shape(m)``: the shape of the hidden states stage s receives.
     Returns the sum of this stage's loss terms (the last stage's losses plus every ``extra``)."""
     last = stage == n_stages - 1
-    peers = dict(prev_rank=prev_rank, next_rank=next_rank, dtype=dtype, device=device)
+    peers = dict(prev_rank=prev_rank, next_rank=next_rank, device=device)
     saved: dict[int, tuple] = {}
     bufs: dict[tuple[str, int], Tensor] = {}  # what the exchanges send and receive, until they are done
     total = torch.zeros((), dtype=torch.float32, device=device)
     for op, m in program(kind, n_micro, stage, n_stages):
         if op == "X":
-            _exchange(m, bufs, lambda what, k: recv_shape(k) if what == "act" else saved[k][1].shape, **peers)
+            _exchange(m, bufs, lambda what, k: (recv_shape(k), dtype) if what == "act" else
+                      (saved[k][1].shape, saved[k][1].dtype), **peers)
         elif op == "F":
             x = bufs.pop(("act", m)).requires_grad_(True) if stage > 0 else None
             out, extra = forward(m, x)
@@ -157,10 +159,10 @@ def run_forward(forward: Callable[[int, Tensor | None], Tensor], n_micro: int, *
     order, no gradients kept (``program(..., backward=False)``). ``forward(m, x)`` as in ``run``; returns the
     last stage's outputs in micro-batch order (an empty list on the other stages)."""
     outs, bufs = [], {}
-    peers = dict(prev_rank=prev_rank, next_rank=next_rank, dtype=dtype, device=device)
+    peers = dict(prev_rank=prev_rank, next_rank=next_rank, device=device)
     for op, m in program("gpipe", n_micro, stage, n_stages, backward=False):
         if op == "X":
-            _exchange(m, bufs, lambda what, k: recv_shape(k), **peers)
+            _exchange(m, bufs, lambda what, k: (recv_shape(k), dtype), **peers)
             continue
         out = forward(m, bufs.pop(("act", m)) if stage > 0 else None)
         if stage < n_stages - 1:

@@ -97,7 +97,7 @@ def load_model(r: Recipe):
     dev = rl_device.process_device()
     if dev.type == "cpu":
         rl_device.keep_host_memory()  # activations reuse freed memory instead of fresh pages every step
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[r.dtype]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[concrete(r).dtype]
     if r.model:
         cfg, params = hf.load(r.model, dtype=dtype, device=dev)
         tok = HFTokenizer(r.model)

@@ -55,7 +55,11 @@ def _init(rank: int, world: int, local_rank: int, addr: str, port: int, backend:
         torch.npu.set_device(local_rank % torch.npu.device_count())
     # a CPU rank computes on one core (the ranks share them); an accelerator's rank keeps its share of the
     # node's cores for its host-side work (tokenizing, rewards, the dock)
-    torch.set_num_threads(1 if backend == "gloo" else max(1, (os.cpu_count() or 1) // max(1, _node_devices(backend))))
+    if backend == "gloo":
+        torch.set_num_threads(1)
+    else:
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or _node_devices(backend))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, ranks_here)))
     # timeout_s: how long a collective waits for a peer before it raises (None: torch's default)
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world, timeout=timeout)

@@ -127,7 +127,9 @@ def gather_to_host(shards: dict, src: Layout, root: int = 0) -> dict:
     """The whole tensors of this rank's shards ``shards`` under ``src``, on rank ``root``'s host ({} on the
     other ranks); a collective. Tensor by tensor: each distinct block comes from its first holder (a
     replicated block once) to one receive buffer on ``root``'s device, then to the host, so no rank holds
-    more on its device than its own shards and one tensor's blocks (a checkpoint's consolidated export)."""
+    more on its device than its own shards and one tensor's blocks (a checkpoint's consolidated export). Not
+    the first collective of the process group (NCCL's batched point-to-point on a subset of ranks needs one
+    before it)."""
     import torch.distributed as dist
     rank, out = dist.get_rank(), {}
     for p in src.params:
@@ -149,12 +151,10 @@ def _gather_one(shards: dict, src: Layout, p, rank: int, root: int):
             continue
         seen.add(box)
         sl = tuple(slice(lo, hi) for lo, hi in box)
-        if r == rank and shards[p.name].dtype != p.dtype:
-            raise ValueError(f"gather_to_host: {p.name} is {shards[p.name].dtype}, its layout says {p.dtype}")
         if r == root == rank:
             full[sl] = shards[p.name].reshape(view).cpu()
-        elif r == rank:
-            ops.append(dist.P2POp(dist.isend, shards[p.name].contiguous(), root))
+        elif r == rank:  # in the layout's dtype, which the receive buffer has (a raise here would hang the root)
+            ops.append(dist.P2POp(dist.isend, shards[p.name].to(p.dtype).contiguous(), root))
         elif rank == root:
             buf = torch.empty(view, dtype=p.dtype, device=process_device())
             ops.append(dist.P2POp(dist.irecv, buf, r))
