@@ -248,3 +248,63 @@ def test_the_graph_declares_every_stage_and_column_once():
         Graph(columns=GRPO.columns, stages=(Stage("x", ("nope",), (), "every"),))
     with pytest.raises(ValueError, match="via must be one of"):
         Stage("x", (), (), "every", via="mail")
+
+
+def _listening(rank: int, world: int) -> tuple[str, list[str]]:
+    """(the default store's type, this process's listening TCP sockets not bound to a loopback address)."""
+    import os
+
+    from torch.distributed import distributed_c10d as c10d
+
+    dist = torch.distributed
+    dist.barrier()  # every connection made
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            mine.add(link[8:-1])
+    open_to_all = []
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            f = line.split()
+            local, state, inode = f[1], f[3], f[9]
+            addr = local.split(":")[0]
+            loop = addr in ("0100007F", "00000000000000000000000001000000") or addr.endswith("0100007F")
+            if state == "0A" and inode in mine and not loop:
+                open_to_all.append(local)
+    store = c10d._get_default_store()
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return type(store).__name__, open_to_all
+
+
+def test_local_ranks_listen_on_no_network_interface():
+    """One host: the ranks' store is a file (torch's TCP store listened on every interface, unauthenticated)
+    and gloo's connections are on the loopback; no rank has a listening socket anyone else could reach."""
+    for store, open_to_all in launch.spawn(_listening, 2):
+        assert store == "FileStore" and open_to_all == [], (store, open_to_all)
+
+
+def test_gloo_across_hosts_gets_the_interface_towards_master_addr(monkeypatch):
+    """With several hosts on gloo and this host's name resolving to a loopback address, gloo bound the
+    loopback and the run died after its timeout (connectFullMesh failed, "rank 1 was lost"): the rank then
+    takes the interface its route to MASTER_ADDR leaves by. Where gloo's own choice works, nothing is set."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: the route's source address
+            here = s.getsockname()[0]
+        except OSError:
+            pytest.skip("this machine has no IPv4 route off the loopback")
+    if here.startswith("127."):
+        pytest.skip("this machine has no IPv4 interface off the loopback")
+    monkeypatch.setattr(socket, "gethostname", lambda: "localhost")  # a name /etc/hosts maps to 127.0.0.1
+    name = launch.gloo_interface(here)
+    assert name is not None and name != "lo" and launch._ipv4_of(name) == here
+    assert launch.gloo_interface("127.0.0.1") is None  # one host
+    monkeypatch.setattr(socket, "gethostname", lambda: here)  # a name that resolves off the loopback
+    assert launch.gloo_interface(here) is None

@@ -19,6 +19,7 @@ NPU) unless given; each process runs with one intra-op thread (one thread per ra
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import re
 import signal
@@ -45,7 +46,9 @@ def _node_devices(backend: str) -> int:
 
 
 def _init(rank: int, world: int, local_rank: int, addr: str, port: int, backend: str,
-          timeout_s: float | None = None) -> None:
+          timeout_s: float | None = None, store: str | None = None) -> None:
+    """torch.distributed for this rank: the store at ``addr:port`` (rank 0's TCP store), or ``store``, a file
+    store's path (one host: nothing listens on the network)."""
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(local_rank))
     if backend == "nccl":
@@ -62,7 +65,11 @@ def _init(rank: int, world: int, local_rank: int, addr: str, port: int, backend:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, ranks_here)))
     # timeout_s: how long a collective waits for a peer before it raises (None: torch's default)
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world, timeout=timeout)
+    if backend == "gloo" and store is None and "GLOO_SOCKET_IFNAME" not in os.environ:
+        if (ifname := gloo_interface(addr)) is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    where = f"file://{store}" if store else f"tcp://{addr}:{port}"
+    dist.init_process_group(backend, init_method=where, rank=rank, world_size=world, timeout=timeout)
 
 
 def _finish() -> None:
@@ -71,8 +78,53 @@ def _finish() -> None:
     dist.destroy_process_group()
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _ipv4_of(interface: str) -> str | None:
+    import fcntl
+    import struct
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:  # SIOCGIFADDR
+            return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", interface[:15].encode()))[20:24])
+        except OSError:
+            return None
+
+
+def gloo_interface(master: str) -> str | None:
+    """The ``GLOO_SOCKET_IFNAME`` a gloo rank needs to reach ranks on other hosts, or None where gloo's own
+    choice works. gloo binds the address this host's name resolves to; where that is a loopback address (as
+    Debian's /etc/hosts often has it) the other hosts cannot connect and the run dies after its timeout
+    ("connectFullMesh failed"). Then: the interface the route to ``master`` (MASTER_ADDR) leaves by."""
+    host = socket.gethostname()
+    if _is_loopback(master) or not _is_loopback(host):
+        return None
+    from rlflow.dock.proc_backend import reachable_host
+    local = reachable_host(master)
+    for _, name in socket.if_nameindex():
+        if _ipv4_of(name) == local:
+            return name
+    raise RuntimeError(f"gloo: this host's name {host} resolves to a loopback address and no interface holds {local} "
+                       f"(the route to MASTER_ADDR={master}): set GLOO_SOCKET_IFNAME to the interface the other "
+                       "hosts reach this one by")
+
+
+def loopback_interface() -> str | None:
+    """The name of this host's loopback interface (``lo`` on Linux), or None."""
+    names = [n for _, n in socket.if_nameindex()]
+    return next((n for n in names if n == "lo"), next((n for n in names if n.startswith("lo")), None))
+
+
 def _entry(rank, fn, world, port, backend, timeout_s, outdir, args):
-    _init(rank, world, rank, "127.0.0.1", port, backend, timeout_s)
+    # one host: the store is a file (torch's TCP store listens on every interface, unauthenticated) and gloo's
+    # connections stay on the loopback
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and (lo := loopback_interface()):
+        os.environ["GLOO_SOCKET_IFNAME"] = lo
+    _init(rank, world, rank, "127.0.0.1", port, backend, timeout_s, store=os.path.join(outdir, "store"))
     try:
         res = fn(rank, world, *args)
         torch.save(res, os.path.join(outdir, f"{rank}.pt"))
