@@ -547,3 +547,25 @@ def test_each_warehouse_carries_the_central_figure_over_S(S, procs):
         assert max(d.transport.bytes.values()) == model["warehouse"]
     finally:
         d.close()
+
+
+def test_a_local_docks_servers_admit_only_their_own_processes():
+    """One host: each dock server listens on a Unix socket in a directory only this user can enter (0700),
+    and a client without the run's key is refused before anything is unpickled."""
+    import os
+    import stat
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client
+
+    d = proc_dock(GRPO.schema, GRPO.flow_consumers, capacity=CAP, warehouses=2, group_size=G)
+    try:
+        servers = d.transport._servers
+        assert len(servers) == 3
+        for s in servers:
+            assert isinstance(s.address, str) and os.path.exists(s.address), s.address  # a Unix socket's path
+            assert stat.S_ISSOCK(os.stat(s.address).st_mode)
+            assert stat.S_IMODE(os.stat(os.path.dirname(s.address)).st_mode) == 0o700
+            with pytest.raises(AuthenticationError):
+                Client(s.address, authkey=os.urandom(32))
+    finally:
+        d.close()
