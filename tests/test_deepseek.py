@@ -29,6 +29,11 @@ CONFIGS = {
     "no-groups-no-norm": dict(n_group=1, topk_group=1, norm_topk_prob=False),
     "all-moe": dict(first_k_dense_replace=0, n_shared_experts=2),
     "rope-not-interleaved": dict(rope_interleave=False),
+    # the latent norms (q_a_layernorm, kv_a_layernorm) keep eps 1e-6 whatever rms_norm_eps says, as
+    # transformers and DeepSeek's code do (with the model's eps the logits were 1.42 off)
+    "rms-norm-eps-1e-2": dict(rms_norm_eps=1e-2),
+    # no shared experts: transformers writes them zero-width (they were refused as unexpected tensors)
+    "no-shared-experts": dict(n_shared_experts=0),
 }
 
 

@@ -31,10 +31,15 @@ from rlflow.models.execution import View
 from rlflow.ops import apply_rope, attention, deinterleave, rmsnorm
 
 
+# The latent norms (q_a_layernorm, kv_a_layernorm) keep this eps whatever the config's rms_norm_eps says, as
+# transformers' DeepseekV3 and DeepSeek's own code build them
+LATENT_NORM_EPS = 1e-6
+
+
 def _queries(P: dict, cfg: ModelConfig, a: str, x: Tensor, heads: int) -> Tensor:
     """[B, T, H, n + p]."""
     if cfg.q_lora_rank:
-        q = F.linear(rmsnorm(F.linear(x, P[a + "q_a_proj.weight"]), P[a + "q_a_layernorm.weight"], cfg.rms_norm_eps),
+        q = F.linear(rmsnorm(F.linear(x, P[a + "q_a_proj.weight"]), P[a + "q_a_layernorm.weight"], LATENT_NORM_EPS),
                      P[a + "q_b_proj.weight"])
     else:
         q = F.linear(x, P[a + "q_proj.weight"])
@@ -46,7 +51,7 @@ def latent(P: dict, cfg: ModelConfig, a: str, x: Tensor, cos: Tensor, sin: Tenso
     c, k_p = F.linear(x, P[a + "kv_a_proj_with_mqa.weight"]).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
     if cfg.rope_interleave:
         k_p = deinterleave(k_p)
-    return torch.cat([rmsnorm(c, P[a + "kv_a_layernorm.weight"], cfg.rms_norm_eps),
+    return torch.cat([rmsnorm(c, P[a + "kv_a_layernorm.weight"], LATENT_NORM_EPS),
                       apply_rope(k_p[..., None, :], cos, sin)[..., 0, :]], -1)
 
 

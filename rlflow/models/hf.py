@@ -62,6 +62,9 @@ def load(path: str, *, dtype: torch.dtype | None = torch.float32,
         log.info("%s: skipping layer(s) %s (DeepSeek's multi-token-prediction module, not part of the model)",
                  path, extra)
         raw = {k: t for k, t in raw.items() if not ((m := _LAYER.match(k)) and int(m.group(1)) >= cfg.num_hidden_layers)}
+    if cfg.model_type == "deepseek_v3" and not cfg.n_shared_experts:
+        # n_shared_experts 0: transformers writes zero-width shared-expert weights (their output is 0)
+        raw = {k: t for k, t in raw.items() if not (".mlp.shared_experts." in k and t.numel() == 0)}
     experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     params: dict[str, torch.Tensor] = {}
     for k, t in raw.items():
