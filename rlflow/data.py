@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import csv
 import json
+import math
+import numbers
 import os
 import random
 from dataclasses import dataclass, field, replace
@@ -101,7 +103,24 @@ def _example(row: dict, where: str, prompt_key: str, answer_key: str) -> Example
     elif isinstance(p, dict):
         raise ValueError(f"{where}: key {pk!r} is a dict; expected text or a list of chat messages")
     extra = {k: v for k, v in row.items() if k not in (pk, answer_key)}
-    return Example(str(p), str(row[answer_key]), messages, extra)
+    return Example(str(p), answer_text(row[answer_key], where, answer_key), messages, extra)
+
+
+def answer_text(a, where: str, key: str) -> str:
+    """A dataset's answer as the reward sees it: text as it is, an integer in decimal, a float in decimal with
+    an integral one written as the integer (3.0 -> "3", as a math verifier compares it). Anything else (a
+    list, a dict, a bool) is refused: stringified, ``[1.0]`` was scored against that."""
+    if isinstance(a, str):
+        return a
+    if isinstance(a, numbers.Integral) and not isinstance(a, bool):
+        return str(int(a))
+    if isinstance(a, numbers.Real) and not isinstance(a, bool):
+        f = float(a)
+        if not math.isfinite(f):
+            raise ValueError(f"{where}: key {key!r} is {f}; answers are text or a finite number")
+        return str(int(f)) if f.is_integer() else repr(f)
+    raise ValueError(f"{where}: key {key!r} is a {type(a).__name__} ({str(a)[:40]}); answers are text or a "
+                     "number (convert the column, e.g. take the list's element)")
 
 
 def load_jsonl(path: str, *, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Example]:

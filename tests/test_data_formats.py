@@ -43,6 +43,22 @@ def test_parquet_round_trip_through_datasets(datasets, tmp_path):
         load_examples(str(f), split="test")
 
 
+def test_parquet_answers_that_are_numbers_convert_by_the_rule_and_lists_are_refused(datasets, tmp_path):
+    """A Parquet answer column of numbers or lists was stringified ("[1.0]", "3.0") and scored against that:
+    numbers are written in decimal (an integral float as the integer), a list is refused naming the row."""
+    f = tmp_path / "n.parquet"
+    datasets.Dataset.from_list([{"prompt": "a", "answer": 3.0}, {"prompt": "b", "answer": 2.5}]).to_parquet(str(f))
+    assert [e.answer for e in load_examples(str(f))] == ["3", "2.5"]
+    g = tmp_path / "l.parquet"
+    datasets.Dataset.from_list([{"prompt": "a", "answer": [1.0]}]).to_parquet(str(g))
+    with pytest.raises(ValueError, match=f"{g}: row 0: key 'answer' is a list \\(\\[1.0\\]\\); answers are text or a number"):
+        load_examples(str(g))
+    h = tmp_path / "b.jsonl"
+    h.write_text(json.dumps({"prompt": "a", "answer": True}) + "\n")
+    with pytest.raises(ValueError, match=f"{h}:1: key 'answer' is a bool"):
+        load_examples(str(h))
+
+
 def test_json_array_and_csv(datasets, tmp_path):
     f = tmp_path / "d.json"
     f.write_text(json.dumps([{"question": "q1", "answer": 7}, {"question": "q2", "answer": 8}]))
