@@ -275,3 +275,28 @@ def test_unscored_rows_take_no_part_in_gae_or_the_critic():
     a, _ = critic.update(a, full, CFG, ccfg, ucfg)
     z, _ = critic.update(z, full.replace(returns_BTr=ret), CFG, ccfg, ucfg)  # the same without the junk
     assert all(torch.equal(a.params[k], z.params[k]) for k in a.params)
+
+
+def test_the_loop_hands_gae_its_configured_gamma_and_lambda(monkeypatch):
+    """PPO's step calls GAE with the run's --gae-gamma and --gae-lambda (a step passing lam=1.0 passed
+    every other test)."""
+    import dataclasses
+
+    from rlflow.data import PromptSource
+    from rlflow.rewards import per_sample
+    from rlflow.runtime.state import init
+    from rlflow.runtime.step import context
+    from tests.test_runtime import CFG, TOK, full_critic, full_params, lcfg, reward
+
+    seen = []
+    real = estimators.gae
+
+    def gae(*a, **k):
+        seen.append((k["gamma"], k["lam"]))
+        return real(*a, **k)
+    monkeypatch.setattr(estimators, "gae", gae)
+    conf = lcfg(gae=True)
+    conf = dataclasses.replace(conf, steps=1, grpo=dataclasses.replace(conf.grpo, gae_gamma=0.9, gae_lambda=0.7))
+    loop.train(init(full_params(), PromptSource(task="max_digit", seed=1), critic=full_critic(True)),
+               context(CFG, TOK, per_sample(reward), conf))
+    assert seen == [(0.9, 0.7)]

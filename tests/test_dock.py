@@ -569,3 +569,17 @@ def test_a_local_docks_servers_admit_only_their_own_processes():
                 Client(s.address, authkey=os.urandom(32))
     finally:
         d.close()
+
+
+def test_a_grouped_take_that_no_rows_can_complete_raises_at_once(dock):
+    """Enough rows left, but no whole group: every group lost one row to an ungrouped take and nothing more
+    can come (the dock is full). A grouped take must say so at once instead of waiting (its timeout here is
+    long: a wait shows as the test's time)."""
+    put_prompts(dock, list(range(CAP)))
+    put_responses(dock, [0, 4, 8, 12])  # one row of each group ready first
+    assert sorted(dock.get("score", ["response_ids"], 4, timeout=0).index_B.tolist()) == [0, 4, 8, 12]
+    put_responses(dock, [r for r in range(CAP) if r % G])
+    t0 = time.monotonic()
+    with pytest.raises(ValueError):
+        dock.get("score", ["response_ids"], G, groups=True, timeout=30)
+    assert time.monotonic() - t0 < 5

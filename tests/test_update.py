@@ -95,3 +95,23 @@ def test_old_is_current_equals_recomputed_old_logprobs():
     assert outs[0][1]["grad_norm"] == pytest.approx(outs[1][1]["grad_norm"], rel=1e-4)
     for k in params:
         torch.testing.assert_close(outs[0][0][k], outs[1][0][k], atol=1e-5, rtol=1e-5)
+
+
+def test_the_importance_weights_scale_the_policy_gradient():
+    """The rollout's importance weights reach the loss: with the sampler's log-probs 0.5 below the trainer's
+    on every real token, token-level weights are e^0.5 (under the cap 2) and, the ratio being 1 (one
+    optimizer step on the sampling weights, no KL, no entropy), the gradient is exactly e^0.5 times the
+    unweighted one. It would be 1 if the weights were computed and dropped in stages.update or in policy_loss."""
+    import math
+
+    params, tb = _batch()
+    tb = tb.replace(sample_logprobs_BTr=tb.old_logprobs_BTr - 0.5 * tb.response_mask_BTr.float())
+    norms = {}
+    for level in ("none", "token"):
+        p = {k: v.clone() for k, v in params.items()}
+        ucfg = stages.UpdateConfig(mini_batch_size=tb.size, micro_batch_size=tb.size)
+        _, _, met = stages.update(p, optim.init(p), tb, CFG, GRPOConfig(group_size=4, rollout_is=level), ucfg,
+                                  optim.AdamWConfig(lr=1e-2, eps=1e-3))
+        norms[level] = met["grad_norm"]
+    assert norms["none"] > 0
+    assert norms["token"] / norms["none"] == pytest.approx(math.exp(0.5), rel=1e-4), norms
