@@ -254,3 +254,26 @@ def test_a_bfloat16_checkpoint_reshards_its_float32_masters_and_keeps_its_router
                 assert ck.opt_state.master[n].dtype == torch.float32 and torch.equal(ck.opt_state.master[n], want[n])
     res = _run(flags[:2] + ["--steps", "3", "--out", str(tmp_path / "again"), "--resume", str(final)])
     assert res.returncode != 0 and "--dtype float32: --resume" in res.stderr.strip().splitlines()[-1], res.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_terminal_ctrl_c_gives_one_checkpoint_and_a_clean_exit_every_time(tmp_path):
+    """Ctrl-C in a terminal reaches the whole foreground process group: the launcher and every rank. The
+    launcher forwarded it again, each rank saw two and stopped at once, and about half the runs ended with
+    'ranks ended with exit codes [-2, 1]' and no checkpoint. Now the ranks hear the launcher only: every
+    time one interrupt checkpoint that verifies, exit 130, no traceback."""
+    for attempt in range(3):
+        out = tmp_path / f"run{attempt}"
+        p = subprocess.Popen(RECIPE + ["--steps", "200", "--out", str(out)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)  # its own group, as a shell's job
+        deadline = time.time() + 300
+        while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 2 + attempt:
+            assert p.poll() is None and time.time() < deadline, p.communicate()
+            time.sleep(0.02)
+        os.killpg(p.pid, signal.SIGINT)  # what the terminal does
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 128 + signal.SIGINT, (attempt, p.returncode, err[-2000:])
+        assert "Traceback" not in err and "--resume auto" in err, err[-2000:]
+        saved = [n for n in os.listdir(out) if n.startswith("checkpoint-")]
+        assert len(saved) == 1, saved
+        checkpoint.verify(str(out / saved[0]))

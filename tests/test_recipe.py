@@ -230,7 +230,8 @@ def test_a_second_run_on_one_out_is_refused_naming_the_first(tmp_path):
         p.start()
         p.join(60)
         assert "is in use by another run" in q.get(timeout=5)
-    with recipe.holding_out(first):  # released when the first run ended
+    assert not (out / recipe.driver.OUT_LOCK).exists()  # removed when the first run ended
+    with recipe.holding_out(first):  # and free again
         pass
 
 

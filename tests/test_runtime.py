@@ -308,3 +308,41 @@ def test_gloo_across_hosts_gets_the_interface_towards_master_addr(monkeypatch):
     assert launch.gloo_interface("127.0.0.1") is None  # one host
     monkeypatch.setattr(socket, "gethostname", lambda: here)  # a name that resolves off the loopback
     assert launch.gloo_interface(here) is None
+
+
+def _stops_badly(rank: int, world: int, ready: str) -> None:
+    """On SIGINT rank 1 fails at once and rank 0 hangs (as one waiting on it in a collective that does not
+    notice: gloo here notices a dead peer's closed connection, NCCL need not)."""
+    import os
+    import signal
+    import time as _time
+
+    asked = []
+    signal.signal(signal.SIGINT, lambda *_: asked.append(1))
+    open(os.path.join(ready, str(rank)), "w").close()
+    while not asked:
+        _time.sleep(0.01)
+    if rank == 1:
+        raise SystemExit(1)
+    while True:
+        _time.sleep(1)
+
+
+def test_the_launchers_wait_after_a_signal_is_bounded_when_a_rank_fails(tmp_path):
+    """After forwarding a Ctrl-C the launcher waited for every rank without bound; one whose peer had failed
+    waited in a collective (30 min on gloo; once over 5 minutes in a run). Now the others get 3 s, then
+    are killed, and the run ends naming the exit codes."""
+    import os
+    import signal
+    import threading
+    import time as _time
+
+    def interrupt_when_ready():
+        while len(os.listdir(tmp_path)) < 2:
+            _time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)  # the launcher (this process) forwards it to the ranks
+    threading.Thread(target=interrupt_when_ready, daemon=True).start()
+    t0 = _time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks ended with exit codes \[-9, 1\] after signal 2"):
+        launch.spawn(_stops_badly, 2, str(tmp_path))
+    assert _time.monotonic() - t0 < 30

@@ -56,27 +56,40 @@ OUT_LOCK = ".rlflow-run.lock"
 @contextlib.contextmanager
 def holding_out(r: Recipe):
     """One run per --out, for the run's life: an OS lock (``flock``: released when its holder ends, killed too)
-    on a file in --out that names its holder. A second run there (two jobs started together, a requeued
-    ``--resume auto`` beside the first) is refused with that name before it writes anything."""
+    on a file in --out that names its holder, removed when the run ends. A second run there (two jobs started
+    together, a requeued ``--resume auto`` beside the first) is refused with that name before it writes
+    anything."""
     if not r.out:
         yield
         return
-    with open(os.path.join(r.out, OUT_LOCK), "a+") as f:
+    path = os.path.join(r.out, OUT_LOCK)
+    while True:
+        f = open(path, "a+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
             holder = f.read().strip() or "a process that has not said who it is yet"
+            f.close()
             raise SystemExit(f"error: --out {r.out} is in use by another run ({holder}); wait for it to end or "
                              "choose another directory") from None
+        try:  # the file locked is still the one at the path (an ending run removes it while it holds it)
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()
+    try:
         f.seek(0)
         f.truncate()
         f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         f.flush()
+        yield
+    finally:
         try:
-            yield
+            os.unlink(path)
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            f.close()  # releases the lock
 
 
 def parse_args(argv=None, defaults: dict | None = None, doc: str | None = None) -> Recipe:

@@ -57,15 +57,19 @@ def resume_point(r: Recipe, cfg, dev, dtype, say, rank: int = 0, where=None):
     return ck
 
 
+SAME_SIGNAL_S = 1.0  # a second signal this soon after the first is the same request (it stops at once later)
+
+
 class Interrupt(hooks.Hook):
     """SIGINT / SIGTERM (Ctrl-C, a scheduler's preemption) ask the run to stop after the current step; a
-    second one stops at once, and so does the first before this run's first step is done (there is nothing
+    second one (``SAME_SIGNAL_S`` or more after the first) stops at once, and so does the first before this
+    run's first step is done (there is nothing
     to save yet, and the start-up, a kernel build or an engine's, may take long). Once the steps are over
     (``end``, before the final or the interrupt checkpoint is written) the handlers are the process's own
     again."""
 
     def __init__(self):
-        self.signal, self._old, self.stepped = None, {}, False
+        self.signal, self._old, self.stepped, self._at = None, {}, False, 0.0
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, signal.SIGTERM):
                 self._old[s] = signal.signal(s, self._handle)
@@ -91,10 +95,13 @@ class Interrupt(hooks.Hook):
         self.restore()
 
     def _handle(self, sig, _frame):
+        now = time.monotonic()
+        if self.signal is not None and now - self._at < SAME_SIGNAL_S:
+            return  # the same request again: a scheduler signals every process, and the launcher forwards
         if self.signal is not None or not self.stepped:
             signal.signal(sig, signal.SIG_DFL)
             signal.raise_signal(sig)
-        self.signal = sig
+        self.signal, self._at = sig, now
 
     def __call__(self) -> bool:
         return self.signal is not None

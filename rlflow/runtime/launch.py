@@ -24,6 +24,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -119,7 +120,20 @@ def loopback_interface() -> str | None:
     return next((n for n in names if n == "lo"), next((n for n in names if n.startswith("lo")), None))
 
 
+def _own_group() -> None:
+    """This rank in a process group of its own, dying with the launcher: a terminal's Ctrl-C (sent to the
+    foreground group) then reaches the launcher only, which forwards it once (twice, a rank stopped at once
+    without its checkpoint); a launcher killed outright takes its ranks with it."""
+    os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the launcher ended before the line above
+            os._exit(1)
+
+
 def _entry(rank, fn, world, port, backend, timeout_s, outdir, args):
+    _own_group()
     # one host: the store is a file (torch's TCP store listens on every interface, unauthenticated) and gloo's
     # connections stay on the loopback
     if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and (lo := loopback_interface()):
@@ -130,6 +144,24 @@ def _entry(rank, fn, world, port, backend, timeout_s, outdir, args):
         torch.save(res, os.path.join(outdir, f"{rank}.pt"))
     finally:
         _finish()
+
+
+def _wait_stopping(procs, fine: set[int], grace_s: float = 3.0) -> None:
+    """Wait for ranks asked to stop (they finish their step and write the checkpoint, however long that takes);
+    once one ends otherwise than ``fine``, the others get ``grace_s`` and are then killed: they may wait on it
+    in a collective, and were waited on for minutes."""
+    failed_at = None
+    while any(p.is_alive() for p in procs):
+        for p in procs:
+            p.join(0.1)
+        if failed_at is None and any(p.exitcode is not None and p.exitcode not in fine for p in procs):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join()
 
 
 def spawn(fn, world: int, *args, backend: str | None = None, timeout_s: float | None = None) -> list:
@@ -175,8 +207,7 @@ def spawn(fn, world: int, *args, backend: str | None = None, timeout_s: float | 
                                          "the other ranks were stopped") from None
                     raise SystemExit(e.exit_code) from None  # it exited with a code and said why
             if got:
-                for p in ctx.processes:
-                    p.join()
+                _wait_stopping(ctx.processes, {0, 128 + got[0]})
                 codes = {p.exitcode for p in ctx.processes}
                 if codes <= {0, 128 + got[0]}:
                     raise SystemExit(128 + got[0])
