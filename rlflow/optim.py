@@ -103,6 +103,15 @@ def step(params: dict[str, Tensor], grads: dict[str, Tensor], state: AdamWState,
     return params, AdamWState(step=t, m=state.m, v=state.v, master=state.master)
 
 
+def nonfinite(tensors: dict[str, Tensor]) -> list[str]:
+    """The names of the tensors holding a NaN or an infinity (one pass over all of them, one host read)."""
+    names = [k for k, t in tensors.items() if t.numel()]
+    if not names:
+        return []
+    norms = torch.stack([n.float() for n in torch._foreach_norm([tensors[k] for k in names])])
+    return [k for k, ok in zip(names, torch.isfinite(norms).tolist()) if not ok]
+
+
 def _like(g: Tensor, p: Tensor) -> Tensor:
     """g in p's memory layout. The fused kernel walks the tensors as flat buffers: on torch 2.13's CPU a
     gradient whose strides differ from the weight's (grouped GEMM's weight gradients are transposed)

@@ -147,3 +147,37 @@ def test_bf16_training_accumulates_gradients_in_float32(monkeypatch):
                      context(cfg, tok, per_sample(lambda r, a: len(r) / 4), lcfg))[0].policy
     assert dtypes == {torch.float32}
     assert all(v.dtype == torch.bfloat16 for v in new.values())
+
+
+def test_an_update_that_makes_weights_non_finite_stops_the_run_before_any_checkpoint(monkeypatch, tmp_path):
+    """Finite gradients can still give non-finite weights (an overflow; before the flags were checked,
+    --lr inf made every weight NaN with update_skipped 0, and every later checkpoint was all-NaN yet
+    verified). The loop stops at that step, before its hooks run: the checkpoint of step 0 is the last one.
+    And a checkpoint of non-finite weights is refused by name, nothing written."""
+    from rlflow.runtime import checkpoint, hooks
+
+    tok = CharTokenizer()
+    cfg = get_config("qwen3-moe-tiny").replace(eos_token_id=tok.eos_id)
+    P, G = 2, 2
+    conf = loop.LoopConfig(steps=3, prompts_per_step=P, grpo=GRPOConfig(group_size=G), mini_batch_size=P * G,
+                           micro_batch_size=P * G, optim=optim.AdamWConfig(lr=1e-3),
+                           sampling=SamplingConfig(max_new_tokens=3, eos_id=tok.eos_id, pad_id=tok.pad_id))
+    real, calls = optim.step, []
+
+    def overflowing(params, *a, **k):  # the second step's update overflows one weight
+        out = real(params, *a, **k)
+        calls.append(1)
+        if len(calls) == 2:
+            next(iter(params.values())).view(-1)[0] = float("inf")
+        return out
+    monkeypatch.setattr(optim, "step", overflowing)
+    saved = []
+    ck = hooks.Checkpointer(lambda name, s, keep: saved.append(name), every=1, keep_last=5, last=3,
+                            say=lambda *a, **k: None)
+    state = init(qwen3_moe.init_params(cfg, seed=0), PromptSource(task="max_digit", seed=1))
+    with pytest.raises(loop.NonFiniteError, match="step 1: its update made 1 parameter tensors non-finite"):
+        loop.train(state, context(cfg, tok, per_sample(lambda r, a: len(r) / 4), conf), hooks=[ck])
+    assert saved == ["checkpoint-000001"]  # step 0's only
+    with pytest.raises(checkpoint.CheckpointError, match="checkpoint-x: not written: .* not finite"):
+        checkpoint.save_state(str(tmp_path), "checkpoint-x", state, cfg=cfg, args={})
+    assert not any(tmp_path.iterdir())

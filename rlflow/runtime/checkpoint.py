@@ -193,13 +193,21 @@ def save_state(root: str, name: str, state, *, cfg: ModelConfig, args: dict, tok
     write its shards makes every rank raise and nothing is saved."""
     kw = dict(steps_done=state.steps_done, cfg=cfg, source=state.source, args=args, tokenizer=tokenizer,
               keep_last=keep_last)
+    bad = optim.nonfinite({**state.policy, **({} if state.critic is None else
+                                              {"critic." + k: v for k, v in state.critic.params.items()})})
+    refused = CheckpointError(f"{name}: not written: {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} "
+                              "not finite (a checkpoint that verifies must hold weights that can be trained on)")
     if train is None:
+        if bad:
+            raise refused
         return save(root, name, params=state.policy, opt_state=state.opt_state, critic=state.critic, **kw)
     lead = rank == 0
     got = [begin(root, name) if lead else None]
     dist.broadcast_object_list(got, src=0)
     failed = None
     try:
+        if bad:
+            raise refused
         write_shard(got[0], rank, world, params=state.policy, opt_state=state.opt_state, critic=state.critic)
     except Exception as e:  # noqa: BLE001 -- every rank must still reach the collectives below
         failed = e

@@ -76,6 +76,10 @@ def _steps(state: RunState, ctx: StepContext, hooks: Sequence[Hook], should_stop
         wall = time.perf_counter() - t0
         stop = should_stop is not None and state.steps_done < conf.steps and bool(should_stop())
         m, stop = reduce(out, ctx, wall, stop, index=state.steps_done - 1)
+        if m["nonfinite_params"]:  # before any hook could save them
+            raise NonFiniteError(f"step {m['step']}: its update made {int(m['nonfinite_params'])} parameter tensors "
+                                 f"non-finite with finite gradients (an overflow); nothing of step {m['step']} is "
+                                 f"saved: the last checkpoint holds the parameters from before it")
         history.append(m)
         for h in hooks:
             h.after_step(state, m, out)
@@ -130,6 +134,7 @@ def reduce(out: StepOut, ctx: StepContext, wall: float, stop: bool, *, index: in
          "tps": tps(n_prompt, n_resp, world, wall), "step_time_s": wall,  # one device per rank
          **times, **{f"{k.removesuffix('_time_s')}_tps": tps(n_prompt, n_resp, world, times[k]) for k in STAGE_TIMES},
          "lr": out.lr, "response_len_mean": n_resp / n, "prompt_tokens": n_prompt, "response_tokens": n_resp,
+         "nonfinite_params": counts["nonfinite_params"],
          **out.update}
     if isinstance(ctx.flow, DockFlow):
         m["dock_busiest_bytes"] = ctx.flow.busiest_bytes() if ctx.seats.rank == 0 else 0.0

@@ -185,7 +185,11 @@ def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunSt
 
     counts = {"prompt_tokens": float(rows.prompt_mask_BTp.sum()),
               "response_tokens": float(rows.response_mask_BTr.sum()), "reward_sum": float(rewards.sum()),
-              "reward_sq": float((rewards ** 2).sum()), "scored": float(scored.sum())}
+              "reward_sq": float((rewards ** 2).sum()), "scored": float(scored.sum()),
+              # finite gradients can still make a weight non-finite (an overflow): the loop stops before any
+              # hook saves it
+              "nonfinite_params": float(len(optim.nonfinite({**state.policy, **({} if state.critic is None else
+                                                                               state.critic.params)})))}
     times = {**clock.laps, **ctx.weights.figures(), **ctx.engine.figures()}
     return state, StepOut(counts=counts, times=times, update=upd, lr=lr, bad_rewards=int(len(bad)), rows=rows,
                           rewards=rewards.masked_fill(~scored, float("nan")))
