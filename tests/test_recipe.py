@@ -195,6 +195,63 @@ def test_bad_flags_are_one_line_naming_the_flag_and_write_nothing(flags, named, 
     assert not out.exists()
 
 
+def _model_dir(d, kind: str):
+    """A --model directory that is wrong in one way (``kind``)."""
+    import json
+
+    from rlflow.models import hf
+    from rlflow.models.config import get_config
+    from rlflow.models import qwen3_moe
+    from rlflow.tokenizer import CharTokenizer
+
+    d.mkdir()
+    cfg = get_config("qwen3-moe-tiny")
+    if kind == "llama":
+        (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    elif kind == "bad json":
+        (d / "config.json").write_text("{bad")
+    elif kind in ("no tokenizer", "truncated weights"):
+        hf.save(str(d), cfg, qwen3_moe.init_params(cfg, seed=0))
+        if kind == "truncated weights":
+            CharTokenizer().save(str(d))
+            w = d / hf.SINGLE
+            w.write_bytes(w.read_bytes()[:1000])
+
+
+@pytest.mark.parametrize("kind, flags, named", [
+    (None, ["--preset", "nosuch"], "--preset nosuch: unknown model name 'nosuch'; known: ["),
+    (None, ["--model", "{d}"], "--model {d}: no such directory"),
+    ("empty", ["--model", "{d}"], "--model {d}: has no config.json"),
+    ("llama", ["--model", "{d}"], "--model {d}: config.json model_type='llama' is not supported"),
+    ("bad json", ["--model", "{d}"], "--model {d}: config.json: Expecting property name"),
+    ("no tokenizer", ["--model", "{d}"], "--model {d}: has no tokenizer.json"),
+    (None, ["--world", "3"], "--world 3: the default --train-layout: mesh spec 'tp=2': world=3 does not divide"),
+    (None, ["--world", "1", "--resume", "{d}"], "--resume {d}: no such checkpoint directory"),
+])
+def test_model_preset_resume_and_world_problems_are_one_line_naming_the_flag(kind, flags, named, tmp_path, capsys):
+    """Each was a traceback (a KeyError, a FileNotFoundError of config.json or tokenizer.json), blamed
+    --train-layout None, or called a missing --resume directory a missing manifest."""
+    recipe = recipe_module()
+    d = tmp_path / "m"
+    if kind is not None:
+        _model_dir(d, kind)
+    with pytest.raises(SystemExit) as e:
+        recipe.parse_args([f.replace("{d}", str(d)) for f in flags] + ["--out", str(tmp_path / "run")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert named.replace("{d}", str(d)) in err[-1] and "Traceback" not in "\n".join(err), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_damaged_weights_under_model_are_one_line_naming_the_flag_and_the_file(tmp_path):
+    """They are read where the ranks load the model (after the flags were checked): one line, no traceback."""
+    recipe = recipe_module()
+    d = tmp_path / "m"
+    _model_dir(d, "truncated weights")
+    with pytest.raises(SystemExit, match=f"error: --model {d}: {d}/model.safetensors: not a readable safetensors"):
+        recipe.main(["--model", str(d), "--world", "1", "--steps", "1"])
+
+
 def test_an_earlier_run_in_out_is_refused_and_left_untouched(tmp_path, capsys):
     """A run that failed late truncated the previous metrics.jsonl to 0 bytes."""
     recipe = recipe_module()

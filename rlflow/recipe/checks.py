@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 
 from rlflow import metrics, rewards
+from rlflow.models import hf
+from rlflow.models.config import get_config
 from rlflow.data import PromptSource, apply_chat_template, load_examples
 from rlflow.recipe.flags import Recipe
 from rlflow.recipe.pieces import (chat_template, critic_config, grpo_config, loop_config, mesh_of, optim_config,
@@ -79,9 +82,38 @@ def problems(r: Recipe) -> list[tuple[str | None, str]]:
         for name, spec in (("train_layout", r.train_layout), ("rollout_layout", r.rollout_layout)):
             try:
                 mesh_of(r, spec, name)
-            except ValueError as e:
-                out.append((name, str(e)))
+            except ValueError as e:  # the default layout's problem is --world's
+                out.append((name, str(e)) if spec else
+                           ("world", f"the default --{name.replace('_', '-')}: {e}; pass --{name.replace('_', '-')}"))
+    if r.resume not in (None, "auto") and not os.path.isdir(r.resume):
+        out.append(("resume", "no such checkpoint directory" if not os.path.exists(r.resume) else "not a directory"))
+    model = model_problems(r)
+    if model:  # the data checks read the model's tokenizer and chat template
+        return out + model
     return out + engine_problems(r) + log_problems(r) + data_problems(r) + eval_problems(r)
+
+
+def model_problems(r: Recipe) -> list[tuple[str, str]]:
+    """(field, why) for --model (a transformers checkpoint directory whose config rlflow runs) or --preset."""
+    if r.model is None:
+        try:
+            get_config(r.preset)
+        except KeyError as e:
+            return [("preset", e.args[0])]
+        return []
+    if not os.path.isdir(r.model):
+        return [("model", "no such directory" if not os.path.exists(r.model) else "not a directory")]
+    if not os.path.isfile(os.path.join(r.model, "config.json")):
+        return [("model", "has no config.json (not a transformers checkpoint directory)")]
+    try:
+        hf.load_config(r.model)
+    except (ValueError, OSError) as e:  # a JSON error is a ValueError
+        why = str(e)
+        return [("model", why if why.startswith("config.json") else f"config.json: {why}")]
+    if not os.path.isfile(os.path.join(r.model, "tokenizer.json")):
+        return [("model", "has no tokenizer.json (the fast tokenizer's file, which rlflow reads; "
+                          "tokenizer.save_pretrained writes it)")]
+    return []
 
 
 def engine_problems(r: Recipe) -> list[tuple[str, str]]:

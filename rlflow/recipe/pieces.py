@@ -99,8 +99,11 @@ def load_model(r: Recipe):
         rl_device.keep_host_memory()  # activations reuse freed memory instead of fresh pages every step
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[concrete(r).dtype]
     if r.model:
-        cfg, params = hf.load(r.model, dtype=dtype, device=dev)
-        tok = HFTokenizer(r.model)
+        try:
+            cfg, params = hf.load(r.model, dtype=dtype, device=dev)
+            tok = HFTokenizer(r.model)
+        except (ValueError, OSError) as e:  # a damaged or foreign checkpoint, one line naming the flag and file
+            raise SystemExit(f"error: --model {r.model}: {e}") from None
     else:
         tok = CharTokenizer()
         cfg = get_config(r.preset)
