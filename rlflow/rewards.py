@@ -17,6 +17,7 @@ import math
 import os
 import re
 import sys
+import traceback
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Callable
@@ -109,6 +110,12 @@ class RewardError(RuntimeError):
     """A reward function raised, or returned something that is not a list of numbers or None, one per sample."""
 
 
+def _at(e: BaseException) -> str:
+    """Where ``e`` was raised (the innermost frame: the reward function's own line, or what it called)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+
+
 @dataclass(frozen=True)
 class Reward:
     """One reward function, called batched. ``per_sample``: a registry verifier ``fn(response, answer)``, called
@@ -128,7 +135,7 @@ class Reward:
                 try:
                     out.append(self.fn(c, a))
                 except Exception as e:
-                    raise RewardError(f"reward {self.name} raised {type(e).__name__}: {e} on sample {i} "
+                    raise RewardError(f"reward {self.name} raised {type(e).__name__}: {e}{_at(e)} on sample {i} "
                                       f"(prompt {prompts[i]!r:.200})") from e
             return self._checked(out, n, prompts)
         try:
@@ -136,7 +143,7 @@ class Reward:
             if inspect.iscoroutine(got):
                 got = asyncio.run(got)
         except Exception as e:
-            raise RewardError(f"reward {self.name} raised {type(e).__name__}: {e} on a batch of {n} samples "
+            raise RewardError(f"reward {self.name} raised {type(e).__name__}: {e}{_at(e)} on a batch of {n} samples "
                               f"(first prompt {(prompts[0] if prompts else '')!r:.200})") from e
         return self._checked(got, n, prompts)
 

@@ -252,6 +252,20 @@ def test_damaged_weights_under_model_are_one_line_naming_the_flag_and_the_file(t
         recipe.main(["--model", str(d), "--world", "1", "--steps", "1"])
 
 
+def test_a_reward_function_that_raises_is_one_line_naming_the_flag_and_where(tmp_path):
+    """The user's reward raising, or returning the wrong length, ended the run with a traceback through
+    rlflow's frames; now one line: the flag, the function, the exception and the line that raised it."""
+    recipe = recipe_module()
+    f = tmp_path / "rw.py"
+    f.write_text("def boom(completions, **kw):\n    raise ZeroDivisionError('x')\n\n\n"
+                 "def short(completions, **kw):\n    return [1.0]\n")
+    base = ["--world", "1", "--steps", "1", "--prompts-per-step", "2", "--group-size", "2"]
+    with pytest.raises(SystemExit, match=f"^error: --reward {f}:boom raised ZeroDivisionError: x \\(at {f}:2 in boom\\)"):
+        recipe.main(base + ["--reward", f"{f}:boom"])
+    with pytest.raises(SystemExit, match=f"^error: --reward {f}:short returned 1 values for 4 samples"):
+        recipe.main(base + ["--reward", f"{f}:short"])
+
+
 def test_an_earlier_run_in_out_is_refused_and_left_untouched(tmp_path, capsys):
     """A run that failed late truncated the previous metrics.jsonl to 0 bytes."""
     recipe = recipe_module()

@@ -96,8 +96,8 @@ def test_weights_sum_what_scored_and_none_only_when_nothing_did(user_file):
 
 
 def test_failures_name_the_function_and_the_sample(user_file):
-    with pytest.raises(RewardError, match=rf"reward {user_file}:broken raised KeyError: 'boom' on a batch of 3 "
-                                          r"samples \(first prompt '1\+1='\)") as e:
+    with pytest.raises(RewardError, match=rf"reward {user_file}:broken raised KeyError: 'boom' \(at {user_file}:\d+ "
+                                          r"in broken\) on a batch of 3 samples \(first prompt '1\+1='\)") as e:
         load_reward(f"{user_file}:broken")(PROMPTS, COMPLETIONS, ANSWERS)
     assert isinstance(e.value.__cause__, KeyError)
     with pytest.raises(RewardError, match=rf"reward {user_file}:short returned 1 values for 3 samples"):

@@ -15,6 +15,7 @@ import torch
 
 from rlflow import metrics
 from rlflow.algos.corrections import LogprobMismatchError
+from rlflow.rewards import RewardError
 from rlflow.models import hf
 from rlflow.recipe.evals import eval_examples, eval_line, evaluation
 from rlflow.recipe.flags import Recipe
@@ -145,6 +146,8 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
             state, history = loop.train(state, ctx, hooks=run_hooks, should_stop=interrupt)
         except (loop.NonFiniteError, LogprobMismatchError) as e:  # the run's verdict, not a crash: no traceback;
             raise SystemExit(f"error: {e}" if lead else 1) from None  # every rank reaches it, the lead says it
+        except RewardError as e:  # the user's function, on the ranks whose rows it failed on: where, in one line
+            raise SystemExit(f"error: --{e}") from None
         finally:
             ctx.engine.close()
         if state.steps_done < r.steps:  # interrupted: the checkpointer kept what was done and said how to go on
