@@ -206,7 +206,9 @@ def _model_dir(d, kind: str):
 
     d.mkdir()
     cfg = get_config("qwen3-moe-tiny")
-    if kind == "llama":
+    if kind == "accented data":  # the built-in tokenizer has no 'é': the run died when row 1 was drawn
+        (d / "data.jsonl").write_text('{"prompt": "max:12=", "answer": "2"}\n{"prompt": "max:3é4=", "answer": "4"}\n')
+    elif kind == "llama":
         (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     elif kind == "bad json":
         (d / "config.json").write_text("{bad")
@@ -227,6 +229,8 @@ def _model_dir(d, kind: str):
     ("no tokenizer", ["--model", "{d}"], "--model {d}: has no tokenizer.json"),
     (None, ["--world", "3"], "--world 3: the default --train-layout: mesh spec 'tp=2': world=3 does not divide"),
     (None, ["--world", "1", "--resume", "{d}"], "--resume {d}: no such checkpoint directory"),
+    ("accented data", ["--world", "1", "--dataset", "{d}/data.jsonl"],
+     "--dataset {d}/data.jsonl: row 1's prompt 'max:3é4=' has characters the built-in tokenizer does not have"),
 ])
 def test_model_preset_resume_and_world_problems_are_one_line_naming_the_flag(kind, flags, named, tmp_path, capsys):
     """Each was a traceback (a KeyError, a FileNotFoundError of config.json or tokenizer.json), blamed

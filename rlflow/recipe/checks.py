@@ -16,6 +16,7 @@ from rlflow.models import hf
 from rlflow.models.config import get_config
 from rlflow.data import PromptSource, apply_chat_template, load_examples
 from rlflow.recipe.flags import Recipe
+from rlflow.tokenizer import CharTokenizer
 from rlflow.recipe.pieces import (chat_template, critic_config, grpo_config, loop_config, mesh_of, optim_config,
                                   reward_specs, reward_weights, sampling_config)
 
@@ -242,6 +243,8 @@ def data_problems(r: Recipe) -> list[tuple[str, str]]:
                                  split=r.dataset_split) if r.dataset else [PromptSource(task=r.task).take(1)[0]]
     except ValueError as e:
         return out + [("dataset" if r.dataset else "task", str(e))]
+    if r.dataset and r.model is None:  # the built-in tokenizer: every row, before a run dies at the row drawn
+        out += unencodable(examples, "dataset")
     try:
         chat = chat_template(r)
     except ValueError as e:
@@ -268,6 +271,18 @@ def data_problems(r: Recipe) -> list[tuple[str, str]]:
     return out
 
 
+def unencodable(examples, field: str) -> list[tuple[str, str]]:
+    """(field, why) for the first example whose prompt has characters the built-in tokenizer lacks."""
+    known = set(CharTokenizer.CHARS)
+    for i, ex in enumerate(examples):
+        bad = sorted(set(ex.prompt) - known)
+        if bad:
+            return [(field, f"row {i}'s prompt {ex.prompt[:60]!r} has characters the built-in tokenizer does not have "
+                            f"({''.join(bad[:10])!r}); it knows {CharTokenizer.CHARS!r}: pass a --model with "
+                            "its tokenizer, or clean the data")]
+    return []
+
+
 def eval_problems(r: Recipe) -> list[tuple[str, str]]:
     """(field, why) for the --eval-* flags; the eval set is checked as --dataset is (loaded, its first prompt
     rendered, the reward functions' signatures against its columns)."""
@@ -290,6 +305,8 @@ def eval_problems(r: Recipe) -> list[tuple[str, str]]:
                                  split=r.eval_split)
     except ValueError as e:
         return out + [("eval_dataset", str(e))]
+    if r.model is None:
+        out += unencodable(examples, "eval_dataset")
     try:
         reward, chat = rewards.CombinedReward.load(reward_specs(r), None), chat_template(r)
     except ValueError:  # a bad --reward or --model: data_problems names it
