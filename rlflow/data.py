@@ -256,13 +256,17 @@ def prompt_batch(examples: list[Example], tokenizer, *, first_index: int = 0,
                        answers=tuple(ex.answer for ex in examples))
 
 
+class PromptTooLong(ValueError):
+    """A prompt whose tokens plus the response budget exceed the model's positions."""
+
+
 def check_positions(prompts: PromptBatch, max_new_tokens: int, cfg: ModelConfig) -> None:
     """Refuse prompts whose tokens plus the response budget exceed the model's ``max_position_embeddings``
-    (rope positions past it were trained on without a word)."""
+    (rope positions past it were trained on without a word): ``PromptTooLong`` naming the first."""
     lengths = prompts.prompt_mask_BTp.sum(-1)
     over = (lengths + max_new_tokens > cfg.max_position_embeddings).nonzero()[:, 0]
     if len(over):
         i = int(over[0])
-        raise ValueError(f"prompt {int(prompts.index_B[i])} has {int(lengths[i])} tokens; with max_new_tokens="
+        raise PromptTooLong(f"prompt {int(prompts.index_B[i])} has {int(lengths[i])} tokens; with max_new_tokens="
                          f"{max_new_tokens} that exceeds the model's max_position_embeddings="
                          f"{cfg.max_position_embeddings} (truncate with max_prompt_len)")

@@ -183,6 +183,11 @@ def test_under_torchrun_what_a_rank_cannot_run_is_refused_by_flag(flags, named, 
     (["--entropy-coef", "inf"], "--entropy-coef must be finite"),
     (["--temperature", "inf"], "--temperature must be finite"),
     (["--adv-estimator", "gae", "--critic-lr", "nan"], "--critic-lr must be finite"),
+    # refused by the ranks once started, with a traceback each
+    (["--world", "2", "--prompts-per-step", "3", "--mini-batch-size", "24", "--micro-batch-size", "24"],
+     "--prompts-per-step 3: is not divisible by the 2 ranks"),
+    (["--world", "4", "--train-layout", "dp=2,tp=2", "--prompts-per-step", "4", "--group-size", "2",
+      "--mini-batch-size", "8", "--micro-batch-size", "1"], "--micro-batch-size 1: is not divisible by the train "),
 ])
 def test_bad_flags_are_one_line_naming_the_flag_and_write_nothing(flags, named, tmp_path, capsys):
     recipe = recipe_module()
@@ -268,6 +273,14 @@ def test_a_reward_function_that_raises_is_one_line_naming_the_flag_and_where(tmp
         recipe.main(base + ["--reward", f"{f}:boom"])
     with pytest.raises(SystemExit, match=f"^error: --reward {f}:short returned 1 values for 4 samples"):
         recipe.main(base + ["--reward", f"{f}:short"])
+
+
+def test_a_prompt_past_the_models_positions_is_one_line_naming_the_flag_and_the_prompt():
+    recipe = recipe_module()
+    with pytest.raises(SystemExit, match=r"^error: --max-new-tokens 600: prompt 0 has \d+ tokens; with "
+                                         r"max_new_tokens=600 .* max_position_embeddings=512 \(truncate with "
+                                         r"--max-prompt-len\)"):
+        recipe.main(["--world", "1", "--steps", "1", "--max-new-tokens", "600"])
 
 
 def test_an_earlier_run_in_out_is_refused_and_left_untouched(tmp_path, capsys):

@@ -86,6 +86,18 @@ def problems(r: Recipe) -> list[tuple[str | None, str]]:
             except ValueError as e:  # the default layout's problem is --world's
                 out.append((name, str(e)) if spec else
                            ("world", f"the default --{name.replace('_', '-')}: {e}; pass --{name.replace('_', '-')}"))
+    if r.world > 1 and not out:  # what each rank's share needs (the ranks refused it once started)
+        if r.prompts_per_step % r.world:
+            out.append(("prompts_per_step", f"is not divisible by the {r.world} ranks (each scores an equal share "
+                                            "of the groups)"))
+        try:
+            nd = mesh_of(r, r.train_layout, "train_layout").data_parallel_size
+        except ValueError:
+            nd = 1  # named above
+        for name in ("prompts_per_step", "mini_batch_size", "micro_batch_size"):
+            v = getattr(r, name)
+            if v is not None and v % nd:
+                out.append((name, f"is not divisible by the train layout's {nd} data-parallel ranks"))
     if r.resume not in (None, "auto") and not os.path.isdir(r.resume):
         out.append(("resume", "no such checkpoint directory" if not os.path.exists(r.resume) else "not a directory"))
     model = model_problems(r)

@@ -15,6 +15,7 @@ import torch
 
 from rlflow import metrics
 from rlflow.algos.corrections import LogprobMismatchError
+from rlflow.data import PromptTooLong
 from rlflow.rewards import RewardError
 from rlflow.models import hf
 from rlflow.recipe.evals import eval_examples, eval_line, evaluation
@@ -148,6 +149,9 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
             raise SystemExit(f"error: {e}" if lead else 1) from None  # every rank reaches it, the lead says it
         except RewardError as e:  # the user's function, on the ranks whose rows it failed on: where, in one line
             raise SystemExit(f"error: --{e}") from None
+        except PromptTooLong as e:  # the same prompts on every rank: the lead says it
+            why = str(e).replace("(truncate with max_prompt_len)", "(truncate with --max-prompt-len)")
+            raise SystemExit(f"error: --max-new-tokens {r.max_new_tokens}: {why}" if lead else 1) from None
         finally:
             ctx.engine.close()
         if state.steps_done < r.steps:  # interrupted: the checkpointer kept what was done and said how to go on
