@@ -277,3 +277,36 @@ def test_a_terminal_ctrl_c_gives_one_checkpoint_and_a_clean_exit_every_time(tmp_
         saved = [n for n in os.listdir(out) if n.startswith("checkpoint-")]
         assert len(saved) == 1, saved
         checkpoint.verify(str(out / saved[0]))
+
+
+def test_a_full_disk_during_a_checkpoint_says_so_and_leaves_nothing_half_written(tmp_path, monkeypatch):
+    """torch.save on a full disk says 'unexpected pos' or 'file write failed', never that the disk is full;
+    the run died with that traceback. Now the checkpoint is refused naming the disk and its free space, its
+    temporary directory removed; the recipe turns it into one line."""
+    import shutil
+    from collections import namedtuple
+
+    from rlflow.data import PromptSource
+    from rlflow.models import qwen3_moe
+    from rlflow.models.config import get_config
+    from rlflow.runtime.state import init
+
+    cfg = get_config("qwen3-moe-tiny")
+    state = init(qwen3_moe.init_params(cfg, seed=0), PromptSource(task="max_digit"))
+
+    def full(*a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 1024 vs 0")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(torch, "save", full)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 30, 10 << 30, 1 << 20))
+    with pytest.raises(checkpoint.CheckpointError, match=f"{tmp_path}/checkpoint-000001: not written: the disk "
+                                                         rf"under {tmp_path} is full \(1.0 MiB free\); the earlier"):
+        checkpoint.save_state(str(tmp_path), "checkpoint-000001", state, cfg=cfg, args={})
+    assert list(tmp_path.iterdir()) == []  # no temporary directory left
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 30, 0, 10 << 30))  # not the disk: as it was
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        checkpoint.save_state(str(tmp_path), "checkpoint-000001", state, cfg=cfg, args={})
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 30, 10 << 30, 1 << 20))
+    from tests.helpers import recipe_module
+    with pytest.raises(SystemExit, match=r"^error: .*/run/checkpoint-final: not written: the disk under .* is full"):
+        recipe_module().main(["--world", "1", "--steps", "1", "--out", str(tmp_path / "run")])

@@ -149,6 +149,9 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
             raise SystemExit(f"error: {e}" if lead else 1) from None  # every rank reaches it, the lead says it
         except RewardError as e:  # the user's function, on the ranks whose rows it failed on: where, in one line
             raise SystemExit(f"error: --{e}") from None
+        except checkpoint.CheckpointError as e:  # a checkpoint that could not be written (a full disk): the lead,
+            # and the rank whose own write failed, say it
+            raise SystemExit(f"error: {e}" if lead or "another rank" not in str(e) else 1) from None
         except PromptTooLong as e:  # the same prompts on every rank: the lead says it
             why = str(e).replace("(truncate with max_prompt_len)", "(truncate with --max-prompt-len)")
             raise SystemExit(f"error: --max-new-tokens {r.max_new_tokens}: {why}" if lead else 1) from None

@@ -31,6 +31,7 @@ that verifies and says which newer ones it skipped, and why.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -124,9 +125,32 @@ def write_shard(tmp: str, rank: int, world: int, *, params: dict, opt_state: opt
         raise CheckpointError(f"{tmp}: rank {rank} cannot see the checkpoint's directory (rank 0 made it): a sharded "
                               "run's --out must be on a filesystem every rank sees")
     path = os.path.join(tmp, shard_file(rank, world))
-    torch.save({"params": params, "opt_state": _state_dict(opt_state), "torch_rng": torch.get_rng_state(),
-                "critic": None if critic is None else _critic_dict(critic)}, path)
-    _fsync(path)
+    try:
+        torch.save({"params": params, "opt_state": _state_dict(opt_state), "torch_rng": torch.get_rng_state(),
+                    "critic": None if critic is None else _critic_dict(critic)}, path)
+        _fsync(path)
+    except (OSError, RuntimeError) as e:
+        full = disk_full(e, tmp)
+        if full:
+            raise CheckpointError(f"{path}: not written: {full}") from e
+        raise
+
+
+# a write that fails with this little room left is taken for a full disk: torch.save says "unexpected pos" or
+# "file write failed", never ENOSPC
+FULL_BELOW = 64 << 20
+
+
+def disk_full(e: BaseException, where: str) -> str | None:
+    """What to say when ``e`` (a failed write under ``where``) came from a full disk, else None."""
+    try:
+        free = shutil.disk_usage(where if os.path.exists(where) else os.path.dirname(where) or ".").free
+    except OSError:
+        return None
+    if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or (isinstance(e, (OSError, RuntimeError))
+                                                                and free < FULL_BELOW):
+        return f"the disk under {where} is full ({free / 2**20:.1f} MiB free)"
+    return None
 
 
 def save(root: str, name: str, *, steps_done: int, cfg: ModelConfig, params: dict,
@@ -173,8 +197,12 @@ def save(root: str, name: str, *, steps_done: int, cfg: ModelConfig, params: dic
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync(root)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        full = disk_full(e, root)
+        if full:
+            raise CheckpointError(f"{os.path.join(root, name)}: not written: {full}; the earlier checkpoints "
+                                  "are intact") from e
         raise
     if keep_last is not None:
         numbered = sorted((int(m.group(1)), n) for n in os.listdir(root)
