@@ -583,3 +583,23 @@ def test_a_grouped_take_that_no_rows_can_complete_raises_at_once(dock):
     with pytest.raises(ValueError):
         dock.get("score", ["response_ids"], G, groups=True, timeout=30)
     assert time.monotonic() - t0 < 5
+
+
+def test_a_dock_process_that_died_is_named_not_a_broken_pipe():
+    """A warehouse's process killed mid-run surfaced as a bare BrokenPipeError / ConnectionResetError from
+    deep in multiprocessing; now ``DockLost`` naming the process and what to do."""
+    import os
+    import signal
+
+    from rlflow.dock.proc_backend import DockLost
+
+    d = proc_dock(GRPO.schema, GRPO.flow_consumers, capacity=CAP, warehouses=2, group_size=G)
+    try:
+        put_prompts(d, [0, 1])
+        dead = d.transport._servers[0]._process
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.join(10)
+        with pytest.raises(DockLost, match=rf"serving a warehouse at .* \(pid {dead.pid}\) is gone .*--resume auto"):
+            put_prompts(d, list(range(2, CAP)))
+    finally:
+        d.close()

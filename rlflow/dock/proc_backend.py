@@ -56,6 +56,10 @@ _Server.register("Warehouse", Warehouse)
 _Server.register("ControllerHub", ControllerHub)
 
 
+class DockLost(RuntimeError):
+    """A dock process (a warehouse's or the controllers') is gone: its rows with it."""
+
+
 class ProcTransport:
     """Calls become proxy calls to the dock processes (controller calls go through the hub; several in one
     ``call_many`` are one round trip). ``call_many`` runs its calls to different processes at once, from a
@@ -70,9 +74,23 @@ class ProcTransport:
         return {"_servers": [], "hub": self.hub, "_pool": None, "nodes": self.nodes, "_here": self._here}
 
     def call(self, target, method: str, *args):
-        if isinstance(target, _Ctrl):
-            return self.hub.call(target.consumer, method, args)
-        return getattr(target, method)(*args)
+        try:
+            if isinstance(target, _Ctrl):
+                return self.hub.call(target.consumer, method, args)
+            return getattr(target, method)(*args)
+        except (EOFError, ConnectionError) as e:
+            raise self._lost(target, e) from e
+
+    def _lost(self, target, e: BaseException) -> "DockLost":
+        """The error of a round trip to a dock process that is gone, naming it."""
+        proxy = self.hub if isinstance(target, _Ctrl) else target
+        address = getattr(getattr(proxy, "_token", None), "address", None)
+        server = next((s for s in self._servers if s.address == address), None)
+        pid = getattr(getattr(server, "_process", None), "pid", None)
+        what = "the controllers' hub" if isinstance(target, _Ctrl) else "a warehouse"
+        return DockLost(f"the transfer dock's process serving {what} at {address}"
+                        f"{f' (pid {pid})' if pid else ''} is gone ({type(e).__name__}: {e}); the step's rows were "
+                        "there, so the run cannot go on: continue it from its last checkpoint (--resume auto)")
 
     def call_many(self, calls) -> list:
         calls = list(calls)
@@ -90,10 +108,12 @@ class ProcTransport:
         for where, job in jobs:
             try:
                 got = job()
+            except (EOFError, ConnectionError) as e:  # the process is gone
+                got = [self._lost(calls[where[0]][0], e)] * len(where)
             except Exception as e:  # noqa: BLE001 - a failed round trip: every call in it failed
                 got = [e] * len(where)
             for i, r in zip(where, got):
-                out[i] = r
+                out[i] = self._lost(calls[i][0], r) if isinstance(r, (EOFError, ConnectionError)) else r
         return out
 
     def here(self):

@@ -16,6 +16,7 @@ import torch
 from rlflow import metrics
 from rlflow.algos.corrections import LogprobMismatchError
 from rlflow.data import PromptTooLong
+from rlflow.dock.proc_backend import DockLost
 from rlflow.rewards import RewardError
 from rlflow.models import hf
 from rlflow.recipe.evals import eval_examples, eval_line, evaluation
@@ -149,6 +150,8 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
             raise SystemExit(f"error: {e}" if lead else 1) from None  # every rank reaches it, the lead says it
         except RewardError as e:  # the user's function, on the ranks whose rows it failed on: where, in one line
             raise SystemExit(f"error: --{e}") from None
+        except DockLost as e:  # the ranks that reached it say it
+            raise SystemExit(f"error: {e}") from None
         except checkpoint.CheckpointError as e:  # a checkpoint that could not be written (a full disk): the lead,
             # and the rank whose own write failed, say it
             raise SystemExit(f"error: {e}" if lead or "another rank" not in str(e) else 1) from None
