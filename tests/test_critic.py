@@ -54,6 +54,19 @@ def test_gae_equals_a_direct_loop(B, T, gamma, lam, seed):
     assert bool((adv[~mask] == 0).all()) and bool((ret[~mask] == 0).all())
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 40), st.floats(0, 1), st.integers(1, 8), st.integers(0, 10_000))
+def test_the_blocked_discounted_sum_equals_the_token_loop(B, T, c, block, seed):
+    """GAE's backward recursion A_t = delta_t + c A_{t+1}, run as matmuls over blocks of tokens with a carry
+    between them (a Python step per token was T kernel launches per step on a GPU)."""
+    x = torch.randn(B, T, generator=torch.Generator().manual_seed(seed))
+    want, nxt = torch.zeros(B, T), torch.zeros(B)
+    for t in reversed(range(T)):
+        nxt = x[:, t] + c * nxt
+        want[:, t] = nxt
+    torch.testing.assert_close(estimators.discounted_reverse_cumsum(x, c, block=block), want, atol=1e-5, rtol=1e-5)
+
+
 def test_gae_hand_case_and_whitening():
     # gamma = lam = 1: A_t = R - V_t (the Monte-Carlo return minus the value), R_t = R
     mask = torch.tensor([[True, True, True], [True, False, False]])

@@ -154,6 +154,25 @@ def advantages(name: str, rewards_B: Tensor, group_B: Tensor, *, scale: bool = T
     return est.fn(rewards_B, group_B, scale=scale, total=total)
 
 
+def discounted_reverse_cumsum(x_BT: Tensor, c: float, *, block: int = 128) -> Tensor:
+    """y_t = sum_{k >= t} c^(k - t) x_k along the last axis, a block of ``block`` tokens per matmul (with the
+    carry from the block after it): T / block device ops instead of a Python step per token."""
+    B, T = x_BT.shape
+    k = torch.arange(block, device=x_BT.device, dtype=torch.float32)
+    lag = k[:, None] - k[None, :]  # [k, t]: k - t
+    within = torch.where(lag >= 0, torch.tensor(c, dtype=torch.float32, device=x_BT.device).pow(lag.clamp_min(0)),
+                         torch.zeros((), device=x_BT.device))  # c^(k - t) for k >= t
+    out = torch.empty_like(x_BT)
+    carry = x_BT.new_zeros(B)  # y at the first token after the block
+    for start in reversed(range(0, T, block)):
+        n = min(block, T - start)
+        tail = torch.tensor(c, dtype=torch.float32, device=x_BT.device).pow(n - k[:n])  # c^(end - t)
+        y = x_BT[:, start:start + n] @ within[:n, :n] + carry[:, None] * tail
+        out[:, start:start + n] = y
+        carry = y[:, 0]
+    return out
+
+
 def gae(rewards_B: Tensor, values_BT: Tensor, mask_BT: Tensor, *, gamma: float = 1.0, lam: float = 1.0,
         total: Callable[[Tensor], Tensor] = _same, whiten: bool = True,
         scored_B: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -175,12 +194,9 @@ def gae(rewards_B: Tensor, values_BT: Tensor, mask_BT: Tensor, *, gamma: float =
     v = values_BT.float() * m
     last = (m.sum(-1).long() - 1).clamp_min(0)
     r = torch.zeros_like(v).scatter_(1, last[:, None], rewards_B.float()[:, None].to(v.device)) * m
-    adv = torch.zeros_like(v)
-    nxt_v = nxt_a = torch.zeros_like(v[:, 0])
-    for t in reversed(range(v.shape[1])):  # padding (after the last token) keeps next = 0
-        delta = r[:, t] + gamma * nxt_v - v[:, t]
-        adv[:, t] = (delta + gamma * lam * nxt_a) * m[:, t]
-        nxt_v, nxt_a = v[:, t], adv[:, t]
+    v_next = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], 1)  # 0 past the last token (padding is 0)
+    delta = (r + gamma * v_next - v) * m
+    adv = discounted_reverse_cumsum(delta, gamma * lam) * m
     returns = adv + v
     if whiten:
         real = mask_BT.bool()
