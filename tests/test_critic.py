@@ -55,16 +55,16 @@ def test_gae_equals_a_direct_loop(B, T, gamma, lam, seed):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 3), st.integers(1, 40), st.floats(0, 1), st.integers(1, 8), st.integers(0, 10_000))
-def test_the_blocked_discounted_sum_equals_the_token_loop(B, T, c, block, seed):
-    """GAE's backward recursion A_t = delta_t + c A_{t+1}, run as matmuls over blocks of tokens with a carry
-    between them (a Python step per token was T kernel launches per step on a GPU)."""
+@given(st.integers(1, 3), st.integers(1, 70), st.floats(0, 1), st.integers(0, 10_000))
+def test_the_doubling_discounted_sum_equals_the_token_loop(B, T, c, seed):
+    """GAE's backward recursion A_t = delta_t + c A_{t+1}, run by doubling in log2(T) elementwise steps (a
+    Python step per token was T kernel launches per step on a GPU)."""
     x = torch.randn(B, T, generator=torch.Generator().manual_seed(seed))
     want, nxt = torch.zeros(B, T), torch.zeros(B)
     for t in reversed(range(T)):
         nxt = x[:, t] + c * nxt
         want[:, t] = nxt
-    torch.testing.assert_close(estimators.discounted_reverse_cumsum(x, c, block=block), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(estimators.discounted_reverse_cumsum(x, c), want, atol=1e-5, rtol=1e-5)
 
 
 def test_gae_hand_case_and_whitening():
@@ -246,11 +246,14 @@ def test_a_resumed_ppo_run_continues_its_critic(tmp_path, world):
     # whole tensors (a sharded checkpoint's put together): the states of every run compare, whatever their layouts
     a, *others = (checkpoint.load(str(tmp_path / d / "checkpoint-final")) for d in ("a", "b", "c")[:2 + (world > 1)])
     assert a.critic is not None and a.critic.opt_state.step == 4
-    for b in others:
+    # the same layout resumed: the same arithmetic; another layout: its reductions in another order (measured
+    # 1.2e-6 on the critic after 4 steps of lr 1e-2)
+    for b, tol in zip(others, (1e-6, 5e-6)):
         assert b.critic.opt_state.step == 4
         for want, got in ((a.params, b.params), (a.critic.params, b.critic.params),
                           (a.critic.opt_state.v, b.critic.opt_state.v)):
-            assert max(float((want[k] - got[k]).abs().max()) for k in want) <= 1e-6
+            diff = max(float((want[k] - got[k]).abs().max()) for k in want)
+            assert diff <= tol, (diff, tol)
     start = checkpoint.load(str(tmp_path / "b" / "checkpoint-000002")).critic.params
     assert max(float((a.critic.params[k] - start[k]).abs().max()) for k in start) > 1e-4  # the critic trained on
     if world > 1:

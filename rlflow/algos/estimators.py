@@ -154,23 +154,15 @@ def advantages(name: str, rewards_B: Tensor, group_B: Tensor, *, scale: bool = T
     return est.fn(rewards_B, group_B, scale=scale, total=total)
 
 
-def discounted_reverse_cumsum(x_BT: Tensor, c: float, *, block: int = 128) -> Tensor:
-    """y_t = sum_{k >= t} c^(k - t) x_k along the last axis, a block of ``block`` tokens per matmul (with the
-    carry from the block after it): T / block device ops instead of a Python step per token."""
-    B, T = x_BT.shape
-    k = torch.arange(block, device=x_BT.device, dtype=torch.float32)
-    lag = k[:, None] - k[None, :]  # [k, t]: k - t
-    within = torch.where(lag >= 0, torch.tensor(c, dtype=torch.float32, device=x_BT.device).pow(lag.clamp_min(0)),
-                         torch.zeros((), device=x_BT.device))  # c^(k - t) for k >= t
-    out = torch.empty_like(x_BT)
-    carry = x_BT.new_zeros(B)  # y at the first token after the block
-    for start in reversed(range(0, T, block)):
-        n = min(block, T - start)
-        tail = torch.tensor(c, dtype=torch.float32, device=x_BT.device).pow(n - k[:n])  # c^(end - t)
-        y = x_BT[:, start:start + n] @ within[:n, :n] + carry[:, None] * tail
-        out[:, start:start + n] = y
-        carry = y[:, 0]
-    return out
+def discounted_reverse_cumsum(x_BT: Tensor, c: float) -> Tensor:
+    """y_t = sum_{k >= t} c^(k - t) x_k along the last axis by doubling (y_t += c^s y_{t+s} for s = 1, 2, 4, ...):
+    log2(T) elementwise steps instead of a Python step per token, and no matmul, whose rounding may depend on
+    the inputs' alignment (a resumed run must compute what the uninterrupted one did, bit for bit)."""
+    y, s, cs = x_BT, 1, c
+    while s < x_BT.shape[-1]:
+        y = y + cs * torch.cat([y[..., s:], torch.zeros_like(y[..., :s])], -1)
+        s, cs = 2 * s, cs * cs
+    return y
 
 
 def gae(rewards_B: Tensor, values_BT: Tensor, mask_BT: Tensor, *, gamma: float = 1.0, lam: float = 1.0,
