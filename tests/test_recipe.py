@@ -283,6 +283,23 @@ def test_a_prompt_past_the_models_positions_is_one_line_naming_the_flag_and_the_
         recipe.main(["--world", "1", "--steps", "1", "--max-new-tokens", "600"])
 
 
+def test_out_of_memory_is_one_line_naming_the_sizes(monkeypatch):
+    """Sizes the device cannot hold ended the run with torch's OutOfMemoryError traceback; now one line that
+    names the step and the flags that size it."""
+    import torch
+
+    from rlflow.algos import stages
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+    monkeypatch.setattr(stages, "update", oom)
+    recipe = recipe_module()
+    with pytest.raises(SystemExit, match=r"^error: out of memory on cpu in step 0 \(CUDA out of memory. Tried to "
+                                         r"allocate 80.00 GiB\); the step holds --prompts-per-step 2 x --group-size 2 "
+                                         r"samples of up to --max-new-tokens \d+, micro-batches of --micro-batch-size"):
+        recipe.main(["--world", "1", "--steps", "1", "--prompts-per-step", "2", "--group-size", "2"])
+
+
 def test_an_earlier_run_in_out_is_refused_and_left_untouched(tmp_path, capsys):
     """A run that failed late truncated the previous metrics.jsonl to 0 bytes."""
     recipe = recipe_module()

@@ -155,6 +155,12 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
         except checkpoint.CheckpointError as e:  # a checkpoint that could not be written (a full disk): the lead,
             # and the rank whose own write failed, say it
             raise SystemExit(f"error: {e}" if lead or "another rank" not in str(e) else 1) from None
+        except (torch.OutOfMemoryError, MemoryError) as e:  # the sizes asked for more than the device has
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise SystemExit(f"error: out of memory on {dev} in step {state.steps_done} ({first[:200]}); the step "
+                             f"holds --prompts-per-step {r.prompts_per_step} x --group-size {r.group_size} samples of "
+                             f"up to --max-new-tokens {r.max_new_tokens}, micro-batches of --micro-batch-size "
+                             f"{spec.config.micro_batch_size}: lower them") from None
         except PromptTooLong as e:  # the same prompts on every rank: the lead says it
             why = str(e).replace("(truncate with max_prompt_len)", "(truncate with --max-prompt-len)")
             raise SystemExit(f"error: --max-new-tokens {r.max_new_tokens}: {why}" if lead else 1) from None
