@@ -172,7 +172,8 @@ def main(argv=None) -> dict:
     ckpt = os.path.join(tmp.name, "init")
     hf.save(ckpt, cfg, params)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
-    model = Qwen3MoeForCausalLM.from_pretrained(ckpt, **hf.dtype_kwarg(dtype)).to(dev)
+    dtype_kw = hf.dtype_kwarg(dtype) if hasattr(hf, "dtype_kwarg") else {"dtype": dtype}  # an older --rlflow-src
+    model = Qwen3MoeForCausalLM.from_pretrained(ckpt, **dtype_kw).to(dev)
     hf_tok = char_tokenizer_for_transformers(tok)
     examples = PromptSource(task=a.task, seed=a.seed).take(P * n_total)  # the stream rlflow's source yields
 
