@@ -8,6 +8,7 @@ A source yields ``Example(prompt, answer)``; ``prompt_batch`` tokenizes examples
 from __future__ import annotations
 
 import csv
+import decimal
 import json
 import math
 import numbers
@@ -108,17 +109,22 @@ def _example(row: dict, where: str, prompt_key: str, answer_key: str) -> Example
 
 def answer_text(a, where: str, key: str) -> str:
     """A dataset's answer as the reward sees it: text as it is, an integer in decimal, a float in decimal with
-    an integral one written as the integer (3.0 -> "3", as a math verifier compares it). Anything else (a
+    an integral one (below 2**53) written as the integer (3.0 -> "3", as a math verifier compares it), a
+    decimal by its own digits. Anything else (a
     list, a dict, a bool) is refused: stringified, ``[1.0]`` was scored against that."""
     if isinstance(a, str):
         return a
     if isinstance(a, numbers.Integral) and not isinstance(a, bool):
         return str(int(a))
-    if isinstance(a, numbers.Real) and not isinstance(a, bool):
+    if isinstance(a, (numbers.Real, decimal.Decimal)) and not isinstance(a, bool):
+        if isinstance(a, decimal.Decimal):  # Parquet / Arrow decimal columns: their own digits
+            if not a.is_finite():
+                raise ValueError(f"{where}: key {key!r} is {a}; answers are text or a finite number")
+            return str(int(a)) if a == a.to_integral_value() else str(a.normalize())
         f = float(a)
         if not math.isfinite(f):
             raise ValueError(f"{where}: key {key!r} is {f}; answers are text or a finite number")
-        return str(int(f)) if f.is_integer() else repr(f)
+        return str(int(f)) if f.is_integer() and abs(f) < 2 ** 53 else repr(f)
     raise ValueError(f"{where}: key {key!r} is a {type(a).__name__} ({str(a)[:40]}); answers are text or a "
                      "number (convert the column, e.g. take the list's element)")
 

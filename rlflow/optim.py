@@ -108,8 +108,13 @@ def nonfinite(tensors: dict[str, Tensor]) -> list[str]:
     names = [k for k, t in tensors.items() if t.numel()]
     if not names:
         return []
-    norms = torch.stack([n.float() for n in torch._foreach_norm([tensors[k] for k in names])])
-    return [k for k, ok in zip(names, torch.isfinite(norms).tolist()) if not ok]
+    norms = torch._foreach_norm([tensors[k] for k in names])
+    by_dtype: dict = {}
+    for i, n in enumerate(norms):
+        by_dtype.setdefault(n.dtype, []).append(i)
+    order = [i for ix in by_dtype.values() for i in ix]
+    ok = torch.cat([torch.isfinite(torch.stack([norms[i] for i in ix])) for ix in by_dtype.values()]).tolist()
+    return [names[i] for i, good in zip(order, ok) if not good]
 
 
 def _like(g: Tensor, p: Tensor) -> Tensor:

@@ -149,7 +149,8 @@ def test_bf16_training_accumulates_gradients_in_float32(monkeypatch):
     assert all(v.dtype == torch.bfloat16 for v in new.values())
 
 
-def test_an_update_that_makes_weights_non_finite_stops_the_run_before_any_checkpoint(monkeypatch, tmp_path):
+@pytest.mark.parametrize("ppo", [False, True])
+def test_an_update_that_makes_weights_non_finite_stops_the_run_before_any_checkpoint(ppo, monkeypatch, tmp_path):
     """Finite gradients can still give non-finite weights (an overflow; before the flags were checked,
     --lr inf made every weight NaN with update_skipped 0, and every later checkpoint was all-NaN yet
     verified). The loop stops at that step, before its hooks run: the checkpoint of step 0 is the last one.
@@ -159,22 +160,28 @@ def test_an_update_that_makes_weights_non_finite_stops_the_run_before_any_checkp
     tok = CharTokenizer()
     cfg = get_config("qwen3-moe-tiny").replace(eos_token_id=tok.eos_id)
     P, G = 2, 2
-    conf = loop.LoopConfig(steps=3, prompts_per_step=P, grpo=GRPOConfig(group_size=G), mini_batch_size=P * G,
-                           micro_batch_size=P * G, optim=optim.AdamWConfig(lr=1e-3),
-                           sampling=SamplingConfig(max_new_tokens=3, eos_id=tok.eos_id, pad_id=tok.pad_id))
+    from rlflow.algos import critic as critics
+    conf = loop.LoopConfig(steps=3, prompts_per_step=P, grpo=GRPOConfig(group_size=G, adv_estimator="gae" if ppo
+                                                                        else "grpo"),
+                           mini_batch_size=P * G, micro_batch_size=P * G, optim=optim.AdamWConfig(lr=1e-3),
+                           sampling=SamplingConfig(max_new_tokens=3, eos_id=tok.eos_id, pad_id=tok.pad_id),
+                           critic=critics.CriticConfig(optim=optim.AdamWConfig(lr=1e-3)) if ppo else None)
     real, calls = optim.step, []
 
-    def overflowing(params, *a, **k):  # the second step's update overflows one weight
-        out = real(params, *a, **k)
-        calls.append(1)
-        if len(calls) == 2:
-            next(iter(params.values())).view(-1)[0] = float("inf")
+    def overflowing(params, *a, **k):  # the second step's policy update overflows one weight (with PPO: one
+        out = real(params, *a, **k)  # whose name the critic's weights share)
+        if "lm_head.weight" in params:
+            calls.append(1)
+            if len(calls) == 2:
+                params["model.embed_tokens.weight"].view(-1)[0] = float("inf")
         return out
     monkeypatch.setattr(optim, "step", overflowing)
     saved = []
     ck = hooks.Checkpointer(lambda name, s, keep: saved.append(name), every=1, keep_last=5, last=3,
                             say=lambda *a, **k: None)
-    state = init(qwen3_moe.init_params(cfg, seed=0), PromptSource(task="max_digit", seed=1))
+    params = qwen3_moe.init_params(cfg, seed=0)
+    state = init(params, PromptSource(task="max_digit", seed=1),
+                 critic=critics.Critic.from_policy(params, cfg) if ppo else None)
     with pytest.raises(loop.NonFiniteError, match="step 1: its update made 1 parameter tensors non-finite"):
         loop.train(state, context(cfg, tok, per_sample(lambda r, a: len(r) / 4), conf), hooks=[ck])
     assert saved == ["checkpoint-000001"]  # step 0's only

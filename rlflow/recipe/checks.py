@@ -86,7 +86,7 @@ def problems(r: Recipe) -> list[tuple[str | None, str]]:
             except ValueError as e:  # the default layout's problem is --world's
                 out.append((name, str(e)) if spec else
                            ("world", f"the default --{name.replace('_', '-')}: {e}; pass --{name.replace('_', '-')}"))
-    if r.world > 1 and not out:  # what each rank's share needs (the ranks refused it once started)
+    if r.world > 1 and not out and not r.eval_only:  # each rank's share (the ranks refused it once started)
         if r.prompts_per_step % r.world:
             out.append(("prompts_per_step", f"is not divisible by the {r.world} ranks (each scores an equal share "
                                             "of the groups)"))
@@ -120,8 +120,8 @@ def model_problems(r: Recipe) -> list[tuple[str, str]]:
         return [("model", "has no config.json (not a transformers checkpoint directory)")]
     try:
         hf.load_config(r.model)
-    except (ValueError, OSError) as e:  # a JSON error is a ValueError
-        why = str(e)
+    except (ValueError, OSError, KeyError, TypeError) as e:  # a JSON error is a ValueError; a missing key
+        why = str(e) if not isinstance(e, KeyError) else f"has no {e.args[0]!r}"
         return [("model", why if why.startswith("config.json") else f"config.json: {why}")]
     if not os.path.isfile(os.path.join(r.model, "tokenizer.json")):
         return [("model", "has no tokenizer.json (the fast tokenizer's file, which rlflow reads; "

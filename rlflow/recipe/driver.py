@@ -51,6 +51,19 @@ def prepare_out(r: Recipe) -> None:
 
 
 OUT_LOCK = ".rlflow-run.lock"
+_HELD: list = [None]  # the --out lock's fd while a run holds it
+
+
+def _drop_lock_in_child() -> None:
+    """A forked child (the dock's servers) does not keep the run's --out lock: left alive after the run was
+    killed, it would refuse every later run there."""
+    if _HELD[0] is not None:
+        with contextlib.suppress(OSError):
+            os.close(_HELD[0])
+        _HELD[0] = None
+
+
+os.register_at_fork(after_in_child=_drop_lock_in_child)
 
 
 @contextlib.contextmanager
@@ -84,10 +97,13 @@ def holding_out(r: Recipe):
         f.truncate()
         f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         f.flush()
+        _HELD[0] = f.fileno()
         yield
     finally:
+        _HELD[0] = None
         try:
-            os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):  # --out removed meanwhile: the run's own error stands
+                os.unlink(path)
         finally:
             f.close()  # releases the lock
 

@@ -129,26 +129,28 @@ def write_shard(tmp: str, rank: int, world: int, *, params: dict, opt_state: opt
         torch.save({"params": params, "opt_state": _state_dict(opt_state), "torch_rng": torch.get_rng_state(),
                     "critic": None if critic is None else _critic_dict(critic)}, path)
         _fsync(path)
-    except (OSError, RuntimeError) as e:
+    except Exception as e:
         full = disk_full(e, tmp)
         if full:
             raise CheckpointError(f"{path}: not written: {full}") from e
         raise
 
 
-# a write that fails with this little room left is taken for a full disk: torch.save says "unexpected pos" or
-# "file write failed", never ENOSPC
+# torch.save on a full disk says "unexpected pos" or "file write failed", safetensors "No space left" or
+# "os error 28": such a write error, with this little room left, is taken for a full disk
 FULL_BELOW = 64 << 20
+_WRITE_FAILED = re.compile(r"unexpected pos|file write failed|no space left|os error 28", re.I)
 
 
 def disk_full(e: BaseException, where: str) -> str | None:
-    """What to say when ``e`` (a failed write under ``where``) came from a full disk, else None."""
+    """What to say when ``e`` (a failed write under ``where``) came from a full disk or quota, else None."""
     try:
         free = shutil.disk_usage(where if os.path.exists(where) else os.path.dirname(where) or ".").free
     except OSError:
         return None
-    if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or (isinstance(e, (OSError, RuntimeError))
-                                                                and free < FULL_BELOW):
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk under {where} is full or over its quota ({free / 2**20:.1f} MiB free)"
+    if not isinstance(e, OSError) and _WRITE_FAILED.search(str(e)) and free < FULL_BELOW:
         return f"the disk under {where} is full ({free / 2**20:.1f} MiB free)"
     return None
 
@@ -198,8 +200,8 @@ def save(root: str, name: str, *, steps_done: int, cfg: ModelConfig, params: dic
         os.rename(tmp, final)
         _fsync(root)
     except BaseException as e:
+        full = disk_full(e, root)  # before the partial checkpoint's bytes are freed
         shutil.rmtree(tmp, ignore_errors=True)
-        full = disk_full(e, root)
         if full:
             raise CheckpointError(f"{os.path.join(root, name)}: not written: {full}; the earlier checkpoints "
                                   "are intact") from e

@@ -18,6 +18,7 @@ NPU) unless given; each process runs with one intra-op thread (one thread per ra
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import os
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -96,22 +98,36 @@ def _ipv4_of(interface: str) -> str | None:
             return None
 
 
+def several_hosts() -> bool:
+    """Whether this rank's world spans several hosts, as torchrun or Slurm describe it."""
+    e = os.environ
+    if e.get("WORLD_SIZE") and e.get("LOCAL_WORLD_SIZE") and int(e["WORLD_SIZE"]) > int(e["LOCAL_WORLD_SIZE"]):
+        return True
+    return int(e.get("GROUP_WORLD_SIZE") or 1) > 1 or int(e.get("SLURM_NNODES") or 1) > 1
+
+
 def gloo_interface(master: str) -> str | None:
     """The ``GLOO_SOCKET_IFNAME`` a gloo rank needs to reach ranks on other hosts, or None where gloo's own
     choice works. gloo binds the address this host's name resolves to; where that is a loopback address (as
     Debian's /etc/hosts often has it) the other hosts cannot connect and the run dies after its timeout
-    ("connectFullMesh failed"). Then: the interface the route to ``master`` (MASTER_ADDR) leaves by."""
+    ("connectFullMesh failed"). Then: the interface the route to ``master`` (MASTER_ADDR) leaves by, or on
+    the master's own host (its name resolves to a loopback address there too) the default route's. Where no
+    interface can be told, a warning says what to set, and gloo chooses as before."""
     host = socket.gethostname()
-    if _is_loopback(master) or not _is_loopback(host):
+    if not _is_loopback(host) or (_is_loopback(master) and not several_hosts()):
         return None
     from rlflow.dock.proc_backend import reachable_host
-    local = reachable_host(master)
-    for _, name in socket.if_nameindex():
-        if _ipv4_of(name) == local:
-            return name
-    raise RuntimeError(f"gloo: this host's name {host} resolves to a loopback address and no interface holds {local} "
-                       f"(the route to MASTER_ADDR={master}): set GLOO_SOCKET_IFNAME to the interface the other "
-                       "hosts reach this one by")
+    try:
+        local = reachable_host("192.0.2.1" if _is_loopback(master) else master)  # TEST-NET-1: the default route
+        found = next((name for _, name in socket.if_nameindex() if _ipv4_of(name) == local), None)
+        why = f"no interface's address is {local}"
+    except OSError as e:
+        found, why = None, str(e)
+    if found is None:
+        warnings.warn(f"gloo: this host's name {host} resolves to a loopback address and {why} (the route to "
+                      f"MASTER_ADDR={master}): ranks on other hosts may not reach this one; set GLOO_SOCKET_IFNAME "
+                      "to the interface they reach it by", RuntimeWarning, stacklevel=2)
+    return found
 
 
 def loopback_interface() -> str | None:
@@ -120,20 +136,23 @@ def loopback_interface() -> str | None:
     return next((n for n in names if n == "lo"), next((n for n in names if n.startswith("lo")), None))
 
 
-def _own_group() -> None:
-    """This rank in a process group of its own, dying with the launcher: a terminal's Ctrl-C (sent to the
-    foreground group) then reaches the launcher only, which forwards it once (twice, a rank stopped at once
-    without its checkpoint); a launcher killed outright takes its ranks with it."""
+def _own_group(launcher: int) -> None:
+    """This rank in a process group of its own, dying with the launcher (pid ``launcher``): a terminal's Ctrl-C
+    (sent to the foreground group) then reaches the launcher only, which forwards it once (twice, a rank
+    stopped at once without its checkpoint); a launcher killed outright takes its ranks with it. Out of the
+    terminal's foreground group, a write to it or a read from it would stop the rank (SIGTTOU, SIGTTIN)."""
     os.setpgid(0, 0)
+    for s in (signal.SIGTTOU, signal.SIGTTIN):
+        signal.signal(s, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         import ctypes
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # the launcher ended before the line above
+        if os.getppid() != launcher:  # the launcher ended before the line above
             os._exit(1)
 
 
-def _entry(rank, fn, world, port, backend, timeout_s, outdir, args):
-    _own_group()
+def _entry(rank, fn, world, port, backend, timeout_s, outdir, launcher, args):
+    _own_group(launcher)
     # one host: the store is a file (torch's TCP store listens on every interface, unauthenticated) and gloo's
     # connections stay on the loopback
     if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and (lo := loopback_interface()):
@@ -159,9 +178,18 @@ def _wait_stopping(procs, fine: set[int], grace_s: float = 3.0) -> None:
         if failed_at is not None and time.monotonic() - failed_at > grace_s:
             for p in procs:
                 if p.is_alive():
-                    p.kill()
+                    _kill_group(p.pid)
             for p in procs:
                 p.join()
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL to a rank and what it started (it leads its own process group)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def spawn(fn, world: int, *args, backend: str | None = None, timeout_s: float | None = None) -> list:
@@ -180,7 +208,8 @@ def spawn(fn, world: int, *args, backend: str | None = None, timeout_s: float | 
     signal)``."""
     backend = backend or rd.backend_for(world)
     with tempfile.TemporaryDirectory() as d:
-        ctx = mp.start_processes(_entry, args=(fn, world, free_port(), backend, timeout_s, d, args), nprocs=world,
+        ctx = mp.start_processes(_entry, args=(fn, world, free_port(), backend, timeout_s, d, os.getpid(), args),
+                                 nprocs=world,
                                  join=False, start_method="spawn")
         got: list[int] = []
 
@@ -207,7 +236,8 @@ def spawn(fn, world: int, *args, backend: str | None = None, timeout_s: float | 
                                          "the other ranks were stopped") from None
                     raise SystemExit(e.exit_code) from None  # it exited with a code and said why
             if got:
-                _wait_stopping(ctx.processes, {0, 128 + got[0]})
+                # a rank may have heard another signal first (a scheduler's SIGTERM beside the terminal's SIGINT)
+                _wait_stopping(ctx.processes, {0, *(128 + g for g in got), 128 + signal.SIGINT, 128 + signal.SIGTERM})
                 codes = {p.exitcode for p in ctx.processes}
                 if codes <= {0, 128 + got[0]}:
                     raise SystemExit(128 + got[0])

@@ -188,8 +188,9 @@ def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunSt
               "reward_sq": float((rewards ** 2).sum()), "scored": float(scored.sum()),
               # finite gradients can still make a weight non-finite (an overflow): the loop stops before any
               # hook saves it
-              "nonfinite_params": float(len(optim.nonfinite({**state.policy, **({} if state.critic is None else
-                                                                               state.critic.params)})))}
+              "nonfinite_params": float(len(optim.nonfinite(
+                  {**state.policy, **({} if state.critic is None else
+                                      {"critic." + k: v for k, v in state.critic.params.items()})})))}
     times = {**clock.laps, **ctx.weights.figures(), **ctx.engine.figures()}
     return state, StepOut(counts=counts, times=times, update=upd, lr=lr, bad_rewards=int(len(bad)), rows=rows,
                           rewards=rewards.masked_fill(~scored, float("nan")))
