@@ -360,3 +360,39 @@ def test_the_launchers_wait_after_a_signal_is_bounded_when_a_rank_fails(tmp_path
     with pytest.raises(RuntimeError, match=r"ranks ended with exit codes \[-(9|15), 1\] after signal 2"):
         launch.spawn(_stops_badly, 2, str(tmp_path))
     assert _time.monotonic() - t0 < 30
+
+
+def _fresh_weights_worker(rank: int, world: int, dock) -> list[dict]:
+    """Two steps, train dp=2 -> rollout tp=2 (every weight moves through the transition), the sampler's
+    log-probs checked against the trainer's every step."""
+    import dataclasses
+
+    from rlflow.models.sharding import layout
+    from rlflow.parallel.context import shard_params
+
+    where = Placement(layout(CFG, Mesh.parse("dp=2", world), dtype=torch.float32),
+                      layout(CFG, Mesh.parse("tp=2", world), dtype=torch.float32))
+    conf = dataclasses.replace(lcfg(), steps=2, check_logprobs=1e-3)
+    _, hist = loop.train(init(shard_params(full_params(), where.train, rank), PromptSource(task="max_digit", seed=1)),
+                         context(CFG, TOK, per_sample(reward), conf, dock=dock, placement=where))
+    return hist
+
+
+def test_the_rollout_samples_with_the_weights_just_trained_and_dp_sums_the_gradients():
+    """Fast guards of two bugs only slow tests caught: a weight the transition left stale (the second step's
+    sampler would run the first step's weights: its log-probs then differ from the trainer's by far more
+    than 1e-3 and check_logprobs stops the run), and data-parallel gradients averaged instead of summed (the
+    loss carries the whole batch's normalizers, so the sum is the one-process gradient: the first step's
+    gradient norm equals one process's, an average would halve it)."""
+    import dataclasses
+
+    one = loop.train(init(full_params(), PromptSource(task="max_digit", seed=1)),
+                     context(CFG, TOK, per_sample(reward), dataclasses.replace(lcfg(), steps=1)))[1]
+    dock = proc_dock(GRPO.schema, GRPO.consumers, capacity=P * G, warehouses=2, group_size=G)
+    try:
+        hist = launch.spawn(_fresh_weights_worker, 2, dock)[0]
+    finally:
+        dock.close()
+    assert len(hist) == 2 and hist[1]["logp_diff_max"] < 1e-3
+    assert one[0]["grad_norm"] > 0
+    assert hist[0]["grad_norm"] == pytest.approx(one[0]["grad_norm"], rel=1e-4)
