@@ -157,7 +157,7 @@ def _separate_host_worker(rank: int, world: int, train: str, rollout: str, gae: 
 
     host: list = []  # weak references to every host copy made
 
-    def to_host(t):
+    def to_host(t, arena=None):
         h = torch.empty_like(t).copy_(t)
         host.append((StorageWeakRef(h.untyped_storage()), h.untyped_storage().data_ptr()))
         return h
@@ -523,3 +523,35 @@ def test_a_ray_actor_picks_its_gpu_among_the_devices_it_sees():
     assert gpu_index([6], "4,6,7") == 1 and gpu_index(["7"], "4, 6, 7") == 2
     with pytest.raises(RuntimeError, match="does not list"):
         gpu_index([1], "4,6")
+
+
+# ---- the host swap: one exact-size buffer per rank, reused ----
+def test_the_host_arena_holds_exactly_the_swapped_bytes_and_is_reused():
+    """Every swap-out's tensors are views of one buffer (pinned on an accelerator: here unpinned, no GPU) of
+    exactly their aligned bytes, the same buffer step after step; a take past it, or a reserve while its
+    tensors are in use, is refused. (The pinned allocation and the copies' overlap need a GPU: not run.)"""
+    from rlflow.sharding.execute import ALIGN, HostArena, to_host
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(s, generator=g).to(dt) for s, dt in (((3, 5), torch.float32), ((7,), torch.bfloat16),
+                                                                ((2, 2, 2), torch.float32))]
+    need = HostArena.size_of(tensors)
+    assert need == sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in tensors) == 64 + 16 + 32
+    arena = HostArena(pin=False)
+    buffers = []
+    for _ in range(3):  # three steps
+        arena.reserve(need)
+        got = [arena.take(t) for t in tensors]
+        for h, t in zip(got, tensors):
+            h.copy_(t)
+            assert h.shape == t.shape and h.dtype == t.dtype and h.equal(t)
+            assert h.untyped_storage().data_ptr() == arena.buf.untyped_storage().data_ptr()
+            assert (h.data_ptr() - arena.buf.data_ptr()) % ALIGN == 0
+        with pytest.raises(RuntimeError, match="past its"):
+            arena.take(tensors[0])
+        with pytest.raises(RuntimeError, match="still in use"):
+            arena.reserve(need)
+        buffers.append(arena.buf.data_ptr())
+        arena.reset()
+    assert len(set(buffers)) == 1 and arena.buf.numel() == need  # one buffer, exactly the bytes, reused
+    assert to_host(tensors[0], arena) is tensors[0]  # a CPU tensor is already on the host

@@ -64,11 +64,11 @@ class Critic:
         return cls(params=p, opt_state=optim.init(p))
 
 
-def swap(critic: Critic, device=None) -> None:
+def swap(critic: Critic, device=None, *, arena=None) -> None:
     """Move ``critic``'s weights and AdamW state to ``device``, or (None) to host memory while the policy
-    generates (pinned on an accelerator, as the policy's own train state goes). On the CPU both ways keep the
-    same tensors."""
-    move = to_host if device is None else (lambda t: to_device(t, device))
+    generates (pinned on an accelerator, in the transition's ``arena`` when given, as the policy's own train
+    state goes). On the CPU both ways keep the same tensors."""
+    move = (lambda t: to_host(t, arena)) if device is None else (lambda t: to_device(t, device))
     critic.params = {k: move(v) for k, v in critic.params.items()}
     critic.opt_state = optim.map_state(critic.opt_state, lambda d: {k: move(v) for k, v in d.items()})
 

@@ -28,11 +28,19 @@ from rlflow.device import process_device
 from rlflow.models.config import ModelConfig
 from rlflow.models.sharding import RULES, layout
 from rlflow.sharding import dist as sdist, geometry as geo
-from rlflow.sharding.execute import TrainState
+from rlflow.sharding.execute import HostArena, TrainState
 from rlflow.sharding.layout import Layout
 from rlflow.sharding.memory import StateBytes, ledger
 from rlflow.sharding.mesh import Mesh
 from rlflow.sharding.plan import DEFAULT_BUCKET_BYTES, allgather_swap, plan, swap_back
+
+
+def _state_tensors(opt) -> list:
+    return [] if opt is None else [*opt.m.values(), *opt.v.values(), *opt.master.values()]
+
+
+def _critic_tensors(critic) -> list:
+    return [] if critic is None else [*critic.params.values(), *_state_tensors(critic.opt_state)]
 
 
 def same_layout(a: Layout, b: Layout) -> bool:
@@ -79,12 +87,17 @@ class Weights:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         t0 = time.perf_counter()
+        if dev.type != "cpu":  # one exact-size host buffer for everything swapped out, reused every step
+            if self.state.arena is None:
+                self.state.arena = HostArena(pin=True)
+            self.state.arena.reserve(HostArena.size_of([*run.policy.values(), *_state_tensors(run.opt_state),
+                                                        *_critic_tensors(run.critic)]))
         self.state.optim = run.opt_state
         params, run.policy, run.opt_state = run.policy, None, None
         out = sdist.execute(self.forward, params, self.state)
         del params
         if run.critic is not None:  # the critic's train state leaves the device with the policy's
-            critics.swap(run.critic)
+            critics.swap(run.critic, arena=self.state.arena)
         self.out = Transition(time.perf_counter() - t0, int(self.forward.bytes_sent()[self.rank]),
                               int(self.forward.bytes_received()[self.rank]))
         if dev.type == "cuda":
@@ -101,6 +114,8 @@ class Weights:
         run.opt_state, self.state.optim = self.state.optim, None
         if run.critic is not None:
             critics.swap(run.critic, device)
+        if self.state.arena is not None:  # everything in it is back on the device (its copies were queued
+            self.state.arena.reset()  # before any later write into it: the next step's swap-out)
         self.ret = Transition(time.perf_counter() - t0, 0, 0)
 
     def figures(self) -> dict[str, float]:

@@ -30,16 +30,52 @@ ALIGN = 16
 Segs = list  # list[tuple[str, geo.Box]]
 
 
+class HostArena:
+    """One host buffer per rank (pinned on an accelerator) that every swap-out carves its tensors from, reused
+    step after step: ``torch.empty(pin_memory=True)`` per tensor goes through the caching host allocator,
+    which rounds each to a power of two and never gives memory back (up to twice the ledger's host bytes).
+    ``reserve(n)`` before a swap-out makes it hold ``n`` bytes (it grows, never shrinks); ``take(t)`` is
+    ``t``'s place in it; ``reset()`` once everything taken is back on the device."""
+
+    def __init__(self, pin: bool):
+        self.pin, self.buf, self.pos = pin, None, 0
+
+    @staticmethod
+    def size_of(tensors) -> int:
+        """The bytes ``take`` needs for ``tensors`` (each on an ``ALIGN`` boundary)."""
+        return sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in tensors)
+
+    def reserve(self, nbytes: int) -> None:
+        if self.pos:
+            raise RuntimeError("HostArena.reserve: its tensors are still in use (reset it first)")
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.buf = None  # the old buffer goes before the new one is made
+            self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        n = t.numel() * t.element_size()
+        if self.buf is None or self.pos + n > self.buf.numel():
+            raise RuntimeError(f"HostArena.take: {n} bytes past its {0 if self.buf is None else self.buf.numel()} "
+                               f"(reserve the swap-out's bytes first)")
+        out = self.buf[self.pos:self.pos + n].view(t.dtype).view(t.shape)
+        self.pos += -(-n // ALIGN) * ALIGN
+        return out
+
+    def reset(self) -> None:
+        self.pos = 0
+
+
 @dataclass
 class TrainState:
     """One rank's optimizer-side state; what swap steps move between device and host: the gradients kept
     between steps (if any) and the optimizer's own state (``optim.AdamWState``: moments and float32
     masters). ``host`` holds what is swapped out: train shards and gradients by name, the AdamW state
-    whole."""
+    whole; ``arena``, where they live on an accelerator's host (None: a buffer per tensor)."""
 
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     optim: AdamWState | None = None
     host: dict = field(default_factory=lambda: {"train": {}, "grads": {}, "optim": None})
+    arena: HostArena | None = None
 
 
 # ---- reference slicing ----
@@ -218,10 +254,11 @@ def finish_dst(plan: Plan, b: Bucket, out: dict, rank: int) -> dict[str, torch.T
     return {n: out[n].reshape(shape) for n, _, shape, _ in _dst_shapes(plan, b, rank) if n in out}
 
 
-def to_host(t: torch.Tensor) -> torch.Tensor:
+def to_host(t: torch.Tensor, arena: HostArena | None = None) -> torch.Tensor:
+    """``t`` in host memory (the same tensor on a CPU): in ``arena`` when given, else a pinned buffer of its own."""
     if t.device.type == "cpu":
         return t
-    h = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+    h = arena.take(t) if arena is not None else torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
     h.copy_(t, non_blocking=True)
     return h
 
@@ -237,14 +274,15 @@ def _moved(d: dict, move) -> dict:
 
 def swap_step(plan: Plan, step, rank: int, shards: dict, state: TrainState, out: dict, device) -> None:
     """The swap_out / swap_in / free(rollout) steps for one rank."""
+    put = functools.partial(to_host, arena=state.arena)
     if step.op == "swap_out" and step.what == "train":
         for n in held(plan.src, plan.buckets[step.bucket].params, rank):
-            state.host["train"][n] = to_host(shards.pop(n))
+            state.host["train"][n] = put(shards.pop(n))
     elif step.op == "swap_out" and step.what == "optim":
         if state.optim is not None:
-            state.host["optim"], state.optim = map_state(state.optim, lambda d: _moved(d, to_host)), None
+            state.host["optim"], state.optim = map_state(state.optim, lambda d: _moved(d, put)), None
     elif step.op == "swap_out":
-        state.host[step.what].update(_moved(getattr(state, step.what), to_host))
+        state.host[step.what].update(_moved(getattr(state, step.what), put))
     elif step.op == "swap_in" and step.what == "optim":
         if state.host["optim"] is not None:
             state.optim = map_state(state.host["optim"], lambda d: _moved(d, lambda t: to_device(t, device)))
