@@ -17,11 +17,11 @@ from rlflow import metrics
 from rlflow.algos.corrections import LogprobMismatchError
 from rlflow.data import PromptTooLong
 from rlflow.dock.proc_backend import DockLost
-from rlflow.rewards import RewardError
 from rlflow.models import hf
 from rlflow.recipe.evals import eval_examples, eval_line, evaluation
 from rlflow.recipe.flags import Recipe
 from rlflow.recipe.pieces import RunSpec, build, concrete, placement
+from rlflow.rewards import RewardError
 from rlflow.runtime import checkpoint, hooks, loop, state as run_state, step
 from rlflow.runtime.placement import Placement
 from rlflow.runtime.weights import same_layout
@@ -66,10 +66,9 @@ SAME_SIGNAL_S = 1.0  # a second signal this soon after the first is the same req
 class Interrupt(hooks.Hook):
     """SIGINT / SIGTERM (Ctrl-C, a scheduler's preemption) ask the run to stop after the current step; a
     second one (``SAME_SIGNAL_S`` or more after the first) stops at once, and so does the first before this
-    run's first step is done (there is nothing
-    to save yet, and the start-up, a kernel build or an engine's, may take long). Once the steps are over
-    (``end``, before the final or the interrupt checkpoint is written) the handlers are the process's own
-    again."""
+    run's first step is done (there is nothing to save yet, and the start-up, a kernel build or an engine's,
+    may take long). Once the steps are over (``end``, before the final or the interrupt checkpoint is
+    written) the handlers are the process's own again."""
 
     def __init__(self):
         self.signal, self._old, self.stepped, self._at = None, {}, False, 0.0

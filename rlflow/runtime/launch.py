@@ -13,7 +13,8 @@ Three ways in, one function body:
   actor died, or it stopped answering) raises ``RankLost`` naming it, after the other ranks are stopped.
 
 The collective backend is ``rlflow.device.backend_for(world)`` (gloo on CPU, nccl on CUDA, hccl on
-NPU) unless given; each process runs with one intra-op thread (one thread per rank, as on a device).
+NPU) unless given; a CPU rank runs with one intra-op thread (one thread per rank, as on a device), an
+accelerator's rank with its share of the node's cores.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def _init(rank: int, world: int, local_rank: int, addr: str, port: int, backend:
         torch.set_num_threads(1)
     else:
         ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE") or _node_devices(backend))
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, ranks_here)))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // max(1, ranks_here)))
     # timeout_s: how long a collective waits for a peer before it raises (None: torch's default)
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     if backend == "gloo" and store is None and "GLOO_SOCKET_IFNAME" not in os.environ:
