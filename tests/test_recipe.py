@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -283,20 +284,27 @@ def test_a_prompt_past_the_models_positions_is_one_line_naming_the_flag_and_the_
         recipe.main(["--world", "1", "--steps", "1", "--max-new-tokens", "600"])
 
 
-def test_out_of_memory_is_one_line_naming_the_sizes(monkeypatch):
-    """Sizes the device cannot hold ended the run with torch's OutOfMemoryError traceback; now one line that
-    names the step and the flags that size it."""
+@pytest.mark.parametrize("kind", ["accelerator", "host"])
+def test_out_of_memory_is_one_line_naming_the_sizes(kind, monkeypatch):
+    """Sizes the device cannot hold ended the run with torch's OutOfMemoryError traceback (on a CPU a plain
+    RuntimeError of its allocator); now one line that names the step and the flags that size it."""
     import torch
 
     from rlflow.algos import stages
 
+    said = {"accelerator": "CUDA out of memory. Tried to allocate 80.00 GiB",
+            "host": "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory"}[kind]
+
     def oom(*a, **k):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+        raise (torch.OutOfMemoryError if kind == "accelerator" else RuntimeError)(said)
     monkeypatch.setattr(stages, "update", oom)
     recipe = recipe_module()
-    with pytest.raises(SystemExit, match=r"^error: out of memory on cpu in step 0 \(CUDA out of memory. Tried to "
-                                         r"allocate 80.00 GiB\); the step holds --prompts-per-step 2 x --group-size 2 "
-                                         r"samples of up to --max-new-tokens \d+, micro-batches of --micro-batch-size"):
+    with pytest.raises(SystemExit, match=r"^error: out of memory on cpu in step 0 \(" + re.escape(said)
+                       + r"\); the step holds --prompts-per-step 2 x --group-size 2 samples of up to --max-new-tokens "
+                       r"\d+, micro-batches of --micro-batch-size"):
+        recipe.main(["--world", "1", "--steps", "1", "--prompts-per-step", "2", "--group-size", "2"])
+    monkeypatch.setattr(stages, "update", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("another failure")))
+    with pytest.raises(RuntimeError, match="another failure"):  # not taken for memory
         recipe.main(["--world", "1", "--steps", "1", "--prompts-per-step", "2", "--group-size", "2"])
 
 

@@ -154,7 +154,9 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
         except checkpoint.CheckpointError as e:  # a checkpoint that could not be written (a full disk): the lead,
             # and the rank whose own write failed, say it
             raise SystemExit(f"error: {e}" if lead or "another rank" not in str(e) else 1) from None
-        except (torch.OutOfMemoryError, MemoryError) as e:  # the sizes asked for more than the device has
+        except (MemoryError, RuntimeError) as e:  # the sizes asked for more than the device has
+            if not out_of_memory(e):
+                raise
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise SystemExit(f"error: out of memory on {dev} in step {state.steps_done} ({first[:200]}); the step "
                              f"holds --prompts-per-step {r.prompts_per_step} x --group-size {r.group_size} samples of "
@@ -181,6 +183,12 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
                      *(["reward.png"] if plotted else [])]
             say(f"wrote {', '.join(f'{r.out}/{n}' for n in shown)}, {path}/ (--model {path} loads it)")
         return history
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """``e`` says an allocation failed: torch's OutOfMemoryError (an accelerator's), the CPU allocator's
+    RuntimeError, Python's MemoryError."""
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)
 
 
 def introduce(r: Recipe, spec: RunSpec, where: Placement | None, dock, world: int, say) -> None:
