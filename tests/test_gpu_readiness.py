@@ -555,3 +555,45 @@ def test_the_host_arena_holds_exactly_the_swapped_bytes_and_is_reused():
         arena.reset()
     assert len(set(buffers)) == 1 and arena.buf.numel() == need  # one buffer, exactly the bytes, reused
     assert to_host(tensors[0], arena) is tensors[0]  # a CPU tensor is already on the host
+
+
+# ---- float64 figures on a backend without float64 (HCCL) ----
+def _pairs_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from rlflow.sharding import dist as sdist
+
+    sdist.FLOAT64_COLLECTIVES = False  # as on HCCL
+    seen = []  # the dtypes the backend is handed
+    real_gather, real_reduce = sdist.all_gather_single, dist.all_reduce
+    sdist.all_gather_single = lambda out, x, **k: (seen.append(x.dtype), real_gather(out, x, **k))[1]
+    dist.all_reduce = lambda x, *a, **k: (seen.append(x.dtype), real_reduce(x, *a, **k))[1]
+    x = torch.tensor([2.0 ** 40 + rank, 0.1 * (rank + 1), -3.0 ** 0.5 * rank, 1e-30], dtype=torch.float64)
+    out = {op: sdist.all_reduce(x, op=getattr(dist.ReduceOp, op)).tolist() for op in ("SUM", "MAX", "MIN")}
+    out["rows"] = sdist.all_gather_rows(x).tolist()
+    with pytest.raises(ValueError, match="only sum, max, min"):
+        sdist.all_reduce(x, op=dist.ReduceOp.PRODUCT)
+    out["dtypes"] = sorted({str(d) for d in seen})
+    return out
+
+
+def test_float64_figures_go_as_float32_pairs_where_the_backend_has_no_float64():
+    """HCCL reduces no float64 (the loop's closing figures, the batch normalizers, whitening, the log-prob
+    gate are float64): there they go as two float32 halves each, gathered and reduced on the rank. Forced on
+    gloo here (no NPU): within float32's range the results equal float64's to 2^-48 relative, integers up to
+    2^48 exactly."""
+    import math
+
+    from rlflow.runtime import launch
+
+    got = launch.spawn(_pairs_worker, 2)[0]
+    assert got["dtypes"] == ["torch.float32"]  # no float64 reached the backend
+    rows = [[2.0 ** 40 + r, 0.1 * (r + 1), -3.0 ** 0.5 * r, 1e-30] for r in range(2)]
+    for op, f in (("SUM", sum), ("MAX", max), ("MIN", min)):
+        want = [f(col) for col in zip(*rows)]
+        for g, w in zip(got[op], want):
+            assert g == w if w == int(w) and abs(w) < 2 ** 48 else math.isclose(g, w, rel_tol=2 ** -47), (op, g, w)
+    assert got["SUM"][0] == 2.0 ** 41 + 1  # exact: float32 alone would round it to 2^41
+    for gr, wr in zip(got["rows"], rows):
+        for g, w in zip(gr, wr):
+            assert math.isclose(g, w, rel_tol=2 ** -47), (g, w)

@@ -90,12 +90,29 @@ def group(ranks):
     return _GROUPS[_key(ranks)]
 
 
+# None: by the device (HCCL has no float64: there the float64 figures go as float32 pairs); a test sets False
+FLOAT64_COLLECTIVES: bool | None = None
+_LOCAL_OPS = {dist.ReduceOp.SUM: lambda r: r.sum(0), dist.ReduceOp.MAX: lambda r: r.max(0).values,
+              dist.ReduceOp.MIN: lambda r: r.min(0).values}
+
+
+def takes_float64(device: torch.device) -> bool:
+    """Whether the backend of ``device`` reduces float64 tensors (NCCL and gloo do; HCCL does not)."""
+    return FLOAT64_COLLECTIVES if FLOAT64_COLLECTIVES is not None else device.type != "npu"
+
+
 def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
     """``t`` reduced over ``group`` (default: the world), a new tensor on ``t``'s device. The collective runs
     on this process's device (nccl and hccl take no host tensors), so counts and figures kept on the host
-    can be reduced under any backend."""
+    can be reduced under any backend; a float64 one where the backend has no float64 is gathered (as float32
+    pairs, ``all_gather_rows``) and reduced here (sum, max, min)."""
     from rlflow.device import process_device
-    x = t.to(process_device(), copy=True)
+    dev = process_device()
+    if t.dtype == torch.float64 and not takes_float64(dev):
+        if op not in _LOCAL_OPS:
+            raise ValueError(f"all_reduce: float64 {op} on a backend without float64 (only sum, max, min)")
+        return _LOCAL_OPS[op](all_gather_rows(t.reshape(-1), group)).reshape(t.shape).to(t.device)
+    x = t.to(dev, copy=True)
     dist.all_reduce(x, op=op, group=group)
     return x.to(t.device)
 
@@ -103,12 +120,23 @@ def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tenso
 def all_gather_rows(t: torch.Tensor, group=None) -> torch.Tensor:
     """Every rank's 1-D ``t`` (the same length on each) as the rows of a [ranks, n] tensor on ``t``'s device,
     one collective, run on this process's device like ``all_reduce``: several reductions of different ops
-    (sums, maxima) over a few figures in one round trip."""
+    (sums, maxima) over a few figures in one round trip. float64 on a backend without it goes as two float32
+    halves, x = hi + lo (hi = float32(x), lo = float32(x - hi)): within float32's range to 2^-48 of x,
+    integers up to 2^48 exactly (the figures are counts, sums of rewards and losses, times)."""
     from rlflow.device import process_device
-    x = t.to(process_device(), copy=True).reshape(-1)
+    dev = process_device()
+    x = t.to(dev, copy=True).reshape(-1)
+    split = x.dtype == torch.float64 and not takes_float64(dev)
+    if split:
+        hi = x.float()
+        x = torch.cat([hi, (x - hi.double()).float()])
     out = x.new_empty(dist.get_world_size(group) * x.numel())
     all_gather_single(out, x, group=group)
-    return out.view(-1, x.numel()).to(t.device)
+    rows = out.view(-1, x.numel())
+    if split:
+        n = x.numel() // 2
+        rows = rows[:, :n].double() + rows[:, n:].double()
+    return rows.to(t.device)
 
 
 def clear_groups() -> None:
