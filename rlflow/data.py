@@ -111,7 +111,7 @@ def answer_text(a, where: str, key: str) -> str:
     """A dataset's answer as the reward sees it: text as it is, an integer in decimal, a float in decimal with
     an integral one (below 2**53) written as the integer (3.0 -> "3", as a math verifier compares it), a
     decimal by its own digits. Anything else (a
-    list, a dict, a bool) is refused: stringified, ``[1.0]`` was scored against that."""
+    list, a dict, a bool) is refused: stringified, ``[1.0]`` would be scored against that."""
     if isinstance(a, str):
         return a
     if isinstance(a, numbers.Integral) and not isinstance(a, bool):

@@ -86,7 +86,7 @@ def problems(r: Recipe) -> list[tuple[str | None, str]]:
             except ValueError as e:  # the default layout's problem is --world's
                 out.append((name, str(e)) if spec else
                            ("world", f"the default --{name.replace('_', '-')}: {e}; pass --{name.replace('_', '-')}"))
-    if r.world > 1 and not out and not r.eval_only:  # each rank's share (the ranks refused it once started)
+    if r.world > 1 and not out and not r.eval_only:  # each rank's share of the step, checked before any starts
         if r.prompts_per_step % r.world:
             out.append(("prompts_per_step", f"is not divisible by the {r.world} ranks (each scores an equal share "
                                             "of the groups)"))

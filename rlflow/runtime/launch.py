@@ -170,7 +170,7 @@ def _entry(rank, fn, world, port, backend, timeout_s, outdir, launcher, args):
 def _wait_stopping(procs, fine: set[int], grace_s: float = 3.0) -> None:
     """Wait for ranks asked to stop (they finish their step and write the checkpoint, however long that takes);
     once one ends otherwise than ``fine``, the others get ``grace_s`` and are then killed: they may wait on it
-    in a collective, and were waited on for minutes."""
+    in a collective for as long as its timeout."""
     failed_at = None
     while any(p.is_alive() for p in procs):
         for p in procs:
