@@ -396,3 +396,54 @@ def test_the_rollout_samples_with_the_weights_just_trained_and_dp_sums_the_gradi
     assert len(hist) == 2 and hist[1]["logp_diff_max"] < 1e-3
     assert one[0]["grad_norm"] > 0
     assert hist[0]["grad_norm"] == pytest.approx(one[0]["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_torchrun_on_two_hosts_whose_names_resolve_to_the_loopback(tmp_path):
+    """Two hosts (network namespaces joined by a link, sharing this machine's /etc/hosts, where the host's name
+    is a loopback address as on Debian): torchrun's two nodes train on gloo. Without the interface choice
+    gloo bound 127.0.0.1 on both and died after its timeout (connectFullMesh failed). Needs root (ip netns);
+    skipped elsewhere."""
+    import os
+    import shutil
+    import socket
+    import subprocess
+    import sys
+    import uuid
+
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        pytest.skip("needs root and iproute2 (network namespaces)")
+    if not launch._is_loopback(socket.gethostname()):
+        pytest.skip("this host's name does not resolve to a loopback address: nothing to show")
+    tag = uuid.uuid4().hex[:6]
+    ns, links, procs = [f"rlh1{tag}", f"rlh2{tag}"], [f"rlv1{tag}", f"rlv2{tag}"], []
+    sh = lambda *a: subprocess.run(["ip", *a], check=True, capture_output=True)  # noqa: E731
+    try:
+        try:
+            for n in ns:
+                sh("netns", "add", n)
+            sh("link", "add", links[0], "type", "veth", "peer", "name", links[1])
+        except subprocess.CalledProcessError as e:
+            pytest.skip(f"cannot make network namespaces here: {e.stderr.decode().strip()}")
+        for i, (n, link) in enumerate(zip(ns, links)):
+            sh("link", "set", link, "netns", n)
+            sh("-n", n, "addr", "add", f"10.213.0.{i + 1}/24", "dev", link)
+            sh("-n", n, "link", "set", link, "up")
+            sh("-n", n, "link", "set", "lo", "up")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        procs = [subprocess.Popen(["ip", "netns", "exec", n, torchrun, "--nnodes", "2", "--node-rank", str(i),
+                                   "--nproc-per-node", "1", "--master-addr", "10.213.0.1", "--master-port", "29641",
+                                   os.path.join(root, "recipes", "grpo_qwen3_moe.py"), "--steps", "2",
+                                   "--dist-timeout", "60", "--out", str(tmp_path / "run")],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                 for i, n in enumerate(ns)]
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+        assert (tmp_path / "run" / "checkpoint-final").is_dir()
+    finally:
+        for p in procs:  # a hung node (the failure this guards) must not outlive the test
+            if p.poll() is None:
+                os.killpg(p.pid, 9)  # torchrun and its rank: the group the node was started in
+        for n in ns:
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
