@@ -1,6 +1,9 @@
-"""What the first CUDA / NCCL run would hit, caught on this CPU: the pipeline's point-to-point programs under
-NCCL's rendezvous semantics (no deadlock at any size), ...
-"""
+"""What the first CUDA / NCCL (or NPU / HCCL) run would hit, caught on this CPU (the list in docs/runtime.md,
+"On GPUs and NPUs"): the pipeline's point-to-point programs under NCCL's rendezvous semantics; a run whose host
+is a separate place, the device's bytes against the ledger at every step; a checkpoint's export gathering on
+the writing rank only; the host syncs of the update and of decoding held to a budget; masked grouped-query
+attention's arguments off the CPU; --dtype auto; a Ray actor's GPU; the host arena; float64 figures as
+float32 pairs. bench/gpu_check.sh's own checks are tests/test_gpu_check.py."""
 
 from __future__ import annotations
 
