@@ -64,6 +64,12 @@ class Critic:
         return cls(params=p, opt_state=optim.init(p))
 
 
+def with_policy(policy: dict[str, Tensor], critic: Critic | None) -> dict[str, Tensor]:
+    """The policy's weights and the critic's beside them, the critic's under ``critic.`` (most of its names are
+    the policy's)."""
+    return {**policy, **({} if critic is None else {"critic." + k: v for k, v in critic.params.items()})}
+
+
 def swap(critic: Critic, device=None, *, arena=None) -> None:
     """Move ``critic``'s weights and AdamW state to ``device``, or (None) to host memory while the policy
     generates (pinned on an accelerator, in the transition's ``arena`` when given, as the policy's own train
@@ -133,4 +139,4 @@ def update(critic: Critic, batch: TrainBatch, cfg: ModelConfig, ccfg: CriticConf
         {f"critic_{k}": v for k, v in stages.averaged(sums, n_mb, ucfg.layout).items()})
 
 
-__all__ = ["Critic", "CriticConfig", "batched_values", "swap", "update", "value_loss", "values"]
+__all__ = ["Critic", "CriticConfig", "batched_values", "swap", "update", "value_loss", "values", "with_policy"]

@@ -12,13 +12,14 @@ import os
 import re
 
 from rlflow import metrics, rewards
+from rlflow.data import PromptSource, apply_chat_template, load_examples
 from rlflow.models import hf
 from rlflow.models.config import get_config
-from rlflow.data import PromptSource, apply_chat_template, load_examples
 from rlflow.recipe.flags import Recipe
-from rlflow.tokenizer import CharTokenizer
 from rlflow.recipe.pieces import (chat_template, critic_config, grpo_config, loop_config, mesh_of, optim_config,
                                   reward_specs, reward_weights, sampling_config)
+from rlflow.runtime.config import share_problems
+from rlflow.tokenizer import CharTokenizer
 
 
 
@@ -87,17 +88,7 @@ def problems(r: Recipe) -> list[tuple[str | None, str]]:
                 out.append((name, str(e)) if spec else
                            ("world", f"the default --{name.replace('_', '-')}: {e}; pass --{name.replace('_', '-')}"))
     if r.world > 1 and not out and not r.eval_only:  # each rank's share of the step, checked before any starts
-        if r.prompts_per_step % r.world:
-            out.append(("prompts_per_step", f"is not divisible by the {r.world} ranks (each scores an equal share "
-                                            "of the groups)"))
-        try:
-            nd = mesh_of(r, r.train_layout, "train_layout").data_parallel_size
-        except ValueError:
-            nd = 1  # named above
-        for name in ("prompts_per_step", "mini_batch_size", "micro_batch_size"):
-            v = getattr(r, name)
-            if v is not None and v % nd:
-                out.append((name, f"is not divisible by the train layout's {nd} data-parallel ranks"))
+        out += share_problems(loop_config(r, eos_id=0, pad_id=0), r.world, mesh_of(r, r.train_layout, "train_layout"))
     if r.resume not in (None, "auto") and not os.path.isdir(r.resume):
         out.append(("resume", "no such checkpoint directory" if not os.path.exists(r.resume) else "not a directory"))
     model = model_problems(r)

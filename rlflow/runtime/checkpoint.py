@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from rlflow import optim
-from rlflow.algos.critic import Critic
+from rlflow.algos.critic import Critic, with_policy
 from rlflow.models import hf
 from rlflow.models.config import ModelConfig
 from rlflow.models.shapes import keeps_float32
@@ -223,8 +223,7 @@ def save_state(root: str, name: str, state, *, cfg: ModelConfig, args: dict, tok
     write its shards makes every rank raise and nothing is saved."""
     kw = dict(steps_done=state.steps_done, cfg=cfg, source=state.source, args=args, tokenizer=tokenizer,
               keep_last=keep_last)
-    bad = optim.nonfinite({**state.policy, **({} if state.critic is None else
-                                              {"critic." + k: v for k, v in state.critic.params.items()})})
+    bad = optim.nonfinite(with_policy(state.policy, state.critic))
     refused = CheckpointError(f"{name}: not written: {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} "
                               "not finite (a checkpoint that verifies must hold weights that can be trained on)")
     if train is None:

@@ -98,6 +98,19 @@ def validate_sizes(*, steps: int, prompts_per_step: int, group_size: int, mini_b
         raise ValueError(f"mini_batch_size {mini_batch_size} is not divisible by micro_batch_size {micro_batch_size}")
 
 
+def share_problems(conf: "LoopConfig", world: int, train_mesh) -> list[tuple[str, str]]:
+    """(field, why) for the sizes ``world`` ranks cannot share: each of the train layout's data-parallel ranks
+    (``train_mesh``) takes an equal part of the prompts, the mini- and the micro-batches, and every rank scores
+    an equal share of the groups."""
+    nd = train_mesh.data_parallel_size
+    out = [(name, f"is not divisible by the train layout's {nd} data-parallel ranks ({train_mesh})")
+           for name in ("prompts_per_step", "mini_batch_size", "micro_batch_size") if getattr(conf, name) % nd]
+    if conf.prompts_per_step % world:
+        out.append(("prompts_per_step", f"is not divisible by the {world} ranks (each scores an equal share of the "
+                                        "groups)"))
+    return out
+
+
 def check_features(cfg: ModelConfig, train_pp: int, *, routing_replay: str, check_logprobs: float | None,
                    adv_estimator: str = "grpo") -> None:
     """``ValueError`` for a ``LoopConfig`` feature the model or the train layout (``train_pp`` stages) cannot run

@@ -33,7 +33,7 @@ from rlflow.models.config import ModelConfig
 from rlflow.models.execution import n_moe_layers
 from rlflow.runtime.flow import DockFlow, MemoryFlow, rollout_share, score_share, train_batch
 from rlflow.runtime.graph import ROUTES, ROWS, Graph, graph_for
-from rlflow.runtime.config import LoopConfig, check_features
+from rlflow.runtime.config import LoopConfig, check_features, share_problems
 from rlflow.runtime.placement import Placement, Seats, seats
 from rlflow.runtime.state import RunState
 from rlflow.runtime.weights import Weights
@@ -84,15 +84,11 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
     if placement is not None and dock is None:
         raise ValueError("step.context: a placement over several ranks needs a dock (the stages' rows go through it)")
     where = seats(placement, cfg)
-    nd = where.mesh(graph["update"].runs_on).data_parallel_size
+    train_mesh = where.mesh(graph["update"].runs_on)
+    nd = train_mesh.data_parallel_size
     if placement is not None:
-        for name in ("prompts_per_step", "mini_batch_size", "micro_batch_size"):
-            if getattr(conf, name) % nd:
-                raise ValueError(f"{name} {getattr(conf, name)} is not divisible by the train layout's "
-                                 f"{nd} data-parallel ranks ({placement.train.mesh})")
-        if conf.prompts_per_step % placement.world:
-            raise ValueError(f"prompts_per_step {conf.prompts_per_step} is not divisible by the {placement.world} "
-                             "ranks (each scores an equal share of the groups)")
+        for name, why in share_problems(conf, placement.world, train_mesh)[:1]:
+            raise ValueError(f"{name} {getattr(conf, name)} {why}")
     routes = conf.routing_replay != "off"
     route_dims = (n_moe_layers(cfg), cfg.num_experts_per_tok) if routes else None
     flow = MemoryFlow() if dock is None else DockFlow(dock, where.rank, where.world, route_dims=route_dims,
@@ -188,9 +184,7 @@ def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunSt
               "reward_sq": float((rewards ** 2).sum()), "scored": float(scored.sum()),
               # finite gradients can still make a weight non-finite (an overflow): the loop stops before any
               # hook saves it
-              "nonfinite_params": float(len(optim.nonfinite(
-                  {**state.policy, **({} if state.critic is None else
-                                      {"critic." + k: v for k, v in state.critic.params.items()})})))}
+              "nonfinite_params": float(len(optim.nonfinite(critics.with_policy(state.policy, state.critic))))}
     times = {**clock.laps, **ctx.weights.figures(), **ctx.engine.figures()}
     return state, StepOut(counts=counts, times=times, update=upd, lr=lr, bad_rewards=int(len(bad)), rows=rows,
                           rewards=rewards.masked_fill(~scored, float("nan")))

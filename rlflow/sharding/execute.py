@@ -30,6 +30,11 @@ ALIGN = 16
 Segs = list  # list[tuple[str, geo.Box]]
 
 
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to the next ``ALIGN`` boundary (where a buffer's next piece starts)."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 class HostArena:
     """One host buffer per rank (pinned on an accelerator) that every swap-out carves its tensors from, reused
     step after step: ``torch.empty(pin_memory=True)`` per tensor goes through the caching host allocator,
@@ -43,7 +48,7 @@ class HostArena:
     @staticmethod
     def size_of(tensors) -> int:
         """The bytes ``take`` needs for ``tensors`` (each on an ``ALIGN`` boundary)."""
-        return sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in tensors)
+        return sum(aligned(t.numel() * t.element_size()) for t in tensors)
 
     def reserve(self, nbytes: int) -> None:
         if self.pos:
@@ -58,7 +63,7 @@ class HostArena:
             raise RuntimeError(f"HostArena.take: {n} bytes past its {0 if self.buf is None else self.buf.numel()} "
                                f"(reserve the swap-out's bytes first)")
         out = self.buf[self.pos:self.pos + n].view(t.dtype).view(t.shape)
-        self.pos += -(-n // ALIGN) * ALIGN
+        self.pos += aligned(n)
         return out
 
     def reset(self) -> None:
@@ -113,7 +118,7 @@ def offsets(layout: Layout, segs: Segs) -> tuple[list[int], int]:
     offs, pos = [], 0
     for name, box in segs:
         offs.append(pos)
-        pos += -(-geo.box_numel(box) * _itemsize(layout, name) // ALIGN) * ALIGN
+        pos += aligned(geo.box_numel(box) * _itemsize(layout, name))
     return offs, pos
 
 
