@@ -603,3 +603,36 @@ def test_a_dock_process_that_died_is_named_not_a_broken_pipe():
             put_prompts(d, list(range(2, CAP)))
     finally:
         d.close()
+
+
+# ---- the streaming case: rows of several steps in one dock, each step a range of rows ----
+@pytest.mark.parametrize("make", ["dock1", "dock3", "procs2"])
+def test_a_step_takes_its_own_rows_and_releases_them_for_the_next(make):
+    """Two steps' rows share the dock: a take ``within`` one step's range gets those rows only, even when the
+    other step's rows are ready first; ``release`` frees a range for new puts (cells dropped, bits reset),
+    leaving the other range as it was."""
+    d = MAKERS[make]()
+    try:
+        half = CAP // 2
+        put_prompts(d, list(range(half, CAP)))  # the later step's rows are ready first
+        waiter = {}
+        th = threading.Thread(target=lambda: waiter.update(t=d.take_share(
+            "update", ["prompt_ids"], half, key=1, parts=1, part=0, groups=True, within=(0, half), timeout=5)))
+        th.start()
+        time.sleep(0.2)
+        assert "t" not in waiter, "a take within rows [0, 8) must wait for them, not take the ready rows of [8, 16)"
+        put_prompts(d, list(range(half)))
+        th.join(5)
+        assert sorted(waiter["t"].index.tolist()) == list(range(half))
+        with pytest.raises(ValueError, match="already written"):
+            put_prompts(d, [0])
+        d.release(0, half)
+        assert d.pending("update", ["prompt_ids"]) == (CAP, half)  # [0, 8) free again, [8, 16) untouched
+        put_prompts(d, list(range(half)))  # the next step's rows reuse the range
+        t = d.take_share("update", ["prompt_ids"], half, key=2, parts=1, part=0, groups=True, within=(half, CAP))
+        assert sorted(t.index.tolist()) == list(range(half, CAP))
+        assert [r.tolist() for r in d.read(t).rows("prompt_ids")] == [p.tolist() for p in prompts(sorted(t.index))]
+        with pytest.raises(ValueError, match="whole groups"):
+            d.take_share("update", ["prompt_ids"], 2, key=3, parts=1, part=0, within=(1, 3))
+    finally:
+        d.close()

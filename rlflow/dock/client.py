@@ -312,10 +312,12 @@ class Dock(_Client):
         return tuple(Ticket(consumer, columns, idx[p], wh[p], {c: v[p] for c, v in lens.items()}) for p in parts)
 
     def take_share(self, consumer: str, columns, n: int, *, key, parts: int, part: int, cost=(),
-                   groups: bool = False, timeout: float | None = None) -> Ticket:
+                   groups: bool = False, timeout: float | None = None,
+                   within: tuple[int, int] | None = None) -> Ticket:
         """Part ``part`` of ``parts`` of the take ``key`` (``Controller.take_share``): the first rank of a
-        data-parallel group to ask takes ``n`` rows for all and the controller routes them onto the parts,
-        balanced by the lengths of the ``cost`` columns; each rank reads its part with ``read``."""
+        data-parallel group to ask takes ``n`` rows for all (of the rows ``within`` = (first, end) when given)
+        and the controller routes them onto the parts, balanced by the lengths of the ``cost`` columns; each
+        rank reads its part with ``read``."""
         columns = self._check_get(consumer, columns, n, groups, parts)
         if not isinstance(part, (int, np.integer)) or not 0 <= part < parts:
             raise ValueError(f"dock.take_share: part must be in [0, {parts}), got {part!r}")
@@ -324,7 +326,7 @@ class Dock(_Client):
             raise ValueError(f"dock.take_share: cost columns {sorted(set(cost) - set(columns))} are not among the "
                              f"columns taken {list(columns)}")
         idx, wh, lens = self.transport.call(self.controllers[consumer], "take_share", key, list(columns), int(n),
-                                            int(parts), int(part), list(cost), groups, timeout)
+                                            int(parts), int(part), list(cost), groups, timeout, within)
         return Ticket(consumer, columns, idx, wh, lens)
 
     def read(self, ticket: Ticket, *, packed: bool = False) -> DockBatch:
@@ -345,6 +347,13 @@ class Dock(_Client):
         """Drop every row and reset every controller (between iterations)."""
         _raise_first(self.transport.call_many([(x, "clear", ()) for x in [*self.warehouses,
                                                                            *self.controllers.values()]]))
+
+    def release(self, first: int, end: int) -> None:
+        """Free rows ``first..end-1`` for new puts (a streaming run's trained rows): every warehouse drops their
+        cells, then every controller forgets them. Rows being read must not be released."""
+        idx = np.arange(first, end, dtype=np.int64)
+        _raise_first(self.transport.call_many([(w, "delete", (idx, list(self.schema.names))) for w in self.warehouses]))
+        _raise_first(self.transport.call_many([(c, "release", (first, end)) for c in self.controllers.values()]))
 
     def pending(self, consumer: str, columns=None) -> tuple[int, int]:
         """(rows ``consumer`` has not consumed, of those the ones ready in ``columns``)."""

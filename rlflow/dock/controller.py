@@ -13,6 +13,10 @@ returns their indices, warehouse ids and lengths, all under one lock, so two cal
 the same row. It can block (a condition variable is notified by every ``mark_ready``), with a
 timeout. One controller, the *lead*, also assigns a row's warehouse on its first put (``place``).
 
+``release`` frees rows for new puts (the streaming case: rows of several steps share the dock, each step's
+rows a range of it, freed once trained on; ``clear`` frees them all). A take may be limited to a range of
+rows (``within``): a step takes its own rows.
+
 ``take_share`` is the take of a data-parallel worker group: the first of its ranks to ask takes the
 rows for all of them and routes them onto the group's parts (``dock.routing``: balanced by sequence
 length, groups whole); every rank (its tp and pp peers too) gets its part of that one take. The
@@ -118,17 +122,29 @@ class Controller:
             out = self._take(columns, n, groups, partial, timeout, deadline)
         return self.meter.send(out)
 
-    def _take(self, columns, n, groups, partial, timeout, deadline, epoch=None, key=None):
+    def _in(self, within) -> np.ndarray:
+        """The rows a take may pick: all, or those of ``within`` = (first, end)."""
+        if within is None:
+            return np.ones(self.capacity, dtype=bool)
+        lo, hi = within
+        if not 0 <= lo < hi <= self.capacity or lo % self.group_size or hi % self.group_size:
+            raise ValueError(f"dock.take: within={within} must be a range of whole groups in [0, {self.capacity})")
+        out = np.zeros(self.capacity, dtype=bool)
+        out[lo:hi] = True
+        return out
+
+    def _take(self, columns, n, groups, partial, timeout, deadline, epoch=None, key=None, within=None):
         ids = self._ids(columns)
         G = self.group_size if groups else 1
+        inside = self._in(within)
         while True:
-            eligible = self._ready[:, ids].all(axis=1) & ~self._consumed
+            eligible = self._ready[:, ids].all(axis=1) & ~self._consumed & inside
             sel = pick_groups(eligible, G, n) if groups else pick_rows(eligible, n)
-            left = len(whole_groups(~self._consumed, G)) * G
+            left = len(whole_groups(~self._consumed & inside, G)) * G
             if left < n and not partial:
                 raise ValueError(f"dock.get: consumer {self.consumer!r} asks for {n} rows"
                                  f"{' in whole groups' if groups else ''} but only {left} remain unconsumed "
-                                 f"until clear()")
+                                 f"{'' if within is None else f'in rows {within} '}until clear() or release()")
             if len(sel) >= min(n, left):
                 break
             wait = None if deadline is None else deadline - time.monotonic()
@@ -145,18 +161,19 @@ class Controller:
         return sel, self._wh[sel].copy(), {c: self._len[c][sel].copy() for c in columns if c in self._len}
 
     def take_share(self, key, columns: Sequence[str], n: int, parts: int, part: int, cost: Sequence[str] = (),
-                   groups: bool = False, timeout: float | None = None):
+                   groups: bool = False, timeout: float | None = None, within: tuple[int, int] | None = None):
         """Part ``part`` of ``parts`` of the one take ``key`` names: the first call with a new ``key`` takes
         ``n`` rows as ``take`` does (it may wait, up to ``timeout``) and routes them onto ``parts``
         data-parallel parts, balanced by the summed lengths of the ``cost`` columns (1 per row without),
         whole groups when ``groups``; every call with that key (from any rank, the same part as often as
         asked) returns its part, ``take``'s triple for those rows. A call with the key of another request
         (columns, n, parts, cost, groups) is refused; ``clear`` forgets the keys and fails the calls still
-        waiting."""
-        self.meter.recv(key, columns, n, parts, part, cost, groups, timeout)
+        waiting. ``within``: only rows of that range (first, end) are taken."""
+        self.meter.recv(key, columns, n, parts, part, cost, groups, timeout, within)
         if not 0 <= part < parts:
             raise ValueError(f"dock.take_share: part {part} out of range [0, {parts})")
-        request = (tuple(columns), int(n), int(parts), tuple(cost), bool(groups))
+        within = None if within is None else (int(within[0]), int(within[1]))
+        request = (tuple(columns), int(n), int(parts), tuple(cost), bool(groups), within)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             epoch = self._epoch
@@ -171,7 +188,7 @@ class Controller:
                     continue
                 self._sharing.add(key)
                 try:
-                    sel, wh, lens = self._take(columns, n, groups, False, timeout, deadline, epoch, key)
+                    sel, wh, lens = self._take(columns, n, groups, False, timeout, deadline, epoch, key, within)
                 finally:
                     self._sharing.discard(key)
                     self._cond.notify_all()
@@ -182,7 +199,7 @@ class Controller:
                 self._shares[key] = (request, sel, wh, lens, plan.part)
             asked, sel, wh, lens, where = self._shares[key]
             if asked != request:
-                raise ValueError(f"dock.take_share: take {key!r} was made for (columns, n, parts, cost, groups) = "
+                raise ValueError(f"dock.take_share: take {key!r} was made for (columns, n, parts, cost, groups, within) = "
                                  f"{asked}, not {request}")
             pos = np.flatnonzero(where == part)
             out = (sel[pos], wh[pos], {c: v[pos] for c, v in lens.items()})
@@ -205,6 +222,21 @@ class Controller:
             self._shares.clear()
             self._sharing.clear()
             self._epoch += 1
+            self._cond.notify_all()
+        self.meter.send(None)
+
+    def release(self, first: int, end: int) -> None:
+        """Rows ``first..end-1`` free for new puts: not ready, not consumed, not placed (their warehouses drop
+        the cells, ``Dock.release``). A take waiting on them keeps waiting for new puts."""
+        self.meter.recv(first, end)
+        if not 0 <= first <= end <= self.capacity:
+            raise ValueError(f"dock.release: rows [{first}, {end}) outside [0, {self.capacity})")
+        with self._cond:
+            self._ready[first:end] = False
+            self._consumed[first:end] = False
+            self._wh[first:end] = -1
+            for a in self._len.values():
+                a[first:end] = 0
             self._cond.notify_all()
         self.meter.send(None)
 

@@ -163,6 +163,9 @@ def _entry(rank, fn, world, port, backend, timeout_s, outdir, launcher, args):
     try:
         res = fn(rank, world, *args)
         torch.save(res, os.path.join(outdir, f"{rank}.pt"))
+        # no rank tears its gloo pairs down while a peer's last operations may still use them (a peer then
+        # aborts: "terminate called without an active exception")
+        dist.barrier()
     finally:
         _finish()
 
