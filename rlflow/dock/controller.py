@@ -199,8 +199,8 @@ class Controller:
                 self._shares[key] = (request, sel, wh, lens, plan.part)
             asked, sel, wh, lens, where = self._shares[key]
             if asked != request:
-                raise ValueError(f"dock.take_share: take {key!r} was made for (columns, n, parts, cost, groups, within) = "
-                                 f"{asked}, not {request}")
+                raise ValueError(f"dock.take_share: take {key!r} was made for (columns, n, parts, cost, groups, "
+                                 f"within) = {asked}, not {request}")
             pos = np.flatnonzero(where == part)
             out = (sel[pos], wh[pos], {c: v[pos] for c, v in lens.items()})
         return self.meter.send(out)
