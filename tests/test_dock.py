@@ -224,7 +224,7 @@ def test_a_shared_take_hands_each_part_its_rows_once(make):
             assert len({r // G for r in got[(part, "a")][0]}) * G == len(got[(part, "a")][0])  # whole groups
         lens = [sum(got[(p, "a")][1]) for p in (0, 1)]
         assert abs(lens[0] - lens[1]) <= max(len(x) for x in prompts(range(CAP))) * G
-        with pytest.raises(ValueError, match=r"take 7 was made for .* 2, \('prompt_ids',\), True\), not .* 4,"):
+        with pytest.raises(ValueError, match=r"take 7 was made for .* 2, \('prompt_ids',\), True, None\), not .* 4,"):
             d.take_share("update", ["prompt_ids"], CAP, key=7, parts=4, part=0, cost=("prompt_ids",), groups=True)
         with pytest.raises(ValueError, match=r"part must be in \[0, 2\), got 2"):
             d.take_share("update", ["prompt_ids"], CAP, key=7, parts=2, part=2, groups=True)
