@@ -214,11 +214,7 @@ class Controller:
     def clear(self) -> None:
         self.meter.recv()
         with self._cond:
-            self._ready[:] = False
-            self._consumed[:] = False
-            self._wh[:] = -1
-            for a in self._len.values():
-                a[:] = 0
+            self._free(0, self.capacity)
             self._shares.clear()
             self._sharing.clear()
             self._epoch += 1
@@ -232,13 +228,17 @@ class Controller:
         if not 0 <= first <= end <= self.capacity:
             raise ValueError(f"dock.release: rows [{first}, {end}) outside [0, {self.capacity})")
         with self._cond:
-            self._ready[first:end] = False
-            self._consumed[first:end] = False
-            self._wh[first:end] = -1
-            for a in self._len.values():
-                a[first:end] = 0
+            self._free(first, end)
             self._cond.notify_all()
         self.meter.send(None)
+
+    def _free(self, first: int, end: int) -> None:
+        """Rows ``first..end-1`` not ready, not consumed, not placed (the caller holds the lock)."""
+        self._ready[first:end] = False
+        self._consumed[first:end] = False
+        self._wh[first:end] = -1
+        for a in self._len.values():
+            a[first:end] = 0
 
     def pending(self, columns: Sequence[str] | None = None) -> tuple[int, int]:
         """(rows not yet consumed, of those the ones ready in ``columns``)."""
