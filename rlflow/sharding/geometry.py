@@ -81,10 +81,11 @@ class Transfers:
     boxes: tuple[Box, ...]
     numel: np.ndarray
     world: int
+    apart: bool = False  # ``send`` and ``recv`` number the ranks of two disjoint meshes: every piece is remote
 
     @functools.cached_property
     def remote(self) -> np.ndarray:
-        return self.recv != self.send
+        return np.ones(len(self.recv), dtype=bool) if self.apart else self.recv != self.send
 
     def recv_numel(self) -> np.ndarray:
         r = self.remote
@@ -112,14 +113,16 @@ def _positions_by_value(ranks: np.ndarray) -> dict[int, list[int]]:
 
 
 @functools.lru_cache(maxsize=8192)
-def transfers(src: tuple, dst: tuple) -> Transfers:
+def transfers(src: tuple, dst: tuple, apart: bool = False) -> Transfers:
     """Minimal point-to-point pieces from placement ``src`` to placement ``dst`` (same view shape).
 
     A piece a receiver already holds is copied locally; otherwise it comes from the least-loaded
-    replica holding it (ties to the lowest rank), so replicated sources share the sending."""
+    replica holding it (ties to the lowest rank), so replicated sources share the sending. ``apart``: the
+    two meshes are disjoint rank sets (separate device pools, any sizes), each numbered from 0: no piece is
+    local, ``send`` holds source-mesh ranks and ``recv`` destination-mesh ranks."""
     smesh, sspec, sstage, view = src
     dmesh, dspec, dstage, dview = dst
-    assert view == dview and smesh.size == dmesh.size
+    assert view == dview and (apart or smesh.size == dmesh.size)
     sb, db = blocks(*src), blocks(*dst)
     replicas: dict[tuple, list] = {}
     for r, i in zip(sb.ranks.tolist(), map(tuple, sb.idx.tolist())):
@@ -135,7 +138,7 @@ def transfers(src: tuple, dst: tuple) -> Transfers:
                 box = tuple((lo, hi) for _, lo, hi in c)
                 pieces.append((tuple(x[0] for x in c), box, int(np.prod([hi - lo for lo, hi in box]))))
             combos[j] = pieces
-        srow = sb.row_of[r]
+        srow = -1 if apart else sb.row_of[r]
         mine = tuple(sb.idx[srow].tolist()) if srow >= 0 else None
         for i, box, n in pieces:
             if i == mine:
@@ -146,7 +149,7 @@ def transfers(src: tuple, dst: tuple) -> Transfers:
                 heapq.heapreplace(heap, [heap[0][0] + n, s])
             recv.append(r), send.append(s), boxes.append(box), numel.append(n)
     return Transfers(recv=np.asarray(recv, dtype=np.int64), send=np.asarray(send, dtype=np.int64),
-                     boxes=tuple(boxes), numel=np.asarray(numel, dtype=np.int64), world=smesh.size)
+                     boxes=tuple(boxes), numel=np.asarray(numel, dtype=np.int64), world=smesh.size, apart=apart)
 
 
 def gather_axes_candidates(mesh: Mesh, spec: P) -> list[tuple[str, ...]]:

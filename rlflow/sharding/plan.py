@@ -12,6 +12,11 @@ buffer), ``slice b`` (copy each destination shard out), ``swap_out train b`` (al
 ``free tmp b``. The way back (``swap_back``) is ``swap_in train``, ``free rollout``, ``swap_in grads``,
 ``swap_in optim``: the train state never changed on the host, so nothing moves between ranks.
 
+``push_plan(train, rollout)`` is the transition between separate device pools (the train layout on one rank
+set, the rollout layout on another): point-to-point pieces only, each distinct block of a train shard sent
+by one of its holders (replicas take turns) to every rollout rank whose shard overlaps it; the train state
+stays where it is.
+
 Run ``python -m rlflow.sharding.cli --help`` for the command line.
 """
 
@@ -244,6 +249,62 @@ def _finish(index: int, b: dict, src: Layout, dst: Layout) -> Bucket:
                   recv=recv, sent=sent, tmp=b["tmp"], keep=b["keep"], src_bytes=b["src"],
                   dst_bytes=b["dst"], alt=alt,
                   alt_recv=b["alt_recv"] if alt else None)
+
+
+@dataclass(frozen=True, eq=False)
+class PushPlan:
+    """The weights of the train layout ``src`` (ranks ``0..src.mesh.size-1`` of the train pool) to the rollout
+    layout ``dst`` (ranks of the rollout pool, from 0): per parameter (in ``src``'s order) the pieces of
+    ``geometry.transfers(..., apart=True)``; piece ``k`` of a parameter goes from train rank ``send[k]`` to
+    rollout rank ``recv[k]`` and covers ``boxes[k]`` of its view. Sent in ``dst``'s dtype."""
+
+    src: Layout
+    dst: Layout
+    pieces: tuple[tuple[str, geo.Transfers], ...]
+
+    def bytes_sent(self) -> np.ndarray:
+        """[train ranks] bytes each train rank sends."""
+        out = np.zeros(self.src.mesh.size, dtype=np.int64)
+        for name, t in self.pieces:
+            out += np.bincount(t.send, weights=t.numel, minlength=len(out)).astype(np.int64) * self.dst[name].itemsize
+        return out
+
+    def bytes_received(self) -> np.ndarray:
+        """[rollout ranks] bytes each rollout rank receives."""
+        out = np.zeros(self.dst.mesh.size, dtype=np.int64)
+        for name, t in self.pieces:
+            out += np.bincount(t.recv, weights=t.numel, minlength=len(out)).astype(np.int64) * self.dst[name].itemsize
+        return out
+
+    def messages(self) -> int:
+        return sum(len(t.recv) for _, t in self.pieces)
+
+    def describe(self) -> str:
+        sent, recv = self.bytes_sent(), self.bytes_received()
+        return (f"push: train {self.src.mesh} ({self.src.mesh.size} ranks) -> rollout {self.dst.mesh} "
+                f"({self.dst.mesh.size} ranks), {len(self.pieces)} params in {self.messages()} point-to-point pieces; "
+                f"sent max {fmt_bytes(sent.max(initial=0))}/train rank, received {fmt_bytes(recv.max(initial=0))}"
+                f"/rollout rank")
+
+
+def push_plan(train: Layout, rollout: Layout) -> PushPlan:
+    """The push from the train pool's layout to the rollout pool's (see ``PushPlan``); the layouts' meshes
+    are separate rank sets, of any sizes."""
+    a, b = set(train.names), set(rollout.names)
+    if a != b:
+        raise ValueError(f"layouts differ in params: only in train {sorted(a - b)[:5]}, only in rollout "
+                         f"{sorted(b - a)[:5]}")
+    if rollout.mesh.pp > 1:
+        raise ValueError(f"push_plan: rollout layout {rollout.mesh}: generation runs every layer on each rank (no pp)")
+    pieces = []
+    for p in train.params:
+        q = rollout[p.name]
+        if (p.shape, p.view) != (q.shape, q.view):
+            raise ValueError(f"param {p.name}: train is {p.shape} (view {p.view}) but rollout is {q.shape} "
+                             f"(view {q.view})")
+        pieces.append((p.name, geo.transfers(geo.placement(train, p.name), geo.placement(rollout, p.name),
+                                             apart=True)))
+    return PushPlan(train, rollout, tuple(pieces))
 
 
 def allgather_swap(train: Layout, rollout: Layout, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
