@@ -35,7 +35,29 @@ def started_problems(r: Recipe, world: int) -> list[tuple[str, str]]:
                                     "--max-restarts)"))
     if r.world > 1 and r.dock_backend in ("ray", "local"):
         out.append(("dock_backend", "under torchrun / Slurm the dock is procs: its servers run on the ranks' nodes"))
+    if r.rollout_ranks:
+        out.append(("rollout_ranks", "separate pools run on the local launcher only so far (under torchrun / Slurm "
+                                     "each pool would start a dock of its own)"))
     return out
+
+
+def pool_problems(r: Recipe) -> list[tuple[str, str]]:
+    """(field, why) for --rollout-ranks and --max-staleness: what separate pools cannot run (yet)."""
+    if r.rollout_ranks < 0:
+        return [("rollout_ranks", "must be >= 0 (0: colocated)")]
+    if r.max_staleness < 0:
+        return [("max_staleness", "must be >= 0")]
+    if not r.rollout_ranks:
+        return [("max_staleness", "needs --rollout-ranks (colocated steps are synchronous)")] if r.max_staleness else []
+    if r.rollout_ranks >= r.world:
+        return [("rollout_ranks", f"leaves no rank of --world {r.world} to train")]
+    refused = [("launcher", r.launcher != "local", "ray: separate pools run on the local launcher only so far"),
+               ("eval_dataset", bool(r.eval_dataset), "evaluation with --rollout-ranks is not built yet (it would "
+                                                      "generate on the train pool)"),
+               ("rollout_engine", r.rollout_engine != "builtin", "vllm with --rollout-ranks is not built yet"),
+               ("dock_backend", r.dock_backend not in (None, "procs"), "separate pools need procs (the pools are "
+                                                                        "processes of one machine)")]
+    return [(name, why) for name, bad, why in refused if bad]
 
 
 GAE_FLAGS = ("gae_gamma", "gae_lambda", "critic_lr", "value_clip")
@@ -79,6 +101,7 @@ def problems(r: Recipe) -> list[tuple[str | None, str]]:
         out.append(("max_restarts", "needs --out and --save-every N (a restart resumes from the newest checkpoint)"))
     if r.world == 1 and (r.train_layout or r.rollout_layout):
         out.append(("train_layout" if r.train_layout else "rollout_layout", "needs --world > 1"))
+    out += pool_problems(r)
     out += config_problems(r)
     if r.world > 1 and not out:
         for name, spec in (("train_layout", r.train_layout), ("rollout_layout", r.rollout_layout)):
@@ -88,7 +111,8 @@ def problems(r: Recipe) -> list[tuple[str | None, str]]:
                 out.append((name, str(e)) if spec else
                            ("world", f"the default --{name.replace('_', '-')}: {e}; pass --{name.replace('_', '-')}"))
     if r.world > 1 and not out and not r.eval_only:  # each rank's share of the step, checked before any starts
-        out += share_problems(loop_config(r, eos_id=0, pad_id=0), r.world, mesh_of(r, r.train_layout, "train_layout"))
+        out += share_problems(loop_config(r, eos_id=0, pad_id=0), r.rollout_ranks or r.world,
+                              mesh_of(r, r.train_layout, "train_layout"))
     if r.resume not in (None, "auto") and not os.path.isdir(r.resume):
         out.append(("resume", "no such checkpoint directory" if not os.path.exists(r.resume) else "not a directory"))
     model = model_problems(r)

@@ -21,9 +21,10 @@ from rlflow.models.config import get_config
 from rlflow.recipe.checks import problems, started_problems
 from rlflow.recipe.evals import evaluate_only
 from rlflow.recipe.flags import Recipe, choices
-from rlflow.recipe.pieces import check_tokenizer, make_dock, placement
+from rlflow.recipe.pieces import check_tokenizer, layouts, make_dock
 from rlflow.recipe.run import run
 from rlflow.runtime import checkpoint, launch
+from rlflow.runtime.pools import Pools
 from rlflow.runtime.config import check_features
 
 
@@ -160,7 +161,7 @@ def main(argv=None, defaults: dict | None = None, doc: str | None = None) -> lis
         with holding_out(r):
             return [evaluate_only(r)]
     try:  # what the model and the layouts cannot run is refused here, once, before any process starts
-        pp = placement(r, cfg, torch.float32).train.mesh.pp if r.world > 1 else 1
+        pp = layouts(r, cfg, torch.float32)["train_layout"].mesh.pp if r.world > 1 else 1
         check_features(cfg, pp, routing_replay=r.routing_replay, check_logprobs=r.check_logprobs,
                        adv_estimator=r.adv_estimator)
     except ValueError as e:
@@ -187,7 +188,7 @@ def _launch(r: Recipe, where) -> list[dict]:
                              + (f"; and {len(skipped) - 3} more" if len(skipped) > 3 else "")
                              + ". Repair one, pass --resume DIR, or start afresh in another --out")
     on_ray = where is None and r.world > 1 and r.launcher == "ray"  # run_on_ray makes a dock per attempt
-    dock = make_dock(r, r.prompts_per_step * r.group_size) if (where is None or r.world == 1) and not on_ray else None
+    dock = make_dock(r, dock_rows(r)) if (where is None or r.world == 1) and not on_ray else None
     try:
         if where is not None and r.world > 1:  # no driver: the ranks start the dock's servers themselves
             return launch.from_env(run_started, r, where[2], timeout_s=r.dist_timeout)
@@ -197,17 +198,25 @@ def _launch(r: Recipe, where) -> list[dict]:
             return run(0, 1, r, dock)
         if on_ray:
             return run_on_ray(r)
-        return launch.spawn(run, r.world, r, dock, timeout_s=r.dist_timeout)[0]  # torch.distributed: gloo on CPU, nccl on CUDA, hccl on NPU
+        split = Pools(r.rollout_ranks, r.world) if r.rollout_ranks else None  # the train lead's result is the run's
+        out = launch.spawn(run, r.world, r, dock, timeout_s=r.dist_timeout, pools=split)  # torch.distributed: gloo on
+        return out[r.rollout_ranks]  # CPU, nccl on CUDA, hccl on NPU
     finally:
         if dock is not None:
             dock.close()
+
+
+def dock_rows(r: Recipe) -> int:
+    """The dock's capacity in rows: one step's, or with separate pools --max-staleness + 1 steps' (the rollout
+    pool may be that many steps ahead of the train pool)."""
+    return r.prompts_per_step * r.group_size * (r.max_staleness + 1)
 
 
 def run_started(rank: int, world: int, r: Recipe, local_rank: int) -> list[dict]:
     """``run`` on a rank of a world torchrun or Slurm started: the ranks make the dock together
     (``proc_backend.node_dock``: each node's first rank serves that node's warehouses), and each stops the
     servers it started once every rank is done with them."""
-    dock = make_dock(r, r.prompts_per_step * r.group_size, local_rank=local_rank)
+    dock = make_dock(r, dock_rows(r), local_rank=local_rank)
     try:
         out = run(rank, world, r, dock)
         torch.distributed.barrier()  # no rank reads the dock any more
@@ -226,7 +235,7 @@ def run_on_ray(r: Recipe) -> list[dict]:
     earlier = checkpoints_in(r.out)  # an earlier run's (--overwrite) are not this run's to resume from
     attempt = r
     for restart in range(r.max_restarts + 1):
-        dock = make_dock(attempt, r.prompts_per_step * r.group_size)
+        dock = make_dock(attempt, dock_rows(r))
         try:
             return launch.ray_spawn(run, r.world, attempt, dock, address=r.ray_address, timeout_s=r.dist_timeout)[0]
         except launch.RankLost as e:

@@ -93,6 +93,12 @@ class Recipe:
                                         "(axes not named are 1, dp fills the world; default: tp=2 when world >= 2)")
     rollout_layout: str | None = _f(None, "layout of generation, e.g. dp=2, dp=2,tp=2 (default: dp over the world); "
                                           "the weights move train -> rollout layout before every rollout")
+    rollout_ranks: int = _f(0, "separate device pools: the first K ranks generate and score, the other --world - K "
+                               "train, and the two overlap (--max-staleness); the layouts span their pool's ranks "
+                               "(default dp over it); 0: colocated, the stages take turns on every rank")
+    max_staleness: int = _f(0, "with --rollout-ranks: a step's rows are generated with weights at most K updates "
+                               "old (the rollout pool waits for newer ones; nothing is dropped); 0: on-policy, the "
+                               "synchronous run. Stale rows are trained as on-policy unless --rollout-is corrects them")
     launcher: str = _f("local", "how the ranks start: local (processes on this machine) or ray (one actor per "
                                 "rank in a placement group; see --ray-address); under torchrun or Slurm the ranks "
                                 "are those processes")

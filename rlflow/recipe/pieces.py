@@ -78,7 +78,7 @@ def loop_config(r: Recipe, eos_id: int, pad_id: int) -> LoopConfig:
         compile_decode=r.compile_decode, rollout_engine=r.rollout_engine,
         vllm_memory_utilization=r.vllm_memory_utilization, max_bad_steps=r.max_bad_steps,
         routing_replay=r.routing_replay,
-        check_logprobs=r.check_logprobs, critic=critic_config(r, ocfg),
+        check_logprobs=r.check_logprobs, critic=critic_config(r, ocfg), max_staleness=r.max_staleness,
         dock_timeout_s=r.dist_timeout if r.dist_timeout is not None else DOCK_TIMEOUT_S)
 
 
@@ -188,14 +188,16 @@ def prompt_transform(r: Recipe, reward: rewards.CombinedReward) -> Callable[[lis
 
 
 def mesh_of(r: Recipe, spec: str | None, name: str):
-    """The mesh of --train-layout / --rollout-layout (their defaults: tp=2, and dp over the world)."""
+    """The mesh of --train-layout / --rollout-layout over the ranks it spans: the world, or with --rollout-ranks
+    its pool (defaults: tp=2 for the train layout of a colocated world, else dp over the ranks)."""
+    ranks = r.world if not r.rollout_ranks else r.rollout_ranks if name == "rollout_layout" else r.world - r.rollout_ranks
     if spec is None:
-        spec = "tp=2" if name == "train_layout" else ""
-    return Mesh.parse(spec, r.world)
+        spec = "tp=2" if name == "train_layout" and not r.rollout_ranks else ""
+    return Mesh.parse(spec, ranks)
 
 
-def placement(r: Recipe, cfg, dtype):
-    """The train and rollout layouts of a --world > 1 run (ValueError naming what the model cannot run)."""
+def layouts(r: Recipe, cfg, dtype) -> dict:
+    """{train_layout, rollout_layout, critic} of a --world > 1 run (ValueError naming what the model cannot run)."""
     lays = {}
     for name in ("train_layout", "rollout_layout"):
         mesh = mesh_of(r, getattr(r, name), name)
@@ -205,8 +207,19 @@ def placement(r: Recipe, cfg, dtype):
         except ValueError as e:
             given = getattr(r, name) or f"{mesh} (the default)"
             raise ValueError(f"--{name.replace('_', '-')} {given}: {e}") from None
-    critic = layout(cfg, lays["train_layout"].mesh, dtype=dtype, head="value") if r.adv_estimator == "gae" else None
-    return Placement(lays["train_layout"], lays["rollout_layout"], critic=critic)
+    lays["critic"] = layout(cfg, lays["train_layout"].mesh, dtype=dtype, head="value") if r.adv_estimator == "gae" \
+        else None
+    return lays
+
+
+def placement(r: Recipe, cfg, dtype, pool: str | None = None) -> Placement:
+    """The layouts of a --world > 1 run (ValueError naming what the model cannot run); with --rollout-ranks those
+    of ``pool`` (its layout as both: the pool's world runs one of the stages)."""
+    lays = layouts(r, cfg, dtype)
+    if pool is None:
+        return Placement(lays["train_layout"], lays["rollout_layout"], critic=lays["critic"])
+    own = lays[f"{pool}_layout"]
+    return Placement(own, own, critic=lays["critic"] if pool == "train" else None)
 
 
 def make_dock(r: Recipe, capacity: int, local_rank: int | None = None):

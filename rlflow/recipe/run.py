@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 
 import torch
 
@@ -20,9 +21,11 @@ from rlflow.dock.proc_backend import DockLost
 from rlflow.models import hf
 from rlflow.recipe.evals import eval_examples, eval_line, evaluation
 from rlflow.recipe.flags import Recipe
-from rlflow.recipe.pieces import RunSpec, build, concrete, placement
+from rlflow.parallel.context import shard_params
+from rlflow.recipe.pieces import RunSpec, build, concrete, layouts, placement
 from rlflow.rewards import RewardError
-from rlflow.runtime import checkpoint, hooks, loop, state as run_state, step
+from rlflow.runtime import checkpoint, hooks, loop, pools, producer, state as run_state, step
+from rlflow.sharding.plan import push_plan
 from rlflow.runtime.placement import Placement
 from rlflow.runtime.weights import same_layout
 
@@ -118,14 +121,29 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
 
 
 def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Interrupt) -> list[dict]:
-    """``run`` with ``spec`` and the interrupt's handlers (restored on every way out)."""
+    """``run`` with ``spec`` and the interrupt's handlers (restored on every way out). With separate pools a
+    rollout rank runs the producer; a train rank the steps below, in its pool's world."""
+    link = pools.joined()
+    if link is not None:
+        rank, world = link.pools.local(link.rank)
+        if link.pools.pool(link.rank) == "rollout":
+            interrupt.restore()
+            return _produce(rank, world, r, dock, spec, link)
     with interrupt:
         cfg, dev = spec.cfg, spec.device
         dtype = next(iter(spec.params.values())).dtype
-        where = None if world == 1 else placement(r, cfg, dtype)
+        where = None if world == 1 else placement(r, cfg, dtype, pool=None if link is None else "train")
+        side = None
+        if link is not None:
+            lays = layouts(r, cfg, dtype)
+            side = pools.TrainSide(link, rank, push_plan(lays["train_layout"], lays["rollout_layout"]))
         lead = rank == 0
         say = print if lead else (lambda *a, **k: None)
-        introduce(r, spec, where, dock, world, say)
+        introduce(r, spec, where, dock, r.world, say)
+        if side is not None:
+            k = link.pools.rollout
+            say(f"separate pools: ranks 0..{k - 1} generate and score, ranks {k}..{link.pools.world - 1} train; "
+                f"--max-staleness {r.max_staleness}; {side.plan.describe()}")
         ck = resume_point(r, cfg, dev, dtype, say, rank, where)
         if ck is not None and ck.steps_done >= r.steps:
             say(f"nothing to do: {ck.steps_done} of {r.steps} steps are done")
@@ -138,13 +156,17 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
             raise SystemExit(f"error: --resume {ck.path}: {e}") from None
         # the state holds what the run needs: neither the whole initial weights nor the checkpoint stay alive
         spec, ck = dataclasses.replace(spec, params={}), None
-        ctx = step.context(cfg, spec.tokenizer, spec.reward_fn, spec.config, device=dev, dock=dock, placement=where)
+        ctx = step.context(cfg, spec.tokenizer, spec.reward_fn, spec.config, device=dev, dock=dock, placement=where,
+                           pool="colocated" if side is None else "train", link=side)
         if lead and r.out:
             with open(os.path.join(r.out, "args.json"), "w") as f:
                 json.dump(dataclasses.asdict(r), f, indent=2)
         run_hooks = make_hooks(r, spec, where, dock, rank, world, state.steps_done, interrupt)
         try:
             state, history = loop.train(state, ctx, hooks=run_hooks, should_stop=interrupt)
+            if side is not None:  # the rollout pool stops; what it produced past the last step trained is dropped
+                dropped = side.stop()
+                say(f"separate pools: {dropped} rows produced after the last step trained were dropped")
         except (loop.NonFiniteError, LogprobMismatchError) as e:  # the run's verdict, not a crash: no traceback;
             raise SystemExit(f"error: {e}" if lead else 1) from None  # every rank reaches it, the lead says it
         except RewardError as e:  # the user's function, on the ranks whose rows it failed on: where, in one line
@@ -166,7 +188,8 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
             why = str(e).replace("(truncate with max_prompt_len)", "(truncate with --max-prompt-len)")
             raise SystemExit(f"error: --max-new-tokens {r.max_new_tokens}: {why}" if lead else 1) from None
         finally:
-            ctx.engine.close()
+            if ctx.engine is not None:
+                ctx.engine.close()
         if state.steps_done < r.steps:  # interrupted: the checkpointer kept what was done and said how to go on
             raise SystemExit(128 + int(interrupt.signal or 0))
         if r.out:
@@ -183,6 +206,28 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
                      *(["reward.png"] if plotted else [])]
             say(f"wrote {', '.join(f'{r.out}/{n}' for n in shown)}, {path}/ (--model {path} loads it)")
         return history
+
+
+def _produce(rank: int, world: int, r: Recipe, dock, spec: RunSpec, link) -> list[dict]:
+    """A rollout rank of separate pools (rank ``rank`` of the rollout pool's ``world``): generate and score
+    until the train pool says stop (``runtime.producer``). The train pool decides when the run stops (a signal
+    reaches it too), so this rank ignores SIGINT and SIGTERM."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+    cfg, dtype = spec.cfg, next(iter(spec.params.values())).dtype
+    lays = layouts(r, cfg, dtype)
+    where = None if world == 1 else placement(r, cfg, dtype, pool="rollout")
+    ctx = step.context(cfg, spec.tokenizer, spec.reward_fn, spec.config, device=spec.device, dock=dock,
+                       placement=where, pool="rollout")
+    mine = spec.params if world == 1 else shard_params(spec.params, lays["rollout_layout"], rank)
+    buffers = (mine, {n: t.clone() for n, t in mine.items()})  # the engine's copy, and the one the next version fills
+    side = pools.RolloutSide(link, rank, world, push_plan(lays["train_layout"], lays["rollout_layout"]), buffers)
+    source, spec, mine = spec.source, None, None
+    try:
+        producer.produce(source, ctx, side)
+    finally:
+        ctx.engine.close()
+    return []
 
 
 def out_of_memory(e: BaseException) -> bool:
@@ -222,7 +267,7 @@ def make_hooks(r: Recipe, spec: RunSpec, where: Placement | None, dock, rank: in
     bar = hooks.Progress(r.steps, done) if lead else None
     if bar is not None:
         out.append(bar)
-    out.append(Report(r.steps, where, dock, world, print if lead else (lambda *a, **k: None)))
+    out.append(Report(r.steps, where, dock, r.world, print if lead else (lambda *a, **k: None)))  # every device
     if r.eval_dataset:
         examples = eval_examples(r)
 
@@ -280,6 +325,15 @@ def report(history: list[dict], where: Placement | None, dock, world: int, wall:
     if "engine_load_bytes" in history[0]:
         say(f"weights into the rollout engine (in-place reload): {mean('engine_load_s') * 1e3:.1f} ms per step, "
             f"{mean('engine_load_bytes') / 2**20:.2f} MiB per rank")
+    if "staleness" in history[0]:  # separate pools
+        seen = Counter(int(m["staleness"]) for m in history)
+        wall_steps = sum(m["step_time_s"] for m in history)
+        rollout_busy = sum(m["rollout_time_s"] + m["score_time_s"] for m in history) / wall_steps
+        say(f"separate pools: staleness (updates between a step's sampling weights and its update) "
+            f"{', '.join(f'{k}: {n} steps' for k, n in sorted(seen.items()))}; rollout pool busy {rollout_busy:.0%} "
+            f"(waited {sum(m['rollout_wait_s'] for m in history):.1f}s for weights), train pool busy "
+            f"{1 - sum(m['train_wait_s'] for m in history) / wall_steps:.0%} (waited "
+            f"{sum(m['train_wait_s'] for m in history):.1f}s for rows)")
     if dock is not None:
         say(f"transfer dock: {len(dock.warehouses)} warehouses, busiest dock process moved "
             f"{sum(m.get('dock_busiest_bytes', 0.0) for m in history) / 2**20:.1f} MiB in all "

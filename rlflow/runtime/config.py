@@ -48,6 +48,9 @@ class LoopConfig:
     # seconds a rank waits in the dock for the step's rows (a lost or hung peer) before the run fails with
     # dock.DockTimeout; None: no limit
     dock_timeout_s: float | None = None
+    # separate device pools: a step's rows are generated with weights at most this many updates old (the
+    # rollout pool waits for newer ones; nothing is dropped); 0: on-policy, the synchronous run's rows
+    max_staleness: int = 0
 
     @property
     def global_batch(self) -> int:
@@ -73,6 +76,8 @@ class LoopConfig:
                                 "has no critic (only 'gae' trains one)"))
         if self.dock_timeout_s is not None and not self.dock_timeout_s > 0:
             raise ValueError(f"dock_timeout_s={self.dock_timeout_s} must be > 0 (None: no limit)")
+        if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(f"max_staleness={self.max_staleness!r} must be an integer >= 0")
         if self.rollout_engine not in ENGINES:
             raise ValueError(f"rollout_engine={self.rollout_engine!r}: expected one of {ENGINES}")
         if self.vllm_memory_utilization is not None and not 0 < self.vllm_memory_utilization <= 1:

@@ -95,21 +95,29 @@ class DockFlow:
     before the step's closing collective, which every rank's first put of step s + 1 follows."""
 
     def __init__(self, dock, rank: int = 0, world: int = 1, route_dims: tuple[int, int] | None = None,
-                 timeout: float | None = None):
+                 timeout: float | None = None, clears: bool = True):
         self.dock, self.rank, self.world = dock, rank, world
         self.timeout = timeout  # seconds a get waits for the step's rows (None: no limit), then DockTimeout
         self.route_dims = route_dims  # (MoE layers, top-k) of the route columns, with routing replay
         self._seen: dict[str, int] = {}  # dock traffic at the last busiest_bytes()
         self._gets = 0  # the key of each take, the same on every rank
-        if rank == 0:  # a dock handed over with an earlier run's rows starts empty
+        self.slot: int | None = None
+        if rank == 0 and clears:  # a dock handed over with an earlier run's rows starts empty
             dock.clear()
         if world > 1:
             dist.barrier()
 
-    def begin(self, prompts: PromptBatch, group_size: int) -> None:
-        self.G, self.P = group_size, prompts.size
-        self.base = int(prompts.index_B[0]) * group_size  # global sample index of dock row 0
+    def begin(self, prompts: PromptBatch, group_size: int, slot: int | None = None) -> None:
+        """The step of ``prompts``; ``slot``: its rows are dock rows ``slot * P * G ..`` (separate pools, where
+        the dock holds several steps' rows), else from 0."""
+        self.G, self.P, self.slot = group_size, prompts.size, slot
+        # global sample index of dock row 0
+        self.base = (int(prompts.index_B[0]) - (slot or 0) * prompts.size) * group_size
         self.device = prompts.prompt_ids_BTp.device
+
+    def _within(self) -> tuple[int, int] | None:
+        n = self.P * self.G
+        return None if self.slot is None else (self.slot * n, (self.slot + 1) * n)
 
     def put_rows(self, rows: RolloutBatch, **cols: Tensor) -> None:
         """``rows`` (this rank's scored rows) with every column the train group reads: the prompt, the
@@ -136,7 +144,7 @@ class DockFlow:
         self._gets += 1
         t = self.dock.take_share(consumer, columns, self.P * self.G, key=self._gets, parts=mesh.data_parallel_size,
                                  part=mesh.data_parallel_index(rank), cost=("prompt_ids", "response_ids"), groups=True,
-                                 timeout=self.timeout)
+                                 timeout=self.timeout, within=self._within())
         b = self.dock.read(t)
         routes = {}
         if "response_routes" in columns:  # [B, T * M * K] padded with -1 -> [B, T, M, K]
@@ -150,9 +158,12 @@ class DockFlow:
         return rollout.to(self.device), {c: b[c].to(self.device) for c in columns if c not in ROWS + ROUTES}
 
     def end(self) -> None:
-        """The step's last use of the dock: the lead clears it for the next step."""
+        """The step's last use of the dock: the lead clears it for the next step (its slot only, with slots)."""
         if self.rank == 0:
-            self.dock.clear()
+            if self.slot is None:
+                self.dock.clear()
+            else:
+                self.dock.release(*self._within())
 
     def busiest_bytes(self) -> float:
         """Bytes in + out of the dock process that moved the most since the last call."""

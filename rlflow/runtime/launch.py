@@ -78,8 +78,10 @@ def _init(rank: int, world: int, local_rank: int, addr: str, port: int, backend:
 
 
 def _finish() -> None:
+    from rlflow.runtime.pools import leave
     from rlflow.sharding.dist import clear_groups
     clear_groups()
+    leave()
     dist.destroy_process_group()
 
 
@@ -153,13 +155,20 @@ def _own_group(launcher: int) -> None:
             os._exit(1)
 
 
-def _entry(rank, fn, world, port, backend, timeout_s, outdir, launcher, args):
+def _entry(rank, fn, world, port, backend, timeout_s, outdir, launcher, args, split=None):
     _own_group(launcher)
     # one host: the store is a file (torch's TCP store listens on every interface, unauthenticated) and gloo's
     # connections stay on the loopback
     if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and (lo := loopback_interface()):
         os.environ["GLOO_SOCKET_IFNAME"] = lo
-    _init(rank, world, rank, "127.0.0.1", port, backend, timeout_s, store=os.path.join(outdir, "store"))
+    if split is None:
+        _init(rank, world, rank, "127.0.0.1", port, backend, timeout_s, store=os.path.join(outdir, "store"))
+    else:  # separate pools: a world per pool, and the link over every rank (``runtime.pools``)
+        from rlflow.runtime import pools
+        local, size = split.local(rank)
+        _init(local, size, rank, "127.0.0.1", port, backend, timeout_s,
+              store=os.path.join(outdir, f"store-{split.pool(rank)}"))
+        pools.join(split, rank, dist.FileStore(os.path.join(outdir, "store-link"), world), backend, timeout_s)
     try:
         res = fn(rank, world, *args)
         torch.save(res, os.path.join(outdir, f"{rank}.pt"))
@@ -197,7 +206,7 @@ def _kill_group(pid: int) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def spawn(fn, world: int, *args, backend: str | None = None, timeout_s: float | None = None) -> list:
+def spawn(fn, world: int, *args, backend: str | None = None, timeout_s: float | None = None, pools=None) -> list:
     """Run ``fn(rank, world, *args)`` in ``world`` local processes (torch.distributed initialised; a
     process's device is ``rlflow.device.process_device()``); returns the results in rank order. ``fn``
     must be importable (module level). A process that fails makes the call raise at once and the others
@@ -210,10 +219,15 @@ def spawn(fn, world: int, *args, backend: str | None = None, timeout_s: float | 
     SIGINT and SIGTERM (Ctrl-C, a scheduler's preemption) sent to this process are forwarded to every
     rank, and the ranks are then waited for (they agree to stop after the same step and may still be
     writing a checkpoint); when they all end with 0 or ``128 + signal`` this raises ``SystemExit(128 +
-    signal)``."""
+    signal)``.
+
+    ``pools`` (a ``runtime.pools.Pools``): separate device pools, each rank in its pool's world (its rank and
+    size there are ``pools.local(rank)``; ``fn`` still gets the global ones) and linked to every rank
+    (``pools.joined()``)."""
     backend = backend or rd.backend_for(world)
     with tempfile.TemporaryDirectory() as d:
-        ctx = mp.start_processes(_entry, args=(fn, world, free_port(), backend, timeout_s, d, os.getpid(), args),
+        ctx = mp.start_processes(_entry, args=(fn, world, free_port(), backend, timeout_s, d, os.getpid(), args,
+                                               pools),
                                  nprocs=world,
                                  join=False, start_method="spawn")
         got: list[int] = []

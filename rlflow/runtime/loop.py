@@ -125,14 +125,16 @@ def reduce(out: StepOut, ctx: StepContext, wall: float, stop: bool, *, index: in
         counts = dict(zip(counts, ranks[:, :len(counts)].sum(0).tolist()))
         stop = bool(ranks[:, len(counts)].max() > 0)
         times = dict(zip(times, ranks[:, len(counts) + 1:].max(0).values.tolist()))
+    devices = world if ctx.pool is None else ctx.pool.link.pools.world  # separate pools: both pools' devices
     n, n_scored = ctx.config.global_batch, int(counts["scored"])
     n_prompt, n_resp, wall = int(counts["prompt_tokens"]), int(counts["response_tokens"]), times.pop("step_time_s")
     ns = max(n_scored, 1)  # the reward statistics are over the scored samples
     mean = counts["reward_sum"] / ns
     std = (max(counts["reward_sq"] / ns - mean * mean, 0.0) * ns / max(ns - 1, 1)) ** 0.5  # unbiased, as torch.std
     m = {"step": index, "reward_mean": mean, "reward_std": std, "unscored": n - n_scored,
-         "tps": tps(n_prompt, n_resp, world, wall), "step_time_s": wall,  # one device per rank
-         **times, **{f"{k.removesuffix('_time_s')}_tps": tps(n_prompt, n_resp, world, times[k]) for k in STAGE_TIMES},
+         "tps": tps(n_prompt, n_resp, devices, wall), "step_time_s": wall,  # one device per rank
+         **times, **{f"{k.removesuffix('_time_s')}_tps": tps(n_prompt, n_resp, devices, times[k]) for k in STAGE_TIMES
+                     if times[k] > 0},
          "lr": out.lr, "response_len_mean": n_resp / n, "prompt_tokens": n_prompt, "response_tokens": n_resp,
          "nonfinite_params": counts["nonfinite_params"],
          **out.update}

@@ -56,6 +56,7 @@ class StepContext:
     engine: object  # engines.build: the seam load / generate / release
     update_config: stages.UpdateConfig  # the policy's mini- / micro-batches per data rank, in the train layout
     critic_update_config: stages.UpdateConfig  # the same in the critic's layout
+    pool: object = None  # separate pools, on a train rank: its end of the link (``runtime.pools.TrainSide``)
 
 
 @dataclass
@@ -71,11 +72,19 @@ class StepOut:
 
 
 def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device: torch.device | str = "cpu",
-            dock=None, placement: Placement | None = None) -> StepContext:
+            dock=None, placement: Placement | None = None, pool: str = "colocated", link=None) -> StepContext:
     """The fixed part of a run's steps on this rank. ``dock``: the transfer dock the rows cross from the
     rollout group to the train group through (``rlflow.dock.Dock``, its consumers ``graph_for(...).consumers``);
     None hands them over in memory (one process only). ``placement``: the layouts of a world of several ranks
-    (torch.distributed initialised); None: one process, unsharded. Sizes in ``conf`` are global."""
+    (torch.distributed initialised); None: one process, unsharded. Sizes in ``conf`` are global.
+
+    Separate device pools (``runtime.pools``): ``pool`` "rollout" or "train" is the pool this rank is in, whose
+    world and ``placement`` (its layout as both) are the pool's; ``link``: the ``pools.TrainSide`` of a train
+    rank (the rollout ranks' loop is ``runtime.producer``)."""
+    if pool not in ("colocated", "rollout", "train") or (pool == "train") != (link is not None):
+        raise ValueError(f"step.context: pool={pool!r} with link={link!r}: a train pool's rank needs its link")
+    if pool != "colocated" and dock is None:
+        raise ValueError("step.context: separate pools exchange their rows through a dock")
     graph = graph_for(conf.grpo.adv_estimator)
     check_features(cfg, 1 if placement is None else placement.train.mesh.pp, routing_replay=conf.routing_replay,
                    check_logprobs=conf.check_logprobs, adv_estimator=conf.grpo.adv_estimator)
@@ -92,56 +101,96 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
     routes = conf.routing_replay != "off"
     route_dims = (n_moe_layers(cfg), cfg.num_experts_per_tok) if routes else None
     flow = MemoryFlow() if dock is None else DockFlow(dock, where.rank, where.world, route_dims=route_dims,
-                                                      timeout=conf.dock_timeout_s)
+                                                      timeout=conf.dock_timeout_s, clears=pool != "rollout")
     ucfg = stages.UpdateConfig(mini_batch_size=conf.mini_batch_size // nd, micro_batch_size=conf.micro_batch_size // nd,
                                max_grad_norm=conf.max_grad_norm, router_aux_coef=conf.router_aux_coef,
                                layout=where.train, routing_replay=conf.routing_replay)
     max_len = (conf.max_prompt_len or cfg.max_position_embeddings) + conf.sampling.max_new_tokens
-    engine = engines.build(conf.rollout_engine, cfg, conf.sampling, ex=where.rollout_ex,
-                           compile_decode=conf.compile_decode, record_routes=routes, seed=conf.seed,
-                           max_model_len=min(max_len, cfg.max_position_embeddings),
-                           memory_utilization=conf.vllm_memory_utilization)
+    engine = None if pool == "train" else engines.build(
+        conf.rollout_engine, cfg, conf.sampling, ex=where.rollout_ex, compile_decode=conf.compile_decode,
+        record_routes=routes, seed=conf.seed, max_model_len=min(max_len, cfg.max_position_embeddings),
+        memory_utilization=conf.vllm_memory_utilization)
     critic_ucfg = ucfg if placement is None else dataclasses.replace(ucfg, layout=placement.critic)
     return StepContext(cfg=cfg, tokenizer=tokenizer, reward_fn=reward_fn, config=conf, device=torch.device(device),
                        seats=where, graph=graph, flow=flow, engine=engine, update_config=ucfg,
                        dock_columns=dock_columns(graph, conf.routing_replay),
                        weights=Weights(where.train, None if placement is None else placement.rollout, where.rank),
-                       critic_update_config=critic_ucfg)
+                       critic_update_config=critic_ucfg, pool=link)
 
 
 def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunState, StepOut]:
     """One RL step of ``state`` on the step's ``prompts`` (every rank the same ones); returns the next state
-    (``state`` is donated: its tensors are updated in place) and this rank's figures."""
-    conf, algo, where, flow = ctx.config, ctx.config.grpo, ctx.seats, ctx.flow
-    G, rank, index = algo.group_size, where.rank, state.steps_done
+    (``state`` is donated: its tensors are updated in place) and this rank's figures. On the train pool of
+    separate pools (``ctx.pool``) the step trains on rows the rollout pool produced (``train_step``)."""
+    if ctx.pool is not None:
+        return train_step(state, prompts, ctx)
+    G, index, flow = ctx.config.grpo.group_size, state.steps_done, ctx.flow
     clock = _Clock()
     flow.begin(prompts, G)
 
     # rollout: the engine generates with the policy's weights in the rollout layout
     ctx.engine.load(ctx.weights.to_rollout(state))
-    rollout = ctx.engine.generate(rollout_share(prompts, where.mesh(ctx.graph["rollout"].runs_on), rank),
-                                  group_size=G, seed=conf.seed * 1_000_003 + index)
+    rollout = generate(prompts, index, ctx)
     ctx.weights.to_train(state, ctx.engine.release(), ctx.device)
     clock.lap("rollout_time_s")
 
-    # score and advantages: each rank its share of the rows its rollout group holds; then through the dock
-    rows = score_share(rollout, where.mesh(ctx.graph["rollout"].runs_on), rank, G)
+    rows, rewards, scored, bad = score_and_put(rollout, index, ctx)
+    clock.lap("score_time_s")
+
+    batch, c = flow.get(ctx.graph["update"].runs_on, ctx.dock_columns, ctx.seats.mesh(ctx.graph["update"].runs_on),
+                        ctx.seats.rank)
+    state, upd, lr = train_on(state, batch, c, ctx, clock)
+    flow.end()  # before the loop's closing collective: no rank puts the next step's rows before the clear
+    clock.lap("update_time_s")
+    state.steps_done += 1
+    counts = {**row_counts(rows, rewards, scored), "nonfinite_params": _nonfinite(state)}
+    times = {**clock.laps, **ctx.weights.figures(), **ctx.engine.figures()}
+    return state, StepOut(counts=counts, times=times, update=upd, lr=lr, bad_rewards=int(len(bad)), rows=rows,
+                          rewards=rewards.masked_fill(~scored, float("nan")))
+
+
+def generate(prompts: PromptBatch, index: int, ctx: StepContext) -> RolloutBatch:
+    """Step ``index``'s rollout of this rank's share of ``prompts`` with the weights the engine holds."""
+    return ctx.engine.generate(rollout_share(prompts, ctx.seats.mesh(ctx.graph["rollout"].runs_on), ctx.seats.rank),
+                               group_size=ctx.config.grpo.group_size, seed=ctx.config.seed * 1_000_003 + index)
+
+
+def score_and_put(rollout: RolloutBatch, index: int, ctx: StepContext):
+    """Score and advantages: each rank its share of the rows its rollout group holds, then into the dock
+    (``flow.put_rows``). Returns (the rows this rank scored, their rewards, which were scored, the positions of
+    non-finite rewards)."""
+    algo, where, flow = ctx.config.grpo, ctx.seats, ctx.flow
+    rows = score_share(rollout, where.mesh(ctx.graph["rollout"].runs_on), where.rank, algo.group_size)
     rewards, scored = stages.score_rows(rows, ctx.tokenizer, ctx.reward_fn)
     bad = (~torch.isfinite(rewards)).nonzero()[:, 0]
     if len(bad):  # their groups' advantages, hence the gradient, are non-finite: the update is skipped
         log.warning("step %d: non-finite rewards %s at sample indices %s; the update is skipped", index,
                     rewards[bad][:8].tolist(), rows.index_B[bad.to(rows.index_B.device)][:8].tolist())
-    if state.critic is None:
+    if ctx.config.critic is None:
         adv = estimators.advantages(algo.adv_estimator, rewards.to(ctx.device), rows.group_B,
                                     scale=algo.scale_rewards, total=where.world_sum, scored_B=scored)
         flow.put_rows(rows, rewards=rewards.to(ctx.device), advantages=adv)
     else:  # GAE needs the critic's values: it runs in the train layout
         flow.put_rows(rows, rewards=rewards.to(ctx.device), scored=scored.to(torch.uint8).to(ctx.device))
-    clock.lap("score_time_s")
+    return rows, rewards, scored, bad
 
-    # the train group's rows, and the log-probs (and values) the update reads, on the same rows
-    train_group = ctx.graph["update"].runs_on  # the dock's consumer: the train group
-    batch, c = flow.get(train_group, ctx.dock_columns, where.mesh(train_group), rank)
+
+def row_counts(rows: RolloutBatch, rewards: torch.Tensor, scored: torch.Tensor) -> dict[str, float]:
+    """The counts of this rank's scored rows that the loop sums over the ranks."""
+    return {"prompt_tokens": float(rows.prompt_mask_BTp.sum()),
+            "response_tokens": float(rows.response_mask_BTr.sum()), "reward_sum": float(rewards.sum()),
+            "reward_sq": float((rewards ** 2).sum()), "scored": float(scored.sum())}
+
+
+def _nonfinite(state: RunState) -> float:
+    # finite gradients can still make a weight non-finite (an overflow): the loop stops before any hook saves it
+    return float(len(optim.nonfinite(critics.with_policy(state.policy, state.critic))))
+
+
+def train_on(state: RunState, batch: RolloutBatch, c: dict, ctx: StepContext, clock: "_Clock"):
+    """The train group's stages on its rows ``batch`` and dock columns ``c``: the log-probs (and values) the
+    update reads, then the update(s). Returns (the state, the update's metrics, the learning rate)."""
+    conf, algo, where, index = ctx.config, ctx.config.grpo, ctx.seats, state.steps_done
     mb, ex = ctx.update_config.micro_batch_size, where.train_ex
     replay = conf.routing_replay == "on"
     # with one optimizer step per batch the policy that sampled is the one updated: the update detaches its
@@ -166,7 +215,6 @@ def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunSt
     train = train_batch(batch, c)
     clock.lap("logprob_time_s")
 
-    # the update(s)
     lr = optim.lr_at(index, conf.steps, conf.optim.lr, conf.warmup_lr_steps, conf.lr_schedule, conf.min_lr_ratio)
     state.policy, state.opt_state, upd = stages.update(
         state.policy, state.opt_state, train, ctx.cfg, algo, ctx.update_config, conf.optim, seed=conf.seed + index,
@@ -175,19 +223,38 @@ def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunSt
         state.critic, vf = critics.update(state.critic, train, ctx.cfg, conf.critic, ctx.critic_update_config,
                                           epochs=algo.epochs, seed=conf.seed + index, ex=ex)
         upd.update(vf)
-    flow.end()  # before the loop's closing collective: no rank puts the next step's rows before the clear
+    return state, upd, lr
+
+
+def train_step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunState, StepOut]:
+    """The train pool's step of separate pools: the rows of step ``state.steps_done`` (generated by the rollout
+    pool with weights at most ``max_staleness`` versions old) from their dock slot, the update, the slot
+    released and the new version pushed. ``prompts``: the step's (taken so that the prompt stream's position
+    stays the checkpoint's; the rollout pool reads the same stream)."""
+    conf, where, flow, pool = ctx.config, ctx.seats, ctx.flow, ctx.pool
+    index, clock = state.steps_done, _Clock()
+    if pool.version is None:  # the first version: the weights the run starts from
+        pool.push(state.policy, index)
+    flow.begin(prompts, conf.grpo.group_size, slot=index % (conf.max_staleness + 1))
+    train_group = ctx.graph["update"].runs_on
+    batch, c = flow.get(train_group, ctx.dock_columns, where.mesh(train_group), where.rank)
+    clock.lap("train_wait_s")
+    state, upd, lr = train_on(state, batch, c, ctx, clock)
+    flow.end()  # the slot is free for step index + max_staleness + 1, whose weights the push below allows
     clock.lap("update_time_s")
     state.steps_done += 1
-
-    counts = {"prompt_tokens": float(rows.prompt_mask_BTp.sum()),
-              "response_tokens": float(rows.response_mask_BTr.sum()), "reward_sum": float(rewards.sum()),
-              "reward_sq": float((rewards ** 2).sum()), "scored": float(scored.sum()),
-              # finite gradients can still make a weight non-finite (an overflow): the loop stops before any
-              # hook saves it
-              "nonfinite_params": float(len(optim.nonfinite(critics.with_policy(state.policy, state.critic))))}
-    times = {**clock.laps, **ctx.weights.figures(), **ctx.engine.figures()}
-    return state, StepOut(counts=counts, times=times, update=upd, lr=lr, bad_rewards=int(len(bad)), rows=rows,
-                          rewards=rewards.masked_fill(~scored, float("nan")))
+    if state.steps_done < conf.steps:  # the last version trains nothing more
+        pool.push(state.policy, state.steps_done)
+    clock.lap("push_time_s")
+    got = pool.figures(index)
+    counts = {n: got.get(n, 0.0) for n in ("prompt_tokens", "response_tokens", "reward_sum", "reward_sq", "scored")}
+    counts["nonfinite_params"] = _nonfinite(state)
+    times = {**clock.laps, "rollout_time_s": got.get("rollout_time_s", 0.0),
+             "score_time_s": got.get("score_time_s", 0.0), "rollout_wait_s": got.get("wait_s", 0.0),
+             "staleness": float(index - got["version"]) if got else 0.0}
+    rewards = c["rewards"]  # the update reads them too (every graph's)
+    return state, StepOut(counts=counts, times=times, update=upd, lr=lr, bad_rewards=int(got.get("bad_rewards", 0)),
+                          rows=batch, rewards=rewards)
 
 
 def dock_columns(graph: Graph, routing_replay: str) -> list[str]:

@@ -1,0 +1,290 @@
+"""Separate device pools: the first K ranks of a world generate and score (the rollout pool), the other N
+train (the train pool); rows cross through the transfer dock, weights through the push (``plan.push_plan``).
+
+Each pool is a torch.distributed world of its own (its default group: everything written for one world,
+the layouts' groups, the collectives of the step, checkpoints, runs in a pool unchanged); a *link* over all
+K + N ranks carries what crosses between them:
+
+- the push (train -> rollout, a process group over every rank): after each update the train ranks send the
+  new policy, version v = the steps trained, as the plan's point-to-point pieces; the train lead first sends
+  a header [v, stop].
+- the reports (rollout -> train lead, keys in the store every rank reaches): after each step it produced,
+  each rollout rank sets that step's figures (``FIGURES``: counts, times, the version that sampled it, the
+  seconds it waited for weights). A store key, not a message: a point-to-point send waits for its receive,
+  which the train lead posts only after it trained the step, and the rollout pool would wait with it.
+
+The rollout side receives on a thread of its own into a spare copy of its shards while the engine uses
+the current one (two copies; a newer version waits for the spare, so at most one is pending), and swaps
+it in between steps. The train side keeps at most one push in flight: its pieces are copies, so the next
+update may change the weights while they travel. The push group is used by one thread of each process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from rlflow.sharding.execute import push_pieces, push_place, push_slots
+from rlflow.sharding.plan import PushPlan
+
+# what a rollout rank reports of each step it produced (float64, in this order); ``final``: its last message
+FIGURES = ("step", "version", "final", "wait_s", "rollout_time_s", "score_time_s", "prompt_tokens",
+           "response_tokens", "reward_sum", "reward_sq", "scored", "bad_rewards", "rows")
+_HEADER, _PIECE = 0, 1  # tags on the push group
+
+
+@dataclass(frozen=True)
+class Pools:
+    """``rollout`` ranks generate (global ranks 0..rollout-1), the rest of ``world`` train."""
+    rollout: int
+    world: int
+
+    def __post_init__(self):
+        if not 0 < self.rollout < self.world:
+            raise ValueError(f"Pools: {self.rollout} rollout ranks of a world of {self.world}: each pool needs a "
+                             "rank at least")
+
+    @property
+    def train(self) -> int:
+        return self.world - self.rollout
+
+    def pool(self, rank: int) -> str:
+        return "rollout" if rank < self.rollout else "train"
+
+    def local(self, rank: int) -> tuple[int, int]:
+        """(rank in its pool, the pool's size) of global rank ``rank``."""
+        return (rank, self.rollout) if rank < self.rollout else (rank - self.rollout, self.train)
+
+    @property
+    def train_lead(self) -> int:
+        return self.rollout  # the global rank of the train pool's rank 0
+
+
+@dataclass
+class Link:
+    pools: Pools
+    rank: int  # global
+    push: object  # a ProcessGroup over every rank (train -> rollout)
+    reports: object  # a store every rank reaches (rollout -> train lead)
+
+
+_JOINED: list[Link | None] = [None]
+
+
+def join(pools: Pools, rank: int, store, backend: str, timeout_s: float | None) -> Link:
+    """This rank's link (``store``: a store every rank of the world reaches); called by ``launch`` once the
+    rank's pool world is up."""
+    timeout = datetime.timedelta(seconds=1800 if timeout_s is None else timeout_s)
+
+    def group(name: str):
+        prefixed = dist.PrefixStore(f"link/{name}", store)
+        if backend == "gloo":
+            return dist.ProcessGroupGloo(prefixed, rank, pools.world, timeout)
+        if backend == "nccl":  # NOT RUN HERE (no GPU): the weights cross device to device
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            return dist.ProcessGroupNCCL(prefixed, rank, pools.world, opts)
+        raise NotImplementedError(f"separate device pools: no link for backend {backend!r} yet (gloo on CPU, "
+                                  "nccl on CUDA)")
+    reports = dist.PrefixStore("link/reports", store)
+    reports.set_timeout(timeout)
+    _JOINED[0] = Link(pools, rank, group("push"), reports)
+    return _JOINED[0]
+
+
+def joined() -> Link | None:
+    """This process's link, when it is a rank of a world of separate pools."""
+    return _JOINED[0]
+
+
+def leave() -> None:
+    _JOINED[0] = None
+
+
+def _wait(works) -> None:
+    for w in works:
+        w.wait()
+
+
+class TrainSide:
+    """The train pool's end of the link (rank ``rank`` of the train pool): ``push`` each new version,
+    ``figures`` of each step from the rollout ranks (the lead), ``stop`` at the end."""
+
+    def __init__(self, link: Link, rank: int, plan: PushPlan):
+        self.link, self.rank, self.plan = link, rank, plan
+        self.lead = rank == 0
+        self.version: int | None = None  # the last version pushed
+        self._flight: tuple[list, list] = ([], [])  # the works of the push in flight, and its pieces
+        self.push_s = 0.0  # the last push's seconds on this rank (staging the copies and posting them)
+        self.produced: dict[int, int] = {}  # rows the rollout ranks reported past the last trained step
+        self.stopped = False
+        self._next: dict[int, int] = {}  # the number of the last report read from each rollout rank
+
+    def push(self, policy: dict, version: int) -> None:
+        """``policy`` (this rank's train shards) as version ``version``; returns once it is posted."""
+        t0 = time.perf_counter()
+        _wait(self._flight[0])  # at most one push in flight
+        pg, k = self.link.push, self.link.pools.rollout
+        works = []
+        if self.lead:
+            header = torch.tensor([version, 0], dtype=torch.int64)
+            works += [pg.send([header], d, _HEADER) for d in range(k)]
+        pieces = push_pieces(self.plan, self.rank, policy)
+        works += [pg.send([t], d, _PIECE) for d, t in pieces]
+        self._flight, self.version = (works, pieces), version
+        self.push_s = time.perf_counter() - t0
+
+    def figures(self, step: int) -> dict[str, float]:
+        """The rollout ranks' figures of step ``step`` (the lead; {} elsewhere): counts summed, times the slowest."""
+        if not self.lead:
+            return {}
+        got = [self._receive(r) for r in range(self.link.pools.rollout)]
+        for r, f in enumerate(got):
+            if f["final"] or int(f["step"]) != step:
+                raise RuntimeError(f"separate pools: rollout rank {r} reported step {int(f['step'])} "
+                                   f"(final={bool(f['final'])}) where the train pool trained step {step}")
+        return {n: (max if n.endswith("_s") or n in ("step", "version") else sum)(f[n] for f in got)
+                for n in FIGURES if n != "final"}
+
+    def _receive(self, src: int) -> dict[str, float]:
+        """Rollout rank ``src``'s next report (waited for), its key deleted."""
+        self._next[src] = n = self._next.get(src, 0) + 1
+        key = f"{src}/{n}"
+        row = torch.frombuffer(bytearray(self.link.reports.get(key)), dtype=torch.float64)
+        self.link.reports.delete_key(key)
+        return dict(zip(FIGURES, row.tolist()))
+
+    def stop(self) -> int:
+        """The end of the run: the rollout ranks are told to stop, and the lead takes their reports up to each
+        one's final message (none is left pending). Returns the rows produced but never trained (the lead's
+        count; 0 elsewhere)."""
+        if self.stopped:
+            return sum(self.produced.values())
+        self.stopped = True
+        _wait(self._flight[0])
+        self._flight = ([], [])
+        if not self.lead:
+            return 0
+        pg, k = self.link.push, self.link.pools.rollout
+        _wait([pg.send([torch.tensor([-1, 1], dtype=torch.int64)], d, _HEADER) for d in range(k)])
+        for r in range(k):
+            while not (f := self._receive(r))["final"]:
+                self.produced[int(f["step"])] = self.produced.get(int(f["step"]), 0) + int(f["rows"])
+        return sum(self.produced.values())
+
+
+class RolloutSide:
+    """The rollout pool's end of the link (rank ``rank`` of the rollout pool, ``pool``: its size): the
+    versions arrive on a receiver thread into ``buffers`` (two copies of this rank's rollout shards)."""
+
+    def __init__(self, link: Link, rank: int, pool: int, plan: PushPlan, buffers: tuple[dict, dict]):
+        self.link, self.rank, self.pool, self.plan = link, rank, pool, plan
+        self._cond = threading.Condition()
+        self._reports = 0
+        self._free = list(buffers)  # copies the receiver may fill
+        self.pending: tuple[int, dict] | None = None  # a version received, not yet in use
+        self.current: tuple[int, dict] | None = None  # the version the engine generates with
+        self.stopped, self.error = False, None
+        self._thread = threading.Thread(target=self._receive, name="rlflow-push-receiver", daemon=True)
+        self._thread.start()
+
+    def _receive(self) -> None:
+        pg, lead = self.link.push, self.link.pools.train_lead
+        try:
+            while True:
+                header = torch.empty(2, dtype=torch.int64)
+                pg.recv([header], lead, _HEADER).wait()
+                version, stop = header.tolist()
+                if stop:
+                    with self._cond:
+                        self.stopped = True
+                        self._cond.notify_all()
+                    return
+                with self._cond:
+                    self._cond.wait_for(lambda: self._free)
+                    buf = self._free.pop()
+                slots = push_slots(self.plan, self.rank, buf)
+                _wait([pg.recv([b], self.link.pools.rollout + s, _PIECE) for s, b, _ in slots])
+                push_place(slots)
+                with self._cond:
+                    self.pending = (version, buf)
+                    self._cond.notify_all()
+        except Exception as e:  # noqa: BLE001 -- raised where the producer waits
+            with self._cond:
+                self.error = e
+                self._cond.notify_all()
+
+    def _agree(self, have: int, stop: bool) -> tuple[int, bool]:
+        """The rollout ranks' common view: the oldest pending version among them, and whether any was told to stop."""
+        if self.pool == 1:
+            return have, stop
+        from rlflow.sharding.dist import all_reduce
+        have = int(all_reduce(torch.tensor([have], dtype=torch.int64), dist.ReduceOp.MIN).item())
+        stop = bool(all_reduce(torch.tensor([int(stop)], dtype=torch.int64), dist.ReduceOp.MAX).item())
+        return have, stop
+
+    def weights_for(self, step: int, staleness: int) -> tuple[int, dict, float] | None:
+        """(version, this rank's rollout shards, seconds waited) to generate step ``step`` with: the newest
+        version every rollout rank has, and at least ``step - staleness`` (waited for); None once the train
+        pool said stop."""
+        t0 = time.perf_counter()
+        while True:
+            with self._cond:
+                if self.error is not None:
+                    raise RuntimeError(f"separate pools: the weight push to rollout rank {self.rank} failed: "
+                                       f"{self.error}") from self.error
+                have = -1 if self.pending is None else self.pending[0]
+                stop = self.stopped  # what is produced after the stop would not be trained
+            have, stop = self._agree(have, stop)
+            if stop:
+                return None
+            if have >= 0:  # every rank has it: swap it in; the old copy is the receiver's next buffer
+                with self._cond:
+                    if self.current is not None:
+                        self._free.append(self.current[1])
+                    self.current, self.pending = self.pending, None
+                    self._cond.notify_all()
+            if self.current is not None and self.current[0] >= step - staleness:
+                return self.current[0], self.current[1], time.perf_counter() - t0
+            with self._cond:
+                self._cond.wait_for(lambda: self.pending is not None or self.stopped or self.error is not None)
+
+    def first_version(self) -> int | None:
+        """The first version's number (the train pool's steps done when it started), waited for; None when
+        the train pool stopped before pushing any."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.pending is not None or self.stopped or self.error is not None)
+        got = self.weights_for(-1, 0)
+        return None if got is None else got[0]
+
+    def report(self, figures: dict[str, float]) -> None:
+        """One step's ``figures`` (every name of ``FIGURES`` but ``final``) to the train lead."""
+        self._set([float(figures.get(n, 0.0)) for n in FIGURES])
+
+    def _set(self, row: list[float]) -> None:
+        self._reports += 1
+        self.link.reports.set(f"{self.rank}/{self._reports}", torch.tensor(row, dtype=torch.float64).numpy().tobytes())
+
+    def finish(self) -> None:
+        """The final report, once the train pool said stop (waited for). Versions that arrive meanwhile are
+        dropped, so the receiver always has a buffer for the next (the train pool waits for its push to land
+        before it says stop)."""
+        with self._cond:
+            while True:
+                self._cond.wait_for(lambda: self.stopped or self.error is not None or self.pending is not None)
+                if self.pending is not None:
+                    self._free.append(self.pending[1])
+                    self.pending = None
+                    self._cond.notify_all()
+                    continue
+                break
+        self._set([1.0 if n == "final" else 0.0 for n in FIGURES])
+        self._thread.join(timeout=60)
+
+
+__all__ = ["FIGURES", "Link", "Pools", "RolloutSide", "TrainSide", "join", "joined", "leave"]

@@ -1,0 +1,55 @@
+"""The rollout pool's loop (separate device pools, ``runtime.pools``): generate, score and put each step's
+rows into the dock while the train pool trains on earlier ones.
+
+Step j is generated with the newest version of the policy every rollout rank has received, and at least
+version j - k (``LoopConfig.max_staleness``; the pool waits for it): so no row is ever trained on more
+than k updates after the weights that sampled it, and nothing is dropped. Its rows go to dock slot
+j mod (k + 1): the train pool released that slot (the rows of step j - k - 1) before it pushed version
+j - k, so the dock holds at most k + 1 steps of rows (the back-pressure), and a put never waits. At k = 0
+every step is generated with the weights the synchronous run would use, with the same seeds.
+
+The loop reads the prompt stream the train pool reads (the same source, seed and position), from the step
+the train pool starts at (the first version's number, so a resumed run continues its stream).
+"""
+
+from __future__ import annotations
+
+import time
+
+from rlflow.data import prompt_batch
+from rlflow.runtime.pools import RolloutSide
+from rlflow.runtime.step import StepContext, generate, row_counts, score_and_put
+
+
+def produce(source, ctx: StepContext, side: RolloutSide) -> int:
+    """Produce steps until the train pool says stop (or the run's last step is produced); returns the steps
+    produced."""
+    conf = ctx.config
+    k, P, G = conf.max_staleness, conf.prompts_per_step, conf.grpo.group_size
+    first = side.first_version()
+    produced = 0
+    if first is not None:
+        for _ in range(first):  # the stream's position at the step the train pool starts at
+            source.take(P)
+        j = first
+        while j < conf.steps and (got := side.weights_for(j, k)) is not None:
+            version, params, waited = got
+            t0 = time.perf_counter()
+            prompts = prompt_batch(source.take(P), ctx.tokenizer, first_index=j * P,
+                                   max_prompt_len=conf.max_prompt_len).to(ctx.device)
+            ctx.flow.begin(prompts, G, slot=j % (k + 1))
+            ctx.engine.load(params)
+            rollout = generate(prompts, j, ctx)
+            ctx.engine.release()  # the copy stays this pool's until a newer version replaces it
+            t1 = time.perf_counter()
+            rows, rewards, scored, bad = score_and_put(rollout, j, ctx)
+            t2 = time.perf_counter()
+            side.report({"step": j, "version": version, "wait_s": waited, "rollout_time_s": t1 - t0,
+                         "score_time_s": t2 - t1, "bad_rewards": len(bad), "rows": rows.size,
+                         **row_counts(rows, rewards, scored)})
+            j, produced = j + 1, produced + 1
+    side.finish()
+    return produced
+
+
+__all__ = ["produce"]

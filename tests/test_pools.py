@@ -1,0 +1,97 @@
+"""Separate device pools (``--rollout-ranks``): the rollout pool generates while the train pool trains, the
+rows cross through the dock's slots and the weights through the push. At staleness 0 the pools change where
+work runs, not what is computed; at staleness k no step is trained more than k updates after the weights
+that sampled it; what the pools cannot run yet is refused by its flag."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import recipe_module
+from safetensors.torch import load_file
+
+from rlflow.runtime.pools import Pools
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--steps", "4", "--prompts-per-step", "4", "--group-size", "4", "--lr", "1e-3"]
+
+
+def _metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(out, name: str = "checkpoint-final") -> dict[str, torch.Tensor]:
+    d = out / name
+    return {k: v for f in sorted(os.listdir(d)) if f.endswith(".safetensors") for k, v in load_file(d / f).items()}
+
+
+@pytest.mark.slow
+def test_pools_at_staleness_0_train_as_the_synchronous_run(tmp_path):
+    """1 rollout rank + 1 train rank at --max-staleness 0 against one process on one thread, as each rank
+    computes: the same rewards every step and bitwise the same weights after the steps."""
+    one, pools = tmp_path / "one", tmp_path / "pools"
+    script = os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py")
+    for out, flags in ((one, ["--world", "1", "--save-every", "2"]), (pools, ["--world", "2", "--rollout-ranks", "1"])):
+        res = subprocess.run([sys.executable, script, *SMALL, *flags, "--out", str(out)], capture_output=True,
+                             text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert res.returncode == 0, res.stderr[-3000:]
+    a, b = _metrics(one), _metrics(pools)
+    assert [m["step"] for m in b] == [0, 1, 2, 3]
+    for x, y in zip(a, b):
+        assert y["staleness"] == 0
+        assert (x["reward_mean"], x["response_tokens"]) == pytest.approx((y["reward_mean"], y["response_tokens"]))
+    wa, wb = _weights(one), _weights(pools)
+    assert wa.keys() == wb.keys()
+    assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
+    before = _weights(one, "checkpoint-000002")  # and the steps trained: the weights are not the start's
+    assert max(float((wa[k] - before[k]).abs().max()) for k in wa) > 1e-4
+
+
+@pytest.mark.slow
+def test_pools_at_staleness_2_train_no_step_older_than_2(tmp_path):
+    """A rollout pool two versions ahead at most: every step's staleness is in [0, 2], every step was trained
+    once, and the run reports the pools' figures."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--rollout-ranks", "1",
+           "--max-staleness", "2", "--steps", "8", "--prompts-per-step", "4", "--group-size", "4", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = _metrics(out)
+    assert [m["step"] for m in rows] == list(range(8))
+    assert all(0 <= m["staleness"] <= 2 for m in rows), [m["staleness"] for m in rows]
+    assert all(m["unscored"] == 0 and m["response_tokens"] > 0 for m in rows)  # each step trained a whole batch
+    assert "separate pools: ranks 0..0 generate and score, ranks 1..1 train; --max-staleness 2" in res.stdout
+    assert "separate pools: staleness" in res.stdout and "rows produced after the last step trained" in res.stdout
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--rollout-ranks", "2"], "--rollout-ranks 2: leaves no rank of --world 2 to train"),
+    (["--rollout-ranks", "-1"], "--rollout-ranks -1: must be >= 0"),
+    (["--max-staleness", "1"], "--max-staleness 1: needs --rollout-ranks"),
+    (["--rollout-ranks", "1", "--max-staleness", "-1"], "--max-staleness -1: must be >= 0"),
+    (["--rollout-ranks", "1", "--launcher", "ray"], "--launcher ray: "),
+    (["--rollout-ranks", "1", "--rollout-engine", "vllm"], "--rollout-engine vllm: "),
+    (["--rollout-ranks", "1", "--eval-dataset", "x.jsonl"], "--eval-dataset x.jsonl: evaluation with --rollout-ranks"),
+    (["--world", "3", "--rollout-ranks", "1", "--train-layout", "tp=3"], "--train-layout tp=3"),
+])
+def test_what_pools_cannot_run_is_refused_by_its_flag(flags, named, capsys):
+    recipe = recipe_module()
+    with pytest.raises(SystemExit) as e:
+        recipe.parse_args(flags)
+    assert e.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_pools_number_their_ranks_rollout_first():
+    p = Pools(2, 5)
+    assert [p.pool(r) for r in range(5)] == ["rollout"] * 2 + ["train"] * 3
+    assert [p.local(r) for r in range(5)] == [(0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]
+    assert p.train_lead == 2
+    for bad in ((0, 2), (2, 2)):
+        with pytest.raises(ValueError, match="each pool needs a rank"):
+            Pools(*bad)
