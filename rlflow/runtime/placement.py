@@ -1,11 +1,11 @@
 """Where the stages of an RL step run: the worker groups' layouts (``Placement``) and one rank's seats in
 them (``Seats``).
 
-Colocated (the one placement built so far, as MindSpeed-RL and TRL do it): the train and rollout
-layouts span the same ranks and the stages take turns on every device; the policy's weights move
-between the two layouts every step (``runtime/weights.py``). Separate device pools (rollout ranks and
-train ranks) are a placement of their own: the step reads its meshes and contexts from ``Seats``, so a
-new placement builds other seats rather than another step.
+Colocated (as MindSpeed-RL and TRL do it): the train and rollout layouts span the same ranks and the
+stages take turns on every device; the policy's weights move between the two layouts every step
+(``runtime/weights.py``). Separate device pools (``runtime/pools.py``) give each pool a world of its own,
+whose placement is its one layout as both: the step reads its meshes and contexts from ``Seats`` there
+unchanged.
 
 Where a stage runs (``runtime/graph.py``'s ``runs_on``):
 
