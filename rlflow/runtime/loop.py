@@ -108,12 +108,16 @@ def _close(hooks: Sequence[Hook]) -> None:
 
 def take_prompts(state: RunState, ctx: StepContext) -> PromptBatch:
     """The next step's prompts from the state's stream (the same on every rank), on the rank's device."""
-    conf = ctx.config
-    prompts = prompt_batch(state.source.take(conf.prompts_per_step), ctx.tokenizer,
-                           first_index=state.steps_done * conf.prompts_per_step,
-                           max_prompt_len=conf.max_prompt_len).to(ctx.device)
-    check_positions(prompts, conf.sampling.max_new_tokens, ctx.cfg)
+    prompts = prompts_at(state.source, state.steps_done, ctx)
+    check_positions(prompts, ctx.config.sampling.max_new_tokens, ctx.cfg)
     return prompts
+
+
+def prompts_at(source, index: int, ctx: StepContext) -> PromptBatch:
+    """Step ``index``'s prompts, the next ``prompts_per_step`` of ``source``, on the rank's device."""
+    conf = ctx.config
+    return prompt_batch(source.take(conf.prompts_per_step), ctx.tokenizer, first_index=index * conf.prompts_per_step,
+                        max_prompt_len=conf.max_prompt_len).to(ctx.device)
 
 
 def reduce(out: StepOut, ctx: StepContext, wall: float, stop: bool, *, index: int) -> tuple[dict, bool]:
@@ -144,4 +148,4 @@ def reduce(out: StepOut, ctx: StepContext, wall: float, stop: bool, *, index: in
     return m, stop
 
 
-__all__ = ["LoopConfig", "NonFiniteError", "STAGE_TIMES", "TPS_DEFINITION", "reduce", "take_prompts", "tps", "train"]
+__all__ = ["LoopConfig", "NonFiniteError", "STAGE_TIMES", "TPS_DEFINITION", "prompts_at", "reduce", "take_prompts", "tps", "train"]

@@ -120,14 +120,12 @@ class TrainSide:
         self.lead = rank == 0
         self.version: int | None = None  # the last version pushed
         self._flight: tuple[list, list] = ([], [])  # the works of the push in flight, and its pieces
-        self.push_s = 0.0  # the last push's seconds on this rank (staging the copies and posting them)
-        self.produced: dict[int, int] = {}  # rows the rollout ranks reported past the last trained step
+        self.dropped = 0  # rows the rollout ranks reported past the last trained step
         self.stopped = False
         self._next: dict[int, int] = {}  # the number of the last report read from each rollout rank
 
     def push(self, policy: dict, version: int) -> None:
         """``policy`` (this rank's train shards) as version ``version``; returns once it is posted."""
-        t0 = time.perf_counter()
         _wait(self._flight[0])  # at most one push in flight
         pg, k = self.link.push, self.link.pools.rollout
         works = []
@@ -137,7 +135,6 @@ class TrainSide:
         pieces = push_pieces(self.plan, self.rank, policy)
         works += [pg.send([t], d, _PIECE) for d, t in pieces]
         self._flight, self.version = (works, pieces), version
-        self.push_s = time.perf_counter() - t0
 
     def figures(self, step: int) -> dict[str, float]:
         """The rollout ranks' figures of step ``step`` (the lead; {} elsewhere): counts summed, times the slowest."""
@@ -164,7 +161,7 @@ class TrainSide:
         one's final message (none is left pending). Returns the rows produced but never trained (the lead's
         count; 0 elsewhere)."""
         if self.stopped:
-            return sum(self.produced.values())
+            return self.dropped
         self.stopped = True
         _wait(self._flight[0])
         self._flight = ([], [])
@@ -174,8 +171,8 @@ class TrainSide:
         _wait([pg.send([torch.tensor([-1, 1], dtype=torch.int64)], d, _HEADER) for d in range(k)])
         for r in range(k):
             while not (f := self._receive(r))["final"]:
-                self.produced[int(f["step"])] = self.produced.get(int(f["step"]), 0) + int(f["rows"])
-        return sum(self.produced.values())
+                self.dropped += int(f["rows"])
+        return self.dropped
 
 
 class RolloutSide:

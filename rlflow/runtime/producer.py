@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from rlflow.data import prompt_batch
+from rlflow.runtime.loop import prompts_at
 from rlflow.runtime.pools import RolloutSide
 from rlflow.runtime.step import StepContext, generate, row_counts, score_and_put
 
@@ -35,8 +35,7 @@ def produce(source, ctx: StepContext, side: RolloutSide) -> int:
         while j < conf.steps and (got := side.weights_for(j, k)) is not None:
             version, params, waited = got
             t0 = time.perf_counter()
-            prompts = prompt_batch(source.take(P), ctx.tokenizer, first_index=j * P,
-                                   max_prompt_len=conf.max_prompt_len).to(ctx.device)
+            prompts = prompts_at(source, j, ctx)
             ctx.flow.begin(prompts, G, slot=j % (k + 1))
             ctx.engine.load(params)
             rollout = generate(prompts, j, ctx)
