@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -67,6 +69,50 @@ def test_pools_at_staleness_2_train_no_step_older_than_2(tmp_path):
     assert all(m["unscored"] == 0 and m["response_tokens"] > 0 for m in rows)  # each step trained a whole batch
     assert "separate pools: ranks 0..0 generate and score, ranks 1..1 train; --max-staleness 2" in res.stdout
     assert "separate pools: staleness" in res.stdout and "rows produced after the last step trained" in res.stdout
+
+
+@pytest.mark.slow
+def test_a_killed_rollout_rank_fails_naming_it_and_resume_reaches_the_uninterrupted_weights(tmp_path):
+    """SIGKILL the rollout rank (the OOM killer, a lost node) after the first periodic checkpoint: the run fails
+    at once naming it, and ``--resume auto`` (the versions continue from the checkpoint's step, the rollout pool
+    reads the prompt stream from there) ends at staleness 0 with bitwise the weights of the uninterrupted run,
+    each step trained once."""
+    import psutil
+
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--rollout-ranks", "1", "--steps", "8",
+           "--save-every", "3", "--kl-coef", "0.05"]  # KL: the reference too, and the weights move after step 3
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    res = subprocess.run(cmd + ["--out", str(whole)], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    p = subprocess.Popen(cmd + ["--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.time() + 300
+        while not (out / "checkpoint-000003").exists():
+            assert p.poll() is None and time.time() < deadline, p.communicate()
+            time.sleep(0.05)
+        ranks = sorted((c for c in psutil.Process(p.pid).children() if "spawn_main" in " ".join(c.cmdline())),
+                       key=lambda c: c.create_time())
+        assert len(ranks) == 2
+        ranks[0].send_signal(signal.SIGKILL)  # spawned in rank order: rank 0, the rollout pool
+        t0 = time.time()
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode != 0 and "rank 0 was killed by signal SIGKILL" in err, err[-2000:]
+    assert time.time() - t0 < 30
+    assert not (out / "checkpoint-final").exists()
+    res = subprocess.run(cmd + ["--out", str(out), "--resume", "auto"], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stdout
+    rows = _metrics(out)
+    assert [m["step"] for m in rows] == list(range(8))
+    assert all(m["staleness"] == 0 for m in rows)
+    wa, wb, start = _weights(whole), _weights(out), _weights(out, "checkpoint-000003")
+    assert max(float((wa[k] - start[k]).abs().max()) for k in wa) > 1e-4  # the steps resumed moved the weights
+    assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
 
 
 @pytest.mark.parametrize("flags, named", [
