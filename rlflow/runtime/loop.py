@@ -70,12 +70,14 @@ def _steps(state: RunState, ctx: StepContext, hooks: Sequence[Hook], should_stop
     conf, history, bad_streak = ctx.config, [], 0
     for h in hooks:
         h.start(state)
+    began = time.perf_counter()
     while state.steps_done < conf.steps:
         t0 = time.perf_counter()
         state, out = step(state, take_prompts(state, ctx), ctx)
         wall = time.perf_counter() - t0
         stop = should_stop is not None and state.steps_done < conf.steps and bool(should_stop())
         m, stop = reduce(out, ctx, wall, stop, index=state.steps_done - 1)
+        m["elapsed_s"] = time.perf_counter() - began  # this rank's clock: what the run's throughput is over
         if m["nonfinite_params"]:  # before any hook could save them
             raise NonFiniteError(f"step {m['step']}: its update made {int(m['nonfinite_params'])} parameter tensors "
                                  f"non-finite with finite gradients (an overflow); nothing of step {m['step']} is "
