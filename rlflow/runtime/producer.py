@@ -21,13 +21,11 @@ from rlflow.runtime.pools import RolloutSide
 from rlflow.runtime.step import StepContext, generate, row_counts, score_and_put
 
 
-def produce(source, ctx: StepContext, side: RolloutSide) -> int:
-    """Produce steps until the train pool says stop (or the run's last step is produced); returns the steps
-    produced."""
+def produce(source, ctx: StepContext, side: RolloutSide) -> None:
+    """Produce steps until the train pool says stop (or the run's last step is produced)."""
     conf = ctx.config
     k, P, G = conf.max_staleness, conf.prompts_per_step, conf.grpo.group_size
     first = side.first_version()
-    produced = 0
     if first is not None:
         for _ in range(first):  # the stream's position at the step the train pool starts at
             source.take(P)
@@ -46,9 +44,8 @@ def produce(source, ctx: StepContext, side: RolloutSide) -> int:
             side.report({"step": j, "version": version, "wait_s": waited, "rollout_time_s": t1 - t0,
                          "score_time_s": t2 - t1, "bad_rewards": len(bad), "rows": rows.size,
                          **row_counts(rows, rewards, scored)})
-            j, produced = j + 1, produced + 1
+            j += 1
     side.finish()
-    return produced
 
 
 __all__ = ["produce"]
