@@ -127,6 +127,39 @@ def test_a_killed_rollout_rank_fails_naming_it_and_resume_reaches_the_uninterrup
     assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
 
 
+@pytest.mark.slow
+def test_pools_under_torchrun_and_slurm_train_as_the_local_launch_does(tmp_path):
+    """torchrun (one node, 2 ranks) and two processes with Slurm's variables, --rollout-ranks 1: the ranks make
+    the dock over the whole world, then split into the pools (``launch.split_world``); at staleness 0 they reach
+    the local launch's rewards and weights exactly."""
+    from rlflow.runtime.launch import free_port
+    script = os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py")
+    flags = [*SMALL, "--rollout-ranks", "1", "--kl-coef", "0.05"]
+    slurm = dict(SLURM_NTASKS="2", SLURM_NODEID="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = {"local": [([sys.executable, script], env)],
+            "torchrun": [([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           script], env)],
+            "slurm": [([sys.executable, script], {**env, **slurm, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)})
+                      for i in (0, 1)]}
+    got = {}
+    for name, cmds in runs.items():
+        out = tmp_path / name
+        procs = [subprocess.Popen(c + flags + ["--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=e) for c, e in cmds]
+        ends = [p.communicate(timeout=300) for p in procs]
+        for p, (_, err) in zip(procs, ends):
+            assert p.returncode == 0, (name, err[-3000:])
+        assert any("separate pools: ranks 0..0 generate and score" in so for so, _ in ends), name
+        got[name] = [m["reward_mean"] for m in _metrics(out)], _weights(out)
+    want_r, want_w = got["local"]
+    assert len(set(want_r)) > 1 or want_r[0] > 0, "the rewards must vary to mean something"
+    for name in ("torchrun", "slurm"):
+        r, w = got[name]
+        assert r == want_r, (name, r, want_r)
+        assert [k for k in want_w if not torch.equal(w[k], want_w[k])] == [], name
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--rollout-ranks", "2"], "--rollout-ranks 2: leaves no rank of --world 2 to train"),
     (["--rollout-ranks", "-1"], "--rollout-ranks -1: must be >= 0"),

@@ -35,9 +35,6 @@ def started_problems(r: Recipe, world: int) -> list[tuple[str, str]]:
                                     "--max-restarts)"))
     if r.world > 1 and r.dock_backend in ("ray", "local"):
         out.append(("dock_backend", "under torchrun / Slurm the dock is procs: its servers run on the ranks' nodes"))
-    if r.rollout_ranks:
-        out.append(("rollout_ranks", "separate pools run on the local launcher only so far (under torchrun / Slurm "
-                                     "each pool would start a dock of its own)"))
     return out
 
 

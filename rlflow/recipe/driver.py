@@ -23,8 +23,7 @@ from rlflow.recipe.evals import evaluate_only
 from rlflow.recipe.flags import Recipe, choices
 from rlflow.recipe.pieces import check_tokenizer, layouts, make_dock
 from rlflow.recipe.run import run
-from rlflow.runtime import checkpoint, launch
-from rlflow.runtime.pools import Pools
+from rlflow.runtime import checkpoint, launch, pools
 from rlflow.runtime.config import check_features
 
 
@@ -198,7 +197,7 @@ def _launch(r: Recipe, where) -> list[dict]:
             return run(0, 1, r, dock)
         if on_ray:
             return run_on_ray(r)
-        split = Pools(r.rollout_ranks, r.world) if r.rollout_ranks else None  # the train lead's result is the run's
+        split = pools.Pools(r.rollout_ranks, r.world) if r.rollout_ranks else None  # the train lead's result: the run's
         out = launch.spawn(run, r.world, r, dock, timeout_s=r.dist_timeout, pools=split)  # torch.distributed: gloo on
         return out[r.rollout_ranks]  # CPU, nccl on CUDA, hccl on NPU
     finally:
@@ -214,12 +213,18 @@ def dock_rows(r: Recipe) -> int:
 
 def run_started(rank: int, world: int, r: Recipe, local_rank: int) -> list[dict]:
     """``run`` on a rank of a world torchrun or Slurm started: the ranks make the dock together
-    (``proc_backend.node_dock``: each node's first rank serves that node's warehouses), and each stops the
-    servers it started once every rank is done with them."""
-    dock = make_dock(r, dock_rows(r), local_rank=local_rank)
+    (``proc_backend.node_dock``: each node's first rank serves that node's warehouses), then with separate
+    pools split into them (``launch.split_world``), and each stops the servers it started once every rank is
+    done with them."""
+    dock = make_dock(r, dock_rows(r), local_rank=local_rank)  # over every rank, before the pools split them
     try:
+        if r.rollout_ranks:
+            launch.split_world(pools.Pools(r.rollout_ranks, world), rank, timeout_s=r.dist_timeout)
         out = run(rank, world, r, dock)
-        torch.distributed.barrier()  # no rank reads the dock any more
+        if r.rollout_ranks:  # no rank reads the dock any more
+            pools.barrier(pools.joined())
+        else:
+            torch.distributed.barrier()
         return out
     finally:
         dock.close()

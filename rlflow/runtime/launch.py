@@ -155,6 +155,21 @@ def _own_group(launcher: int) -> None:
             os._exit(1)
 
 
+def split_world(split, rank: int, timeout_s: float | None = None) -> None:
+    """Separate device pools in a world started elsewhere (torchrun, Slurm: one default group over every rank,
+    whose collectives made what spans the pools, such as the dock): this rank leaves that group for its pool's
+    world and joins the link (``runtime.pools``), both over the world's store. Called by every rank."""
+    from rlflow.runtime import pools
+    backend, store = dist.get_backend(), dist.distributed_c10d._get_default_store()
+    dist.barrier()  # every rank is done with the whole world's group before any leaves it
+    dist.destroy_process_group()
+    local, size = split.local(rank)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"pool-{split.pool(rank)}", store), rank=local,
+                            world_size=size, timeout=timeout)
+    pools.join(split, rank, dist.PrefixStore("pools", store), backend, timeout_s)
+
+
 def _entry(rank, fn, world, port, backend, timeout_s, outdir, launcher, args, split=None):
     _own_group(launcher)
     # one host: the store is a file (torch's TCP store listens on every interface, unauthenticated) and gloo's

@@ -106,6 +106,11 @@ def leave() -> None:
     _JOINED[0] = None
 
 
+def barrier(link: Link) -> None:
+    """Every rank of both pools here (over the link's group: no thread of this process may use it meanwhile)."""
+    link.push.barrier().wait()
+
+
 def _wait(works) -> None:
     for w in works:
         w.wait()
@@ -284,4 +289,4 @@ class RolloutSide:
         self._thread.join(timeout=60)
 
 
-__all__ = ["FIGURES", "Link", "Pools", "RolloutSide", "TrainSide", "join", "joined", "leave"]
+__all__ = ["FIGURES", "Link", "Pools", "RolloutSide", "TrainSide", "barrier", "join", "joined", "leave"]
