@@ -48,13 +48,13 @@ def pool_problems(r: Recipe) -> list[tuple[str, str]]:
         return [("max_staleness", "needs --rollout-ranks (colocated steps are synchronous)")] if r.max_staleness else []
     if r.rollout_ranks >= r.world:
         return [("rollout_ranks", f"leaves no rank of --world {r.world} to train")]
-    refused = [("launcher", r.launcher != "local", "ray: separate pools run on local processes and under torchrun / "
-                                                   "Slurm so far"),
+    refused = [("launcher", r.launcher != "local", "separate pools run on local processes and under torchrun / "
+                                                   "Slurm so far, not on Ray"),
                ("eval_dataset", bool(r.eval_dataset), "evaluation with --rollout-ranks is not built yet (it would "
                                                       "generate on the train pool)"),
                ("rollout_engine", r.rollout_engine != "builtin", "vllm with --rollout-ranks is not built yet"),
-               ("dock_backend", r.dock_backend not in (None, "procs"), "separate pools need procs (the pools are "
-                                                                        "processes of one machine)")]
+               ("dock_backend", r.dock_backend not in (None, "procs"), "separate pools need procs (the dock's "
+                                                                        "server processes)")]
     return [(name, why) for name, bad, why in refused if bad]
 
 
