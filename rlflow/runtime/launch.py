@@ -160,6 +160,7 @@ def split_world(split, rank: int, timeout_s: float | None = None) -> None:
     whose collectives made what spans the pools, such as the dock): this rank leaves that group for its pool's
     world and joins the link (``runtime.pools``), both over the world's store. Called by every rank."""
     from rlflow.runtime import pools
+    # the store the world met through (torchrun's or rank 0's TCP store) outlives its group: the pools meet there
     backend, store = dist.get_backend(), dist.distributed_c10d._get_default_store()
     dist.barrier()  # every rank is done with the whole world's group before any leaves it
     dist.destroy_process_group()
