@@ -5,6 +5,11 @@ A row's sequence is ``prompt_ids_BTp[b][prompt_mask_BTp[b]]`` followed by
 ``response_ids_BTr[b][response_mask_BTr[b]]``. ``index_B`` is the row's global sample index (the dock's
 key) and ``group_B`` the prompt it was sampled from: the G samples of one prompt share a group id.
 
+A multi-turn row (``rlflow/multiturn.py``) holds a whole episode in its response: the model's turns and, between
+them, the environment's observations. ``response_mask_BTr`` covers all of it (the sequence the model reads);
+``loss_mask_BTr`` only the model's own sampled tokens, the ones the RL losses and the log-probs are over
+(``loss_mask``: that mask, or the response's for a single-turn row).
+
 Every batch is a frozen dataclass validated on construction: a field with the wrong dtype, rank or a
 size that disagrees with another field raises ``ValueError`` naming the field, the expected and the
 actual value.
@@ -124,10 +129,26 @@ class RolloutBatch(PromptBatch):
     # int16, an MoE rollout's experts per token and MoE layer (M), top-k (K); -1: none (routing replay only)
     prompt_routes_BTpMK: Tensor | None = None
     response_routes_BTrMK: Tensor | None = None
+    # bool, a multi-turn row's sampled tokens (True) among its response tokens (observations: False); None:
+    # every response token was sampled (a single turn)
+    loss_mask_BTr: Tensor | None = None
+    # float32, the environment's reward of a multi-turn row (NaN: it gave none; the run's reward then scores
+    # the last turn); None: no environment
+    env_rewards_B: Tensor | None = None
 
     _DTYPES = {**PromptBatch._DTYPES, "response_ids_BTr": torch.long, "response_mask_BTr": torch.bool,
                "sample_logprobs_BTr": torch.float32, "prompt_routes_BTpMK": torch.int16,
-               "response_routes_BTrMK": torch.int16}
+               "response_routes_BTrMK": torch.int16, "loss_mask_BTr": torch.bool, "env_rewards_B": torch.float32}
+
+    def __post_init__(self):
+        _Batch.__post_init__(self)
+        if self.loss_mask_BTr is not None and bool((self.loss_mask_BTr & ~self.response_mask_BTr).any()):
+            raise ValueError("RolloutBatch.loss_mask_BTr: True on a padding token (outside response_mask_BTr)")
+
+    @property
+    def loss_mask(self) -> Tensor:
+        """The response tokens the model sampled: what the log-probs and the losses are over."""
+        return self.response_mask_BTr if self.loss_mask_BTr is None else self.loss_mask_BTr
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -151,7 +172,7 @@ class TrainBatch(RolloutBatch):
                "scored_B": torch.uint8}
 
     def __post_init__(self):
-        _Batch.__post_init__(self)
+        RolloutBatch.__post_init__(self)
         if (self.advantages_B is None) == (self.token_advantages_BTr is None):
             raise ValueError("TrainBatch: give exactly one of advantages_B (per sample) and token_advantages_BTr "
                              f"(per token); got {'both' if self.advantages_B is not None else 'neither'}")

@@ -178,14 +178,21 @@ def load_reward(spec: str) -> Reward:
     ``sys.path``). ValueError naming the spec and what is wrong."""
     if spec in REGISTRY:
         return Reward(spec, REGISTRY[spec], per_sample=True)
+    return Reward(spec, load_object(spec, "reward", sorted(REGISTRY)))
+
+
+def load_object(spec: str, kind: str, registered: list[str]) -> Callable:
+    """The callable ``path/to/file.py:name`` or ``module:name`` names (a function, a class), imported once per
+    process; ValueError naming the ``kind`` ("reward", "env"), the spec and what is wrong (``registered``: the
+    built-in names, for the message)."""
     where, _, name = spec.rpartition(":")
     if not where or not name:
-        raise ValueError(f"unknown reward {spec!r}: not registered ({sorted(REGISTRY)}), and not "
-                         "path/to/file.py:function or module:function")
+        raise ValueError(f"unknown {kind} {spec!r}: not registered ({registered}), and not "
+                         "path/to/file.py:name or module:name")
     if where.endswith(".py") or os.sep in where or "/" in where:
         if not os.path.isfile(where):
-            raise ValueError(f"reward {spec}: no file {where}")
-        mod_name = "rlflow_reward_" + re.sub(r"\W", "_", os.path.abspath(where))
+            raise ValueError(f"{kind} {spec}: no file {where}")
+        mod_name = f"rlflow_{kind}_" + re.sub(r"\W", "_", os.path.abspath(where))
         mod = sys.modules.get(mod_name)
         if mod is None:
             mod_spec = importlib.util.spec_from_file_location(mod_name, where)
@@ -195,21 +202,28 @@ def load_reward(spec: str) -> Reward:
                 mod_spec.loader.exec_module(mod)
             except Exception as e:
                 del sys.modules[mod_name]
-                raise ValueError(f"reward {spec}: importing {where} raised {type(e).__name__}: {e}") from None
+                raise ValueError(f"{kind} {spec}: importing {where} raised {type(e).__name__}: {e}") from None
     else:
         try:
             mod = importlib.import_module(where)
         except ImportError as e:
-            raise ValueError(f"reward {spec}: cannot import module {where!r} ({e})") from None
+            raise ValueError(f"{kind} {spec}: cannot import module {where!r} ({e})") from None
         except Exception as e:
-            raise ValueError(f"reward {spec}: importing {where} raised {type(e).__name__}: {e}") from None
+            raise ValueError(f"{kind} {spec}: importing {where} raised {type(e).__name__}: {e}") from None
     fn = getattr(mod, name, None)
     if not callable(fn):
         found = sorted(k for k, v in vars(mod).items() if callable(v) and not k.startswith("_")
                        and getattr(v, "__module__", None) == mod.__name__)
-        raise ValueError(f"reward {spec}: {where} has no function {name!r}"
+        thing = {"reward": "function", "env": "class"}.get(kind, "callable")
+        raise ValueError(f"{kind} {spec}: {where} has no {thing} {name!r}"
                          + (f" (it defines {found})" if found else ""))
-    return Reward(spec, fn)
+    return fn
+
+
+def unpack(carried: str) -> tuple[str, str, dict]:
+    """(prompt, answer, extra columns) of an answer ``CombinedReward.carry`` packed."""
+    row = json.loads(carried)
+    return row["prompt"], row["answer"], row["extra"]
 
 
 class CombinedReward:
@@ -217,7 +231,7 @@ class CombinedReward:
     of the functions that scored it (None from a function: it does not apply to that sample), and None when
     none did."""
 
-    def __init__(self, rewards: list[Reward], weights: list[float] | None = None):
+    def __init__(self, rewards: list[Reward], weights: list[float] | None = None, *, context: bool = False):
         if not rewards:
             raise ValueError("CombinedReward: no reward functions")
         weights = [1.0] * len(rewards) if weights is None else [float(w) for w in weights]
@@ -227,10 +241,11 @@ class CombinedReward:
         if bad:
             raise ValueError(f"CombinedReward: weights must be finite, got {bad}")
         self.rewards, self.weights = list(rewards), weights
+        self.context = context  # carry every example's prompt and extra columns (a multi-turn environment reads them)
 
     @classmethod
-    def load(cls, specs: list[str], weights: list[float] | None = None) -> CombinedReward:
-        return cls([load_reward(s) for s in specs], weights)
+    def load(cls, specs: list[str], weights: list[float] | None = None, *, context: bool = False) -> CombinedReward:
+        return cls([load_reward(s) for s in specs], weights, context=context)
 
     def __call__(self, prompts: list[str], completions: list[str], answers: list[str],
                  **extra: list) -> list[float | None]:
@@ -247,8 +262,9 @@ class CombinedReward:
 
     @property
     def needs_context(self) -> bool:
-        """A user function is among them: it is called with the prompts and the extra dataset columns too."""
-        return any(not r.per_sample for r in self.rewards)
+        """A user function is among them (it is called with the prompts and the extra dataset columns too), or
+        the examples are to carry them anyway (``context``)."""
+        return self.context or any(not r.per_sample for r in self.rewards)
 
     def carry(self, examples: list) -> list:
         """``examples`` (``rlflow.data.Example``) ready for ``score``. When a user function needs the prompt and
@@ -272,8 +288,8 @@ class CombinedReward:
         (``stages.score_rows``), the answers made by ``carry``. None: no function scored the sample; the loop
         leaves it out of the advantages."""
         if self.needs_context:
-            rows = [json.loads(a) for a in answers]
-            keys = sorted({k for row in rows for k in row["extra"]})
-            return self([row["prompt"] for row in rows], completions, [row["answer"] for row in rows],
-                        **{k: [row["extra"].get(k) for row in rows] for k in keys})
+            rows = [unpack(a) for a in answers]
+            keys = sorted({k for _, _, extra in rows for k in extra})
+            return self([p for p, _, _ in rows], completions, [a for _, a, _ in rows],
+                        **{k: [extra.get(k) for _, _, extra in rows] for k in keys})
         return self([""] * len(answers), completions, answers)

@@ -86,7 +86,7 @@ def values(params, cfg: ModelConfig, batch: RolloutBatch, *, remat: bool = False
         raise ValueError("critic.values: the critic does not run in a pipeline (pp) layout")
     h, _ = sequence_hidden(params, cfg, batch, remat=remat, ex=ex)
     v = F.linear(h[:, batch.prompt_ids_BTp.shape[1] - 1:], params[VALUE_HEAD])[..., 0].float()
-    return v * batch.response_mask_BTr
+    return v * batch.loss_mask
 
 
 @torch.no_grad()
@@ -126,7 +126,7 @@ def update(critic: Critic, batch: TrainBatch, cfg: ModelConfig, ccfg: CriticConf
         rows = sum(mb.size for mb in mbs)
         grads: list[Tensor | None] = [None] * len(leaves)
         for mb in mbs:
-            mask = mb.response_mask_BTr if mb.scored_B is None else mb.response_mask_BTr & mb.scored_B.bool()[:, None]
+            mask = mb.loss_mask if mb.scored_B is None else mb.loss_mask & mb.scored_B.bool()[:, None]
             loss, met = value_loss(values(live, cfg, mb, remat=ucfg.remat, ex=ex), mb.values_BTr, mb.returns_BTr,
                                    mask, value_clip=ccfg.value_clip, n_tokens=n_tokens)
             stages.record(sums, loss, met, mb.size / rows)

@@ -37,7 +37,10 @@ def score(batch: RolloutBatch, tokenizer, reward_fn) -> Tensor:
 
 def score_rows(batch: RolloutBatch, tokenizer, reward_fn) -> tuple[Tensor, Tensor]:
     """(rewards_B, scored_B): ``score``'s rewards, 0 where the reward returned None ("no score"), and which
-    rows it scored (bool)."""
+    rows it scored (bool). Multi-turn rows carry their episodes' rewards (``env_rewards_B``, NaN: unscored)."""
+    if batch.env_rewards_B is not None:
+        r = batch.env_rewards_B.cpu()
+        return torch.where(torch.isnan(r), 0.0, r), ~torch.isnan(r)
     if len(batch.answers) != batch.size:
         raise ValueError(f"score: batch has {batch.size} rows but {len(batch.answers)} answers")
     texts = [tokenizer.decode(r.tolist()) for r in unpad(batch.response_ids_BTr.cpu(), batch.response_mask_BTr.cpu())]
@@ -149,7 +152,7 @@ def descend(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch
     perms = [torch.randperm(batch.size, generator=g) for _ in range(epochs)]
     minis = [perm[s:s + ucfg.mini_batch_size] for perm in perms for s in range(0, batch.size, ucfg.mini_batch_size)]
     # every mini-batch's normalizers (response tokens, rows) over the data ranks, in one reduction
-    totals = torch.tensor([[float(batch.response_mask_BTr[m].sum()), len(m)] for m in minis], dtype=torch.float64)
+    totals = torch.tensor([[float(batch.loss_mask[m].sum()), len(m)] for m in minis], dtype=torch.float64)
     if layout is not None:
         totals = dp.batch_sum(totals, layout)
     for mini, (n_tokens, n_seqs) in zip(minis, totals.tolist()):
@@ -262,7 +265,7 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
         def mb_loss(lp, ent, aux, mb):
             """Micro-batch ``mb``'s loss with the mini-batch normalizers; records its metrics."""
             old = lp.detach() if old_is_current else mb.old_logprobs_BTr  # the trainer's, at the sampling weights
-            sample, rmask = mb.sample_logprobs_BTr, mb.response_mask_BTr
+            sample, rmask = mb.sample_logprobs_BTr, mb.loss_mask
             w = corrections.is_weights(sample, old, rmask, level=gcfg.rollout_is, cap=gcfg.rollout_is_cap,
                                        mode=gcfg.rollout_is_mode)
             adv = mb.advantages_B if mb.token_advantages_BTr is None else mb.token_advantages_BTr

@@ -99,10 +99,10 @@ def _prompt_groups(batch: RolloutBatch) -> tuple[Tensor, Tensor, Tensor] | None:
 
 
 def _token_logprobs(params, cfg, batch, h_resp, temperature, with_entropy, ex: Exec):
-    """Log-probs (and entropies) [B, Tr] of the response tokens from the states that predict them, computed
-    on the real tokens only and 0 on padding."""
+    """Log-probs (and entropies) [B, Tr] of the sampled response tokens from the states that predict them,
+    computed on those tokens only (``loss_mask``) and 0 elsewhere: padding, and a multi-turn row's observations."""
     return at_mask(lambda h, t: ex.logprobs(params, cfg, h, t, temperature=temperature, with_entropy=with_entropy),
-                   h_resp, batch.response_ids_BTr, batch.response_mask_BTr)
+                   h_resp, batch.response_ids_BTr, batch.loss_mask)
 
 
 __all__ = ["response_logprobs", "sequence_hidden"]

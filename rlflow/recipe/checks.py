@@ -13,6 +13,7 @@ import re
 
 from rlflow import metrics, rewards
 from rlflow.data import PromptSource, apply_chat_template, load_examples
+from rlflow.envs import load_env
 from rlflow.models import hf
 from rlflow.models.config import get_config
 from rlflow.recipe.flags import Recipe
@@ -58,6 +59,30 @@ def pool_problems(r: Recipe) -> list[tuple[str, str]]:
     return [(name, why) for name, bad, why in refused if bad]
 
 
+def env_problems(r: Recipe) -> list[tuple[str, str]]:
+    """(field, why) for --env and its flags: the environment loads, and what multi-turn rollouts cannot run with
+    (yet). Their ranges are MultiTurnConfig's."""
+    if r.env is None:
+        return [(name, "needs --env (multi-turn rollouts)") for name in ("max_turns", "max_total_tokens", "env_timeout")
+                if getattr(r, name) is not None]
+    try:
+        load_env(r.env)
+    except ValueError as e:
+        return [("env", str(e))]
+    refused = [("rollout_ranks", bool(r.rollout_ranks), "with --env is not built yet"),
+               ("eval_dataset", bool(r.eval_dataset), "with --env is not built yet (evaluation generates one turn)")]
+    out = [(name, why) for name, bad, why in refused if bad]
+    if r.world > 1 and not r.rollout_ranks:
+        try:
+            mesh = mesh_of(r, r.rollout_layout, "rollout_layout")
+        except ValueError:
+            return out  # --rollout-layout's own problem
+        if mesh.tp > 1 or mesh.ep > 1:
+            out.append(("rollout_layout", f"{mesh}: with --env each rank drives its own episodes; a layout with tp or "
+                                          "ep > 1 generates in lockstep across ranks: use dp only"))
+    return out
+
+
 GAE_FLAGS = ("gae_gamma", "gae_lambda", "critic_lr", "value_clip")
 
 
@@ -100,6 +125,7 @@ def problems(r: Recipe) -> list[tuple[str | None, str]]:
     if r.world == 1 and (r.train_layout or r.rollout_layout):
         out.append(("train_layout" if r.train_layout else "rollout_layout", "needs --world > 1"))
     out += pool_problems(r)
+    out += env_problems(r)
     out += config_problems(r)
     if r.world > 1 and not out:
         for name, spec in (("train_layout", r.train_layout), ("rollout_layout", r.rollout_layout)):
@@ -212,7 +238,7 @@ def config_problems(r: Recipe) -> list[tuple[str | None, str]]:
     try:
         loop_config(r, eos_id=0, pad_id=0)
     except ValueError as e:
-        return [flagged(r, e, {"dock_timeout_s": "dist_timeout"})]
+        return [flagged(r, e, {"dock_timeout_s": "dist_timeout", "timeout_s": "env_timeout"})]
     return []
 
 

@@ -28,6 +28,15 @@ class Recipe:
                                    "(when it is missing, GSM8K's question column)")
     answer_key: str = _f("answer", "--dataset column of the reference answers")
     task: str = _f("max_digit", "built-in task: max_digit, sum_mod10, first_digit")
+    env: str | None = _f(None, "multi-turn rollouts: the environment that answers the model between its turns, a "
+                               "built-in one (max_digit_feedback: --task max_digit with a hint after a wrong answer) "
+                               "or path/to/file.py:Class (docs/agentic.md); each sample is one episode")
+    max_turns: int | None = _f(None, "--env: the model's turns per episode (default 2); --max-new-tokens is each "
+                                     "turn's limit")
+    max_total_tokens: int | None = _f(None, "--env: response tokens per episode, the model's turns and the "
+                                            "observations (default: the model's positions bound them)")
+    env_timeout: float | None = _f(None, "--env: seconds an environment's start or step may take before its episode "
+                                         "ends unscored (default 60)")
     chat_template: bool = _f(True, "render each prompt with --model's chat template (chat_template.jinja or "
                                    "tokenizer_config.json's), as transformers' apply_chat_template does; "
                                    "--no-chat-template: the prompt text as it is")

@@ -19,6 +19,7 @@ from rlflow.dock.proc_backend import node_dock, proc_dock
 from rlflow.models import hf, qwen3_moe
 from rlflow.models.config import ModelConfig, get_config
 from rlflow.models.sharding import layout
+from rlflow.multiturn import MultiTurnConfig
 from rlflow.parallel.context import check_layout
 from rlflow.rollout import SamplingConfig
 from rlflow.recipe.flags import Recipe
@@ -79,7 +80,15 @@ def loop_config(r: Recipe, eos_id: int, pad_id: int) -> LoopConfig:
         vllm_memory_utilization=r.vllm_memory_utilization, max_bad_steps=r.max_bad_steps,
         routing_replay=r.routing_replay,
         check_logprobs=r.check_logprobs, critic=critic_config(r, ocfg), max_staleness=r.max_staleness,
+        multiturn=multiturn_config(r),
         dock_timeout_s=r.dist_timeout if r.dist_timeout is not None else DOCK_TIMEOUT_S)
+
+
+def multiturn_config(r: Recipe) -> MultiTurnConfig | None:
+    if r.env is None:
+        return None
+    given = {"max_turns": r.max_turns, "max_total_tokens": r.max_total_tokens, "timeout_s": r.env_timeout}
+    return MultiTurnConfig(env=r.env, **{k: v for k, v in given.items() if v is not None})
 
 
 def concrete(r: Recipe) -> Recipe:
@@ -165,7 +174,8 @@ def chat_template(r: Recipe) -> ChatTemplate | None:
 def prompts_and_reward(r: Recipe) -> tuple[PromptSource, rewards.RewardFn]:
     """The prompt source (each batch rendered by the chat template, carrying what the reward functions are
     called with) and the loop's reward (``CombinedReward.score``: one call per scorer's rows)."""
-    reward = rewards.CombinedReward.load(reward_specs(r), reward_weights(r))
+    # an environment starts its episodes from the whole example: the answers carry the prompts and extra columns
+    reward = rewards.CombinedReward.load(reward_specs(r), reward_weights(r), context=r.env is not None)
     prepare = prompt_transform(r, reward)
     if r.dataset:
         examples = load_examples(r.dataset, prompt_key=r.prompt_key, answer_key=r.answer_key, split=r.dataset_split)

@@ -9,6 +9,7 @@ from rlflow import optim
 from rlflow.algos import critic as critics, grpo
 from rlflow.engines import ENGINES
 from rlflow.models.config import ModelConfig
+from rlflow.multiturn import MultiTurnConfig
 from rlflow.rollout import SamplingConfig
 
 ROUTING_REPLAY = ("off", "measure", "on")
@@ -51,6 +52,9 @@ class LoopConfig:
     # separate device pools: a step's rows are generated with weights at most this many updates old (the
     # rollout pool waits for newer ones; nothing is dropped); 0: on-policy, the synchronous run's rows
     max_staleness: int = 0
+    # multi-turn rollouts: each sample an episode of turns with an environment (``rlflow/multiturn.py``); None:
+    # one response per sample
+    multiturn: MultiTurnConfig | None = None
 
     @property
     def global_batch(self) -> int:
@@ -84,6 +88,14 @@ class LoopConfig:
             raise ValueError(f"vllm_memory_utilization={self.vllm_memory_utilization} must be in (0, 1]")
         if self.routing_replay not in ROUTING_REPLAY:
             raise ValueError(f"routing_replay={self.routing_replay!r}: expected one of {ROUTING_REPLAY}")
+        if self.multiturn is not None:
+            if self.routing_replay != "off":
+                raise ValueError(f"routing_replay={self.routing_replay!r}: the rollout's expert choices are not "
+                                 "recorded across the turns of an environment's episodes (not built); use 'off'")
+            if self.grpo.adv_estimator == "gae":
+                raise ValueError("adv_estimator='gae': GAE over an environment's episodes, whose observations sit "
+                                 "between the model's tokens, is not built; use an outcome estimator (grpo, rloo, "
+                                 "reinforce++)")
         validate_sizes(steps=self.steps, prompts_per_step=self.prompts_per_step, group_size=self.grpo.group_size,
                        mini_batch_size=self.mini_batch_size, micro_batch_size=self.micro_batch_size)
 

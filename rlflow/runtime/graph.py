@@ -94,6 +94,7 @@ ROWS = PROMPT + ("response_ids", "sample_logprobs")  # a sample after the rollou
 # An MoE rollout's expert choices: with routing replay (``LoopConfig.routing_replay``) the rollout writes
 # them too and the old-log-prob and update stages read them; the loop adds them to those stages' columns.
 ROUTES = ("prompt_routes", "response_routes")
+LOSS_MASK = "loss_mask"  # multi-turn rows' (``LoopConfig.multiturn``): the loop adds it to the train group's columns
 
 # Every column any graph declares, with the batch field it fills (one table: ``FIELDS``).
 COLUMNS = (
@@ -117,6 +118,9 @@ COLUMNS = (
     (Column("values", torch.float32, "var", length_group="response"), "values_BTr"),
     (Column("token_advantages", torch.float32, "var", length_group="response"), "token_advantages_BTr"),
     (Column("returns", torch.float32, "var", length_group="response"), "returns_BTr"),
+    # a multi-turn row's sampled tokens (1) among its response tokens (0: the environment's observations); the
+    # rollout writes it with the rows and every stage that reads the log-probs or the losses reads it too
+    (Column("loss_mask", torch.uint8, "var", length_group="response"), "loss_mask_BTr"),
 )
 FIELDS = {c.name: f for c, f in COLUMNS}  # dock column -> batch field, of every graph
 _CRITIC = ("scored", "values", "token_advantages", "returns")  # PPO's

@@ -144,6 +144,9 @@ def reduce(out: StepOut, ctx: StepContext, wall: float, stop: bool, *, index: in
          "lr": out.lr, "response_len_mean": n_resp / n, "prompt_tokens": n_prompt, "response_tokens": n_resp,
          "nonfinite_params": counts["nonfinite_params"],
          **out.update}
+    episodes = {k: v for k, v in counts.items() if k.startswith("env/")}  # multi-turn rollouts' counts
+    if episodes:
+        m.update(episodes, **{"env/turns_mean": episodes["env/turns"] / max(episodes["env/episodes"], 1.0)})
     if isinstance(ctx.flow, DockFlow):
         m["dock_busiest_bytes"] = ctx.flow.busiest_bytes() if ctx.seats.rank == 0 else 0.0
     m["bad_rewards"] = out.bad_rewards  # this rank's

@@ -31,8 +31,9 @@ from rlflow.algos import corrections, critic as critics, estimators, stages
 from rlflow.batch import PromptBatch, RolloutBatch
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import n_moe_layers
+from rlflow.multiturn import MultiTurn
 from rlflow.runtime.flow import DockFlow, MemoryFlow, rollout_share, score_share, train_batch
-from rlflow.runtime.graph import ROUTES, ROWS, Graph, graph_for
+from rlflow.runtime.graph import LOSS_MASK, ROUTES, ROWS, Graph, graph_for
 from rlflow.runtime.config import LoopConfig, check_features, share_problems
 from rlflow.runtime.placement import Placement, Seats, seats
 from rlflow.runtime.state import RunState
@@ -57,6 +58,7 @@ class StepContext:
     update_config: stages.UpdateConfig  # the policy's mini- / micro-batches per data rank, in the train layout
     critic_update_config: stages.UpdateConfig  # the same in the critic's layout
     pool: object = None  # separate pools, on a train rank: its end of the link (``runtime.pools.TrainSide``)
+    multiturn: MultiTurn | None = None  # multi-turn rollouts (``LoopConfig.multiturn``), on a rollout rank
 
 
 @dataclass
@@ -111,11 +113,19 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
         record_routes=routes, seed=conf.seed, max_model_len=min(max_len, cfg.max_position_embeddings),
         memory_utilization=conf.vllm_memory_utilization)
     critic_ucfg = ucfg if placement is None else dataclasses.replace(ucfg, layout=placement.critic)
+    multiturn = None
+    if conf.multiturn is not None and pool != "train":
+        if where.rollout_ex.collective_forward:
+            raise ValueError("step.context: multi-turn rollouts drive each rank's engine on its own episodes; a "
+                             "rollout layout with tp or ep > 1 generates in lockstep across ranks: use dp only")
+        multiturn = MultiTurn(conf.multiturn, render=tokenizer.encode, decode=tokenizer.decode, reward_fn=reward_fn,
+                              max_new_tokens=conf.sampling.max_new_tokens, vocab_size=cfg.vocab_size,
+                              max_positions=cfg.max_position_embeddings)
     return StepContext(cfg=cfg, tokenizer=tokenizer, reward_fn=reward_fn, config=conf, device=torch.device(device),
                        seats=where, graph=graph, flow=flow, engine=engine, update_config=ucfg,
-                       dock_columns=dock_columns(graph, conf.routing_replay),
+                       dock_columns=dock_columns(graph, conf.routing_replay, multiturn=conf.multiturn is not None),
                        weights=Weights(where.train, None if placement is None else placement.rollout, where.rank),
-                       critic_update_config=critic_ucfg, pool=link)
+                       critic_update_config=critic_ucfg, pool=link, multiturn=multiturn)
 
 
 def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunState, StepOut]:
@@ -143,16 +153,21 @@ def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunSt
     flow.end()  # before the loop's closing collective: no rank puts the next step's rows before the clear
     clock.lap("update_time_s")
     state.steps_done += 1
-    counts = {**row_counts(rows, rewards, scored), "nonfinite_params": _nonfinite(state)}
-    times = {**clock.laps, **ctx.weights.figures(), **ctx.engine.figures()}
+    turns, turn_times = ({}, {}) if ctx.multiturn is None else ctx.multiturn.figures()
+    counts = {**row_counts(rows, rewards, scored), **turns, "nonfinite_params": _nonfinite(state)}
+    times = {**clock.laps, **ctx.weights.figures(), **ctx.engine.figures(), **turn_times}
     return state, StepOut(counts=counts, times=times, update=upd, lr=lr, bad_rewards=int(len(bad)), rows=rows,
                           rewards=rewards.masked_fill(~scored, float("nan")))
 
 
 def generate(prompts: PromptBatch, index: int, ctx: StepContext) -> RolloutBatch:
-    """Step ``index``'s rollout of this rank's share of ``prompts`` with the weights the engine holds."""
-    return ctx.engine.generate(rollout_share(prompts, ctx.seats.mesh(ctx.graph["rollout"].runs_on), ctx.seats.rank),
-                               group_size=ctx.config.grpo.group_size, seed=ctx.config.seed * 1_000_003 + index)
+    """Step ``index``'s rollout of this rank's share of ``prompts`` with the weights the engine holds: one
+    response per sample, or with ``ctx.multiturn`` one episode."""
+    mine = rollout_share(prompts, ctx.seats.mesh(ctx.graph["rollout"].runs_on), ctx.seats.rank)
+    G, seed = ctx.config.grpo.group_size, ctx.config.seed * 1_000_003 + index
+    if ctx.multiturn is not None:
+        return ctx.multiturn.rollout(ctx.engine, mine, group_size=G, seed=seed)
+    return ctx.engine.generate(mine, group_size=G, seed=seed)
 
 
 def score_and_put(rollout: RolloutBatch, index: int, ctx: StepContext):
@@ -202,7 +217,7 @@ def train_on(state: RunState, batch: RolloutBatch, c: dict, ctx: StepContext, cl
         if not single_update:
             c["old_logprobs"] = old
         if conf.check_logprobs is not None:
-            corrections.check_logprobs(batch.sample_logprobs_BTr, old, batch.response_mask_BTr, batch.index_B,
+            corrections.check_logprobs(batch.sample_logprobs_BTr, old, batch.loss_mask, batch.index_B,
                                        conf.check_logprobs, step=index, total=where.world_sum, gather=where.gather)
     if state.ref is not None:
         c["ref_logprobs"] = stages.batched_logprobs(state.ref, ctx.cfg, batch, micro_batch_size=mb,
@@ -210,7 +225,7 @@ def train_on(state: RunState, batch: RolloutBatch, c: dict, ctx: StepContext, cl
     if state.critic is not None:
         c["values"] = critics.batched_values(state.critic.params, ctx.cfg, batch, micro_batch_size=mb, ex=ex)
         c["token_advantages"], c["returns"] = estimators.gae(
-            c["rewards"], c["values"], batch.response_mask_BTr, gamma=algo.gae_gamma, lam=algo.gae_lambda,
+            c["rewards"], c["values"], batch.loss_mask, gamma=algo.gae_gamma, lam=algo.gae_lambda,
             total=where.train_sum, scored_B=c["scored"])
     train = train_batch(batch, c)
     clock.lap("logprob_time_s")
@@ -257,13 +272,14 @@ def train_step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple
                           rows=batch, rewards=rewards)
 
 
-def dock_columns(graph: Graph, routing_replay: str) -> list[str]:
+def dock_columns(graph: Graph, routing_replay: str, multiturn: bool = False) -> list[str]:
     """The columns the train group takes from the dock: what its stages read that the rollout group's wrote
-    (the rows themselves, ``graph.ROWS``, always come), and the rollout's expert routes with routing replay."""
+    (the rows themselves, ``graph.ROWS``, always come), the rollout's expert routes with routing replay, and
+    multi-turn rows' loss mask."""
     written = {c for s in graph.stages if s.runs_on != "train" for c in s.writes}
     read = [c for s in graph.stages if s.runs_on == "train" for c in s.reads if c in written]
     routes = list(ROUTES) if routing_replay != "off" else []
-    return [c for c in dict.fromkeys(read) if c not in ROWS] + routes
+    return [c for c in dict.fromkeys(read) if c not in ROWS] + routes + ([LOSS_MASK] if multiturn else [])
 
 
 class _Clock:

@@ -1,0 +1,267 @@
+"""Multi-turn rollouts: the model and an environment (``rlflow.envs``) take turns; each episode is one row.
+
+Token in, token out: an episode's context is its prompt's ids followed by exactly the ids the engine sampled and
+the observations' ids, appended as they come. Nothing is decoded and encoded again (the text of a turn is made
+only for the environment to read), so the row trained on is the sequence generated, token for token. The row's
+response holds the whole episode; ``loss_mask_BTr`` marks the model's sampled tokens, the only ones the
+log-probs and the losses are over (observations are context), and ``sample_logprobs_BTr`` holds theirs.
+
+The driver overlaps the engine and the environments: every episode whose environment has answered joins the
+next generation call (one ``engine.generate`` over the contexts of all the ready episodes, one turn each) while
+the other episodes' environments run (sync ``step`` in threads, ``async def step`` on an event loop), so a slow
+environment delays its own episode, not the batch. The engine waits only when no episode is ready: that time
+is ``rollout_idle_s``.
+
+Sampling: turn t of the episode of sample index i draws the noise of sample index ``i * max_turns + t``, so its
+tokens do not depend on which other episodes share a generation call (the built-in engine's batch
+invariance), and with one turn they are the single-turn rollout's.
+
+The rules at the limits:
+- ``max_turns``: the environment's step after the model's last allowed turn still runs and its reward counts;
+  an episode it does not end there ends (counted ``env/max_turns``), its observation unused.
+- ``max_total_tokens`` (response tokens of an episode, model turns and observations): an observation after
+  which a whole next turn (``max_new_tokens``) would not fit within it, or within the model's positions, ends
+  the episode before it is appended (counted ``env/max_tokens``), with the rewards so far.
+- An environment that raises (``env/errors``), outlasts ``timeout_s`` in its start or a step
+  (``env/timeouts``), or returns anything but a ``Feedback`` of text or in-vocabulary ids, a finite reward
+  and a bool ``done`` (``env/malformed``) ends that episode unscored; the run goes on.
+- The episode's reward is the sum of the environment's rewards; an episode that got none is scored by the
+  run's reward on the model's last turn (a verifier of the final answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import inspect
+import json
+import logging
+import math
+import numbers
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rlflow.batch import PromptBatch, RolloutBatch, extend, pad, unpad
+from rlflow.data import Example
+from rlflow.envs import Feedback, load_env
+
+log = logging.getLogger("rlflow")
+
+FAILURES = ("errors", "timeouts", "malformed")  # ends that leave the episode unscored
+ENDS = FAILURES + ("max_turns", "max_tokens")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MultiTurnConfig:
+    env: str  # a built-in environment (``envs.ENVS``) or path/to/file.py:Class / module:Class
+    max_turns: int = 2  # the model's turns per episode
+    max_total_tokens: int | None = None  # response tokens per episode (None: the model's positions bound them)
+    timeout_s: float = 60.0  # seconds an environment's start or step may take
+
+    def __post_init__(self):
+        if not isinstance(self.max_turns, int) or self.max_turns < 1:
+            raise ValueError(f"max_turns={self.max_turns!r} must be an integer >= 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens={self.max_total_tokens!r} must be >= 1 (None: no limit)")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0")
+
+
+@dataclass
+class _Episode:
+    example: object  # what the environment starts from (``data.Example``)
+    prompt: list[int]
+    budget: int  # response tokens the episode may hold
+    env: object = None
+    ids: list[int] = field(default_factory=list)  # the response so far: turns and observations
+    sampled: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: int = 0
+    last_turn: list[int] = field(default_factory=list)
+    reward: float | None = None  # the environment's, summed
+    end: str | None = None  # why it ended at a limit or a failure (None: the environment ended it, or running)
+
+
+def example_of(answer: str, prompt_ids: list[int], decode) -> Example:
+    """The example an episode starts from: an answer carried as the JSON of the prompt, the answer and the extra
+    columns (``rewards.CombinedReward(context=True)``, as the recipe makes them with ``--env``) unpacked; a plain
+    answer with the prompt's text decoded."""
+    try:
+        row = json.loads(answer)
+    except ValueError:
+        row = None
+    if isinstance(row, dict) and set(row) == {"prompt", "answer", "extra"}:
+        return Example(row["prompt"], row["answer"], extra=row["extra"])
+    return Example(decode(prompt_ids), answer)
+
+
+class MultiTurn:
+    """One rank's multi-turn rollouts (``rollout``) with the environment ``mcfg.env``. ``render(text) -> ids``
+    makes an observation's text into tokens (the run's template); ``reward_fn(completions, answers)``: the run's
+    reward, for episodes the environment gave none; ``max_positions`` and ``vocab_size``: the model's;
+    ``max_new_tokens``: a turn's budget (the engine's); ``decode(ids) -> text``: the tokenizer's."""
+
+    def __init__(self, mcfg: MultiTurnConfig, *, render, decode, reward_fn, max_new_tokens: int,
+                 max_positions: int, vocab_size: int):
+        self.mcfg, self.env_cls = mcfg, load_env(mcfg.env)
+        self.render, self.decode, self.reward_fn = render, decode, reward_fn
+        self.max_new_tokens, self.max_positions, self.vocab_size = max_new_tokens, max_positions, vocab_size
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rlflow-env", daemon=True)
+        self._thread.start()
+        self._counts: dict[str, float] = {}
+        self._times: dict[str, float] = {}
+
+    # ---- the environments' calls, on the event loop ----
+    def _submit(self, fn, *args) -> cf.Future:
+        async def run():
+            out = fn(*args) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, *args)
+            return await out if inspect.isawaitable(out) else out
+
+        async def bounded():
+            return await asyncio.wait_for(run(), self.mcfg.timeout_s)
+        return asyncio.run_coroutine_threadsafe(bounded(), self._loop)
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+    # ---- the driver ----
+    def rollout(self, engine, prompts: PromptBatch, *, group_size: int, seed: int) -> RolloutBatch:
+        """``group_size`` episodes per prompt of ``prompts`` with the weights ``engine`` holds; rows in the
+        single-turn rollout's order, sample index ``prompt index * group_size + k``."""
+        start = time.perf_counter()
+        rows = prompts.repeat(group_size)
+        plist = [p.tolist() for p in unpad(rows.prompt_ids_BTp.cpu(), rows.prompt_mask_BTp.cpu())]
+        eps = [_Episode(example=example_of(rows.answers[b] if rows.answers else "", plist[b], self.decode), prompt=plist[b],
+                        budget=min(self.mcfg.max_total_tokens or self.max_positions, self.max_positions - len(plist[b])))
+               for b in range(rows.size)]
+        counts = dict.fromkeys([f"env/{e}" for e in ENDS] + ["env/episodes", "env/turns", "env/calls"], 0.0)
+        pending = {self._submit(self.env_cls, ep.example): b for b, ep in enumerate(eps)}
+        ready: list[int] = []
+        idle = 0.0
+        while pending or ready:
+            if not ready:  # the engine has nothing to generate: it waits for the first environment to answer
+                t = time.perf_counter()
+                cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+                idle += time.perf_counter() - t
+            for f in [f for f in pending if f.done()]:
+                b = pending.pop(f)
+                counts["env/calls"] += 1
+                if self._answered(eps[b], f):
+                    ready.append(b)
+            if ready:
+                batch, ready = sorted(ready), []
+                for b, f in self._turn(engine, rows, eps, batch, seed):
+                    pending[f] = b
+        for ep in eps:
+            counts["env/episodes"] += 1
+            counts["env/turns"] += ep.turns
+            if ep.end is not None:
+                counts[f"env/{ep.end}"] += 1
+        self._counts = counts
+        self._times = {"rollout_idle_s": idle, "rollout_driver_s": time.perf_counter() - start}
+        return self._rows(rows, eps)
+
+    def figures(self) -> tuple[dict[str, float], dict[str, float]]:
+        """The last rollout's counts (``env/*``: episodes, turns, environment calls and each end) and times."""
+        return dict(self._counts), dict(self._times)
+
+    def _turn(self, engine, rows: RolloutBatch, eps: list[_Episode], batch: list[int], seed: int):
+        """One generation call: a turn of each episode in ``batch``; returns (episode, its step's future)."""
+        dev = rows.prompt_ids_BTp.device
+        ids, mask = pad([torch.tensor(eps[b].prompt + eps[b].ids, dtype=torch.long) for b in batch], 0, left=True)
+        index = rows.index_B[batch].cpu() * self.mcfg.max_turns + torch.tensor([eps[b].turns for b in batch])
+        ctx = PromptBatch(prompt_ids_BTp=ids.to(dev), prompt_mask_BTp=mask.to(dev), index_B=index.to(dev),
+                          group_B=rows.group_B[batch])
+        out = engine.generate(ctx, group_size=1, seed=seed)
+        got_ids = unpad(out.response_ids_BTr.cpu(), out.response_mask_BTr.cpu())
+        got_lp = unpad(out.sample_logprobs_BTr.cpu(), out.response_mask_BTr.cpu())
+        futures = []
+        for b, t_ids, t_lp in zip(batch, got_ids, got_lp):
+            ep, turn = eps[b], t_ids.tolist()
+            ep.ids += turn
+            ep.sampled += [True] * len(turn)
+            ep.logprobs += t_lp.tolist()
+            ep.turns += 1
+            ep.last_turn = turn
+            futures.append((b, self._submit(ep.env.step, self.decode(turn))))
+        return futures
+
+    def _answered(self, ep: _Episode, f: cf.Future) -> bool:
+        """Take an environment's answer (the episode's start, or a step); True: the episode takes another turn."""
+        try:
+            got = f.result()
+        except TimeoutError:
+            return self._stop(ep, "timeouts", f"took over {self.mcfg.timeout_s} s")
+        except Exception as e:
+            return self._stop(ep, "errors", f"raised {type(e).__name__}: {e}")
+        if ep.env is None:  # the episode's start
+            ep.env = got
+            return True
+        if not isinstance(got, Feedback):
+            return self._stop(ep, "malformed", f"returned {type(got).__name__}, not a Feedback")
+        r = got.reward
+        if r is not None and not (isinstance(r, numbers.Real) and not isinstance(r, bool) and math.isfinite(r)):
+            return self._stop(ep, "malformed", f"returned reward {r!r} (a finite number or None)")
+        if not isinstance(got.done, bool):
+            return self._stop(ep, "malformed", f"returned done={got.done!r} (a bool)")
+        if r is not None:
+            ep.reward = (ep.reward or 0.0) + float(r)
+        if got.done:
+            return False
+        if ep.turns >= self.mcfg.max_turns:
+            ep.end = "max_turns"
+            return False
+        try:
+            obs = self._observation(got.observation)
+        except ValueError as e:
+            return self._stop(ep, "malformed", str(e))
+        if len(ep.ids) + len(obs) + self.max_new_tokens > ep.budget:
+            ep.end = "max_tokens"
+            return False
+        ep.ids += obs
+        ep.sampled += [False] * len(obs)
+        ep.logprobs += [0.0] * len(obs)
+        return True
+
+    def _stop(self, ep: _Episode, why: str, what: str) -> bool:
+        ep.end = why
+        log.warning("multi-turn: environment %s %s; the episode ends unscored", self.mcfg.env, what)
+        return False
+
+    def _observation(self, obs) -> list[int]:
+        if obs is None:
+            return []
+        if isinstance(obs, str):
+            return list(self.render(obs))
+        if isinstance(obs, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in obs):
+            bad = [i for i in obs if not 0 <= i < self.vocab_size]
+            if bad:
+                raise ValueError(f"returned observation ids {bad[:8]} outside the vocabulary [0, {self.vocab_size})")
+            return list(obs)
+        raise ValueError(f"returned observation {obs!r:.100} (text, token ids or None)")
+
+    def _rows(self, rows: RolloutBatch, eps: list[_Episode]) -> RolloutBatch:
+        """The episodes as rows: the response, which of its tokens were sampled, their log-probs, the reward."""
+        rewards = [math.nan if ep.end in FAILURES else ep.reward for ep in eps]
+        todo = [b for b, ep in enumerate(eps) if rewards[b] is None]
+        if todo:  # the run's reward of the model's last turn, where the environment gave none
+            got = self.reward_fn([self.decode(eps[b].last_turn) for b in todo], [rows.answers[b] for b in todo])
+            for b, v in zip(todo, got):
+                rewards[b] = math.nan if v is None else float(v)
+        dev = rows.prompt_ids_BTp.device
+        T = max(1, max(len(ep.ids) for ep in eps))
+        ids, mask = pad([torch.tensor(ep.ids, dtype=torch.long) for ep in eps], 0, length=T)
+        sampled, _ = pad([torch.tensor(ep.sampled, dtype=torch.bool) for ep in eps], False, length=T)
+        lp, _ = pad([torch.tensor(ep.logprobs, dtype=torch.float32) for ep in eps], 0.0, length=T)
+        return extend(rows, RolloutBatch, response_ids_BTr=ids.to(dev), response_mask_BTr=mask.to(dev),
+                      sample_logprobs_BTr=lp.to(dev), loss_mask_BTr=sampled.to(dev),
+                      env_rewards_B=torch.tensor(rewards, dtype=torch.float32, device=dev))
+
+
+__all__ = ["ENDS", "FAILURES", "MultiTurn", "MultiTurnConfig", "example_of"]
