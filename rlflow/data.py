@@ -226,16 +226,18 @@ def _load_dataset(datasets, path: str, ext: str, split: str):
                          f"({type(cause).__name__}: {cause})") from None
 
 
-def apply_chat_template(examples: list[Example], template, *, system_prompt: str | None = None) -> list[Example]:
+def apply_chat_template(examples: list[Example], template, *, system_prompt: str | None = None,
+                        tools: list[dict] | None = None) -> list[Example]:
     """``examples`` with each prompt rendered by ``template`` (``rlflow.tokenizer.ChatTemplate``) and its
     messages kept: a text prompt is one user message, a chat-form example's messages are used as they are;
-    ``system_prompt`` goes first unless the messages start with a system message of their own."""
+    ``system_prompt`` goes first unless the messages start with a system message of their own; ``tools``: the
+    schemas of the tools the model may call (``envs.tools.schema``), shown as the template shows them."""
     out = []
     for ex in examples:
         msgs = list(ex.messages) if ex.messages is not None else [{"role": "user", "content": ex.prompt}]
         if system_prompt is not None and msgs[0].get("role") != "system":
             msgs.insert(0, {"role": "system", "content": system_prompt})
-        out.append(replace(ex, prompt=template.render(msgs), messages=tuple(msgs)))
+        out.append(replace(ex, prompt=template.render(msgs, tools=tools), messages=tuple(msgs)))
     return out
 
 

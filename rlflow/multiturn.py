@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import functools
 import inspect
 import json
 import logging
@@ -60,6 +61,7 @@ class MultiTurnConfig:
     max_turns: int = 2  # the model's turns per episode
     max_total_tokens: int | None = None  # response tokens per episode (None: the model's positions bound them)
     timeout_s: float = 60.0  # seconds an environment's start or step may take
+    tools: str | None = None  # the tools an environment that runs them gets (``envs.tools.load_tools``)
 
     def __post_init__(self):
         if not isinstance(self.max_turns, int) or self.max_turns < 1:
@@ -98,16 +100,34 @@ def example_of(answer: str, prompt_ids: list[int], decode) -> Example:
     return Example(decode(prompt_ids), answer)
 
 
+def plain_render(encode):
+    """Observations without a chat template: their messages' text, encoded as it is."""
+    return lambda messages, closed: list(encode("".join(m["content"] for m in messages)))
+
+
+def chat_render(template, encode):
+    """Observations through ``template`` (``tokenizer.ChatTemplate``): the text that follows the model's turn to
+    add the messages and open its next turn (``ChatTemplate.continuation``), encoded once."""
+    return lambda messages, closed: list(encode(template.continuation(messages, closed=closed)))
+
+
 class MultiTurn:
-    """One rank's multi-turn rollouts (``rollout``) with the environment ``mcfg.env``. ``render(text) -> ids``
-    makes an observation's text into tokens (the run's template); ``reward_fn(completions, answers)``: the run's
-    reward, for episodes the environment gave none; ``max_positions`` and ``vocab_size``: the model's;
-    ``max_new_tokens``: a turn's budget (the engine's); ``decode(ids) -> text``: the tokenizer's."""
+    """One rank's multi-turn rollouts (``rollout``) with the environment ``mcfg.env``. ``render(messages, closed)
+    -> ids`` makes an observation into tokens (``plain_render``, ``chat_render``; ``closed``: the model's turn ended
+    with its end-of-sequence token); ``decode(ids) -> text``: the tokenizer's; ``reward_fn(completions,
+    answers)``: the run's reward, for episodes the environment gave none; ``max_positions`` and ``vocab_size``: the
+    model's; ``max_new_tokens``: a turn's budget (the engine's); ``eos_id``: where a turn ends; ``tools``: the
+    run's tools (name -> function), given to an environment class that takes a ``tools`` keyword."""
 
     def __init__(self, mcfg: MultiTurnConfig, *, render, decode, reward_fn, max_new_tokens: int,
-                 max_positions: int, vocab_size: int):
+                 max_positions: int, vocab_size: int, eos_id: int, tools: dict | None = None):
         self.mcfg, self.env_cls = mcfg, load_env(mcfg.env)
-        self.render, self.decode, self.reward_fn = render, decode, reward_fn
+        self.count_names = tuple(getattr(self.env_cls, "COUNTS", ()))
+        if "tools" in inspect.signature(self.env_cls).parameters:
+            if not tools:
+                raise ValueError(f"env {mcfg.env}: it runs tools, and none are given (--tools)")
+            self.env_cls = functools.partial(self.env_cls, tools=tools)
+        self.render, self.decode, self.reward_fn, self.eos_id = render, decode, reward_fn, eos_id
         self.max_new_tokens, self.max_positions, self.vocab_size = max_new_tokens, max_positions, vocab_size
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rlflow-env", daemon=True)
@@ -140,7 +160,8 @@ class MultiTurn:
         eps = [_Episode(example=example_of(rows.answers[b] if rows.answers else "", plist[b], self.decode), prompt=plist[b],
                         budget=min(self.mcfg.max_total_tokens or self.max_positions, self.max_positions - len(plist[b])))
                for b in range(rows.size)]
-        counts = dict.fromkeys([f"env/{e}" for e in ENDS] + ["env/episodes", "env/turns", "env/calls"], 0.0)
+        counts = dict.fromkeys([f"env/{e}" for e in ENDS + self.count_names] + ["env/episodes", "env/turns", "env/calls"],
+                               0.0)
         pending = {self._submit(self.env_cls, ep.example): b for b, ep in enumerate(eps)}
         ready: list[int] = []
         idle = 0.0
@@ -152,7 +173,7 @@ class MultiTurn:
             for f in [f for f in pending if f.done()]:
                 b = pending.pop(f)
                 counts["env/calls"] += 1
-                if self._answered(eps[b], f):
+                if self._answered(eps[b], f, counts):
                     ready.append(b)
             if ready:
                 batch, ready = sorted(ready), []
@@ -192,7 +213,7 @@ class MultiTurn:
             futures.append((b, self._submit(ep.env.step, self.decode(turn))))
         return futures
 
-    def _answered(self, ep: _Episode, f: cf.Future) -> bool:
+    def _answered(self, ep: _Episode, f: cf.Future, counts: dict[str, float]) -> bool:
         """Take an environment's answer (the episode's start, or a step); True: the episode takes another turn."""
         try:
             got = f.result()
@@ -210,6 +231,13 @@ class MultiTurn:
             return self._stop(ep, "malformed", f"returned reward {r!r} (a finite number or None)")
         if not isinstance(got.done, bool):
             return self._stop(ep, "malformed", f"returned done={got.done!r} (a bool)")
+        extra = got.counts or {}
+        if not (isinstance(extra, dict) and set(extra) <= set(self.count_names)
+                and all(isinstance(v, numbers.Real) and math.isfinite(v) for v in extra.values())):
+            return self._stop(ep, "malformed", f"returned counts {extra!r:.100} (numbers of the names in its COUNTS "
+                                               f"{self.count_names})")
+        for k, v in extra.items():
+            counts[f"env/{k}"] += float(v)
         if r is not None:
             ep.reward = (ep.reward or 0.0) + float(r)
         if got.done:
@@ -218,7 +246,7 @@ class MultiTurn:
             ep.end = "max_turns"
             return False
         try:
-            obs = self._observation(got.observation)
+            obs = self._observation(got.observation, closed=bool(ep.last_turn) and ep.last_turn[-1] == self.eos_id)
         except ValueError as e:
             return self._stop(ep, "malformed", str(e))
         if len(ep.ids) + len(obs) + self.max_new_tokens > ep.budget:
@@ -234,17 +262,20 @@ class MultiTurn:
         log.warning("multi-turn: environment %s %s; the episode ends unscored", self.mcfg.env, what)
         return False
 
-    def _observation(self, obs) -> list[int]:
+    def _observation(self, obs, closed: bool) -> list[int]:
         if obs is None:
             return []
-        if isinstance(obs, str):
-            return list(self.render(obs))
-        if isinstance(obs, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in obs):
+        if isinstance(obs, (list, tuple)) and obs and all(isinstance(i, int) and not isinstance(i, bool) for i in obs):
             bad = [i for i in obs if not 0 <= i < self.vocab_size]
             if bad:
                 raise ValueError(f"returned observation ids {bad[:8]} outside the vocabulary [0, {self.vocab_size})")
             return list(obs)
-        raise ValueError(f"returned observation {obs!r:.100} (text, token ids or None)")
+        msgs = [{"role": "user", "content": obs}] if isinstance(obs, str) else [obs] if isinstance(obs, dict) else obs
+        if not (isinstance(msgs, (list, tuple)) and msgs and all(
+                isinstance(m, dict) and m.get("role") in ("user", "tool") and isinstance(m.get("content"), str)
+                for m in msgs)):
+            raise ValueError(f"returned observation {obs!r:.100} (text, user / tool messages, token ids or None)")
+        return self.render(list(msgs), closed)
 
     def _rows(self, rows: RolloutBatch, eps: list[_Episode]) -> RolloutBatch:
         """The episodes as rows: the response, which of its tokens were sampled, their log-probs, the reward."""

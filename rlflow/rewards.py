@@ -181,6 +181,26 @@ def load_reward(spec: str) -> Reward:
     return Reward(spec, load_object(spec, "reward", sorted(REGISTRY)))
 
 
+def import_file(where: str, kind: str, spec: str | None = None):
+    """The module of the Python file ``where``, imported once per process; ValueError naming the ``kind`` and
+    the ``spec`` it was given by (default: the file)."""
+    spec = spec or where
+    if not os.path.isfile(where):
+        raise ValueError(f"{kind} {spec}: no file {where}")
+    mod_name = f"rlflow_{kind}_" + re.sub(r"\W", "_", os.path.abspath(where))
+    mod = sys.modules.get(mod_name)
+    if mod is None:
+        mod_spec = importlib.util.spec_from_file_location(mod_name, where)
+        mod = importlib.util.module_from_spec(mod_spec)
+        sys.modules[mod_name] = mod  # dataclasses and pickling look the module up
+        try:
+            mod_spec.loader.exec_module(mod)
+        except Exception as e:
+            del sys.modules[mod_name]
+            raise ValueError(f"{kind} {spec}: importing {where} raised {type(e).__name__}: {e}") from None
+    return mod
+
+
 def load_object(spec: str, kind: str, registered: list[str]) -> Callable:
     """The callable ``path/to/file.py:name`` or ``module:name`` names (a function, a class), imported once per
     process; ValueError naming the ``kind`` ("reward", "env"), the spec and what is wrong (``registered``: the
@@ -190,19 +210,7 @@ def load_object(spec: str, kind: str, registered: list[str]) -> Callable:
         raise ValueError(f"unknown {kind} {spec!r}: not registered ({registered}), and not "
                          "path/to/file.py:name or module:name")
     if where.endswith(".py") or os.sep in where or "/" in where:
-        if not os.path.isfile(where):
-            raise ValueError(f"{kind} {spec}: no file {where}")
-        mod_name = f"rlflow_{kind}_" + re.sub(r"\W", "_", os.path.abspath(where))
-        mod = sys.modules.get(mod_name)
-        if mod is None:
-            mod_spec = importlib.util.spec_from_file_location(mod_name, where)
-            mod = importlib.util.module_from_spec(mod_spec)
-            sys.modules[mod_name] = mod  # dataclasses and pickling look the module up
-            try:
-                mod_spec.loader.exec_module(mod)
-            except Exception as e:
-                del sys.modules[mod_name]
-                raise ValueError(f"{kind} {spec}: importing {where} raised {type(e).__name__}: {e}") from None
+        mod = import_file(where, kind, spec)
     else:
         try:
             mod = importlib.import_module(where)

@@ -152,17 +152,41 @@ class ChatTemplate:
             raise ValueError(f"{path}: transformers cannot load the tokenizer to render its chat template "
                              f"({e})") from None
 
-    def render(self, messages: list[dict]) -> str:
-        """The prompt text of one conversation, ending with the assistant's generation prompt."""
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The text of one conversation, ending with the assistant's generation prompt (unless
+        ``add_generation_prompt`` is False); ``tools``: the schemas of the tools the model may call
+        (``envs.tools.schema``), which the template shows it."""
         import jinja2
         try:
             if self._hf is not None:
-                return self._hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+                return self._hf.apply_chat_template(list(messages), tools=tools, tokenize=False,
+                                                    add_generation_prompt=add_generation_prompt)
             chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
-            return self._template.render(messages=chat, tools=None, documents=None, add_generation_prompt=True,
-                                         **self._tokens)
+            return self._template.render(messages=chat, tools=tools, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **self._tokens)
         except jinja2.TemplateError as e:
             raise ValueError(f"{self.path}: the chat template refused messages {list(messages)!r:.300}: {e}") from None
+
+    def continuation(self, messages: list[dict], *, closed: bool) -> str:
+        """The text that follows a finished assistant turn to add ``messages`` (an environment's user or tool
+        messages) and open the next assistant turn, as the template renders a whole conversation: the
+        difference between a conversation with and without them (the incremental form, so the history is never
+        rendered again). ``closed``: the turn ended with the end-of-sequence token the model samples, which is
+        the start of what the template closes an assistant message with; that text is then not repeated."""
+        base = [{"role": "user", "content": "\u2063u"}, {"role": "assistant", "content": "\u2063a"}]
+        before = self.render(base, add_generation_prompt=False)
+        after = self.render(base + list(messages), add_generation_prompt=True)
+        if not after.startswith(before) or "\u2063a" not in before:
+            raise ValueError(f"{self.path}: the chat template renders a conversation's earlier messages otherwise "
+                             "once messages follow them; its incremental form is undefined")
+        close = before[before.rindex("\u2063a") + 2:]  # what ends an assistant message, e.g. "<|im_end|>\n"
+        if closed and self.eos_token and close.startswith(self.eos_token):
+            close = close[len(self.eos_token):]
+        return close + after[len(before):]
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._hf.eos_token if self._hf is not None else self._tokens.get("eos_token")
 
 
 def _special_tokens(path: str) -> dict[str, str]:

@@ -20,7 +20,7 @@ from rlflow.engines import BuiltinEngine
 from rlflow.models import qwen3_moe as model
 from rlflow.models.config import get_config
 from rlflow.models.logprobs import response_logprobs
-from rlflow.multiturn import MultiTurn, MultiTurnConfig
+from rlflow.multiturn import MultiTurn, MultiTurnConfig, plain_render
 from rlflow.rewards import per_sample
 from rlflow.rollout import SamplingConfig
 from rlflow.tokenizer import CharTokenizer
@@ -39,8 +39,8 @@ def spread(text: str, answer: str) -> float:
 
 
 def driver(name: str, *, tok=TOK, new_tokens: int = 3, reward=spread, **kw) -> MultiTurn:
-    return MultiTurn(MultiTurnConfig(env=env(name), **kw), render=tok.encode, decode=tok.decode,
-                     reward_fn=per_sample(reward), max_new_tokens=new_tokens,
+    return MultiTurn(MultiTurnConfig(env=env(name), **kw), render=plain_render(tok.encode), decode=tok.decode,
+                     reward_fn=per_sample(reward), max_new_tokens=new_tokens, eos_id=TOK.eos_id,
                      max_positions=CFG.max_position_embeddings, vocab_size=CFG.vocab_size)
 
 
@@ -196,10 +196,10 @@ def test_a_slow_environment_delays_its_own_episode_not_the_others():
     generated without it (the engine does not wait for the batch's slowest environment)."""
     eng = Scripted(lambda ctx: [TOK.encode("5")[0], TOK.eos_id])
     rows = driver("SlowFirst", max_turns=3).rollout(eng, prompts(list("0123")), group_size=1, seed=0)
-    calls = [sorted(i // 3 for i in index) for index, _ in eng.seen]
-    assert calls[0] == [0, 1, 2, 3]
-    k = next(i for i, c in enumerate(calls[1:]) if 0 in c)
-    assert sorted(e for c in calls[1:1 + k] for e in c) == [1, 1, 2, 2, 3, 3], calls  # the fast ones' turns 2, 3 first
+    calls = [index for index, _ in eng.seen]  # sample index i * 3 + turn
+    second = next(k for k, c in enumerate(calls) if 1 in c)  # the call with episode 0's second turn
+    before = sorted(i for c in calls[:second] for i in c)
+    assert before == [0] + list(range(3, 12)), calls  # every fast episode's three turns came first
     assert rows.loss_mask_BTr.sum(-1).tolist() == [6, 6, 6, 6]
 
 
@@ -207,15 +207,14 @@ def test_recipe_refuses_what_multi_turn_does_not_run_with_by_flag():
     from rlflow.recipe.checks import problems
     from rlflow.recipe.flags import Recipe
     base = Recipe()
-    cases = {
-        "max_turns": dataclasses.replace(base, max_turns=3),
-        "env": dataclasses.replace(base, env="no_such_env"),
-        "rollout_ranks": dataclasses.replace(base, env="max_digit_feedback", rollout_ranks=1),
-        "rollout_layout": dataclasses.replace(base, env="max_digit_feedback", rollout_layout="tp=2"),
-        "routing_replay": dataclasses.replace(base, env="max_digit_feedback", routing_replay="on"),
-    }
-    for field, r in cases.items():
-        got = problems(r)
+    mt = dict(env="max_digit_feedback")
+    cases = [("max_turns", dict(max_turns=3)), ("tools", dict(tools="calculator")), ("env", dict(env="no_such_env")),
+             ("rollout_ranks", dict(mt, rollout_ranks=1)), ("rollout_layout", dict(mt, rollout_layout="tp=2")),
+             ("routing_replay", dict(mt, routing_replay="on")), ("adv_estimator", dict(mt, adv_estimator="gae")),
+             ("env", dict(env="tools")), ("tools", dict(env="tools", tools="calculator")),  # no chat template
+             ("tools", dict(mt, tools="calculator")), ("tools", dict(env="tools", tools="nope.py"))]
+    for field, kw in cases:
+        got = problems(dataclasses.replace(base, **kw))
         assert any(name == field for name, _ in got), (field, got)
     bad_turns = problems(dataclasses.replace(base, env="max_digit_feedback", max_turns=0))
     assert any(name == "max_turns" and "max_turns=0" not in why for name, why in bad_turns), bad_turns
@@ -235,3 +234,95 @@ def test_recipe_runs_a_multi_turn_env_and_logs_its_counts(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["env/episodes"] == 16 and 16 <= last["env/turns"] <= 32 and "rollout_idle_s" in last
+
+
+def _chat_dir(path, template: str) -> str:
+    """A tokenizer directory with ``template`` whose end-of-sequence token is the template's end of a turn."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + ["hi"])}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<unk>")
+    fast.chat_template = template
+    fast.save_pretrained(str(path))
+    return str(path)
+
+
+def test_an_observation_renders_as_the_whole_conversations_template_renders_it(tmp_path):
+    """The incremental form: prompt + the model's turn (ending at its EOS) + the continuation of a tool message is
+    the template's rendering of the whole conversation, character for character, with tools shown or not."""
+    from test_data_formats import QWEN25
+
+    from rlflow.envs.tools import TOOLS, schema
+    from rlflow.tokenizer import ChatTemplate
+    t = ChatTemplate(_chat_dir(tmp_path / "q", QWEN25))
+    for tools in (None, [schema(TOOLS["calculator"])]):
+        user = [{"role": "user", "content": "What is 12*7?"}]
+        turn = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}\n</tool_call>'
+        result = [{"role": "tool", "content": "84"}]
+        whole = t.render(user + [{"role": "assistant", "content": turn}] + result, tools=tools)
+        assert whole == t.render(user, tools=tools) + turn + "<|im_end|>" + t.continuation(result, closed=True)
+        # a turn cut at the token limit (no EOS sampled): the template's own end of the turn comes first
+        assert t.continuation(result, closed=False) == "<|im_end|>" + t.continuation(result, closed=True)
+        feedback = [{"role": "user", "content": "Try again."}]
+        whole = t.render(user + [{"role": "assistant", "content": "85"}] + feedback, tools=tools)
+        assert whole == t.render(user, tools=tools) + "85<|im_end|>" + t.continuation(feedback, closed=True)
+
+
+def test_tool_calls_run_and_malformed_ones_are_answered_and_counted(tmp_path):
+    from rlflow.envs import Feedback
+    from rlflow.envs.tools import ToolEnv, load_tools
+    f = tmp_path / "mytools.py"
+    f.write_text('def add(a: int, b: int) -> int:\n    """Add two integers."""\n    return a + b\n\n'
+                 'def _hidden(x: int):\n    return x\n')
+    tools = load_tools(f"calculator,{f}")
+    assert sorted(tools) == ["add", "calculator"]
+    e = ToolEnv(Example("p", "a"), tools=tools)
+    call = lambda body: f"<tool_call>\n{body}\n</tool_call>"  # noqa: E731
+    got = e.step("let me add " + call('{"name": "add", "arguments": {"a": 2, "b": 40}}')
+                 + call('{"name": "calculator", "arguments": {"expression": "6*7"}}'))
+    assert got.observation == [{"role": "tool", "content": "42"}, {"role": "tool", "content": "42"}]
+    assert got.counts == {"tool_calls": 2, "tool_errors": 0} and not got.done
+    bad = e.step(call("{not json") + call('{"name": "nope", "arguments": {}}') + call('{"name": "add", "arguments": {"a": 1}}')
+                 + call('{"name": "calculator", "arguments": {"expression": "__import__(\'os\')"}}'))
+    assert bad.counts == {"tool_calls": 4, "tool_errors": 4}
+    assert [m["content"].split(":")[0] for m in bad.observation] == ["error"] * 4
+    assert e.step("The answer is 42.") == Feedback(done=True)
+    with pytest.raises(ValueError, match="parameter x needs an annotation"):
+        (tmp_path / "untyped.py").write_text("def f(x):\n    return x\n")
+        load_tools(str(tmp_path / "untyped.py"))
+
+
+def test_a_tool_episode_through_the_driver_with_the_chat_template(tmp_path):
+    """The model calls the calculator, reads the result as the template renders a tool message, answers; the row
+    is its two turns around the rendered result, the counts name the call, the run's reward scores the answer."""
+    from test_data_formats import QWEN25
+    from tokenizers import Tokenizer
+
+    from rlflow.envs.tools import TOOLS
+    from rlflow.multiturn import chat_render
+    from rlflow.tokenizer import ChatTemplate
+    d = _chat_dir(tmp_path / "q", QWEN25)
+    t, hf = ChatTemplate(d), Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}\n</tool_call>'
+    hf.add_tokens([call, "84", "\n", "<tool_response>", "</tool_response>", "user", "assistant"])
+    eos, cid, aid = hf.token_to_id("<|im_end|>"), hf.token_to_id(call), hf.token_to_id("84")
+    encode = lambda text: hf.encode(text, add_special_tokens=False).ids  # noqa: E731
+    decode = lambda ids: hf.decode(ids, skip_special_tokens=True)  # noqa: E731
+    mt = MultiTurn(MultiTurnConfig(env="tools", max_turns=3), render=chat_render(t, encode), decode=decode,
+                   reward_fn=per_sample(lambda text, answer: float(text == answer)), max_new_tokens=4, eos_id=eos,
+                   max_positions=512, vocab_size=hf.get_vocab_size(), tools={"calculator": TOOLS["calculator"]})
+    prompt = PromptBatch(prompt_ids_BTp=torch.tensor([[hf.token_to_id("hi")]]), prompt_mask_BTp=torch.tensor([[True]]),
+                         index_B=torch.tensor([0]), group_B=torch.tensor([0]), answers=("84",))
+    eng = Scripted(lambda ctx: [cid, eos] if aid not in ctx else [aid, eos])
+    rows = mt.rollout(eng, prompt, group_size=1, seed=0)
+    obs = encode(t.continuation([{"role": "tool", "content": "84"}], closed=True))
+    assert decode(obs) == decode(encode("\n<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n"
+                                        "<|im_start|>assistant\n"))
+    assert rows.response_ids_BTr[0].tolist() == [cid, eos] + obs + [aid, eos]
+    assert rows.loss_mask_BTr[0].tolist() == [True, True] + [False] * len(obs) + [True, True]
+    counts = mt.figures()[0]
+    assert counts["env/tool_calls"] == 1 and counts["env/tool_errors"] == 0 and counts["env/turns"] == 2
+    assert rows.env_rewards_B.tolist() == [1.0]

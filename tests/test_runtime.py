@@ -7,6 +7,8 @@ critic (GAE), the critic's weights too."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,7 @@ from rlflow.dock.proc_backend import proc_dock
 from rlflow.dock.routing import route
 from rlflow.models import qwen3_moe
 from rlflow.models.config import get_config
+from rlflow.multiturn import MultiTurnConfig
 from rlflow.rewards import per_sample
 from rlflow.rollout import SamplingConfig
 from rlflow.runtime import launch, loop
@@ -28,6 +31,7 @@ from rlflow.runtime.step import context
 from rlflow.sharding.mesh import Mesh
 from rlflow.tokenizer import CharTokenizer
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 TOK = CharTokenizer()
 CFG = get_config("qwen3-moe-tiny").replace(eos_token_id=TOK.eos_id)
 P, G, STEPS = 4, 4, 3
@@ -39,14 +43,15 @@ def reward(text: str, answer: str) -> float:
     return len(set(text)) / 4.0
 
 
-def lcfg(kl: float = 0.0, gae: bool = False, new_tokens: int = 4) -> loop.LoopConfig:
+def lcfg(kl: float = 0.0, gae: bool = False, new_tokens: int = 4, mt: bool = False) -> loop.LoopConfig:
     # eps 1e-4, not 1e-8: AdamW's m / (sqrt(v) + eps) turns a gradient element of ~1e-9 (rounding noise, whose
     # sign the order of a sum decides) into a step of lr; with eps 1e-8 two exact runs differ by 0.2 lr there
     return loop.LoopConfig(steps=STEPS, prompts_per_step=P, mini_batch_size=P * G, micro_batch_size=P * G,
                            grpo=grpo.GRPOConfig(group_size=G, kl_coef=kl, adv_estimator="gae" if gae else "grpo"),
                            optim=optim.AdamWConfig(lr=1e-2, eps=1e-4),
                            sampling=SamplingConfig(max_new_tokens=new_tokens, eos_id=TOK.eos_id, pad_id=TOK.pad_id),
-                           seed=3, critic=critics.CriticConfig(optim=optim.AdamWConfig(lr=1e-2, eps=1e-4)) if gae else None)
+                           seed=3, critic=critics.CriticConfig(optim=optim.AdamWConfig(lr=1e-2, eps=1e-4)) if gae else None,
+                           multiturn=MultiTurnConfig(env=f"{HERE}/multiturn_envs.py:Hint", max_turns=2) if mt else None)
 
 
 def full_params():
@@ -57,10 +62,10 @@ def full_critic(gae: bool):
     return critics.Critic.from_policy(full_params(), CFG, seed=7) if gae else None
 
 
-def one_process(kl: float, dock=None, gae: bool = False):
+def one_process(kl: float, dock=None, gae: bool = False, mt: bool = False):
     c = full_critic(gae)
     state, hist = loop.train(init(full_params(), PromptSource(task="max_digit", seed=1), kl=bool(kl), critic=c),
-                             context(CFG, TOK, per_sample(reward), lcfg(kl, gae), dock=dock))
+                             context(CFG, TOK, per_sample(reward), lcfg(kl, gae, mt=mt), dock=dock))
     return [m["reward_mean"] for m in hist], {**state.policy, **({} if c is None else prefixed(state.critic.params))}
 
 
@@ -68,7 +73,8 @@ def prefixed(critic_params: dict) -> dict:
     return {"critic." + k: v for k, v in critic_params.items()}
 
 
-def worker(rank: int, world: int, train: str, rollout: str, kl: float, dock, gae: bool = False, new_tokens: int = 4):
+def worker(rank: int, world: int, train: str, rollout: str, kl: float, dock, gae: bool = False, new_tokens: int = 4,
+           mt: bool = False):
     from rlflow.models.sharding import RULES, layout
     from rlflow.parallel.context import shard_params
     from rlflow.runtime.weights import gather_full
@@ -83,7 +89,7 @@ def worker(rank: int, world: int, train: str, rollout: str, kl: float, dock, gae
         c = critics.Critic(params=shard_params(c.params, clay, rank), opt_state=None)
         c.opt_state = optim.init(c.params)
     state, hist = loop.train(init(mine, PromptSource(task="max_digit", seed=1), kl=bool(kl), critic=c),
-                             context(CFG, TOK, per_sample(reward), lcfg(kl, gae, new_tokens), dock=dock, placement=where))
+                             context(CFG, TOK, per_sample(reward), lcfg(kl, gae, new_tokens, mt), dock=dock, placement=where))
     params = state.policy
     whole = lambda head: layout(CFG, Mesh(dp=world), {k: None for k in RULES}, dtype=torch.float32, head=head)  # noqa: E731
     full = gather_full(params, where.train, whole("lm"))
@@ -93,8 +99,8 @@ def worker(rank: int, world: int, train: str, rollout: str, kl: float, dock, gae
 
 
 def compare(world: int, train: str, rollout: str, kl: float = 0.0, ray: bool = False, gae: bool = False,
-            receives: bool = True):
-    want_r, want_p = one_process(kl, gae=gae)
+            receives: bool = True, mt: bool = False):
+    want_r, want_p = one_process(kl, gae=gae, mt=mt)
     graph = graph_for("gae" if gae else "grpo")
     if ray:  # the ranks as Ray actors (a local Ray), the dock's warehouses and controllers too
         import sys
@@ -107,7 +113,7 @@ def compare(world: int, train: str, rollout: str, kl: float = 0.0, ray: bool = F
     else:
         dock = proc_dock(graph.schema, graph.consumers, capacity=P * G, warehouses=2, group_size=G)
     try:
-        res = (launch.ray_spawn if ray else launch.spawn)(worker, world, train, rollout, kl, dock, gae)
+        res = (launch.ray_spawn if ray else launch.spawn)(worker, world, train, rollout, kl, dock, gae, 4, mt)
     finally:
         dock.close()
     got_r, got_p, last = res[0]
@@ -139,6 +145,13 @@ def test_one_process_with_and_without_the_dock_train_identically():
 @pytest.mark.parametrize("train,rollout,kl", [("tp=2", "dp=2", 0.0), ("ep=2", "dp=2", 0.1)])
 def test_world_2_matches_one_process(train, rollout, kl):
     compare(2, train, rollout, kl)
+
+
+@pytest.mark.slow
+def test_multi_turn_world_2_matches_one_process():
+    """Episodes of two turns with an environment between them (its observations through the dock as context,
+    the loss over the sampled tokens only): the default placement trains as one process does."""
+    compare(2, "tp=2", "dp=2", mt=True)
 
 
 @pytest.mark.slow

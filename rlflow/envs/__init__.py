@@ -23,8 +23,9 @@ from typing import Callable
 
 from rlflow.envs.base import Feedback
 from rlflow.envs.max_digit import MaxDigitFeedback
+from rlflow.envs.tools import ToolEnv
 
-ENVS: dict[str, Callable] = {"max_digit_feedback": MaxDigitFeedback}
+ENVS: dict[str, Callable] = {"max_digit_feedback": MaxDigitFeedback, "tools": ToolEnv}
 
 
 def load_env(spec: str) -> Callable:

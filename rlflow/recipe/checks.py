@@ -7,6 +7,7 @@ and maps their ValueErrors onto the flags; the rules here are the ones no config
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
 import re
@@ -14,6 +15,7 @@ import re
 from rlflow import metrics, rewards
 from rlflow.data import PromptSource, apply_chat_template, load_examples
 from rlflow.envs import load_env
+from rlflow.envs.tools import load_tools
 from rlflow.models import hf
 from rlflow.models.config import get_config
 from rlflow.recipe.flags import Recipe
@@ -63,12 +65,24 @@ def env_problems(r: Recipe) -> list[tuple[str, str]]:
     """(field, why) for --env and its flags: the environment loads, and what multi-turn rollouts cannot run with
     (yet). Their ranges are MultiTurnConfig's."""
     if r.env is None:
-        return [(name, "needs --env (multi-turn rollouts)") for name in ("max_turns", "max_total_tokens", "env_timeout")
-                if getattr(r, name) is not None]
+        return [(name, "needs --env (multi-turn rollouts)") for name in ("max_turns", "max_total_tokens", "env_timeout",
+                                                                          "tools") if getattr(r, name) is not None]
     try:
-        load_env(r.env)
+        env = load_env(r.env)
     except ValueError as e:
         return [("env", str(e))]
+    try:
+        if r.tools is not None:
+            load_tools(r.tools)
+    except ValueError as e:
+        return [("tools", str(e))]
+    runs_tools = "tools" in inspect.signature(env).parameters
+    if runs_tools and r.tools is None:
+        return [("env", "this environment runs tools: name them with --tools (e.g. --tools calculator)")]
+    if r.tools is not None and not runs_tools:
+        return [("tools", f"--env {r.env} runs no tools (its class takes no tools keyword)")]
+    if r.tools is not None and chat_template(r) is None:
+        return [("tools", "needs --model with a chat template (the prompts show the model the tools' schemas)")]
     refused = [("rollout_ranks", bool(r.rollout_ranks), "with --env is not built yet"),
                ("eval_dataset", bool(r.eval_dataset), "with --env is not built yet (evaluation generates one turn)")]
     out = [(name, why) for name, bad, why in refused if bad]

@@ -35,6 +35,9 @@ class Recipe:
                                      "turn's limit")
     max_total_tokens: int | None = _f(None, "--env: response tokens per episode, the model's turns and the "
                                             "observations (default: the model's positions bound them)")
+    tools: str | None = _f(None, "--env tools: the tools the model may call, comma-separated: built-in (calculator) "
+                                 "and path/to/file.py (each public function a tool); the prompts show their "
+                                 "schemas through --model's chat template")
     env_timeout: float | None = _f(None, "--env: seconds an environment's start or step may take before its episode "
                                          "ends unscored (default 60)")
     chat_template: bool = _f(True, "render each prompt with --model's chat template (chat_template.jinja or "

@@ -19,6 +19,7 @@ from rlflow.dock.proc_backend import node_dock, proc_dock
 from rlflow.models import hf, qwen3_moe
 from rlflow.models.config import ModelConfig, get_config
 from rlflow.models.sharding import layout
+from rlflow.envs.tools import load_tools, schema
 from rlflow.multiturn import MultiTurnConfig
 from rlflow.parallel.context import check_layout
 from rlflow.rollout import SamplingConfig
@@ -87,7 +88,8 @@ def loop_config(r: Recipe, eos_id: int, pad_id: int) -> LoopConfig:
 def multiturn_config(r: Recipe) -> MultiTurnConfig | None:
     if r.env is None:
         return None
-    given = {"max_turns": r.max_turns, "max_total_tokens": r.max_total_tokens, "timeout_s": r.env_timeout}
+    given = {"max_turns": r.max_turns, "max_total_tokens": r.max_total_tokens, "timeout_s": r.env_timeout,
+             "tools": r.tools}
     return MultiTurnConfig(env=r.env, **{k: v for k, v in given.items() if v is not None})
 
 
@@ -134,13 +136,15 @@ class RunSpec:
     reward_fn: Callable
     config: LoopConfig
     device: torch.device
+    template: ChatTemplate | None = None  # --model's chat template, for multi-turn observations (--env)
 
 
 def build(r: Recipe) -> RunSpec:
     cfg, params, tok, dev = load_model(r)
     source, reward_fn = prompts_and_reward(r)
     return RunSpec(cfg=cfg, params=params, tokenizer=tok, source=source, reward_fn=reward_fn,
-                   config=loop_config(r, tok.eos_id, tok.pad_id), device=dev)
+                   config=loop_config(r, tok.eos_id, tok.pad_id), device=dev,
+                   template=chat_template(r) if r.env else None)
 
 
 def check_tokenizer(r: Recipe, cfg) -> None:
@@ -189,10 +193,11 @@ def prompt_transform(r: Recipe, reward: rewards.CombinedReward) -> Callable[[lis
     """Examples as the model and the reward functions see them: rendered by the chat template, carrying what
     the reward functions are called with."""
     chat = chat_template(r)
+    tools = [schema(fn) for fn in load_tools(r.tools).values()] if r.tools else None
 
     def prepare(batch: list[Example]) -> list[Example]:
         if chat is not None:
-            batch = apply_chat_template(batch, chat, system_prompt=r.system_prompt)
+            batch = apply_chat_template(batch, chat, system_prompt=r.system_prompt, tools=tools)
         return reward.carry(batch)
     return prepare
 

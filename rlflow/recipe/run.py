@@ -157,7 +157,7 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
         # the state holds what the run needs: neither the whole initial weights nor the checkpoint stay alive
         spec, ck = dataclasses.replace(spec, params={}), None
         ctx = step.context(cfg, spec.tokenizer, spec.reward_fn, spec.config, device=dev, dock=dock, placement=where,
-                           pool="colocated" if side is None else "train", link=side)
+                           pool="colocated" if side is None else "train", link=side, template=spec.template)
         if lead and r.out:
             with open(os.path.join(r.out, "args.json"), "w") as f:
                 json.dump(dataclasses.asdict(r), f, indent=2)
@@ -218,7 +218,7 @@ def _produce(rank: int, world: int, r: Recipe, dock, spec: RunSpec, link) -> lis
     lays = layouts(r, cfg, dtype)
     where = None if world == 1 else placement(r, cfg, dtype, pool="rollout")
     ctx = step.context(cfg, spec.tokenizer, spec.reward_fn, spec.config, device=spec.device, dock=dock,
-                       placement=where, pool="rollout")
+                       placement=where, pool="rollout", template=spec.template)
     mine = spec.params if world == 1 else shard_params(spec.params, lays["rollout_layout"], rank)
     buffers = (mine, {n: t.clone() for n, t in mine.items()})  # the engine's copy, and the one the next version fills
     side = pools.RolloutSide(link, rank, world, push_plan(lays["train_layout"], lays["rollout_layout"]), buffers)

@@ -31,7 +31,8 @@ from rlflow.algos import corrections, critic as critics, estimators, stages
 from rlflow.batch import PromptBatch, RolloutBatch
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import n_moe_layers
-from rlflow.multiturn import MultiTurn
+from rlflow.envs.tools import load_tools
+from rlflow.multiturn import MultiTurn, chat_render, plain_render
 from rlflow.runtime.flow import DockFlow, MemoryFlow, rollout_share, score_share, train_batch
 from rlflow.runtime.graph import LOSS_MASK, ROUTES, ROWS, Graph, graph_for
 from rlflow.runtime.config import LoopConfig, check_features, share_problems
@@ -74,7 +75,8 @@ class StepOut:
 
 
 def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device: torch.device | str = "cpu",
-            dock=None, placement: Placement | None = None, pool: str = "colocated", link=None) -> StepContext:
+            dock=None, placement: Placement | None = None, pool: str = "colocated", link=None,
+            template=None) -> StepContext:
     """The fixed part of a run's steps on this rank. ``dock``: the transfer dock the rows cross from the
     rollout group to the train group through (``rlflow.dock.Dock``, its consumers ``graph_for(...).consumers``);
     None hands them over in memory (one process only). ``placement``: the layouts of a world of several ranks
@@ -82,7 +84,10 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
 
     Separate device pools (``runtime.pools``): ``pool`` "rollout" or "train" is the pool this rank is in, whose
     world and ``placement`` (its layout as both) are the pool's; ``link``: the ``pools.TrainSide`` of a train
-    rank (the rollout ranks' loop is ``runtime.producer``)."""
+    rank (the rollout ranks' loop is ``runtime.producer``).
+
+    ``template``: the chat template (``tokenizer.ChatTemplate``) multi-turn rollouts render the environments'
+    observations with (``conf.multiturn``); None: their text as it is."""
     if pool not in ("colocated", "rollout", "train") or (pool == "train") != (link is not None):
         raise ValueError(f"step.context: pool={pool!r} with link={link!r}: a train pool's rank needs its link")
     if pool != "colocated" and dock is None:
@@ -118,9 +123,11 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
         if where.rollout_ex.collective_forward:
             raise ValueError("step.context: multi-turn rollouts drive each rank's engine on its own episodes; a "
                              "rollout layout with tp or ep > 1 generates in lockstep across ranks: use dp only")
-        multiturn = MultiTurn(conf.multiturn, render=tokenizer.encode, decode=tokenizer.decode, reward_fn=reward_fn,
+        tools = None if conf.multiturn.tools is None else load_tools(conf.multiturn.tools)
+        render = plain_render(tokenizer.encode) if template is None else chat_render(template, tokenizer.encode)
+        multiturn = MultiTurn(conf.multiturn, render=render, decode=tokenizer.decode, reward_fn=reward_fn,
                               max_new_tokens=conf.sampling.max_new_tokens, vocab_size=cfg.vocab_size,
-                              max_positions=cfg.max_position_embeddings)
+                              max_positions=cfg.max_position_embeddings, eos_id=conf.sampling.eos_id, tools=tools)
     return StepContext(cfg=cfg, tokenizer=tokenizer, reward_fn=reward_fn, config=conf, device=torch.device(device),
                        seats=where, graph=graph, flow=flow, engine=engine, update_config=ucfg,
                        dock_columns=dock_columns(graph, conf.routing_replay, multiturn=conf.multiturn is not None),
