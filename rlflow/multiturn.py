@@ -111,6 +111,24 @@ def chat_render(template, encode):
     return lambda messages, closed: list(encode(template.continuation(messages, closed=closed)))
 
 
+# Once an environment has answered, the engine waits while others keep answering within this window, so the
+# steps submitted together (a generation call's episodes) rejoin together: one call for them, not one per answer.
+COALESCE_S = 0.01
+
+
+def _gather(pending) -> None:
+    """Wait for the first of ``pending`` to complete, then for the others as long as each arrives within
+    ``COALESCE_S`` of the one before."""
+    cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+    n = sum(f.done() for f in pending)
+    while n < len(pending):
+        cf.wait(pending, timeout=COALESCE_S, return_when=cf.ALL_COMPLETED)
+        now = sum(f.done() for f in pending)
+        if now == n:
+            return
+        n = now
+
+
 class MultiTurn:
     """One rank's multi-turn rollouts (``rollout``) with the environment ``mcfg.env``. ``render(messages, closed)
     -> ids`` makes an observation into tokens (``plain_render``, ``chat_render``; ``closed``: the model's turn ended
@@ -166,9 +184,9 @@ class MultiTurn:
         ready: list[int] = []
         idle = 0.0
         while pending or ready:
-            if not ready:  # the engine has nothing to generate: it waits for the first environment to answer
+            if not ready:  # the engine has nothing to generate: it waits for the environments to answer
                 t = time.perf_counter()
-                cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+                _gather(pending)
                 idle += time.perf_counter() - t
             for f in [f for f in pending if f.done()]:
                 b = pending.pop(f)

@@ -1,7 +1,8 @@
-"""``max_digit_feedback``: the built-in task ``max_digit`` with a second chance. The prompt is ``max:381920=``;
-a wrong answer is told whether the largest digit is higher (``+=``) or lower (``-=``) than the one given (``?=``
-when the turn is not one digit), and the model answers again. Reward 1 for the right digit by the last turn
-(the run's ``--max-turns``), 0 otherwise: a model that reads the hint beats one that answers once."""
+"""``max_digit_feedback``: the built-in task ``max_digit`` with a hint after a wrong answer. The prompt is
+``max:381920=``; a wrong answer is shown the half of the digits that holds the largest one (``+920=``), and the
+model answers again, up to the run's ``--max-turns``. Reward 1 for the right digit by the last turn, 0
+otherwise: the hint makes the second answer easier than the first (the largest of three digits, not six), so a
+model that reads it gains over one that answers once."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ from rlflow.envs.base import Feedback
 
 class MaxDigitFeedback:
     def __init__(self, example):
+        digits = example.prompt.removeprefix("max:").removesuffix("=")
+        if not (example.prompt.startswith("max:") and digits.isdigit() and max(digits) == example.answer):
+            raise ValueError(f"max_digit_feedback: the prompt {example.prompt!r} with answer {example.answer!r} is "
+                             "not the built-in task max_digit's")
+        half = len(digits) // 2
         self.answer = example.answer
+        self.hint = digits[:half] if max(digits[:half]) == example.answer else digits[half:]
 
     def step(self, turn: str):
         if turn == self.answer:
             return Feedback(reward=1.0, done=True)
-        hint = "?=" if not (len(turn) == 1 and turn.isdigit()) else "+=" if self.answer > turn else "-="
-        return Feedback(observation=hint, reward=0.0)
+        return Feedback(observation=f"+{self.hint}=", reward=0.0)

@@ -29,7 +29,7 @@ class Recipe:
     answer_key: str = _f("answer", "--dataset column of the reference answers")
     task: str = _f("max_digit", "built-in task: max_digit, sum_mod10, first_digit")
     env: str | None = _f(None, "multi-turn rollouts: the environment that answers the model between its turns, a "
-                               "built-in one (max_digit_feedback: --task max_digit with a hint after a wrong answer) "
+                               "built-in one (max_digit_feedback: --task max_digit with a hint after a wrong answer; tools: --tools) "
                                "or path/to/file.py:Class (docs/agentic.md); each sample is one episode")
     max_turns: int | None = _f(None, "--env: the model's turns per episode (default 2); --max-new-tokens is each "
                                      "turn's limit")
