@@ -62,6 +62,9 @@ class MultiTurnConfig:
     max_total_tokens: int | None = None  # response tokens per episode (None: the model's positions bound them)
     timeout_s: float = 60.0  # seconds an environment's start or step may take
     tools: str | None = None  # the tools an environment that runs them gets (``envs.tools.load_tools``)
+    # environment calls in flight at once: the threads sync steps run in (a step that waits on a tool or a
+    # sandbox holds one while it waits); async steps share the event loop
+    concurrency: int = 256
 
     def __post_init__(self):
         if not isinstance(self.max_turns, int) or self.max_turns < 1:
@@ -70,6 +73,8 @@ class MultiTurnConfig:
             raise ValueError(f"max_total_tokens={self.max_total_tokens!r} must be >= 1 (None: no limit)")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0")
+        if not isinstance(self.concurrency, int) or self.concurrency < 1:
+            raise ValueError(f"concurrency={self.concurrency!r} must be an integer >= 1")
 
 
 @dataclass
@@ -148,6 +153,7 @@ class MultiTurn:
         self.render, self.decode, self.reward_fn, self.eos_id = render, decode, reward_fn, eos_id
         self.max_new_tokens, self.max_positions, self.vocab_size = max_new_tokens, max_positions, vocab_size
         self._loop = asyncio.new_event_loop()
+        self._loop.set_default_executor(cf.ThreadPoolExecutor(mcfg.concurrency, thread_name_prefix="rlflow-env"))
         self._thread = threading.Thread(target=self._loop.run_forever, name="rlflow-env", daemon=True)
         self._thread.start()
         self._counts: dict[str, float] = {}
