@@ -5,17 +5,20 @@ The workload: the built-in engine with the recipe's model (random init), P promp
 latency drawn uniformly from [0, ``--max-latency-ms``] (a tool call, a sandbox) and answers with a 2-token
 observation, never ending the episode before the last turn.
 
-    overlapped   ``rlflow.multiturn`` as the recipe runs it: every episode whose environment has answered joins
-                 the next generation call while the others' environments run
-    lockstep     the same driver made to wait for every pending environment before each generation call: each
-                 turn of the batch waits for its slowest environment (the peer default of a synchronous loop)
+    served       ``rlflow.multiturn`` as the recipe runs it with the built-in engine: the engine serves turns as
+                 their environments answer (``engine.serve``: continuous batching across turns; a request joins
+                 the running batch at the next decode step)
+    calls        the same driver over an engine that only generates a batch per call (as vLLM's ``generate``
+                 is driven today): each call takes every episode whose environment has answered
+    lockstep     ``calls`` made to wait for every pending environment before each call: each turn of the batch
+                 waits for its slowest environment (the peer default of a synchronous loop)
 
-Rounds alternate the two (A B, A B, ...), the same seeds in both, one process, one thread:
+Rounds alternate the three (A B C, A B C, ...), the same seeds in all, one process, one thread:
 
     sampled tok/s   = the model's sampled tokens of all episodes / the rollout's wall time
     engine idle     = the time the engine waited because no episode was ready (``rollout_idle_s``) / the
                       rollout's wall time (the target: below 10% with the overlapped driver)
-    ratio           = overlapped tok/s / lockstep tok/s, per round (median and spread)
+    ratio           = served (and calls) tok/s / lockstep tok/s, per round (median and spread)
 
     python bench/multiturn.py
     python bench/multiturn.py --rlflow-src /tmp/base   # another checkout's rlflow (A/B)
@@ -49,6 +52,13 @@ class Sleepy:
         return Feedback(observation="+=")
 
 
+class Calls:
+    """The engine without ``serve``: the driver generates a batch per call."""
+
+    def __init__(self, engine):
+        self.generate = engine.generate
+
+
 def rollout(mode: str, a, seed: int) -> dict:
     import concurrent.futures as cf
 
@@ -77,9 +87,10 @@ def rollout(mode: str, a, seed: int) -> dict:
     gather = multiturn._gather
     if mode == "lockstep":
         multiturn._gather = lambda pending: cf.wait(pending)
+    driven = eng if mode == "served" else Calls(eng)
     try:
         with torch.inference_mode():
-            rows = mt.rollout(eng, prompts, group_size=a.group_size, seed=seed)
+            rows = mt.rollout(driven, prompts, group_size=a.group_size, seed=seed)
     finally:
         multiturn._gather = gather
         mt.close()
@@ -103,24 +114,24 @@ def main():
     sys.path.insert(0, a.rlflow_src)
     import torch
     torch.set_num_threads(1)
-    rollout("overlapped", a, 0)  # warm-up: first-call allocations and imports
-    got = {"overlapped": [], "lockstep": []}
+    rollout("served", a, 0)  # warm-up: first-call allocations and imports
+    got = {"served": [], "calls": [], "lockstep": []}
     for r in range(a.rounds):
         for mode in got:
             got[mode].append(rollout(mode, a, r))
             m = got[mode][-1]
             print(f"round {r} {mode:10s}: {m['tok_s']:8.0f} sampled tok/s, engine idle {m['idle']:.1%}, "
                   f"{m['wall_s']:.2f} s, {m['turns']:.0f} turns")
-    ratios = [o["tok_s"] / s["tok_s"] for o, s in zip(got["overlapped"], got["lockstep"])]
+    ratios = {k: [o["tok_s"] / s["tok_s"] for o, s in zip(got[k], got["lockstep"])] for k in ("served", "calls")}
     med = {k: {f: statistics.median(x[f] for x in v) for f in ("tok_s", "idle")} for k, v in got.items()}
     print(f"workload: {a.prompts} prompts x {a.group_size} episodes, {a.max_turns} turns of <= {a.max_new_tokens} "
           f"tokens, environment latency U[0, {a.max_latency_ms:g}] ms per step; {a.preset}, 1 thread")
     for k, v in med.items():
         print(f"{k:10s}: {v['tok_s']:8.0f} sampled tok/s, engine idle {v['idle']:.1%} of the rollout (median of "
               f"{a.rounds})")
-    print(f"overlapped / lockstep: {statistics.median(ratios):.2f}x (rounds {min(ratios):.2f}-{max(ratios):.2f})")
-    print(json.dumps({"overlapped": med["overlapped"], "lockstep": med["lockstep"], "ratio": statistics.median(ratios),
-                      "ratios": ratios}))
+    for k, r in ratios.items():
+        print(f"{k} / lockstep: {statistics.median(r):.2f}x (rounds {min(r):.2f}-{max(r):.2f})")
+    print(json.dumps({**med, "ratio": {k: statistics.median(r) for k, r in ratios.items()}, "ratios": ratios}))
 
 
 if __name__ == "__main__":

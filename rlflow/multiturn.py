@@ -32,6 +32,7 @@ The rules at the limits:
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures as cf
 import functools
 import inspect
@@ -186,6 +187,73 @@ class MultiTurn:
                for b in range(rows.size)]
         counts = dict.fromkeys([f"env/{e}" for e in ENDS + self.count_names] + ["env/episodes", "env/turns", "env/calls"],
                                0.0)
+        if hasattr(engine, "serve"):
+            idle = self._stream(engine, rows, eps, seed, counts)
+        else:
+            idle = self._waves(engine, rows, eps, seed, counts)
+        for ep in eps:
+            counts["env/episodes"] += 1
+            counts["env/turns"] += ep.turns
+            if ep.end is not None:
+                counts[f"env/{ep.end}"] += 1
+        self._counts = counts
+        self._times = {"rollout_idle_s": idle, "rollout_driver_s": time.perf_counter() - start}
+        return self._rows(rows, eps)
+
+    def _stream(self, engine, rows: RolloutBatch, eps: list[_Episode], seed: int, counts: dict) -> float:
+        """The episodes through an engine that serves requests as they come (``engine.serve``): a turn is
+        requested the moment its environment has answered. Returns the seconds the engine waited for one."""
+        cond, ready, live, idle = threading.Condition(), collections.deque(), [len(eps)], [0.0]
+        index, T = rows.index_B.cpu().tolist(), self.mcfg.max_turns
+
+        def answered(b: int, f: cf.Future) -> None:  # on the event loop's thread
+            go = False
+            try:
+                counts["env/calls"] += 1
+                go = self._answered(eps[b], f, counts)
+            finally:
+                with cond:
+                    if go:
+                        ready.append(b)
+                    else:
+                        live[0] -= 1
+                    cond.notify()
+
+        def submit(b: int, fn, *args) -> None:
+            self._submit(fn, *args).add_done_callback(lambda f: answered(b, f))
+
+        mt = self
+
+        class Requests:
+            def take(self, n: int, wait: bool):
+                with cond:
+                    if wait:
+                        t = time.perf_counter()
+                        while not ready and live[0] > 0:
+                            cond.wait()
+                        idle[0] += time.perf_counter() - t
+                    got = [ready.popleft() for _ in range(min(n, len(ready)))]
+                return [(b, eps[b].prompt + eps[b].ids, index[b] * T + eps[b].turns) for b in got]
+
+            def done(self, b: int, ids: list[int], logprobs: list[float]) -> None:
+                submit(b, eps[b].env.step, mt.decode(mt._took_turn(eps[b], ids, logprobs)))
+
+        for b, ep in enumerate(eps):
+            submit(b, self.env_cls, ep.example)
+        engine.serve(Requests(), slots=len(eps), max_len=max(len(ep.prompt) + ep.budget for ep in eps), seed=seed)
+        return idle[0]
+
+    def _took_turn(self, ep: _Episode, ids: list[int], logprobs: list[float]) -> list[int]:
+        ep.ids += ids
+        ep.sampled += [True] * len(ids)
+        ep.logprobs += logprobs
+        ep.turns += 1
+        ep.last_turn = ids
+        return ids
+
+    def _waves(self, engine, rows: RolloutBatch, eps: list[_Episode], seed: int, counts: dict) -> float:
+        """The episodes through an engine that generates a batch per call: each call takes every episode whose
+        environment has answered. Returns the seconds the engine waited for one."""
         pending = {self._submit(self.env_cls, ep.example): b for b, ep in enumerate(eps)}
         ready: list[int] = []
         idle = 0.0
@@ -203,14 +271,7 @@ class MultiTurn:
                 batch, ready = sorted(ready), []
                 for b, f in self._turn(engine, rows, eps, batch, seed):
                     pending[f] = b
-        for ep in eps:
-            counts["env/episodes"] += 1
-            counts["env/turns"] += ep.turns
-            if ep.end is not None:
-                counts[f"env/{ep.end}"] += 1
-        self._counts = counts
-        self._times = {"rollout_idle_s": idle, "rollout_driver_s": time.perf_counter() - start}
-        return self._rows(rows, eps)
+        return idle
 
     def figures(self) -> tuple[dict[str, float], dict[str, float]]:
         """The last rollout's counts (``env/*``: episodes, turns, environment calls and each end) and times."""
@@ -226,16 +287,8 @@ class MultiTurn:
         out = engine.generate(ctx, group_size=1, seed=seed)
         got_ids = unpad(out.response_ids_BTr.cpu(), out.response_mask_BTr.cpu())
         got_lp = unpad(out.sample_logprobs_BTr.cpu(), out.response_mask_BTr.cpu())
-        futures = []
-        for b, t_ids, t_lp in zip(batch, got_ids, got_lp):
-            ep, turn = eps[b], t_ids.tolist()
-            ep.ids += turn
-            ep.sampled += [True] * len(turn)
-            ep.logprobs += t_lp.tolist()
-            ep.turns += 1
-            ep.last_turn = turn
-            futures.append((b, self._submit(ep.env.step, self.decode(turn))))
-        return futures
+        return [(b, self._submit(eps[b].env.step, self.decode(self._took_turn(eps[b], t_ids.tolist(), t_lp.tolist()))))
+                for b, t_ids, t_lp in zip(batch, got_ids, got_lp)]
 
     def _answered(self, ep: _Episode, f: cf.Future, counts: dict[str, float]) -> bool:
         """Take an environment's answer (the episode's start, or a step); True: the episode takes another turn."""
@@ -273,6 +326,8 @@ class MultiTurn:
             obs = self._observation(got.observation, closed=bool(ep.last_turn) and ep.last_turn[-1] == self.eos_id)
         except ValueError as e:
             return self._stop(ep, "malformed", str(e))
+        except Exception as e:  # the template or the tokenizer refused what the environment said
+            return self._stop(ep, "malformed", f"returned an observation rendering raised {type(e).__name__}: {e}")
         if len(ep.ids) + len(obs) + self.max_new_tokens > ep.budget:
             ep.end = "max_tokens"
             return False

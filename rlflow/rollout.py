@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlflow.batch import PromptBatch, RolloutBatch, extend
+from rlflow.batch import PromptBatch, RolloutBatch, extend, pad
 from rlflow.models import qwen3_moe as model
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import LOCAL, Exec
@@ -256,3 +256,95 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
         valid = (out.slot_row >= 0) if masked else None
         nz = None if greedy else counter_noise(keys_B[out.slot_row.clamp_min(0)], out.n_gen, cfg.vocab_size)
         tok_S, done = step(params, cfg, scfg, tok_S, valid, nz, cache, out, ex)
+
+
+def serve(params: model.Params, cfg: ModelConfig, scfg: SamplingConfig, requests, *, slots: int, max_len: int,
+          seed: int, ex: Exec = LOCAL) -> None:
+    """Continuous batching over requests that arrive while the engine decodes (multi-turn rollouts: a turn is
+    requested when its environment has answered the previous one), up to ``slots`` at once in a KV cache of
+    ``max_len`` positions per slot.
+
+    ``requests.take(n, wait)``: up to ``n`` ready requests ``(key, context ids, sample index)``; [] when none is
+    ready, and with ``wait`` (no slot is decoding) it blocks until one is, [] then meaning none will come.
+    ``requests.done(key, ids, logprobs)``: a finished response (EOS included, or ``max_new_tokens``). Every
+    decode step admits what is ready into the free slots, so a request waits for a free slot, never for the
+    batch. A request's sampling noise is that of its sample index under ``seed`` (``ops.counter_noise``): its
+    tokens are ``generate``'s for the same context, index and seed, whatever else shares the batch."""
+    if not (ex.first and ex.last) or ex.collective_forward:
+        raise ValueError("serve: each rank serves its own requests (a layout with tp, ep or pp > 1 steps in "
+                         "lockstep across ranks; use generate)")
+    with torch.inference_mode():
+        _serve(params, cfg, scfg, requests, slots, max_len, seed, ex)
+
+
+def _serve(params, cfg, scfg, requests, slots, max_len, seed, ex):
+    dtype = params["model.embed_tokens.weight"].dtype
+    dev = params["model.embed_tokens.weight"].device
+    params = model.fuse_for_inference(params, cfg, ex)
+    Tn, V = scfg.max_new_tokens, cfg.vocab_size
+    cache = model.KVCache.allocate(cfg, slots, max_len, dtype=dtype, device=dev, ex=ex)
+    out = _Out(ids=torch.full((slots + 1, Tn), scfg.pad_id, dtype=torch.long, device=dev),
+               lp=torch.zeros((slots + 1, Tn), dtype=torch.float32, device=dev),
+               mask=torch.zeros((slots + 1, Tn), dtype=torch.bool, device=dev),
+               slot_row=torch.full((slots,), -1, dtype=torch.long, device=dev),
+               n_gen=torch.zeros(slots, dtype=torch.long, device=dev))
+    keys_S = torch.zeros(slots, dtype=torch.long, device=dev)
+    tok_S = torch.zeros(slots, dtype=torch.long, device=dev)
+    owner: list = [None] * slots  # the request key each slot serves (None: free)
+    free = list(range(slots))
+    greedy = scfg.temperature == 0
+    sampling = dict(temperature=scfg.temperature, top_k=scfg.top_k, top_p=scfg.top_p)
+
+    def admit(reqs, free: list[int]) -> torch.Tensor:
+        """Prefill the requests' contexts into free slots and sample their first tokens; returns done_S."""
+        nonlocal tok_S
+        n = len(reqs)
+        ids, mask = pad([torch.tensor(c, dtype=torch.long) for _, c, _ in reqs], scfg.pad_id, left=True)
+        if ids.shape[1] + Tn > max_len:
+            raise ValueError(f"serve: a context of {ids.shape[1]} tokens and {Tn} new ones exceed the cache's "
+                             f"{max_len} positions")
+        ids_r, mask_r, _ = right_align(ids.to(dev), mask.to(dev))
+        Tc = ids_r.shape[1]
+        tmp = model.KVCache.allocate(cfg, n, Tc, dtype=dtype, device=dev, ex=ex)
+        h, _, _ = model.forward(params, cfg, ids_r, torch.arange(Tc, device=dev).expand(n, Tc), valid_BT=mask_r,
+                                cache=tmp, with_aux=False, ex=ex)
+        last = model.logits(params, cfg, h[torch.arange(n, device=dev), mask_r.sum(-1) - 1], ex)
+        sl = torch.tensor(free[:n], dtype=torch.long, device=dev)
+        cache.copy_rows(sl, tmp, torch.arange(n, device=dev), Tc)
+        cache.bound = max(cache.bound, Tc)
+        keys = counter_keys(seed, torch.tensor([i for _, _, i in reqs], dtype=torch.long, device=dev))
+        keys_S[sl] = keys
+        t, lp = sample(last, noise_BV=None if greedy else counter_noise(keys, torch.zeros_like(keys), V), **sampling)
+        for s, (key, _, _) in zip(free[:n], reqs):
+            owner[s] = key
+        del free[:n]
+        out.slot_row[sl], out.n_gen[sl], out.mask[sl] = sl, 0, False
+        new = torch.zeros(slots, dtype=torch.bool, device=dev)
+        new[sl] = True
+        tok_S = tok_S.index_put((sl,), t)
+        return _record(scfg, out, tok_S, torch.zeros(slots, device=dev).index_put((sl,), lp), new)
+
+    done = torch.zeros(slots, dtype=torch.bool, device=dev)
+    while True:
+        if bool(done.any()):  # hand out the finished responses and free their slots
+            finished = done.nonzero()[:, 0]
+            n_gen = out.n_gen[finished].tolist()
+            ids, lps = out.ids[finished].tolist(), out.lp[finished].tolist()
+            for s, n, i, lp in zip(finished.tolist(), n_gen, ids, lps):
+                requests.done(owner[s], i[:n], lp[:n])
+                owner[s] = None
+                free.append(s)
+            out.slot_row[finished] = -1
+            cache.lengths_B[finished] = 0
+            done = done & False
+        if free:
+            reqs = requests.take(len(free), wait=len(free) == slots)
+            if not reqs and len(free) == slots:
+                return
+            if reqs:
+                done = admit(reqs, free)
+                continue  # an admitted request may be done at once (EOS first)
+        cache.bound = int(cache.lengths_B.max())
+        valid = None if not free else out.slot_row >= 0
+        nz = None if greedy else counter_noise(keys_S, out.n_gen, V)
+        tok_S, done = _decode_step(params, cfg, scfg, tok_S, valid, nz, cache, out, ex)

@@ -63,3 +63,17 @@ class Echo:
 
     def step(self, turn):
         return Feedback(observation=turn)
+
+
+STARTS: list = []  # (answer, turn, time) of every SlowFirstLog step
+
+
+class SlowFirstLog(SlowFirst):
+    def __init__(self, example):
+        super().__init__(example)
+        self.answer, self.turn = example.answer, 0
+
+    def step(self, turn):
+        self.turn += 1
+        STARTS.append((self.answer, self.turn, time.perf_counter()))
+        return super().step(turn)

@@ -203,6 +203,38 @@ def test_a_slow_environment_delays_its_own_episode_not_the_others():
     assert rows.loss_mask_BTr.sum(-1).tolist() == [6, 6, 6, 6]
 
 
+class Calls:
+    """The built-in engine without ``serve``: the driver then generates a batch per call."""
+
+    def __init__(self, e):
+        self.generate = e.generate
+
+
+def test_served_episodes_equal_episodes_generated_call_by_call():
+    """Continuous batching across turns (``engine.serve``) samples each turn's tokens as a generation call over
+    the same context would: the rows are the same whichever way the engine is driven."""
+    p, e = prompts(list("2718")), engine(4)
+    served = driver("Hint", max_turns=3, new_tokens=4).rollout(e, p, group_size=3, seed=5)
+    called = driver("Hint", max_turns=3, new_tokens=4).rollout(Calls(e), p, group_size=3, seed=5)
+    assert torch.equal(served.response_ids_BTr, called.response_ids_BTr)
+    assert torch.equal(served.loss_mask_BTr, called.loss_mask_BTr)
+    torch.testing.assert_close(served.sample_logprobs_BTr, called.sample_logprobs_BTr, atol=1e-5, rtol=1e-5)
+    assert served.env_rewards_B.tolist() == called.env_rewards_B.tolist()
+
+
+def test_a_slow_environment_does_not_hold_the_served_batch():
+    """With the engine serving requests as they come, the fast episodes take all three turns while the slow
+    one's environment sleeps through its first step."""
+    import sys
+
+    from rlflow.envs import load_env
+    starts = sys.modules[load_env(env("SlowFirstLog")).__module__].STARTS  # the module as the driver loads it
+    starts.clear()
+    driver("SlowFirstLog", max_turns=3).rollout(engine(), prompts(list("0123")), group_size=1, seed=0)
+    at = {(a, t): s for a, t, s in starts}
+    assert max(at[(a, 3)] for a in "123") < at[("0", 2)], starts
+
+
 def test_recipe_refuses_what_multi_turn_does_not_run_with_by_flag():
     from rlflow.recipe.checks import problems
     from rlflow.recipe.flags import Recipe

@@ -8,6 +8,9 @@ step:
                                             ``group_size`` samples per prompt of a ``PromptBatch``:
                                             response ids, masks, the sampling log-probs (and, asked at
                                             build time, the MoE routes)
+    engine.serve(requests, slots=, max_len=, seed=)
+                                            optional (the built-in engine): continuous batching over requests
+                                            that arrive while it decodes (multi-turn rollouts, ``rollout.serve``)
     engine.release() -> weights             the weights handed back (the transition's way back frees
                                             them); the engine keeps nothing of them
     engine.figures() -> dict                the last load's seconds and bytes, for the metrics

@@ -6,7 +6,7 @@ from __future__ import annotations
 from rlflow.batch import PromptBatch, RolloutBatch
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import LOCAL, Exec
-from rlflow.rollout import SamplingConfig, generate
+from rlflow.rollout import SamplingConfig, generate, serve
 
 
 class BuiltinEngine:
@@ -29,6 +29,13 @@ class BuiltinEngine:
             raise RuntimeError("BuiltinEngine.generate: no weights loaded (call load first)")
         return generate(self._weights, self.cfg, prompts, self.sampling, group_size=group_size, seed=seed,
                         compile_decode=self.compile_decode, record_routes=self.record_routes, ex=self.ex)
+
+    def serve(self, requests, *, slots: int, max_len: int, seed: int) -> None:
+        """Continuous batching over requests that arrive while it decodes (``rollout.serve``): multi-turn
+        rollouts, where a turn is requested when its environment has answered."""
+        if self._weights is None:
+            raise RuntimeError("BuiltinEngine.serve: no weights loaded (call load first)")
+        serve(self._weights, self.cfg, self.sampling, requests, slots=slots, max_len=max_len, seed=seed, ex=self.ex)
 
     def release(self) -> dict:
         weights, self._weights = self._weights, None
