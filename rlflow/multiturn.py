@@ -6,11 +6,12 @@ only for the environment to read), so the row trained on is the sequence generat
 response holds the whole episode; ``loss_mask_BTr`` marks the model's sampled tokens, the only ones the
 log-probs and the losses are over (observations are context), and ``sample_logprobs_BTr`` holds theirs.
 
-The driver overlaps the engine and the environments: every episode whose environment has answered joins the
-next generation call (one ``engine.generate`` over the contexts of all the ready episodes, one turn each) while
-the other episodes' environments run (sync ``step`` in threads, ``async def step`` on an event loop), so a slow
-environment delays its own episode, not the batch. The engine waits only when no episode is ready: that time
-is ``rollout_idle_s``.
+The driver overlaps the engine and the environments (sync ``step`` in threads, ``async def step`` on an event
+loop), so a slow environment delays its own episode, not the batch. An engine that serves requests as they come
+(``engine.serve``, the built-in one: continuous batching across turns) gets each episode's next turn the moment
+its environment answers, into the running batch; any other engine is driven call by call (``engine.generate``
+over the contexts of every episode whose environment has answered, one turn each). The engine waits only when no
+episode is ready: that time is ``rollout_idle_s``.
 
 Sampling: turn t of the episode of sample index i draws the noise of sample index ``i * max_turns + t``, so its
 tokens do not depend on which other episodes share a generation call (the built-in engine's batch
@@ -361,7 +362,8 @@ class MultiTurn:
         rewards = [math.nan if ep.end in FAILURES else ep.reward for ep in eps]
         todo = [b for b, ep in enumerate(eps) if rewards[b] is None]
         if todo:  # the run's reward of the model's last turn, where the environment gave none
-            got = self.reward_fn([self.decode(eps[b].last_turn) for b in todo], [rows.answers[b] for b in todo])
+            got = self.reward_fn([self.decode(eps[b].last_turn) for b in todo],
+                                 [rows.answers[b] if rows.answers else "" for b in todo])
             for b, v in zip(todo, got):
                 rewards[b] = math.nan if v is None else float(v)
         dev = rows.prompt_ids_BTp.device

@@ -67,6 +67,15 @@ def test_vllm_generates_with_the_weights_pushed_last(checks):
         assert d["engine_vs_builtin"] < EXACT, (name, d)
 
 
+@needs_vllm
+def test_vllm_drives_multi_turn_episodes_as_the_builtin_engine(checks):
+    """Multi-turn rollouts reach vLLM through the engine seam (a generation call per wave of answered episodes):
+    greedy episodes of three turns with observations between them are the built-in engine's, token for token."""
+    m = checks["multiturn"]
+    assert m["turns"] == 3 * 8 and m["observation_tokens"] == 2 * 2 * 8, m
+    assert m["ids_equal"] and m["loss_mask_equal"] and m["lp_max_diff"] < EXACT, m
+
+
 def _run(tmp_path, name, *flags, steps):
     out = tmp_path / name
     res = subprocess.run([sys.executable, RECIPE, "--rollout-engine", "vllm", "--steps", str(steps), "--out", str(out),

@@ -29,9 +29,9 @@ import torch
 from rlflow import engines, optim
 from rlflow.algos import corrections, critic as critics, estimators, stages
 from rlflow.batch import PromptBatch, RolloutBatch
+from rlflow.envs.tools import load_tools
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import n_moe_layers
-from rlflow.envs.tools import load_tools
 from rlflow.multiturn import MultiTurn, chat_render, plain_render
 from rlflow.runtime.flow import DockFlow, MemoryFlow, rollout_share, score_share, train_batch
 from rlflow.runtime.graph import LOSS_MASK, ROUTES, ROWS, Graph, graph_for
