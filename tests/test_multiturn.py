@@ -402,3 +402,49 @@ def test_the_built_in_multi_turn_task_learns_and_beats_one_turn(tmp_path):
         if turns == 2:
             assert last[2] - sum(r[:10]) / 10 >= 0.25, r
     assert last[2] > last[1], last
+
+
+def test_the_recipe_with_a_chat_checkpoint_its_tools_and_an_environment(tmp_path):
+    """--model with a chat template: --env tools --tools calculator (the prompts rendered with the tools' schemas),
+    and a user environment whose observations the template renders as the conversation's next messages."""
+    import json
+    import subprocess
+    import sys
+
+    from test_data_formats import QWEN25
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from rlflow.tokenizer import ChatTemplate
+    vocab = {t: i for i, t in enumerate(["<|endoftext|>", "<|im_end|>", "<|im_start|>", *"0123456789+-=#?",
+                                         "what", "is", "user", "assistant", "system"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = QWEN25
+    model_dir = tmp_path / "model"
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        eos_token_id=vocab["<|im_end|>"])).save_pretrained(model_dir)
+    fast.save_pretrained(model_dir)
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps({"question": f"what is {a} + {b} = ?", "answer": f"#### {a + b}"}) + "\n"
+                            for a, b in [(1, 2), (3, 4), (2, 2), (5, 1)]))
+    base = [sys.executable, os.path.join(os.path.dirname(HERE), "recipes", "grpo_qwen3_moe.py"), "--model",
+            str(model_dir), "--dataset", str(data), "--steps", "2", "--prompts-per-step", "2", "--group-size", "4",
+            "--max-new-tokens", "4", "--world", "1"]
+    for name, flags in (("tools", ["--env", "tools", "--tools", "calculator", "--max-turns", "3"]),
+                        ("hint", ["--env", env("Hint"), "--max-turns", "2"])):
+        out = tmp_path / name
+        res = subprocess.run(base + flags + ["--out", str(out)], capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        m = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert all(r["env/episodes"] == 8 and r["env/errors"] == r["env/malformed"] == 0 for r in m), m
+        if name == "tools":  # a random model calls no tool: each episode is its one answer, scored by --reward
+            assert all(r["env/turns"] == 8 and r["env/tool_calls"] == 0 for r in m), m
+        else:  # two turns, the observation between them rendered by the template (its user message's glue)
+            glue = len(fast(ChatTemplate(str(model_dir)).continuation([{"role": "user", "content": "+="}],
+                                                                      closed=True), add_special_tokens=False).input_ids)
+            assert glue >= 3
+            assert all(r["env/turns"] == 16 and r["response_tokens"] > 16 + 8 * glue for r in m), m
