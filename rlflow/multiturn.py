@@ -55,6 +55,13 @@ log = logging.getLogger("rlflow")
 
 FAILURES = ("errors", "timeouts", "malformed")  # ends that leave the episode unscored
 ENDS = FAILURES + ("max_turns", "max_tokens")
+TIMES = ("rollout_idle_s", "rollout_driver_s")
+
+
+def figure_names(mcfg: "MultiTurnConfig") -> tuple[str, ...]:
+    """The names of a rollout's figures (``MultiTurn.figures``): its counts, then its times."""
+    counts = tuple(getattr(load_env(mcfg.env), "COUNTS", ()))
+    return tuple(f"env/{e}" for e in ENDS + counts) + ("env/episodes", "env/turns", "env/calls") + TIMES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,8 +193,7 @@ class MultiTurn:
         eps = [_Episode(example=example_of(rows.answers[b] if rows.answers else "", plist[b], self.decode), prompt=plist[b],
                         budget=min(self.mcfg.max_total_tokens or self.max_positions, self.max_positions - len(plist[b])))
                for b in range(rows.size)]
-        counts = dict.fromkeys([f"env/{e}" for e in ENDS + self.count_names] + ["env/episodes", "env/turns", "env/calls"],
-                               0.0)
+        counts = dict.fromkeys([n for n in figure_names(self.mcfg) if n not in TIMES], 0.0)
         if hasattr(engine, "serve"):
             idle = self._stream(engine, rows, eps, seed, counts)
         else:
@@ -198,7 +204,7 @@ class MultiTurn:
             if ep.end is not None:
                 counts[f"env/{ep.end}"] += 1
         self._counts = counts
-        self._times = {"rollout_idle_s": idle, "rollout_driver_s": time.perf_counter() - start}
+        self._times = dict(zip(TIMES, (idle, time.perf_counter() - start)))
         return self._rows(rows, eps)
 
     def _stream(self, engine, rows: RolloutBatch, eps: list[_Episode], seed: int, counts: dict) -> float:
@@ -376,4 +382,4 @@ class MultiTurn:
                       env_rewards_B=torch.tensor(rewards, dtype=torch.float32, device=dev))
 
 
-__all__ = ["ENDS", "FAILURES", "MultiTurn", "MultiTurnConfig", "example_of"]
+__all__ = ["ENDS", "FAILURES", "TIMES", "MultiTurn", "MultiTurnConfig", "example_of", "figure_names"]

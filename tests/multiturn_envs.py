@@ -77,3 +77,8 @@ class SlowFirstLog(SlowFirst):
         self.turn += 1
         STARTS.append((self.answer, self.turn, time.perf_counter()))
         return super().step(turn)
+
+
+def spread(prompts, completions, answers, **columns):
+    """A reward with spread in every group from the first step: the distinct characters of the last turn."""
+    return [len(set(c)) / 4.0 for c in completions]

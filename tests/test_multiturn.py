@@ -241,7 +241,7 @@ def test_recipe_refuses_what_multi_turn_does_not_run_with_by_flag():
     base = Recipe()
     mt = dict(env="max_digit_feedback")
     cases = [("max_turns", dict(max_turns=3)), ("tools", dict(tools="calculator")), ("env", dict(env="no_such_env")),
-             ("rollout_ranks", dict(mt, rollout_ranks=1)), ("rollout_layout", dict(mt, rollout_layout="tp=2")),
+             ("rollout_layout", dict(mt, rollout_layout="tp=2")),
              ("routing_replay", dict(mt, routing_replay="on")), ("adv_estimator", dict(mt, adv_estimator="gae")),
              ("env", dict(env="tools")), ("tools", dict(env="tools", tools="calculator")),  # no chat template
              ("tools", dict(mt, tools="calculator")), ("tools", dict(env="tools", tools="nope.py")),
@@ -252,6 +252,7 @@ def test_recipe_refuses_what_multi_turn_does_not_run_with_by_flag():
     bad_turns = problems(dataclasses.replace(base, env="max_digit_feedback", max_turns=0))
     assert any(name == "max_turns" and "max_turns=0" not in why for name, why in bad_turns), bad_turns
     assert problems(dataclasses.replace(base, env="max_digit_feedback")) == []
+    assert problems(dataclasses.replace(base, env="max_digit_feedback", rollout_ranks=1, max_staleness=1)) == []
 
 
 def test_recipe_runs_a_multi_turn_env_and_logs_its_counts(tmp_path):

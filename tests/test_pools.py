@@ -33,13 +33,17 @@ def _weights(out, name: str = "checkpoint-final") -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_pools_at_staleness_0_train_as_the_synchronous_run(tmp_path):
+@pytest.mark.parametrize("multiturn", [False, True], ids=["single-turn", "multi-turn"])
+def test_pools_at_staleness_0_train_as_the_synchronous_run(tmp_path, multiturn):
     """1 rollout rank + 1 train rank at --max-staleness 0 against one process on one thread, as each rank
-    computes: the same rewards every step and bitwise the same weights after the steps."""
+    computes: the same rewards every step and bitwise the same weights after the steps; with multi-turn
+    episodes (their loss mask through the dock), the same episodes' counts too."""
     one, pools = tmp_path / "one", tmp_path / "pools"
     script = os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py")
+    envs = os.path.join(ROOT, "tests", "multiturn_envs.py")
+    env = ["--env", f"{envs}:Hint", "--max-turns", "2", "--reward", f"{envs}:spread"] if multiturn else []
     for out, flags in ((one, ["--world", "1", "--save-every", "2"]), (pools, ["--world", "2", "--rollout-ranks", "1"])):
-        res = subprocess.run([sys.executable, script, *SMALL, *flags, "--out", str(out)], capture_output=True,
+        res = subprocess.run([sys.executable, script, *SMALL, *flags, *env, "--out", str(out)], capture_output=True,
                              text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert res.returncode == 0, res.stderr[-3000:]
     a, b = _metrics(one), _metrics(pools)
@@ -47,6 +51,8 @@ def test_pools_at_staleness_0_train_as_the_synchronous_run(tmp_path):
     for x, y in zip(a, b):
         assert y["staleness"] == 0
         assert (x["reward_mean"], x["response_tokens"]) == pytest.approx((y["reward_mean"], y["response_tokens"]))
+        if multiturn:
+            assert x["env/turns"] == y["env/turns"] == 32 and y["env/max_turns"] == 16
     wa, wb = _weights(one), _weights(pools)
     assert wa.keys() == wb.keys()
     assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []

@@ -85,7 +85,6 @@ def env_problems(r: Recipe) -> list[tuple[str, str]]:
         return [("tools", "needs --model with a chat template (the prompts show the model the tools' schemas)")]
     refused = [("env", r.env == "max_digit_feedback" and (bool(r.dataset) or r.task != "max_digit"),
                 "max_digit_feedback is --task max_digit's environment (its hint is a half of the prompt's digits)"),
-               ("rollout_ranks", bool(r.rollout_ranks), "with --env is not built yet"),
                ("eval_dataset", bool(r.eval_dataset), "with --env is not built yet (evaluation generates one turn)")]
     out = [(name, why) for name, bad, why in refused if bad]
     if r.world > 1 and not r.rollout_ranks:

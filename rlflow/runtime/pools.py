@@ -120,8 +120,9 @@ class TrainSide:
     """The train pool's end of the link (rank ``rank`` of the train pool): ``push`` each new version,
     ``figures`` of each step from the rollout ranks (the lead), ``stop`` at the end."""
 
-    def __init__(self, link: Link, rank: int, plan: PushPlan):
+    def __init__(self, link: Link, rank: int, plan: PushPlan, extra: tuple[str, ...] = ()):
         self.link, self.rank, self.plan = link, rank, plan
+        self.names = FIGURES + tuple(extra)  # ``extra``: the rollout's own figures (multi-turn: ``MultiTurn.names``)
         self.lead = rank == 0
         self.version: int | None = None  # the last version pushed
         self._flight: tuple[list, list] = ([], [])  # the works of the push in flight, and its pieces
@@ -151,7 +152,7 @@ class TrainSide:
                 raise RuntimeError(f"separate pools: rollout rank {r} reported step {int(f['step'])} "
                                    f"(final={bool(f['final'])}) where the train pool trained step {step}")
         return {n: (max if n.endswith("_s") or n in ("step", "version") else sum)(f[n] for f in got)
-                for n in FIGURES if n != "final"}
+                for n in self.names if n != "final"}
 
     def _receive(self, src: int) -> dict[str, float]:
         """Rollout rank ``src``'s next report (waited for), its key deleted."""
@@ -159,7 +160,7 @@ class TrainSide:
         key = f"{src}/{n}"
         row = torch.frombuffer(bytearray(self.link.reports.get(key)), dtype=torch.float64)
         self.link.reports.delete_key(key)
-        return dict(zip(FIGURES, row.tolist()))
+        return dict(zip(self.names, row.tolist()))
 
     def stop(self) -> int:
         """The end of the run: the rollout ranks are told to stop, and the lead takes their reports up to each
@@ -184,8 +185,10 @@ class RolloutSide:
     """The rollout pool's end of the link (rank ``rank`` of the rollout pool, ``pool``: its size): the
     versions arrive on a receiver thread into ``buffers`` (two copies of this rank's rollout shards)."""
 
-    def __init__(self, link: Link, rank: int, pool: int, plan: PushPlan, buffers: tuple[dict, dict]):
+    def __init__(self, link: Link, rank: int, pool: int, plan: PushPlan, buffers: tuple[dict, dict],
+                 extra: tuple[str, ...] = ()):
         self.link, self.rank, self.pool, self.plan = link, rank, pool, plan
+        self.names = FIGURES + tuple(extra)  # the train side's, in the same order
         self._cond = threading.Condition()
         self._reports = 0
         self._free = list(buffers)  # copies the receiver may fill
@@ -265,8 +268,8 @@ class RolloutSide:
         return None if got is None else got[0]
 
     def report(self, figures: dict[str, float]) -> None:
-        """One step's ``figures`` (every name of ``FIGURES`` but ``final``) to the train lead."""
-        self._set([float(figures.get(n, 0.0)) for n in FIGURES])
+        """One step's ``figures`` (every name of ``FIGURES`` but ``final``, and the extra ones) to the train lead."""
+        self._set([float(figures.get(n, 0.0)) for n in self.names])
 
     def _set(self, row: list[float]) -> None:
         self._reports += 1
@@ -285,7 +288,7 @@ class RolloutSide:
                     self._cond.notify_all()
                     continue
                 break
-        self._set([1.0 if n == "final" else 0.0 for n in FIGURES])
+        self._set([1.0 if n == "final" else 0.0 for n in self.names])
         self._thread.join(timeout=60)
 
 

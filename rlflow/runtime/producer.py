@@ -41,9 +41,10 @@ def produce(source, ctx: StepContext, side: RolloutSide) -> None:
             t1 = time.perf_counter()
             rows, rewards, scored, bad = score_and_put(rollout, j, ctx)
             t2 = time.perf_counter()
+            turns = {} if ctx.multiturn is None else {k: v for d in ctx.multiturn.figures() for k, v in d.items()}
             side.report({"step": j, "version": version, "wait_s": waited, "rollout_time_s": t1 - t0,
                          "score_time_s": t2 - t1, "bad_rewards": len(bad), "rows": rows.size,
-                         **row_counts(rows, rewards, scored)})
+                         **row_counts(rows, rewards, scored), **turns})
             j += 1
     side.finish()
 

@@ -32,11 +32,12 @@ from rlflow.batch import PromptBatch, RolloutBatch
 from rlflow.envs.tools import load_tools
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import n_moe_layers
-from rlflow.multiturn import MultiTurn, chat_render, plain_render
+from rlflow.multiturn import TIMES, MultiTurn, chat_render, plain_render
 from rlflow.runtime.flow import DockFlow, MemoryFlow, rollout_share, score_share, train_batch
 from rlflow.runtime.graph import LOSS_MASK, ROUTES, ROWS, Graph, graph_for
 from rlflow.runtime.config import LoopConfig, check_features, share_problems
 from rlflow.runtime.placement import Placement, Seats, seats
+from rlflow.runtime.pools import FIGURES
 from rlflow.runtime.state import RunState
 from rlflow.runtime.weights import Weights
 
@@ -269,9 +270,12 @@ def train_step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple
         pool.push(state.policy, state.steps_done)
     clock.lap("push_time_s")
     got = pool.figures(index)
-    counts = {n: got.get(n, 0.0) for n in ("prompt_tokens", "response_tokens", "reward_sum", "reward_sq", "scored")}
+    names = ("prompt_tokens", "response_tokens", "reward_sum", "reward_sq", "scored")
+    extra = pool.names[len(FIGURES):]  # the rollout's own (multi-turn: its counts and times)
+    counts = {n: got.get(n, 0.0) for n in names + tuple(n for n in extra if n not in TIMES)}
     counts["nonfinite_params"] = _nonfinite(state)
-    times = {**clock.laps, "rollout_time_s": got.get("rollout_time_s", 0.0),
+    times = {**clock.laps, **{n: got.get(n, 0.0) for n in extra if n in TIMES},
+             "rollout_time_s": got.get("rollout_time_s", 0.0),
              "score_time_s": got.get("score_time_s", 0.0), "rollout_wait_s": got.get("wait_s", 0.0),
              "staleness": float(index - got["version"]) if got else 0.0}
     rewards = c["rewards"]  # the update reads them too (every graph's)
