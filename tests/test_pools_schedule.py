@@ -218,7 +218,7 @@ def run_schedule(s: dict, monkeypatch) -> dict:
                 return int(v)
 
             engine = SimpleNamespace(load=loaded.update, release=lambda: None)
-            ctx = SimpleNamespace(config=conf, flow=Flow(slots), engine=engine, generate=generate)
+            ctx = SimpleNamespace(config=conf, flow=Flow(slots), engine=engine, generate=generate, multiturn=None)
             producer.produce(SimpleNamespace(take=lambda n: None), ctx, side)
         except Exception as e:  # noqa: BLE001 -- the test reports it
             seen["errors"].append(f"rollout rank {r}: {e!r}")
