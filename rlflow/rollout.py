@@ -79,6 +79,14 @@ class _Out:
     routes: torch.Tensor | None = None
     prompt_routes: torch.Tensor | None = None
 
+    @classmethod
+    def allocate(cls, rows: int, slots: int, Tn: int, pad_id: int, dev) -> "_Out":
+        return cls(ids=torch.full((rows + 1, Tn), pad_id, dtype=torch.long, device=dev),
+                   lp=torch.zeros((rows + 1, Tn), dtype=torch.float32, device=dev),
+                   mask=torch.zeros((rows + 1, Tn), dtype=torch.bool, device=dev),
+                   slot_row=torch.full((slots,), -1, dtype=torch.long, device=dev),
+                   n_gen=torch.zeros(slots, dtype=torch.long, device=dev))
+
 
 def _record(scfg, out: _Out, tok_S, lp_S, where_S):
     """Write the slots' new tokens (where ``where_S``) at their rows' next column; returns which slots
@@ -174,11 +182,7 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
 
     max_len = _bucketed(Tp + Tn) if compile_decode else Tp + Tn  # compiled: one graph per cache length
     cache = model.KVCache.allocate(cfg, slots, max_len, dtype=dtype, device=dev, ex=ex)
-    out = _Out(ids=torch.full((B + 1, Tn), scfg.pad_id, dtype=torch.long, device=dev),
-               lp=torch.zeros((B + 1, Tn), dtype=torch.float32, device=dev),
-               mask=torch.zeros((B + 1, Tn), dtype=torch.bool, device=dev),
-               slot_row=torch.full((slots,), -1, dtype=torch.long, device=dev),
-               n_gen=torch.zeros(slots, dtype=torch.long, device=dev))
+    out = _Out.allocate(B, slots, Tn, scfg.pad_id, dev)
     if record_routes:
         M, K = model.n_moe_layers(cfg), cfg.num_experts_per_tok
         out.routes = torch.full((B + 1, Tn, M, K), -1, dtype=torch.int16, device=dev)
@@ -283,11 +287,7 @@ def _serve(params, cfg, scfg, requests, slots, max_len, seed, ex):
     params = model.fuse_for_inference(params, cfg, ex)
     Tn, V = scfg.max_new_tokens, cfg.vocab_size
     cache = model.KVCache.allocate(cfg, slots, max_len, dtype=dtype, device=dev, ex=ex)
-    out = _Out(ids=torch.full((slots + 1, Tn), scfg.pad_id, dtype=torch.long, device=dev),
-               lp=torch.zeros((slots + 1, Tn), dtype=torch.float32, device=dev),
-               mask=torch.zeros((slots + 1, Tn), dtype=torch.bool, device=dev),
-               slot_row=torch.full((slots,), -1, dtype=torch.long, device=dev),
-               n_gen=torch.zeros(slots, dtype=torch.long, device=dev))
+    out = _Out.allocate(slots, slots, Tn, scfg.pad_id, dev)  # row s: slot s's response
     keys_S = torch.zeros(slots, dtype=torch.long, device=dev)
     tok_S = torch.zeros(slots, dtype=torch.long, device=dev)
     owner: list = [None] * slots  # the request key each slot serves (None: free)
