@@ -449,3 +449,13 @@ def test_the_recipe_with_a_chat_checkpoint_its_tools_and_an_environment(tmp_path
                                                                       closed=True), add_special_tokens=False).input_ids)
             assert glue >= 3
             assert all(r["env/turns"] == 16 and r["response_tokens"] > 16 + 8 * glue for r in m), m
+
+
+def test_the_loss_normaliser_of_dr_grpo_is_the_episodes_sampled_budget():
+    from rlflow.runtime.config import LoopConfig
+    from rlflow.runtime.step import sampled_budget
+    conf = LoopConfig(steps=1, prompts_per_step=1, grpo=grpo.GRPOConfig(group_size=2), mini_batch_size=2,
+                      micro_batch_size=2, optim=optim.AdamWConfig(lr=1e-3),
+                      sampling=SamplingConfig(max_new_tokens=5, eos_id=TOK.eos_id))
+    assert sampled_budget(conf) == 5
+    assert sampled_budget(dataclasses.replace(conf, multiturn=MultiTurnConfig(env="max_digit_feedback", max_turns=3))) == 15

@@ -241,7 +241,7 @@ def train_on(state: RunState, batch: RolloutBatch, c: dict, ctx: StepContext, cl
     lr = optim.lr_at(index, conf.steps, conf.optim.lr, conf.warmup_lr_steps, conf.lr_schedule, conf.min_lr_ratio)
     state.policy, state.opt_state, upd = stages.update(
         state.policy, state.opt_state, train, ctx.cfg, algo, ctx.update_config, conf.optim, seed=conf.seed + index,
-        lr=lr, old_is_current=single_update, max_len=conf.sampling.max_new_tokens, ex=ex)
+        lr=lr, old_is_current=single_update, max_len=sampled_budget(conf), ex=ex)
     if state.critic is not None:
         state.critic, vf = critics.update(state.critic, train, ctx.cfg, conf.critic, ctx.critic_update_config,
                                           epochs=algo.epochs, seed=conf.seed + index, ex=ex)
@@ -281,6 +281,12 @@ def train_step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple
     rewards = c["rewards"]  # the update reads them too (every graph's)
     return state, StepOut(counts=counts, times=times, update=upd, lr=lr, bad_rewards=int(got.get("bad_rewards", 0)),
                           rows=batch, rewards=rewards)
+
+
+def sampled_budget(conf: LoopConfig) -> int:
+    """The most tokens a row's response can have sampled (``seq-mean-token-sum-norm``'s constant): a turn's
+    budget, times the turns of a multi-turn episode."""
+    return conf.sampling.max_new_tokens * (1 if conf.multiturn is None else conf.multiturn.max_turns)
 
 
 def dock_columns(graph: Graph, routing_replay: str, multiturn: bool = False) -> list[str]:
