@@ -132,18 +132,22 @@ class RolloutBatch(PromptBatch):
     # bool, a multi-turn row's sampled tokens (True) among its response tokens (observations: False); None:
     # every response token was sampled (a single turn)
     loss_mask_BTr: Tensor | None = None
-    # float32, the environment's reward of a multi-turn row (NaN: it gave none; the run's reward then scores
-    # the last turn); None: no environment
+    # float32, a multi-turn row's reward (the environment's, or the run's reward of its last turn); None: no
+    # environment. bool, whether the row is scored (False: its episode failed, or no reward applied to it)
     env_rewards_B: Tensor | None = None
+    env_scored_B: Tensor | None = None
 
     _DTYPES = {**PromptBatch._DTYPES, "response_ids_BTr": torch.long, "response_mask_BTr": torch.bool,
                "sample_logprobs_BTr": torch.float32, "prompt_routes_BTpMK": torch.int16,
-               "response_routes_BTrMK": torch.int16, "loss_mask_BTr": torch.bool, "env_rewards_B": torch.float32}
+               "response_routes_BTrMK": torch.int16, "loss_mask_BTr": torch.bool, "env_rewards_B": torch.float32,
+               "env_scored_B": torch.bool}
 
     def __post_init__(self):
         _Batch.__post_init__(self)
         if self.loss_mask_BTr is not None and bool((self.loss_mask_BTr & ~self.response_mask_BTr).any()):
             raise ValueError("RolloutBatch.loss_mask_BTr: True on a padding token (outside response_mask_BTr)")
+        if (self.env_rewards_B is None) != (self.env_scored_B is None):
+            raise ValueError("RolloutBatch: env_rewards_B and env_scored_B come together (a multi-turn rollout's)")
 
     @property
     def loss_mask(self) -> Tensor:

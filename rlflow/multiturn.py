@@ -41,6 +41,7 @@ import json
 import logging
 import math
 import numbers
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -61,7 +62,8 @@ TIMES = ("rollout_idle_s", "rollout_driver_s")
 def figure_names(mcfg: "MultiTurnConfig") -> tuple[str, ...]:
     """The names of a rollout's figures (``MultiTurn.figures``): its counts, then its times."""
     counts = tuple(getattr(load_env(mcfg.env), "COUNTS", ()))
-    return tuple(f"env/{e}" for e in ENDS + counts) + ("env/episodes", "env/turns", "env/calls") + TIMES
+    return tuple(f"env/{e}" for e in ENDS + counts) + ("env/episodes", "env/turns", "env/calls",
+                                                        "env/sampled_tokens") + TIMES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +127,57 @@ def chat_render(template, encode):
     return lambda messages, closed: list(encode(template.continuation(messages, closed=closed)))
 
 
+class EnvTimeout(Exception):
+    """An environment's start or step outlasted ``MultiTurnConfig.timeout_s`` (its own TimeoutError is an error)."""
+
+
+class _Threads:
+    """Up to ``n`` daemon threads, started as calls need them, that run sync environment calls (daemon: a call
+    that never returns cannot keep the process from exiting, as a ThreadPoolExecutor's joined threads would; it
+    keeps its thread, which is lost to the others)."""
+
+    def __init__(self, n: int):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._n, self._started, self._idle = n, 0, 0
+        self._lock = threading.Lock()
+
+    def run(self, loop, fn, args):
+        """(an asyncio future set when a thread starts the call, one with its outcome), of ``loop``."""
+        started, done = loop.create_future(), loop.create_future()
+        with self._lock:
+            if self._idle == 0 and self._started < self._n:
+                self._started += 1
+                threading.Thread(target=self._work, name=f"rlflow-env-{self._started}", daemon=True).start()
+            else:
+                self._idle -= 1 if self._idle else 0
+        self._q.put((loop, fn, args, started, done))
+        return started, done
+
+    def close(self) -> None:
+        for _ in range(self._started):
+            self._q.put(None)
+
+    def _work(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            loop, fn, args, started, done = job
+            loop.call_soon_threadsafe(_settle, started, None, None)
+            try:
+                out, err = fn(*args), None
+            except BaseException as e:  # noqa: BLE001
+                out, err = None, e if isinstance(e, Exception) else RuntimeError(repr(e))
+            loop.call_soon_threadsafe(_settle, done, out, err)
+            with self._lock:
+                self._idle += 1
+
+
+def _settle(fut, out, err) -> None:
+    if not fut.done():
+        fut.set_exception(err) if err is not None else fut.set_result(out)
+
+
 # Once an environment has answered, the engine waits while others keep answering within this window, so the
 # steps submitted together (a generation call's episodes) rejoin together: one call for them, not one per answer.
 COALESCE_S = 0.01
@@ -159,26 +212,56 @@ class MultiTurn:
             if not tools:
                 raise ValueError(f"env {mcfg.env}: it runs tools, and none are given (--tools)")
             self.env_cls = functools.partial(self.env_cls, tools=tools)
+        if mcfg.max_total_tokens is not None and mcfg.max_total_tokens < max_new_tokens:
+            raise ValueError(f"max_total_tokens={mcfg.max_total_tokens} is below max_new_tokens={max_new_tokens}: "
+                             "an episode's budget must hold its first turn")
         self.render, self.decode, self.reward_fn, self.eos_id = render, decode, reward_fn, eos_id
         self.max_new_tokens, self.max_positions, self.vocab_size = max_new_tokens, max_positions, vocab_size
         self._loop = asyncio.new_event_loop()
-        self._loop.set_default_executor(cf.ThreadPoolExecutor(mcfg.concurrency, thread_name_prefix="rlflow-env"))
         self._thread = threading.Thread(target=self._loop.run_forever, name="rlflow-env", daemon=True)
         self._thread.start()
+        self._sync = _Threads(mcfg.concurrency)
         self._counts: dict[str, float] = {}
         self._times: dict[str, float] = {}
 
     # ---- the environments' calls, on the event loop ----
-    def _submit(self, fn, *args) -> cf.Future:
-        async def run():
-            out = fn(*args) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, *args)
-            return await out if inspect.isawaitable(out) else out
+    def _submit(self, fn, *args, then=None) -> cf.Future:
+        """``fn(*args)`` for an environment, bounded by the timeout from the moment it starts (a sync call: once a
+        thread runs it); ``then(future)``, on the event loop's thread, once it is settled."""
+        timeout = self.mcfg.timeout_s
 
         async def bounded():
-            return await asyncio.wait_for(run(), self.mcfg.timeout_s)
-        return asyncio.run_coroutine_threadsafe(bounded(), self._loop)
+            if inspect.iscoroutinefunction(fn):
+                task = asyncio.ensure_future(fn(*args))
+            else:
+                started, done = self._sync.run(self._loop, fn, args)
+                await started
+                task = done
+            # asyncio.wait, not wait_for: a step that swallows its cancellation cannot hold the driver
+            finished, _ = await asyncio.wait({task}, timeout=timeout)
+            if not finished:
+                task.cancel()
+                raise EnvTimeout(f"took over {timeout} s")
+            out = task.result()
+            if inspect.isawaitable(out):  # a sync step that returned a coroutine
+                out = await asyncio.wait_for(out, timeout)
+            return out
+
+        async def settled():
+            try:
+                out = cf.Future()
+                out.set_result(await bounded())
+            except BaseException as e:  # noqa: BLE001  (the environment's failure is the episode's, not the run's)
+                out = cf.Future()
+                out.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+            if then is not None:
+                then(out)
+            return out
+        # its result: a settled future of the call's outcome (``result()`` gives it or raises its exception)
+        return asyncio.run_coroutine_threadsafe(settled(), self._loop)
 
     def close(self) -> None:
+        self._sync.close()
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
@@ -201,6 +284,7 @@ class MultiTurn:
         for ep in eps:
             counts["env/episodes"] += 1
             counts["env/turns"] += ep.turns
+            counts["env/sampled_tokens"] += sum(ep.sampled)
             if ep.end is not None:
                 counts[f"env/{ep.end}"] += 1
         self._counts = counts
@@ -227,7 +311,7 @@ class MultiTurn:
                     cond.notify()
 
         def submit(b: int, fn, *args) -> None:
-            self._submit(fn, *args).add_done_callback(lambda f: answered(b, f))
+            self._submit(fn, *args, then=lambda out: answered(b, out))
 
         mt = self
 
@@ -272,7 +356,7 @@ class MultiTurn:
             for f in [f for f in pending if f.done()]:
                 b = pending.pop(f)
                 counts["env/calls"] += 1
-                if self._answered(eps[b], f, counts):
+                if self._answered(eps[b], f.result(), counts):
                     ready.append(b)
             if ready:
                 batch, ready = sorted(ready), []
@@ -298,11 +382,12 @@ class MultiTurn:
                 for b, t_ids, t_lp in zip(batch, got_ids, got_lp)]
 
     def _answered(self, ep: _Episode, f: cf.Future, counts: dict[str, float]) -> bool:
-        """Take an environment's answer (the episode's start, or a step); True: the episode takes another turn."""
+        """Take an environment's answer (``f``: the settled outcome of the episode's start, or of a step); True:
+        the episode takes another turn."""
         try:
             got = f.result()
-        except TimeoutError:
-            return self._stop(ep, "timeouts", f"took over {self.mcfg.timeout_s} s")
+        except EnvTimeout as e:
+            return self._stop(ep, "timeouts", str(e))
         except Exception as e:
             return self._stop(ep, "errors", f"raised {type(e).__name__}: {e}")
         if ep.env is None:  # the episode's start
@@ -349,7 +434,7 @@ class MultiTurn:
         return False
 
     def _observation(self, obs, closed: bool) -> list[int]:
-        if obs is None:
+        if obs is None or (isinstance(obs, (list, tuple)) and not obs):
             return []
         if isinstance(obs, (list, tuple)) and obs and all(isinstance(i, int) and not isinstance(i, bool) for i in obs):
             bad = [i for i in obs if not 0 <= i < self.vocab_size]
@@ -366,12 +451,13 @@ class MultiTurn:
     def _rows(self, rows: RolloutBatch, eps: list[_Episode]) -> RolloutBatch:
         """The episodes as rows: the response, which of its tokens were sampled, their log-probs, the reward."""
         rewards = [math.nan if ep.end in FAILURES else ep.reward for ep in eps]
+        scored = [ep.end not in FAILURES for ep in eps]
         todo = [b for b, ep in enumerate(eps) if rewards[b] is None]
         if todo:  # the run's reward of the model's last turn, where the environment gave none
             got = self.reward_fn([self.decode(eps[b].last_turn) for b in todo],
                                  [rows.answers[b] if rows.answers else "" for b in todo])
-            for b, v in zip(todo, got):
-                rewards[b] = math.nan if v is None else float(v)
+            for b, v in zip(todo, got):  # None: unscored; a non-finite reward stays one (the step skips its update)
+                rewards[b], scored[b] = (math.nan, False) if v is None else (float(v), True)
         dev = rows.prompt_ids_BTp.device
         T = max(1, max(len(ep.ids) for ep in eps))
         ids, mask = pad([torch.tensor(ep.ids, dtype=torch.long) for ep in eps], 0, length=T)
@@ -379,7 +465,8 @@ class MultiTurn:
         lp, _ = pad([torch.tensor(ep.logprobs, dtype=torch.float32) for ep in eps], 0.0, length=T)
         return extend(rows, RolloutBatch, response_ids_BTr=ids.to(dev), response_mask_BTr=mask.to(dev),
                       sample_logprobs_BTr=lp.to(dev), loss_mask_BTr=sampled.to(dev),
-                      env_rewards_B=torch.tensor(rewards, dtype=torch.float32, device=dev))
+                      env_rewards_B=torch.tensor(rewards, dtype=torch.float32, device=dev),
+                      env_scored_B=torch.tensor(scored, dtype=torch.bool, device=dev))
 
 
 __all__ = ["ENDS", "FAILURES", "TIMES", "MultiTurn", "MultiTurnConfig", "example_of", "figure_names"]

@@ -169,20 +169,22 @@ class ChatTemplate:
 
     def continuation(self, messages: list[dict], *, closed: bool) -> str:
         """The text that follows a finished assistant turn to add ``messages`` (an environment's user or tool
-        messages) and open the next assistant turn, as the template renders a whole conversation: the
-        difference between a conversation with and without them (the incremental form, so the history is never
-        rendered again). ``closed``: the turn ended with the end-of-sequence token the model samples, which is
-        the start of what the template closes an assistant message with; that text is then not repeated."""
-        base = [{"role": "user", "content": "\u2063u"}, {"role": "assistant", "content": "\u2063a"}]
-        before = self.render(base, add_generation_prompt=False)
-        after = self.render(base + list(messages), add_generation_prompt=True)
-        if not after.startswith(before) or "\u2063a" not in before:
-            raise ValueError(f"{self.path}: the chat template renders a conversation's earlier messages otherwise "
-                             "once messages follow them; its incremental form is undefined")
-        close = before[before.rindex("\u2063a") + 2:]  # what ends an assistant message, e.g. "<|im_end|>\n"
-        if closed and self.eos_token and close.startswith(self.eos_token):
-            close = close[len(self.eos_token):]
-        return close + after[len(before):]
+        messages) and open the next assistant turn, as the template renders a whole conversation: what follows
+        an assistant message's content in a conversation that goes on with ``messages`` (the incremental form:
+        the history is never rendered again, so a template that renders earlier turns otherwise once others
+        follow, as Qwen3's drops their reasoning, cannot change tokens already sampled). ``closed``: the turn
+        ended with the end-of-sequence token the model samples, which is where the template's end of an assistant
+        message starts; that text is then not repeated."""
+        marker = "\u2063a"
+        conv = [{"role": "user", "content": "\u2063u"}, {"role": "assistant", "content": marker}, *messages]
+        text = self.render(conv, add_generation_prompt=True)
+        if text.count(marker) != 1:
+            raise ValueError(f"{self.path}: the chat template does not render an assistant message's content once "
+                             "as it is; its incremental form is undefined")
+        tail = text[text.index(marker) + len(marker):]  # e.g. "<|im_end|>\n<|im_start|>user\n...<|im_start|>assistant\n"
+        if closed and self.eos_token and tail.startswith(self.eos_token):
+            tail = tail[len(self.eos_token):]
+        return tail
 
     @property
     def eos_token(self) -> str | None:

@@ -82,3 +82,28 @@ class SlowFirstLog(SlowFirst):
 def spread(prompts, completions, answers, **columns):
     """A reward with spread in every group from the first step: the distinct characters of the last turn."""
     return [len(set(c)) / 4.0 for c in completions]
+
+
+class Slow:
+    """Every step sleeps 0.3 s (shorter than the tests' timeout), and the episode goes on."""
+
+    def __init__(self, example):
+        pass
+
+    def step(self, turn):
+        time.sleep(0.3)
+        return Feedback(observation=[])
+
+
+class Stubborn:
+    """An async step that swallows its cancellation and never ends."""
+
+    def __init__(self, example):
+        pass
+
+    async def step(self, turn):
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                pass

@@ -323,6 +323,8 @@ def test_tool_calls_run_and_malformed_ones_are_answered_and_counted(tmp_path):
                  + call('{"name": "calculator", "arguments": {"expression": "__import__(\'os\')"}}'))
     assert bad.counts == {"tool_calls": 4, "tool_errors": 4}
     assert [m["content"].split(":")[0] for m in bad.observation] == ["error"] * 4
+    cut = e.step('<tool_call>\n{"name": "calculator", "argu')  # the turn's token limit cut the call
+    assert cut.counts == {"tool_calls": 1, "tool_errors": 1} and cut.observation[0]["content"].startswith("error")
     assert e.step("The answer is 42.") == Feedback(done=True)
     with pytest.raises(ValueError, match="parameter x needs an annotation"):
         (tmp_path / "untyped.py").write_text("def f(x):\n    return x\n")
@@ -459,3 +461,35 @@ def test_the_loss_normaliser_of_dr_grpo_is_the_episodes_sampled_budget():
                       sampling=SamplingConfig(max_new_tokens=5, eos_id=TOK.eos_id))
     assert sampled_budget(conf) == 5
     assert sampled_budget(dataclasses.replace(conf, multiturn=MultiTurnConfig(env="max_digit_feedback", max_turns=3))) == 15
+
+
+def test_the_timeout_counts_from_the_start_of_a_call_and_a_stubborn_step_cannot_hold_the_run():
+    """Six 0.3 s steps on one thread take 1.8 s in all, yet none outlasts its 1 s timeout: the time a call waits
+    for a thread is not its own. An async step that swallows its cancellation is timed out and left behind."""
+    mt = driver("Slow", max_turns=2, timeout_s=1.0, concurrency=1)
+    rows = mt.rollout(engine(), prompts(list("123")), group_size=2, seed=0)
+    c = mt.figures()[0]
+    assert c["env/timeouts"] == 0 and c["env/turns"] == 12, c
+    assert not bool((rows.response_mask_BTr & ~rows.loss_mask_BTr).any())  # an empty observation: no tokens
+    mt = driver("Stubborn", max_turns=2, timeout_s=0.2)
+    mt.rollout(engine(), prompts(list("1")), group_size=2, seed=0)
+    assert mt.figures()[0]["env/timeouts"] == 2
+
+
+def test_a_non_finite_reward_of_the_last_turn_is_a_bad_reward_not_an_unscored_row():
+    """As in the single-turn path: the step sees it (and skips its update), it is not dropped as unscored."""
+    rows = driver("Hint", max_turns=1, reward=lambda text, answer: float("nan")).rollout(
+        engine(), prompts(list("1")), group_size=2, seed=0)
+    rewards, scored = stages.score_rows(rows, TOK, None)
+    assert scored.tolist() == [True, True] and bool(torch.isnan(rewards).all())
+
+
+def test_qwen3s_template_renders_an_observation_after_the_turn(tmp_path):
+    """Qwen3's template renders earlier assistant turns otherwise once others follow (their reasoning dropped): the
+    continuation is what follows the turn's content in the longer conversation, the same as Qwen2.5's here."""
+    from rlflow.tokenizer import ChatTemplate
+    t = ChatTemplate(_chat_dir(tmp_path / "q3", open(os.path.join(HERE, "data", "qwen3_chat_template.jinja")).read()))
+    assert t.continuation([{"role": "tool", "content": "84"}], closed=True) == \
+        "\n<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert t.continuation([{"role": "user", "content": "Try again."}], closed=False) == \
+        "<|im_end|>\n<|im_start|>user\nTry again.<|im_end|>\n<|im_start|>assistant\n"

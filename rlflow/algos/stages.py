@@ -37,10 +37,10 @@ def score(batch: RolloutBatch, tokenizer, reward_fn) -> Tensor:
 
 def score_rows(batch: RolloutBatch, tokenizer, reward_fn) -> tuple[Tensor, Tensor]:
     """(rewards_B, scored_B): ``score``'s rewards, 0 where the reward returned None ("no score"), and which
-    rows it scored (bool). Multi-turn rows carry their episodes' rewards (``env_rewards_B``, NaN: unscored)."""
+    rows it scored (bool). Multi-turn rows carry their episodes' (``env_rewards_B``, ``env_scored_B``)."""
     if batch.env_rewards_B is not None:
-        r = batch.env_rewards_B.cpu()
-        return torch.where(torch.isnan(r), 0.0, r), ~torch.isnan(r)
+        scored = batch.env_scored_B.cpu()
+        return torch.where(scored, batch.env_rewards_B.cpu(), 0.0), scored
     if len(batch.answers) != batch.size:
         raise ValueError(f"score: batch has {batch.size} rows but {len(batch.answers)} answers")
     texts = [tokenizer.decode(r.tolist()) for r in unpad(batch.response_ids_BTr.cpu(), batch.response_mask_BTr.cpu())]

@@ -27,14 +27,20 @@ def calculator(expression: str) -> str:
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg,
            ast.UAdd: operator.pos}
 
+    def small(v):  # the interpreter cannot be interrupted inside one big-integer operation: bound every value
+        if isinstance(v, int) and v.bit_length() > MAX_BITS:
+            raise ValueError(f"a value above 2**{MAX_BITS}")
+        return v
+
     def ev(n):
         if isinstance(n, ast.Constant) and isinstance(n.value, (int, float)) and not isinstance(n.value, bool):
-            return n.value
+            return small(n.value)
         if isinstance(n, ast.BinOp) and type(n.op) in ops:
             a, b = ev(n.left), ev(n.right)
-            if isinstance(n.op, ast.Pow) and abs(b) > 64:
-                raise ValueError("exponent larger than 64")
-            return ops[type(n.op)](a, b)
+            if isinstance(n.op, ast.Pow) and isinstance(a, int) and isinstance(b, int) and abs(a) > 1 \
+                    and b * a.bit_length() > MAX_BITS + 64:
+                raise ValueError(f"a value above 2**{MAX_BITS}")
+            return small(ops[type(n.op)](a, b))
         if isinstance(n, ast.UnaryOp) and type(n.op) in ops:
             return ops[type(n.op)](ev(n.operand))
         raise ValueError(f"not arithmetic: {ast.unparse(n)!r}")
@@ -45,6 +51,7 @@ def calculator(expression: str) -> str:
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
+MAX_BITS = 4096  # the calculator's largest integer
 TOOLS: dict[str, Callable] = {"calculator": calculator}
 _TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 
@@ -97,8 +104,13 @@ _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 def tool_calls(turn: str) -> list[str]:
-    """The bodies of the ``<tool_call>...</tool_call>`` blocks of a turn, in order."""
-    return [m.strip() for m in _CALL.findall(turn)]
+    """The bodies of the ``<tool_call>...</tool_call>`` blocks of a turn, in order; a call left open (cut by the
+    turn's token limit) is one too, whose body is not JSON (its error answers it)."""
+    calls = [m.strip() for m in _CALL.findall(turn)]
+    rest = _CALL.sub("", turn)
+    if "<tool_call>" in rest:
+        calls.append(rest[rest.index("<tool_call>"):] + "  (no </tool_call>)")
+    return calls
 
 
 def run_call(body: str, tools: dict[str, Callable]) -> tuple[str, bool]:

@@ -113,7 +113,9 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
     ucfg = stages.UpdateConfig(mini_batch_size=conf.mini_batch_size // nd, micro_batch_size=conf.micro_batch_size // nd,
                                max_grad_norm=conf.max_grad_norm, router_aux_coef=conf.router_aux_coef,
                                layout=where.train, routing_replay=conf.routing_replay)
-    max_len = (conf.max_prompt_len or cfg.max_position_embeddings) + conf.sampling.max_new_tokens
+    # a multi-turn context grows by its turns and observations: up to the model's positions
+    max_len = cfg.max_position_embeddings if conf.multiturn is not None else \
+        (conf.max_prompt_len or cfg.max_position_embeddings) + conf.sampling.max_new_tokens
     engine = None if pool == "train" else engines.build(
         conf.rollout_engine, cfg, conf.sampling, ex=where.rollout_ex, compile_decode=conf.compile_decode,
         record_routes=routes, seed=conf.seed, max_model_len=min(max_len, cfg.max_position_embeddings),
