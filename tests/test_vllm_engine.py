@@ -69,11 +69,13 @@ def test_vllm_generates_with_the_weights_pushed_last(checks):
 
 @needs_vllm
 def test_vllm_drives_multi_turn_episodes_as_the_builtin_engine(checks):
-    """Multi-turn rollouts reach vLLM through the engine seam (a generation call per wave of answered episodes):
-    greedy episodes of three turns with observations between them are the built-in engine's, token for token."""
+    """Multi-turn rollouts reach vLLM through the engine seam, its turns served as they come (vLLM's scheduler):
+    greedy episodes of three turns with observations between them are the built-in engine's, token for token;
+    sampled ones are the same served or driven call by call (each request's seed, whatever shares the batch)."""
     m = checks["multiturn"]
     assert m["turns"] == 3 * 8 and m["observation_tokens"] == 2 * 2 * 8, m
     assert m["ids_equal"] and m["loss_mask_equal"] and m["lp_max_diff"] < EXACT, m
+    assert m["sampled_served_equal_called"] and m["sampled_lp_diff"] < EXACT and m["sampled_distinct"] > 4, m
 
 
 def _run(tmp_path, name, *flags, steps):

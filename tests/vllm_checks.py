@@ -108,9 +108,16 @@ def sampled() -> dict:
             "distinct_in_groups": int(sum(len({tuple(r.tolist()) for r in grp}) for grp in groups))}
 
 
+class Calls:
+    """An engine without ``serve``: the driver generates a batch per call."""
+
+    def __init__(self, engine):
+        self.load, self.release, self.generate = engine.load, engine.release, engine.generate
+
+
 def multiturn() -> dict:
-    """Greedy episodes of three turns through vLLM (driven call by call) and through the built-in engine (which
-    serves turns as they come): the same rows, the same log-probs within float32 rounding."""
+    """Episodes of three turns: greedy through vLLM (serving turns as they come) and through the built-in engine,
+    the same rows; sampled through vLLM served and driven call by call, the same rows (each request's seed)."""
     from rlflow.engines import BuiltinEngine
     from rlflow.multiturn import MultiTurn, MultiTurnConfig
     from rlflow.rewards import per_sample
@@ -132,10 +139,18 @@ def multiturn() -> dict:
     got, counts = episodes(eng := VLLMEngine(cfg, scfg, max_model_len=64))
     eng.close()
     want, _ = episodes(BuiltinEngine(cfg, scfg))
+    scfg = dataclasses.replace(scfg, temperature=0.7)
+    eng = VLLMEngine(cfg, scfg, max_model_len=64)
+    served, _ = episodes(eng)
+    called, _ = episodes(Calls(eng))
+    eng.close()
     return {"ids_equal": torch.equal(got.response_ids_BTr, want.response_ids_BTr),
             "loss_mask_equal": torch.equal(got.loss_mask_BTr, want.loss_mask_BTr),
             "lp_max_diff": float((got.sample_logprobs_BTr - want.sample_logprobs_BTr).abs().max()),
-            "turns": counts["env/turns"], "observation_tokens": int((got.response_mask_BTr & ~got.loss_mask_BTr).sum())}
+            "turns": counts["env/turns"], "observation_tokens": int((got.response_mask_BTr & ~got.loss_mask_BTr).sum()),
+            "sampled_served_equal_called": torch.equal(served.response_ids_BTr, called.response_ids_BTr),
+            "sampled_lp_diff": float((served.sample_logprobs_BTr - called.sample_logprobs_BTr).abs().max()),
+            "sampled_distinct": int(len({tuple(r.tolist()) for r in served.response_ids_BTr}))}
 
 
 def main():

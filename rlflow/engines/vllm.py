@@ -140,6 +140,13 @@ class VLLMEngine:
             raise RuntimeError("VLLMEngine.generate: no weights loaded (call load first)")
         return generate(self.llm, prompts, self.sampling, group_size=group_size, seed=seed)
 
+    def serve(self, requests, *, slots: int, max_len: int, seed: int) -> None:
+        """Continuous batching across turns (multi-turn rollouts): requests join vLLM's scheduler as they come
+        (``serve``). ``max_len`` is the engine's own (``max_model_len``)."""
+        if self._weights is None:
+            raise RuntimeError("VLLMEngine.serve: no weights loaded (call load first)")
+        serve(self.llm, self.sampling, requests, slots=slots, seed=seed)
+
     def release(self) -> dict:
         weights, self._weights = self._weights, None
         if self.llm is not None and self._sleep_mode:
@@ -243,22 +250,17 @@ def generate(llm, prompts: PromptBatch, scfg: SamplingConfig, *, group_size: int
     every generated token (EOS included), the sampled tokens' log-probs (0 on padding). Sampling: prompt p's
     request draws from vLLM's generator seeded by (``seed``, p's sample index), so its rows do not depend on
     the other prompts of the batch. Greedy: one request per prompt, its response repeated."""
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     P, Tn, G = prompts.size, scfg.max_new_tokens, group_size
     ids, mask = prompts.prompt_ids_BTp.cpu(), prompts.prompt_mask_BTp.cpu()
     reqs = [TokensPrompt(prompt_token_ids=ids[p][mask[p]].tolist()) for p in range(P)]
     greedy = scfg.temperature == 0
-    # eos_id < 0: no token ends a row (the built-in engine's convention)
-    stop = dict(stop_token_ids=[scfg.eos_id]) if scfg.eos_id >= 0 else dict(ignore_eos=True)
-    common = dict(max_tokens=Tn, logprobs=0, detokenize=False, skip_special_tokens=False, **stop)
     if greedy:
-        params = SamplingParams(n=1, temperature=0.0, **common)
+        params = _params(scfg, 1)
     else:
         index = prompts.index_B.cpu().tolist()
-        params = [SamplingParams(n=G, temperature=scfg.temperature, top_k=scfg.top_k, top_p=scfg.top_p,
-                                 seed=(seed * 1_000_003 + index[p]) % 2**63, **common) for p in range(P)]
+        params = [_params(scfg, G, seed, index[p]) for p in range(P)]
     outs = llm.generate(reqs, params, use_tqdm=False)
     out_ids = torch.full((P * G, Tn), scfg.pad_id, dtype=torch.long)
     out_mask = torch.zeros((P * G, Tn), dtype=torch.bool)
@@ -269,10 +271,52 @@ def generate(llm, prompts: PromptBatch, scfg: SamplingConfig, *, group_size: int
             r, n = p * G + k, len(c.token_ids)
             out_ids[r, :n] = torch.tensor(c.token_ids, dtype=torch.long)
             out_mask[r, :n] = True
-            out_lp[r, :n] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+            out_lp[r, :n] = torch.tensor(_logprobs(c))
     dev = prompts.prompt_ids_BTp.device
     return extend(prompts.repeat(G), RolloutBatch, response_ids_BTr=out_ids.to(dev),
                   response_mask_BTr=out_mask.to(dev), sample_logprobs_BTr=out_lp.to(dev))
 
 
-__all__ = ["ARCHITECTURES", "VLLMEngine", "available", "check", "generate", "unsupported"]
+def _params(scfg: SamplingConfig, n: int, seed: int = 0, index: int = 0):
+    """vLLM's sampling parameters of ``n`` samples of one request: greedy, or drawn from vLLM's generator
+    seeded by (``seed``, the request's sample ``index``), so its tokens do not depend on the other requests."""
+    from vllm import SamplingParams
+    # eos_id < 0: no token ends a row (the built-in engine's convention)
+    stop = dict(stop_token_ids=[scfg.eos_id]) if scfg.eos_id >= 0 else dict(ignore_eos=True)
+    common = dict(max_tokens=scfg.max_new_tokens, logprobs=0, detokenize=False, skip_special_tokens=False, **stop)
+    if scfg.temperature == 0:
+        return SamplingParams(n=n, temperature=0.0, **common)
+    return SamplingParams(n=n, temperature=scfg.temperature, top_k=scfg.top_k, top_p=scfg.top_p,
+                          seed=(seed * 1_000_003 + index) % 2**63, **common)
+
+
+def _logprobs(c) -> list[float]:
+    """The sampled tokens' log-probs of one vLLM completion."""
+    return [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
+
+
+def serve(llm, scfg: SamplingConfig, requests, *, slots: int, seed: int) -> None:
+    """Continuous batching over requests that arrive while vLLM decodes (``rollout.serve``'s contract): each
+    ready request joins vLLM's own scheduler (``LLMEngine.add_request``) between its steps, up to ``slots`` at
+    once, and each finished one is handed back; a request's noise is ``generate``'s for its sample index."""
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    engine, keys = llm.llm_engine, {}
+    while True:
+        reqs = requests.take(slots - len(keys), wait=not keys)
+        if not reqs and not keys:
+            return
+        for key, ctx, index in reqs:
+            params = _params(scfg, 1, seed, index)
+            params.output_kind = RequestOutputKind.FINAL_ONLY
+            rid = str(next(llm.request_counter))
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(ctx)), params)
+            keys[rid] = key
+        for o in engine.step():
+            if o.finished:
+                c = o.outputs[0]
+                requests.done(keys.pop(o.request_id), list(c.token_ids), _logprobs(c))
+
+
+__all__ = ["ARCHITECTURES", "VLLMEngine", "available", "check", "generate", "serve", "unsupported"]
