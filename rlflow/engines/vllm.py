@@ -196,11 +196,16 @@ class VLLMEngine:
         util = self.memory_utilization
         if util is None:
             util = 0.2 if device.type == "cpu" else 0.5
+        # On a CPU no prefill is chunked: a request's sample drawn in a partial prefill step is discarded by
+        # rewinding its seeded generator, which a CPU generator cannot do (vLLM raises "CPU Generator does not use
+        # offset"): a large batch of seeded requests, or requests joining while others decode, would fail
+        whole = dict(enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_model_len, 8192)) \
+            if device.type == "cpu" else {}
         self.llm = vllm.LLM(model=self._dir, load_format="dummy", skip_tokenizer_init=True,
                             dtype=str(dtype).removeprefix("torch."), enforce_eager=True, seed=self.seed,
                             max_model_len=self.max_model_len, gpu_memory_utilization=util,
                             logprobs_mode="processed_logprobs", enable_sleep_mode=self._sleep_mode,
-                            tensor_parallel_size=1)
+                            tensor_parallel_size=1, **whole)
         self._worker = self.llm.llm_engine.model_executor.driver_worker.worker
         self._cpu_moe = _cpu_moe_layers(self._worker.model_runner.model)
 
