@@ -59,6 +59,13 @@ ENDS = FAILURES + ("max_turns", "max_tokens")
 TIMES = ("rollout_idle_s", "rollout_driver_s")
 
 
+def check_budget(mcfg: "MultiTurnConfig", max_new_tokens: int) -> None:
+    """ValueError when an episode's budget cannot hold its first turn."""
+    if mcfg.max_total_tokens is not None and mcfg.max_total_tokens < max_new_tokens:
+        raise ValueError(f"max_total_tokens={mcfg.max_total_tokens} is below max_new_tokens={max_new_tokens}: "
+                         "an episode's budget must hold its first turn")
+
+
 def figure_names(mcfg: "MultiTurnConfig") -> tuple[str, ...]:
     """The names of a rollout's figures (``MultiTurn.figures``): its counts, then its times."""
     counts = tuple(getattr(load_env(mcfg.env), "COUNTS", ()))
@@ -212,9 +219,7 @@ class MultiTurn:
             if not tools:
                 raise ValueError(f"env {mcfg.env}: it runs tools, and none are given (--tools)")
             self.env_cls = functools.partial(self.env_cls, tools=tools)
-        if mcfg.max_total_tokens is not None and mcfg.max_total_tokens < max_new_tokens:
-            raise ValueError(f"max_total_tokens={mcfg.max_total_tokens} is below max_new_tokens={max_new_tokens}: "
-                             "an episode's budget must hold its first turn")
+        check_budget(mcfg, max_new_tokens)
         self.render, self.decode, self.reward_fn, self.eos_id = render, decode, reward_fn, eos_id
         self.max_new_tokens, self.max_positions, self.vocab_size = max_new_tokens, max_positions, vocab_size
         self._loop = asyncio.new_event_loop()

@@ -9,7 +9,7 @@ from rlflow import optim
 from rlflow.algos import critic as critics, grpo
 from rlflow.engines import ENGINES
 from rlflow.models.config import ModelConfig
-from rlflow.multiturn import MultiTurnConfig
+from rlflow.multiturn import MultiTurnConfig, check_budget
 from rlflow.rollout import SamplingConfig
 
 ROUTING_REPLAY = ("off", "measure", "on")
@@ -89,9 +89,7 @@ class LoopConfig:
         if self.routing_replay not in ROUTING_REPLAY:
             raise ValueError(f"routing_replay={self.routing_replay!r}: expected one of {ROUTING_REPLAY}")
         if self.multiturn is not None:
-            if (self.multiturn.max_total_tokens or self.sampling.max_new_tokens) < self.sampling.max_new_tokens:
-                raise ValueError(f"max_total_tokens={self.multiturn.max_total_tokens} is below max_new_tokens="
-                                 f"{self.sampling.max_new_tokens}: an episode's budget must hold its first turn")
+            check_budget(self.multiturn, self.sampling.max_new_tokens)
             if self.routing_replay != "off":
                 raise ValueError(f"routing_replay={self.routing_replay!r}: the rollout's expert choices are not "
                                  "recorded across the turns of an environment's episodes (not built); use 'off'")
