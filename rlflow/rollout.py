@@ -100,6 +100,32 @@ def _record(scfg, out: _Out, tok_S, lp_S, where_S):
     return where_S & ((tok_S == scfg.eos_id) | (out.n_gen >= Tn))
 
 
+def _prefill(params, cfg, ids_BT, mask_BT, *, dtype, ex, routing=None):
+    """Right-aligned contexts [n, T] (``mask_BT``: each row's real tokens first) prefilled into a cache of their
+    own; returns (the logits after each context's last token [n, V], that cache)."""
+    n, T = ids_BT.shape
+    dev = ids_BT.device
+    tmp = model.KVCache.allocate(cfg, n, T, dtype=dtype, device=dev, ex=ex)
+    h, _, _ = model.forward(params, cfg, ids_BT, torch.arange(T, device=dev).expand(n, T), valid_BT=mask_BT,
+                            cache=tmp, with_aux=False, ex=ex, routing=routing)
+    return model.logits(params, cfg, h[torch.arange(n, device=dev), mask_BT.sum(-1) - 1], ex), tmp
+
+
+def _seat(scfg, out: _Out, cache, tmp, sl, src, rows, keys, last, tok_S, vocab: int):
+    """Rows ``rows`` take slots ``sl``: the prefilled contexts ``tmp[src]`` copied into the slots' cache, their
+    first tokens sampled from ``last`` (the noise of ``keys`` at counter 0) and recorded. Returns (tok_S, done_S)."""
+    dev = tok_S.device
+    cache.copy_rows(sl, tmp, src, tmp.max_len)
+    cache.bound = max(cache.bound, tmp.max_len)
+    nz = None if scfg.temperature == 0 else counter_noise(keys, torch.zeros_like(keys), vocab)
+    t, lp = sample(last, temperature=scfg.temperature, top_k=scfg.top_k, top_p=scfg.top_p, noise_BV=nz)
+    out.slot_row[sl], out.n_gen[sl], out.mask[rows] = rows, 0, False
+    new = torch.zeros(len(tok_S), dtype=torch.bool, device=dev)
+    new[sl] = True
+    tok_S = tok_S.index_put((sl,), t)
+    return tok_S, _record(scfg, out, tok_S, torch.zeros(len(tok_S), device=dev).index_put((sl,), lp), new)
+
+
 _COMPILED: dict[str, object] = {}
 
 
@@ -178,7 +204,6 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
     dtype = params["model.embed_tokens.weight"].dtype
     params = model.fuse_for_inference(params, cfg, ex)
     ids_r, mask_r, order_r = right_align(prompts.prompt_ids_BTp, prompts.prompt_mask_BTp)
-    plen_P = mask_r.sum(-1)
 
     max_len = _bucketed(Tp + Tn) if compile_decode else Tp + Tn  # compiled: one graph per cache length
     cache = model.KVCache.allocate(cfg, slots, max_len, dtype=dtype, device=dev, ex=ex)
@@ -190,7 +215,6 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
     tok_S = torch.zeros(slots, dtype=torch.long, device=dev)  # each slot's last token, fed next step
     greedy = scfg.temperature == 0
     keys_B = counter_keys(seed, (prompts.index_B.to(dev).repeat_interleave(G) * G + torch.arange(G, device=dev).repeat(P)))
-    sampling = dict(temperature=scfg.temperature, top_k=scfg.top_k, top_p=scfg.top_p)
     admitted = 0  # rows are admitted in order
 
     def admit(free_slots: torch.Tensor) -> torch.Tensor:
@@ -199,27 +223,15 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
         n = min(len(free_slots), B - admitted)
         sl, rows = free_slots[:n], torch.arange(admitted, admitted + n, device=dev)
         p0, p1 = admitted // G, (admitted + n - 1) // G + 1  # prompts these rows sample from
-        tmp = model.KVCache.allocate(cfg, p1 - p0, Tp, dtype=dtype, device=dev, ex=ex)
-        pos = torch.arange(Tp, device=dev).expand(p1 - p0, Tp)
         routing = model.Routing(record=True) if record_routes else None
-        h, _, _ = model.forward(params, cfg, ids_r[p0:p1], pos, valid_BT=mask_r[p0:p1], cache=tmp, with_aux=False,
-                                ex=ex, routing=routing)
+        last, tmp = _prefill(params, cfg, ids_r[p0:p1], mask_r[p0:p1], dtype=dtype, ex=ex, routing=routing)
         if routing is not None:
             where = order_r[p0:p1, :, None, None].expand_as(routing.chosen)
             out.prompt_routes[p0:p1] = out.prompt_routes[p0:p1].scatter(1, where, routing.chosen)
-        last = model.logits(params, cfg, h[torch.arange(p1 - p0, device=dev), plen_P[p0:p1] - 1], ex)
         src = rows // G - p0  # prefix sharing: each prompt's KV goes to all its sampled rows
-        cache.copy_rows(sl, tmp, src, Tp)
-        cache.bound = max(cache.bound, Tp)
-        nz = None if greedy else counter_noise(keys_B[rows], torch.zeros_like(rows), cfg.vocab_size)
-        t_n, lp_n = sample(last[src], noise_BV=nz, **sampling)
-        out.slot_row[sl] = rows
-        out.n_gen[sl] = 0
-        new = torch.zeros(slots, dtype=torch.bool, device=dev)
-        new[sl] = True
-        tok_S = tok_S.index_put((sl,), t_n)
+        tok_S, done = _seat(scfg, out, cache, tmp, sl, src, rows, keys_B[rows], last[src], tok_S, cfg.vocab_size)
         admitted += n
-        return _record(scfg, out, tok_S, torch.zeros(slots, device=dev).index_put((sl,), lp_n), new)
+        return done
 
     def take_part() -> None:
         """A forward with no rows, so that this rank's experts serve the rows its ep peers admit."""
@@ -293,7 +305,6 @@ def _serve(params, cfg, scfg, requests, slots, max_len, seed, ex):
     owner: list = [None] * slots  # the request key each slot serves (None: free)
     free = list(range(slots))
     greedy = scfg.temperature == 0
-    sampling = dict(temperature=scfg.temperature, top_k=scfg.top_k, top_p=scfg.top_p)
 
     def admit(reqs, free: list[int]) -> torch.Tensor:
         """Prefill the requests' contexts into free slots and sample their first tokens; returns done_S."""
@@ -304,25 +315,15 @@ def _serve(params, cfg, scfg, requests, slots, max_len, seed, ex):
             raise ValueError(f"serve: a context of {ids.shape[1]} tokens and {Tn} new ones exceed the cache's "
                              f"{max_len} positions")
         ids_r, mask_r, _ = right_align(ids.to(dev), mask.to(dev))
-        Tc = ids_r.shape[1]
-        tmp = model.KVCache.allocate(cfg, n, Tc, dtype=dtype, device=dev, ex=ex)
-        h, _, _ = model.forward(params, cfg, ids_r, torch.arange(Tc, device=dev).expand(n, Tc), valid_BT=mask_r,
-                                cache=tmp, with_aux=False, ex=ex)
-        last = model.logits(params, cfg, h[torch.arange(n, device=dev), mask_r.sum(-1) - 1], ex)
+        last, tmp = _prefill(params, cfg, ids_r, mask_r, dtype=dtype, ex=ex)
         sl = torch.tensor(free[:n], dtype=torch.long, device=dev)
-        cache.copy_rows(sl, tmp, torch.arange(n, device=dev), Tc)
-        cache.bound = max(cache.bound, Tc)
         keys = counter_keys(seed, torch.tensor([i for _, _, i in reqs], dtype=torch.long, device=dev))
         keys_S[sl] = keys
-        t, lp = sample(last, noise_BV=None if greedy else counter_noise(keys, torch.zeros_like(keys), V), **sampling)
         for s, (key, _, _) in zip(free[:n], reqs):
             owner[s] = key
         del free[:n]
-        out.slot_row[sl], out.n_gen[sl], out.mask[sl] = sl, 0, False
-        new = torch.zeros(slots, dtype=torch.bool, device=dev)
-        new[sl] = True
-        tok_S = tok_S.index_put((sl,), t)
-        return _record(scfg, out, tok_S, torch.zeros(slots, device=dev).index_put((sl,), lp), new)
+        tok_S, done = _seat(scfg, out, cache, tmp, sl, torch.arange(n, device=dev), sl, keys, last, tok_S, V)
+        return done
 
     done = torch.zeros(slots, dtype=torch.bool, device=dev)
     while True:
