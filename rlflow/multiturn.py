@@ -215,6 +215,7 @@ class MultiTurn:
                  max_positions: int, vocab_size: int, eos_id: int, tools: dict | None = None):
         self.mcfg, self.env_cls = mcfg, load_env(mcfg.env)
         self.count_names = tuple(getattr(self.env_cls, "COUNTS", ()))
+        self._count_keys = [n for n in figure_names(mcfg) if n not in TIMES]
         if "tools" in inspect.signature(self.env_cls).parameters:
             if not tools:
                 raise ValueError(f"env {mcfg.env}: it runs tools, and none are given (--tools)")
@@ -281,7 +282,7 @@ class MultiTurn:
         eps = [_Episode(example=example_of(rows.answers[b] if rows.answers else "", plist[b], self.decode), prompt=plist[b],
                         budget=min(self.mcfg.max_total_tokens or self.max_positions, self.max_positions - len(plist[b])))
                for b in range(rows.size)]
-        counts = dict.fromkeys([n for n in figure_names(self.mcfg) if n not in TIMES], 0.0)
+        counts = dict.fromkeys(self._count_keys, 0.0)
         if hasattr(engine, "serve"):
             idle = self._stream(engine, rows, eps, seed, counts)
         else:

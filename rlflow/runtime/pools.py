@@ -122,7 +122,7 @@ class TrainSide:
 
     def __init__(self, link: Link, rank: int, plan: PushPlan, extra: tuple[str, ...] = ()):
         self.link, self.rank, self.plan = link, rank, plan
-        self.names = FIGURES + tuple(extra)  # ``extra``: the rollout's own figures (multi-turn: ``MultiTurn.names``)
+        self.names = FIGURES + tuple(extra)  # ``extra``: the rollout's own figures (multi-turn: ``multiturn.figure_names``)
         self.lead = rank == 0
         self.version: int | None = None  # the last version pushed
         self._flight: tuple[list, list] = ([], [])  # the works of the push in flight, and its pieces
