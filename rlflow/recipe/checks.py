@@ -19,8 +19,8 @@ from rlflow.envs.tools import load_tools
 from rlflow.models import hf
 from rlflow.models.config import get_config
 from rlflow.recipe.flags import Recipe
-from rlflow.recipe.pieces import (chat_template, critic_config, grpo_config, loop_config, mesh_of, optim_config,
-                                  reward_specs, reward_weights, sampling_config)
+from rlflow.recipe.pieces import (chat_template, critic_config, grpo_config, has_chat_template, loop_config, mesh_of,
+                                  optim_config, reward_specs, reward_weights, sampling_config)
 from rlflow.runtime.config import share_problems
 from rlflow.tokenizer import CharTokenizer
 
@@ -81,7 +81,7 @@ def env_problems(r: Recipe) -> list[tuple[str, str]]:
         return [("env", "this environment runs tools: name them with --tools (e.g. --tools calculator)")]
     if r.tools is not None and not runs_tools:
         return [("tools", f"--env {r.env} runs no tools (its class takes no tools keyword)")]
-    if r.tools is not None and chat_template(r) is None:
+    if r.tools is not None and not has_chat_template(r):
         return [("tools", "needs --model with a chat template (the prompts show the model the tools' schemas)")]
     refused = [("env", r.env == "max_digit_feedback" and (bool(r.dataset) or r.task != "max_digit"),
                 "max_digit_feedback is --task max_digit's environment (its hint is a half of the prompt's digits)"),

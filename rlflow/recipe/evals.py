@@ -13,7 +13,7 @@ from rlflow import eval as rl_eval
 from rlflow import rewards
 from rlflow.data import Example, load_examples
 from rlflow.recipe.flags import Recipe
-from rlflow.recipe.pieces import concrete, load_model, prompt_transform, reward_specs, reward_weights
+from rlflow.recipe.pieces import chat_template, concrete, load_model, prompt_transform, reward_specs, reward_weights
 from rlflow.runtime.weights import full_weights
 
 
@@ -21,7 +21,7 @@ from rlflow.runtime.weights import full_weights
 def eval_examples(r: Recipe) -> list[Example]:
     """The first --eval-max-prompts examples of --eval-dataset, prepared as the training prompts are."""
     examples = load_examples(r.eval_dataset, prompt_key=r.prompt_key, answer_key=r.answer_key, split=r.eval_split)
-    return prompt_transform(r, rewards.CombinedReward.load(reward_specs(r), reward_weights(r)))(
+    return prompt_transform(r, rewards.CombinedReward.load(reward_specs(r), reward_weights(r)), chat_template(r))(
         examples[:r.eval_max_prompts])
 
 

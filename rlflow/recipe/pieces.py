@@ -141,10 +141,10 @@ class RunSpec:
 
 def build(r: Recipe) -> RunSpec:
     cfg, params, tok, dev = load_model(r)
-    source, reward_fn = prompts_and_reward(r)
+    chat = chat_template(r)
+    source, reward_fn = prompts_and_reward(r, chat)
     return RunSpec(cfg=cfg, params=params, tokenizer=tok, source=source, reward_fn=reward_fn,
-                   config=loop_config(r, tok.eos_id, tok.pad_id), device=dev,
-                   template=chat_template(r) if r.env else None)
+                   config=loop_config(r, tok.eos_id, tok.pad_id), device=dev, template=chat if r.env else None)
 
 
 def check_tokenizer(r: Recipe, cfg) -> None:
@@ -168,19 +168,22 @@ def reward_weights(r: Recipe) -> list[float] | None:
     return None if r.reward_weights is None else [float(w) for w in r.reward_weights.split(",")]
 
 
+def has_chat_template(r: Recipe) -> bool:
+    """--model has a chat template and --no-chat-template is not given."""
+    return bool(r.model and r.chat_template and find_chat_template(r.model) is not None)
+
+
 def chat_template(r: Recipe) -> ChatTemplate | None:
     """--model's chat template, unless --no-chat-template or the model has none."""
-    if not (r.model and r.chat_template and find_chat_template(r.model) is not None):
-        return None
-    return ChatTemplate(r.model)
+    return ChatTemplate(r.model) if has_chat_template(r) else None
 
 
-def prompts_and_reward(r: Recipe) -> tuple[PromptSource, rewards.RewardFn]:
-    """The prompt source (each batch rendered by the chat template, carrying what the reward functions are
-    called with) and the loop's reward (``CombinedReward.score``: one call per scorer's rows)."""
+def prompts_and_reward(r: Recipe, chat: ChatTemplate | None) -> tuple[PromptSource, rewards.RewardFn]:
+    """The prompt source (each batch rendered by ``chat``, the run's chat template, carrying what the reward
+    functions are called with) and the loop's reward (``CombinedReward.score``: one call per scorer's rows)."""
     # an environment starts its episodes from the whole example: the answers carry the prompts and extra columns
     reward = rewards.CombinedReward.load(reward_specs(r), reward_weights(r), context=r.env is not None)
-    prepare = prompt_transform(r, reward)
+    prepare = prompt_transform(r, reward, chat)
     if r.dataset:
         examples = load_examples(r.dataset, prompt_key=r.prompt_key, answer_key=r.answer_key, split=r.dataset_split)
         source = PromptSource(examples=examples, seed=r.seed, transform=prepare)
@@ -189,10 +192,10 @@ def prompts_and_reward(r: Recipe) -> tuple[PromptSource, rewards.RewardFn]:
     return source, reward.score
 
 
-def prompt_transform(r: Recipe, reward: rewards.CombinedReward) -> Callable[[list[Example]], list[Example]]:
-    """Examples as the model and the reward functions see them: rendered by the chat template, carrying what
-    the reward functions are called with."""
-    chat = chat_template(r)
+def prompt_transform(r: Recipe, reward: rewards.CombinedReward,
+                     chat: ChatTemplate | None) -> Callable[[list[Example]], list[Example]]:
+    """Examples as the model and the reward functions see them: rendered by ``chat`` (the run's chat template),
+    carrying what the reward functions are called with."""
     tools = [schema(fn) for fn in load_tools(r.tools).values()] if r.tools else None
 
     def prepare(batch: list[Example]) -> list[Example]:
