@@ -136,11 +136,14 @@ class RolloutBatch(PromptBatch):
     # environment. bool, whether the row is scored (False: its episode failed, or no reward applied to it)
     env_rewards_B: Tensor | None = None
     env_scored_B: Tensor | None = None
+    # int64, the policy version that sampled each response token (separate pools: the updates the weights had
+    # seen; a partial rollout's row may span several); None: not recorded
+    versions_BTr: Tensor | None = None
 
     _DTYPES = {**PromptBatch._DTYPES, "response_ids_BTr": torch.long, "response_mask_BTr": torch.bool,
                "sample_logprobs_BTr": torch.float32, "prompt_routes_BTpMK": torch.int16,
                "response_routes_BTrMK": torch.int16, "loss_mask_BTr": torch.bool, "env_rewards_B": torch.float32,
-               "env_scored_B": torch.bool}
+               "env_scored_B": torch.bool, "versions_BTr": torch.long}
 
     def __post_init__(self):
         _Batch.__post_init__(self)

@@ -150,7 +150,8 @@ def _compiled_step(device: torch.device):
 
 def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg: SamplingConfig, *,
              group_size: int = 1, seed: int = 0, max_batch: int | None = None,
-             compile_decode: bool = False, record_routes: bool = False, ex: Exec = LOCAL) -> RolloutBatch:
+             compile_decode: bool = False, record_routes: bool = False, ex: Exec = LOCAL,
+             version: int | None = None, newer=None) -> RolloutBatch:
     """Sample ``group_size`` responses per prompt. Rows of one prompt are adjacent and share its group id.
 
     A response ends at EOS (included in the mask) or after ``max_new_tokens``. At most ``max_batch``
@@ -171,20 +172,65 @@ def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg:
     ``ex``: the execution context of a layout (``params`` then hold this rank's shards): tensor and
     expert parallel, not a pipeline stage. Each rank samples its own ``prompts`` (the tp ranks of a
     group the same ones); a row's tokens are those one process gives for it.
+
+    ``version``: the policy version of ``params``, recorded for every response token (``versions_BTr``).
+    ``newer`` (partial rollout): polled before every decode step, it returns None or (version, params) of a
+    newer policy, which the rest of the generation uses: the rows in flight have their contexts (prompt and the
+    tokens sampled so far) prefilled again under the new weights, so each token's log-prob is that of the
+    weights that sampled it, given its whole context, and its version is recorded. Not in a layout whose
+    forward calls collectives (tp or ep > 1: the ranks would have to swap at the same step), nor with
+    ``record_routes`` (the routes would mix versions).
     """
     if record_routes and not cfg.is_moe:
         raise ValueError("generate: record_routes needs an MoE model (this one has no routed experts)")
+    if newer is not None and (version is None or record_routes or ex.collective_forward):
+        raise ValueError("generate: newer weights mid-generation (partial rollout) need the version of the first "
+                         "ones, and neither recorded routes nor a layout with tp or ep > 1")
+    swaps = [] if version is None else [(version, None)]
     with torch.inference_mode():  # less per-op work than no_grad (no version counters or view tracking)
-        out = _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_decode, record_routes, ex)
+        out = _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_decode, record_routes, ex,
+                        newer, swaps)
     # inference tensors cannot be saved for backward (the update embeds these ids): hand out normal ones
     B = prompts.size * group_size
     routes = {} if out.routes is None else dict(prompt_routes_BTpMK=out.prompt_routes.repeat_interleave(group_size, 0),
                                                 response_routes_BTrMK=out.routes[:B].clone())
+    if swaps:
+        routes["versions_BTr"] = _versions(swaps, B, scfg.max_new_tokens, out.ids.device)
     return extend(prompts.repeat(group_size), RolloutBatch, response_ids_BTr=out.ids[:B].clone(),
                   response_mask_BTr=out.mask[:B].clone(), sample_logprobs_BTr=out.lp[:B].clone(), **routes)
 
 
-def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_decode, record_routes, ex):
+def _versions(swaps, B: int, Tn: int, dev) -> torch.Tensor:
+    """[B, Tn] each response column's version: ``swaps`` is [(the first version, None), (version, at_B), ...],
+    ``at_B``: how many tokens each row had sampled when that version came in (the rest are its)."""
+    col = torch.arange(Tn, device=dev)
+    out = torch.full((B, Tn), swaps[0][0], dtype=torch.long, device=dev)
+    for v, at in swaps[1:]:
+        out = torch.where(col >= at[:B, None], v, out)
+    return out
+
+
+def _reprefill(params, cfg, cache, out: _Out, ids_r, mask_r, G: int, *, dtype, ex) -> None:
+    """The rows in flight get their KV computed again under ``params``: each slot's context (its prompt, then
+    every response token but the last sampled one, which the next decode step feeds) prefilled and copied in."""
+    sl = (out.slot_row >= 0).nonzero()[:, 0]
+    if not len(sl):
+        return
+    rows = out.slot_row[sl]
+    prompt_ids, prompt_len = ids_r[rows // G], mask_r[rows // G].sum(-1, keepdim=True)
+    length = prompt_len + out.n_gen[sl, None] - 1  # = the slots' cache lengths
+    T = int(length.max())
+    col = torch.arange(T, device=ids_r.device)
+    from_response = out.ids[rows].gather(1, (col - prompt_len).clamp(0, out.ids.shape[1] - 1))
+    prompt = torch.nn.functional.pad(prompt_ids, (0, out.ids.shape[1]))[:, :T]
+    ids = torch.where(col < prompt_len, prompt, from_response)
+    _, tmp = _prefill(params, cfg, ids, col < length, dtype=dtype, ex=ex)
+    cache.copy_rows(sl, tmp, torch.arange(len(sl), device=sl.device), tmp.max_len)
+    cache.bound = max(cache.bound, tmp.max_len)
+
+
+def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_decode, record_routes, ex,
+              newer=None, swaps=None):
     if not (ex.first and ex.last):
         raise ValueError("generate: the rollout runs every layer on each rank; a layout with pp > 1 is for "
                          "training (use a rollout layout without pp)")
@@ -267,6 +313,14 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
             masked = compile_decode or not bool(active.all())
             if not compile_decode:
                 cache.bound = int(cache.lengths_B.max())  # this step syncs anyway: tighten the attention span
+        if newer is not None and (got := newer()) is not None:  # partial rollout: the rest under newer weights
+            at = torch.full((B + 1,), Tn, dtype=torch.long, device=dev)  # finished rows keep their tokens' version
+            at[admitted:] = 0
+            active = out.slot_row >= 0
+            at[out.slot_row[active]] = out.n_gen[active]
+            swaps.append((got[0], at))
+            params = model.fuse_for_inference(got[1], cfg, ex)
+            _reprefill(params, cfg, cache, out, ids_r, mask_r, G, dtype=dtype, ex=ex)
         if compile_decode:
             cache.bound = cache.max_len - 1
         valid = (out.slot_row >= 0) if masked else None

@@ -179,3 +179,32 @@ def test_sampled_rows_do_not_depend_on_the_batch():
         assert torch.equal(ids * mask, full.response_ids_BTr * full.response_mask_BTr), name
     other = generate(params, CFG, prompts, scfg, group_size=3, seed=8)
     assert not torch.equal(other.response_ids_BTr, full.response_ids_BTr)
+
+
+def test_partial_rollout_records_each_tokens_version_and_its_weights_logprobs():
+    """Newer weights arriving mid-generation: the rows in flight continue under them. Every token records the
+    version that sampled it, and its log-prob is that version's (given the whole context); the tokens sampled
+    before the swap are the ones the first weights alone give."""
+    old, new, prompts = _params(1), _params(3), _prompts(1, P=4)
+    scfg = SamplingConfig(max_new_tokens=8, eos_id=2, temperature=0.8, top_k=20)
+    polls = []
+
+    def newer():
+        polls.append(1)
+        return (7, new) if len(polls) == 4 else None  # before the fourth decode step
+
+    out = generate(old, CFG, prompts, scfg, group_size=2, seed=5, max_batch=5, version=6, newer=newer)
+    alone = generate(old, CFG, prompts, scfg, group_size=2, seed=5, max_batch=5)
+    m, v = out.response_mask_BTr, out.versions_BTr
+    assert set(v[m].tolist()) == {6, 7}
+    assert bool((v[:, 1:] >= v[:, :-1]).all())  # a row's versions never go back
+    by_row = [set(v[b][m[b]].tolist()) for b in range(out.size)]
+    assert {6, 7} in by_row and {7} in by_row, by_row  # rows in flight span both; later admissions the new one
+    first = (v == 6) & m
+    assert torch.equal(out.response_ids_BTr[first], alone.response_ids_BTr[first])
+    for params, version in ((old, 6), (new, 7)):
+        lp = stages.batched_logprobs(params, CFG, out, micro_batch_size=8, temperature=0.8)
+        at = (v == version) & m
+        torch.testing.assert_close(out.sample_logprobs_BTr[at], lp[at], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="partial rollout"):
+        generate(old, CFG, prompts, scfg, newer=newer)  # no version of the first weights
