@@ -61,17 +61,26 @@ def test_pools_at_staleness_0_train_as_the_synchronous_run(tmp_path, multiturn):
 
 
 @pytest.mark.slow
-def test_pools_at_staleness_2_train_no_step_older_than_2(tmp_path):
-    """A rollout pool two versions ahead at most: every step's staleness is in [0, 2], every step was trained
+@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial-rollout"])
+def test_pools_at_staleness_2_train_no_step_older_than_2(tmp_path, partial):
+    """A rollout pool two versions ahead at most: every step's staleness is in [0, 2], every sampled token's
+    too (with partial rollout a row may span versions: its oldest token bounds it), every step was trained
     once, and the run reports the pools' figures."""
     out = tmp_path / "run"
     cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--rollout-ranks", "1",
-           "--max-staleness", "2", "--steps", "8", "--prompts-per-step", "4", "--group-size", "4", "--out", str(out)]
+           "--max-staleness", "2", "--steps", "8", "--prompts-per-step", "4", "--group-size", "4", "--out", str(out),
+           *(["--partial-rollout"] if partial else [])]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = _metrics(out)
     assert [m["step"] for m in rows] == list(range(8))
     assert all(0 <= m["staleness"] <= 2 for m in rows), [m["staleness"] for m in rows]
+    for m in rows:  # every sampled token counted once, none older than its step's oldest version
+        tokens = [m[f"stale_tokens/{s}"] for s in range(3)]
+        assert sum(tokens) == m["response_tokens"] and sum(tokens[int(m["staleness"]) + 1:]) == 0, m
+        if not partial:  # the step's tokens all share its version
+            assert tokens[int(m["staleness"])] == m["response_tokens"], m
+    assert "sampled tokens by staleness" in res.stdout
     assert all(m["unscored"] == 0 and m["response_tokens"] > 0 for m in rows)  # each step trained a whole batch
     assert "separate pools: ranks 0..0 generate and score, ranks 1..1 train; --max-staleness 2" in res.stdout
     assert "separate pools: staleness" in res.stdout and "rows produced after the last step trained" in res.stdout
@@ -175,6 +184,11 @@ def test_pools_under_torchrun_and_slurm_train_as_the_local_launch_does(tmp_path)
     (["--rollout-ranks", "1", "--rollout-engine", "vllm"], "--rollout-engine vllm: "),
     (["--rollout-ranks", "1", "--eval-dataset", "x.jsonl"], "--eval-dataset x.jsonl: evaluation with --rollout-ranks"),
     (["--world", "3", "--rollout-ranks", "1", "--train-layout", "tp=3"], "--train-layout tp=3"),
+    (["--partial-rollout"], "--partial-rollout: needs --rollout-ranks"),
+    (["--world", "3", "--rollout-ranks", "2", "--rollout-layout", "tp=2", "--partial-rollout"],
+     "--partial-rollout: --rollout-layout mesh(pp=1,dp=1,ep=1,tp=2): its ranks decode in lockstep"),
+    (["--rollout-ranks", "1", "--partial-rollout", "--env", "max_digit_feedback"],
+     "--partial-rollout=True: swapping weights mid-generation is built for single-turn rows"),
 ])
 def test_what_pools_cannot_run_is_refused_by_its_flag(flags, named, capsys):
     recipe = recipe_module()

@@ -6,7 +6,8 @@ sleeps of drawn length. For drawn pool sizes, staleness bounds, start steps (a r
 interrupted train pool) and timings:
 
 - no step is trained more than k versions after the weights that sampled it, and the weights a rollout rank
-  generated with are bitwise the version it reports (the push never mixes versions in a buffer in use);
+  generated with are bitwise the version it reports (the push never mixes versions in a buffer in use); with
+  partial rollout (a newer version swapped in mid-generation), no token is: the oldest one bounds the step;
 - a put never finds its slot holding another step (the dock holds at most k + 1 steps: the back-pressure);
 - every produced row is trained on exactly once or counted as dropped at the stop, never both;
 - the run ends (no deadlock): every thread finishes within the timeout.
@@ -126,7 +127,8 @@ class Slots:
         self.trained: Counter = Counter()  # step -> rows trained on
         self.problems: list[str] = []
 
-    def put(self, slot: int, step: int, version: int):
+    def put(self, slot: int, step: int, version: tuple[int, int]):
+        """``version``: (the first, the last) version a rollout rank's rows of the step were sampled with."""
         with self.cond:
             held = self.slots.setdefault(slot, {"step": step, "versions": [], "taken": set(), "ended": []})
             if held["step"] != step:
@@ -164,7 +166,9 @@ class Flow:
 
     def get(self, consumer, columns, mesh, rank):
         held = self.slots.get(self.slot, rank)
-        return held, {"rewards": torch.zeros(1)}
+        versions = torch.tensor(held["versions"], dtype=torch.long)  # [rollout ranks, 2]: as tokens of rows
+        return SimpleNamespace(**held, versions_BTr=versions, loss_mask=torch.ones_like(versions, dtype=torch.bool)), \
+            {"rewards": torch.zeros(1)}
 
     def end(self):
         self.slots.end(self.slot)
@@ -178,9 +182,10 @@ def schedules(draw):
     start = draw(st.integers(0, steps - 1))
     stop_at = draw(st.integers(start + 1, steps))  # the train pool's last step + 1 (< steps: interrupted)
     ms = st.lists(st.floats(0, 3), min_size=steps, max_size=steps)
+    rollout_tp = draw(st.booleans())
     return dict(k=k, rollout=rollout, train=train, steps=steps, start=start, stop_at=stop_at,
                 gen=[draw(ms) for _ in range(rollout)], upd=[draw(ms) for _ in range(train)],
-                rollout_tp=draw(st.booleans()))
+                rollout_tp=rollout_tp, partial=draw(st.booleans()) and not (rollout_tp and rollout > 1))
 
 
 def _layouts(rollout: int, train: int, rollout_tp: bool):
@@ -207,15 +212,25 @@ def run_schedule(s: dict, monkeypatch) -> dict:
         try:
             shape = (4, 4 // R) if rollout_tp else (4, 4)
             side = RolloutSide(Link(pools, r, Group(hub, r), store), r, R, plan,
-                               ({"w": torch.empty(shape)}, {"w": torch.empty(shape)}))
+                               ({"w": torch.empty(shape)}, {"w": torch.empty(shape)}), partial=s["partial"])
             loaded = {}
 
-            def generate(j):
-                v = loaded["w"].flatten()[0].item()
-                time.sleep(s["gen"][r][j] / 1e3)
-                if not bool((loaded["w"] == v).all()):
+            def half(j, version):  # half the generation, with weights that must stay the version's
+                w = loaded["w"]
+                if not bool((w == version).all()):
+                    seen["errors"].append(f"rollout rank {r} step {j}: weights {w.flatten()[0]} for version {version}")
+                time.sleep(s["gen"][r][j] / 2e3)
+                if not bool((w == version).all()):
                     seen["errors"].append(f"rollout rank {r} step {j}: its weights changed while it generated")
-                return int(v)
+
+            def generate(j, version, newer):
+                first = version
+                half(j, version)
+                if newer is not None and (got := newer()) is not None:  # partial rollout: the rest under them
+                    version = got[0]
+                    loaded.update(got[1])
+                half(j, version)
+                return first, version
 
             engine = SimpleNamespace(load=loaded.update, release=lambda: None)
             ctx = SimpleNamespace(config=conf, flow=Flow(slots), engine=engine, generate=generate, multiturn=None)
@@ -241,19 +256,20 @@ def run_schedule(s: dict, monkeypatch) -> dict:
 
     def train_on(state, held, c, ctx, clock):
         index, t = state.steps_done, ctx.seats.rank
-        if held["step"] != index:
-            seen["errors"].append(f"train step {index} got the rows of step {held['step']}")
-        seen["trained"].append((t, index, min(held["versions"]), max(held["versions"])))
+        if held.step != index:
+            seen["errors"].append(f"train step {index} got the rows of step {held.step}")
+        seen["trained"].append((t, index, held.versions))
         time.sleep(s["upd"][t][index] / 1e3)
         state.policy["w"].fill_(index + 1)  # in place, while the previous push may still travel
         return state, {}, 0.0
 
-    def score_and_put(version, j, ctx):
+    def score_and_put(version, j, ctx):  # ``version``: the fake generate's (first, last)
         slots.put(ctx.flow.slot, j, version)
         return SimpleNamespace(size=ROWS), None, None, []
 
     monkeypatch.setattr("rlflow.sharding.dist.all_reduce", reduce)
-    monkeypatch.setattr(producer, "generate", lambda prompts, j, ctx: ctx.generate(j))
+    monkeypatch.setattr(producer, "generate",
+                        lambda prompts, j, ctx, version, newer: ctx.generate(j, version, newer))
     monkeypatch.setattr(producer, "score_and_put", score_and_put)
     monkeypatch.setattr(producer, "prompts_at", lambda source, j, ctx: None)
     monkeypatch.setattr(producer, "row_counts", lambda *a: {})
@@ -275,19 +291,38 @@ def run_schedule(s: dict, monkeypatch) -> dict:
 @given(schedules())
 def test_drawn_schedules_keep_the_staleness_bound_lose_no_row_and_end(s):
     with pytest.MonkeyPatch.context() as mp:
+        _check(s, run_schedule(s, mp))
+
+
+@pytest.mark.parametrize("rollout", [1, 2])
+@pytest.mark.parametrize("gen,upd", [(8.0, 0.0), (0.0, 8.0)])
+def test_partial_rollout_swaps_versions_mid_generation_within_the_bound(rollout, gen, upd):
+    """Partial rollout at k = 1. Generation slower than the update: the next version lands while a step
+    generates, and it is swapped in there (each rank on its own). Faster: the rollout pool waits for versions."""
+    s = dict(k=1, rollout=rollout, train=1, steps=6, start=0, stop_at=6, gen=[[gen] * 6] * rollout, upd=[[upd] * 6],
+             rollout_tp=False, partial=True)
+    with pytest.MonkeyPatch.context() as mp:
         seen = run_schedule(s, mp)
+    _check(s, seen)
+    spans = [i for _, i, vs in seen["trained"] if any(a != b for a, b in vs)]
+    if gen > upd:
+        assert len(spans) >= 2, seen["trained"]  # steps whose rows span two versions
+
+
+def _check(s: dict, seen: dict) -> None:
     assert seen["alive"] == [], f"deadlock: {seen['alive']} still running ({s})"
     assert seen["errors"] == [], seen["errors"]
     slots: Slots = seen["slots"]
     assert slots.problems == [], slots.problems
     steps = list(range(s["start"], s["stop_at"]))
     for t in range(s["train"]):  # every train rank trained each step once, in order, on rows of one version
-        mine = [(i, lo, hi) for r, i, lo, hi in seen["trained"] if r == t]
-        assert [i for i, _, _ in mine] == steps
-        assert all(lo == hi for _, lo, hi in mine), mine  # the rollout ranks generated with one version
-        assert all(0 <= i - v <= s["k"] for i, v, _ in mine), (s["k"], mine)
-    lead = [(i, v) for r, i, v, _ in seen["trained"] if r == 0]
-    assert seen["staleness"] == [float(i - v) for i, v in lead]  # the reports name the version that sampled
+        mine = [(i, vs) for r, i, vs in seen["trained"] if r == t]
+        assert [i for i, _ in mine] == steps
+        assert all(0 <= i - v <= s["k"] for i, vs in mine for pair in vs for v in pair), (s["k"], mine)
+        if not s["partial"]:  # the rollout ranks generated with one version
+            assert all(len({v for pair in vs for v in pair}) == 1 for _, vs in mine), mine
+    lead = [(i, min(first for first, _ in vs)) for r, i, vs in seen["trained"] if r == 0]
+    assert seen["staleness"] == [float(i - v) for i, v in lead]  # the reports name the oldest version
     assert all(slots.trained[i] == slots.produced[i] == ROWS * s["rollout"] for i in steps)
     untrained = {i: n for i, n in slots.produced.items() if i not in slots.trained}
     assert all(i >= s["stop_at"] for i in untrained), untrained  # only what the stop made useless

@@ -8,6 +8,10 @@ step:
                                             ``group_size`` samples per prompt of a ``PromptBatch``:
                                             response ids, masks, the sampling log-probs (and, asked at
                                             build time, the MoE routes)
+    engine.generate(..., version=v, newer=f)
+                                            separate pools (the built-in engine): each token's version
+                                            recorded; ``newer`` polled for weights to continue with
+                                            mid-generation (partial rollout)
     engine.serve(requests, slots=, max_len=, seed=)
                                             optional (the built-in engine): continuous batching over requests
                                             that arrive while it decodes (multi-turn rollouts, ``rollout.serve``)

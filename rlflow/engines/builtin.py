@@ -24,11 +24,21 @@ class BuiltinEngine:
     def load(self, weights: dict) -> None:
         self._weights = weights
 
-    def generate(self, prompts: PromptBatch, *, group_size: int, seed: int) -> RolloutBatch:
+    def generate(self, prompts: PromptBatch, *, group_size: int, seed: int, version: int | None = None,
+                 newer=None) -> RolloutBatch:
+        """``version``: the loaded weights' (recorded per token); ``newer``: partial rollout, polled before each
+        decode step for (version, weights) to continue with, which the engine then holds."""
         if self._weights is None:
             raise RuntimeError("BuiltinEngine.generate: no weights loaded (call load first)")
+
+        def swap():
+            got = newer()
+            if got is not None:
+                self._weights = got[1]
+            return got
         return generate(self._weights, self.cfg, prompts, self.sampling, group_size=group_size, seed=seed,
-                        compile_decode=self.compile_decode, record_routes=self.record_routes, ex=self.ex)
+                        compile_decode=self.compile_decode, record_routes=self.record_routes, ex=self.ex,
+                        version=version, newer=None if newer is None else swap)
 
     def serve(self, requests, *, slots: int, max_len: int, seed: int) -> None:
         """Continuous batching over requests that arrive while it decodes (``rollout.serve``): multi-turn

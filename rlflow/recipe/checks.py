@@ -48,7 +48,8 @@ def pool_problems(r: Recipe) -> list[tuple[str, str]]:
     if r.max_staleness < 0:
         return [("max_staleness", "must be >= 0")]
     if not r.rollout_ranks:
-        return [("max_staleness", "needs --rollout-ranks (colocated steps are synchronous)")] if r.max_staleness else []
+        return [(name, "needs --rollout-ranks (colocated steps are synchronous)")
+                for name in ("max_staleness", "partial_rollout") if getattr(r, name)]
     if r.rollout_ranks >= r.world:
         return [("rollout_ranks", f"leaves no rank of --world {r.world} to train")]
     refused = [("launcher", r.launcher != "local", "separate pools run on local processes and under torchrun / "
@@ -58,7 +59,16 @@ def pool_problems(r: Recipe) -> list[tuple[str, str]]:
                ("rollout_engine", r.rollout_engine != "builtin", "vllm with --rollout-ranks is not built yet"),
                ("dock_backend", r.dock_backend not in (None, "procs"), "separate pools need procs (the dock's "
                                                                         "server processes)")]
-    return [(name, why) for name, bad, why in refused if bad]
+    out = [(name, why) for name, bad, why in refused if bad]
+    if r.partial_rollout:
+        try:
+            mesh = mesh_of(r, r.rollout_layout, "rollout_layout")
+        except ValueError:
+            return out  # --rollout-layout's own problem
+        if mesh.tp > 1 or mesh.ep > 1:
+            out.append(("partial_rollout", f"--rollout-layout {mesh}: its ranks decode in lockstep and would have to "
+                                           "swap weights at the same step (not built): use dp only"))
+    return out
 
 
 def env_problems(r: Recipe) -> list[tuple[str, str]]:

@@ -111,6 +111,9 @@ class Recipe:
     max_staleness: int = _f(0, "with --rollout-ranks: a step's rows are generated with weights at most K updates "
                                "old (the rollout pool waits for newer ones; nothing is dropped); 0: on-policy, the "
                                "synchronous run. Stale rows are trained as on-policy unless --rollout-is corrects them")
+    partial_rollout: bool = _f(False, "with --rollout-ranks: a version that lands while a step generates is swapped in "
+                                      "before the next decode step and the rows in flight continue under it (each "
+                                      "token records its version; --max-staleness bounds the oldest)")
     launcher: str = _f("local", "how the ranks start: local (processes on this machine) or ray (one actor per "
                                 "rank in a placement group; see --ray-address); under torchrun or Slurm the ranks "
                                 "are those processes")

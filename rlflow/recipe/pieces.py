@@ -81,6 +81,7 @@ def loop_config(r: Recipe, eos_id: int, pad_id: int) -> LoopConfig:
         vllm_memory_utilization=r.vllm_memory_utilization, max_bad_steps=r.max_bad_steps,
         routing_replay=r.routing_replay,
         check_logprobs=r.check_logprobs, critic=critic_config(r, ocfg), max_staleness=r.max_staleness,
+        partial_rollout=r.partial_rollout,
         multiturn=multiturn_config(r),
         dock_timeout_s=r.dist_timeout if r.dist_timeout is not None else DOCK_TIMEOUT_S)
 

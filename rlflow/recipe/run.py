@@ -229,7 +229,7 @@ def _produce(rank: int, world: int, r: Recipe, dock, spec: RunSpec, link) -> lis
     mine = spec.params if world == 1 else shard_params(spec.params, lays["rollout_layout"], rank)
     buffers = (mine, {n: t.clone() for n, t in mine.items()})  # the engine's copy, and the one the next version fills
     side = pools.RolloutSide(link, rank, world, push_plan(lays["train_layout"], lays["rollout_layout"]), buffers,
-                             extra=rollout_figures(spec.config))
+                             extra=rollout_figures(spec.config), partial=spec.config.partial_rollout)
     source, spec, mine = spec.source, None, None
     try:
         producer.produce(source, ctx, side)
@@ -342,6 +342,10 @@ def report(history: list[dict], where: Placement | None, dock, world: int, wall:
             f"(waited {sum(m['rollout_wait_s'] for m in history):.1f}s for weights), train pool busy "
             f"{1 - sum(m['train_wait_s'] for m in history) / wall_steps:.0%} (waited "
             f"{sum(m['train_wait_s'] for m in history):.1f}s for rows)")
+        tokens = {k.split("/")[1]: sum(m[k] for m in history) for k in history[0] if k.startswith("stale_tokens/")}
+        say(f"separate pools: sampled tokens by staleness (updates between the version that sampled a token and its "
+            f"update) "
+            f"{', '.join(f'{k}: {n / max(sum(tokens.values()), 1):.1%}' for k, n in tokens.items())}")
     if dock is not None:
         say(f"transfer dock: {len(dock.warehouses)} warehouses, busiest dock process moved "
             f"{sum(m.get('dock_busiest_bytes', 0.0) for m in history) / 2**20:.1f} MiB in all "

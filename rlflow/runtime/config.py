@@ -52,6 +52,9 @@ class LoopConfig:
     # separate device pools: a step's rows are generated with weights at most this many updates old (the
     # rollout pool waits for newer ones; nothing is dropped); 0: on-policy, the synchronous run's rows
     max_staleness: int = 0
+    # separate device pools: a version that lands while a step generates is swapped in mid-generation, the rows
+    # in flight continuing under it; each token records its version (the staleness bounds the oldest)
+    partial_rollout: bool = False
     # multi-turn rollouts: each sample an episode of turns with an environment (``rlflow/multiturn.py``); None:
     # one response per sample
     multiturn: MultiTurnConfig | None = None
@@ -88,6 +91,9 @@ class LoopConfig:
             raise ValueError(f"vllm_memory_utilization={self.vllm_memory_utilization} must be in (0, 1]")
         if self.routing_replay not in ROUTING_REPLAY:
             raise ValueError(f"routing_replay={self.routing_replay!r}: expected one of {ROUTING_REPLAY}")
+        if self.partial_rollout and (self.multiturn is not None or self.routing_replay != "off"):
+            raise ValueError("partial_rollout=True: swapping weights mid-generation is built for single-turn rows "
+                             "without recorded routes (not with multiturn or routing_replay)")
         if self.multiturn is not None:
             check_budget(self.multiturn, self.sampling.max_new_tokens)
             if self.routing_replay != "off":

@@ -39,7 +39,7 @@ from torch import Tensor
 from rlflow.batch import PromptBatch, RolloutBatch, TrainBatch, extend
 from rlflow.dock.schema import Packed
 from rlflow.dock.routing import route
-from rlflow.runtime.graph import FIELDS, LOSS_MASK, ROUTES, ROWS
+from rlflow.runtime.graph import FIELDS, LOSS_MASK, ROUTES, ROWS, VERSIONS
 from rlflow.sharding.mesh import Mesh
 
 
@@ -70,6 +70,11 @@ def score_share(rows: RolloutBatch, mesh: Mesh, rank: int, group_size: int) -> R
     return _part(rows, cost, Mesh(dp=mesh.tp), mesh.coords(rank)["tp"], group_size)
 
 
+# per-token columns that travel as fields of the rows (not as stage columns), in the dock's dtype
+_ON_THE_ROWS = (LOSS_MASK, VERSIONS)
+_COLUMN_DTYPE = {LOSS_MASK: torch.uint8, VERSIONS: torch.int64}
+
+
 class MemoryFlow:
     """One process: stages share one batch in memory; ``put_rows`` hands it over, ``get`` returns it."""
 
@@ -82,8 +87,8 @@ class MemoryFlow:
     def get(self, consumer: str, columns: list[str], mesh: Mesh, rank: int) -> tuple[RolloutBatch, dict[str, Tensor]]:
         if mesh.size != 1:
             raise ValueError(f"MemoryFlow is the one-process flow; {mesh} has {mesh.size} ranks (use a dock)")
-        # the batch carries its routes and loss mask
-        return self._batch, {c: self._cols[c] for c in columns if c not in ROUTES + (LOSS_MASK,)}
+        # the batch carries its routes, loss mask and versions
+        return self._batch, {c: self._cols[c] for c in columns if c not in ROUTES + _ON_THE_ROWS}
 
     def end(self) -> None:
         self._batch, self._cols = None, {}
@@ -133,8 +138,9 @@ class DockFlow:
                "response_ids": Packed.from_padded(rows.response_ids_BTr, rm),
                "sample_logprobs": Packed.from_padded(rows.sample_logprobs_BTr, rm),
                **{c: (Packed.from_padded(v.cpu(), rm) if v.dim() == 2 else v.cpu()) for c, v in cols.items()}}
-        if rows.loss_mask_BTr is not None:
-            put[LOSS_MASK] = Packed.from_padded(rows.loss_mask_BTr.to(torch.uint8), rm)
+        for c in _ON_THE_ROWS:
+            if (v := getattr(rows, FIELDS[c])) is not None:
+                put[c] = Packed.from_padded(v.to(_COLUMN_DTYPE[c]), rm)
         if rows.response_routes_BTrMK is not None:  # each row's routes, flattened over its tokens
             put["prompt_routes"] = Packed.from_padded(rows.prompt_routes_BTpMK, pm)
             put["response_routes"] = Packed.from_padded(rows.response_routes_BTrMK, rm)
@@ -155,12 +161,14 @@ class DockFlow:
             fields = {FIELDS[c]: b[c].view(b[c].shape[0], -1, *mk) for c in ROUTES}
         if LOSS_MASK in columns:
             fields[FIELDS[LOSS_MASK]] = b[LOSS_MASK].bool() & b.mask["response_ids"]
+        if VERSIONS in columns:
+            fields[FIELDS[VERSIONS]] = b[VERSIONS]
         answers = tuple(bytes(r.tolist()).decode() for r in b.rows("answer"))
         rollout = RolloutBatch(prompt_ids_BTp=b["prompt_ids"], prompt_mask_BTp=b.mask["prompt_ids"],
                                index_B=b.index_B + self.base, group_B=b["group"], answers=answers,
                                response_ids_BTr=b["response_ids"], response_mask_BTr=b.mask["response_ids"],
                                sample_logprobs_BTr=b["sample_logprobs"], **fields)
-        return rollout.to(self.device), {c: b[c].to(self.device) for c in columns if c not in ROWS + ROUTES + (LOSS_MASK,)}
+        return rollout.to(self.device), {c: b[c].to(self.device) for c in columns if c not in ROWS + ROUTES + _ON_THE_ROWS}
 
     def end(self) -> None:
         """The step's last use of the dock: the lead clears it for the next step (its slot only, with slots)."""

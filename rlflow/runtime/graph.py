@@ -95,6 +95,7 @@ ROWS = PROMPT + ("response_ids", "sample_logprobs")  # a sample after the rollou
 # them too and the old-log-prob and update stages read them; the loop adds them to those stages' columns.
 ROUTES = ("prompt_routes", "response_routes")
 LOSS_MASK = "loss_mask"  # multi-turn rows' (``LoopConfig.multiturn``): the loop adds it to the train group's columns
+VERSIONS = "versions"  # separate pools' rows: the policy version of each token; the loop adds it there too
 
 # Every column any graph declares, with the batch field it fills (one table: ``FIELDS``).
 COLUMNS = (
@@ -121,6 +122,9 @@ COLUMNS = (
     # a multi-turn row's sampled tokens (1) among its response tokens (0: the environment's observations); the
     # rollout writes it with the rows and every stage that reads the log-probs or the losses reads it too
     (Column("loss_mask", torch.uint8, "var", length_group="response"), "loss_mask_BTr"),
+    # separate pools: the policy version (updates seen) that sampled each response token; a partial rollout's
+    # row may span several
+    (Column("versions", torch.int64, "var", length_group="response"), "versions_BTr"),
 )
 FIELDS = {c.name: f for c, f in COLUMNS}  # dock column -> batch field, of every graph
 _CRITIC = ("scored", "values", "token_advantages", "returns")  # PPO's
@@ -162,5 +166,5 @@ def graph_for(adv_estimator: str) -> Graph:
     return PPO if adv_estimator == "gae" else GRPO
 
 
-__all__ = ["COLUMNS", "FIELDS", "GRPO", "Graph", "PPO", "PROMPT", "ROUTES", "ROWS", "RUNS_ON", "Stage", "VIA",
-           "graph_for"]
+__all__ = ["COLUMNS", "FIELDS", "GRPO", "Graph", "LOSS_MASK", "PPO", "PROMPT", "ROUTES", "ROWS", "RUNS_ON", "Stage",
+           "VERSIONS", "VIA", "graph_for"]

@@ -147,6 +147,7 @@ def reduce(out: StepOut, ctx: StepContext, wall: float, stop: bool, *, index: in
     episodes = {k: v for k, v in counts.items() if k.startswith("env/")}  # multi-turn rollouts' counts
     if episodes:
         m.update(episodes, **{"env/turns_mean": episodes["env/turns"] / max(episodes["env/episodes"], 1.0)})
+    m.update({k: v for k, v in counts.items() if k.startswith("stale_tokens/")})  # separate pools' histogram
     if isinstance(ctx.flow, DockFlow):
         m["dock_busiest_bytes"] = ctx.flow.busiest_bytes() if ctx.seats.rank == 0 else 0.0
     m["bad_rewards"] = out.bad_rewards  # this rank's

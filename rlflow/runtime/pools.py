@@ -151,8 +151,9 @@ class TrainSide:
             if f["final"] or int(f["step"]) != step:
                 raise RuntimeError(f"separate pools: rollout rank {r} reported step {int(f['step'])} "
                                    f"(final={bool(f['final'])}) where the train pool trained step {step}")
-        return {n: (max if n.endswith("_s") or n in ("step", "version") else sum)(f[n] for f in got)
-                for n in self.names if n != "final"}
+        # times: the slowest rank's; the version: the oldest (each rank's own with partial rollout)
+        how = lambda n: max if n.endswith("_s") or n == "step" else min if n == "version" else sum  # noqa: E731
+        return {n: how(n)(f[n] for f in got) for n in self.names if n != "final"}
 
     def _receive(self, src: int) -> dict[str, float]:
         """Rollout rank ``src``'s next report (waited for), its key deleted."""
@@ -186,8 +187,9 @@ class RolloutSide:
     versions arrive on a receiver thread into ``buffers`` (two copies of this rank's rollout shards)."""
 
     def __init__(self, link: Link, rank: int, pool: int, plan: PushPlan, buffers: tuple[dict, dict],
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = (), partial: bool = False):
         self.link, self.rank, self.pool, self.plan = link, rank, pool, plan
+        self.partial = partial  # partial rollout: each rank swaps a newer version in as it lands (``newer``)
         self.names = FIGURES + tuple(extra)  # the train side's, in the same order
         self._cond = threading.Condition()
         self._reports = 0
@@ -233,10 +235,31 @@ class RolloutSide:
         stop = bool(all_reduce(torch.tensor([int(stop)], dtype=torch.int64), dist.ReduceOp.MAX).item())
         return have, stop
 
+    def _swap_in(self) -> None:
+        """The pending version becomes the current one; the old copy is the receiver's next buffer (under _cond)."""
+        if self.current is not None:
+            self._free.append(self.current[1])
+        self.current, self.pending = self.pending, None
+        self._cond.notify_all()
+
+    def newer(self) -> tuple[int, dict] | None:
+        """Partial rollout: the version received since the last swap, swapped in now, or None. This rank alone:
+        its rows are its own (a rollout layout without tp or ep), so the ranks need not swap together."""
+        with self._cond:
+            if self.error is not None:
+                raise RuntimeError(f"separate pools: the weight push to rollout rank {self.rank} failed: "
+                                   f"{self.error}") from self.error
+            if self.pending is None:
+                return None
+            self._swap_in()
+            return self.current
+
     def weights_for(self, step: int, staleness: int) -> tuple[int, dict, float] | None:
         """(version, this rank's rollout shards, seconds waited) to generate step ``step`` with: the newest
-        version every rollout rank has, and at least ``step - staleness`` (waited for); None once the train
-        pool said stop."""
+        version every rollout rank has (with ``partial``: the newest this rank has), and at least
+        ``step - staleness`` on every rank (waited for); None once the train pool said stop."""
+        if self.partial:
+            return self._newest_for(step, staleness)
         t0 = time.perf_counter()
         while True:
             with self._cond:
@@ -248,16 +271,31 @@ class RolloutSide:
             have, stop = self._agree(have, stop)
             if stop:
                 return None
-            if have >= 0:  # every rank has it: swap it in; the old copy is the receiver's next buffer
+            if have >= 0:  # every rank has it: swap it in
                 with self._cond:
-                    if self.current is not None:
-                        self._free.append(self.current[1])
-                    self.current, self.pending = self.pending, None
-                    self._cond.notify_all()
+                    self._swap_in()
             if self.current is not None and self.current[0] >= step - staleness:
                 return self.current[0], self.current[1], time.perf_counter() - t0
             with self._cond:
                 self._cond.wait_for(lambda: self.pending is not None or self.stopped or self.error is not None)
+
+    def _newest_for(self, step: int, staleness: int) -> tuple[int, dict, float] | None:
+        """``weights_for`` of partial rollout: each rank swaps in what it has; the ranks agree only on whether
+        every one's version is new enough (a rank that is waits with the others, in the agreement)."""
+        t0, need = time.perf_counter(), step - staleness
+        while True:
+            self.newer()
+            with self._cond:
+                ok = self.current is not None and self.current[0] >= need
+                stop = self.stopped
+            lacking, stop = self._agree(0 if ok else -1, stop)
+            if stop:
+                return None
+            if lacking == 0:  # every rank's version is new enough
+                return self.current[0], self.current[1], time.perf_counter() - t0
+            if not ok:
+                with self._cond:
+                    self._cond.wait_for(lambda: self.pending is not None or self.stopped or self.error is not None)
 
     def first_version(self) -> int | None:
         """The first version's number (the train pool's steps done when it started), waited for; None when

@@ -8,6 +8,10 @@ j mod (k + 1): the train pool released that slot (the rows of step j - k - 1) be
 j - k, so the dock holds at most k + 1 steps of rows (the back-pressure), and a put never waits. At k = 0
 every step is generated with the weights the synchronous run would use, with the same seeds.
 
+Partial rollout (``LoopConfig.partial_rollout``): a version that lands while a step generates is swapped in
+before the next decode step, and the rows in flight continue under it (``rollout.generate``'s ``newer``).
+The rule above bounds the oldest token, the one the step started with; every token records its version.
+
 The loop reads the prompt stream the train pool reads (the same source, seed and position), from the step
 the train pool starts at (the first version's number, so a resumed run continues its stream).
 """
@@ -36,7 +40,7 @@ def produce(source, ctx: StepContext, side: RolloutSide) -> None:
             prompts = prompts_at(source, j, ctx)
             ctx.flow.begin(prompts, G, slot=j % (k + 1))
             ctx.engine.load(params)
-            rollout = generate(prompts, j, ctx)
+            rollout = generate(prompts, j, ctx, version=version, newer=side.newer if side.partial else None)
             ctx.engine.release()  # the copy stays this pool's until a newer version replaces it
             t1 = time.perf_counter()
             rows, rewards, scored, bad = score_and_put(rollout, j, ctx)

@@ -34,7 +34,7 @@ from rlflow.models.config import ModelConfig
 from rlflow.models.execution import n_moe_layers
 from rlflow.multiturn import TIMES, MultiTurn, chat_render, plain_render
 from rlflow.runtime.flow import DockFlow, MemoryFlow, rollout_share, score_share, train_batch
-from rlflow.runtime.graph import LOSS_MASK, ROUTES, ROWS, Graph, graph_for
+from rlflow.runtime.graph import LOSS_MASK, ROUTES, ROWS, VERSIONS, Graph, graph_for
 from rlflow.runtime.config import LoopConfig, check_features, share_problems
 from rlflow.runtime.placement import Placement, Seats, seats
 from rlflow.runtime.pools import FIGURES
@@ -133,7 +133,8 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
                               max_positions=cfg.max_position_embeddings, eos_id=conf.sampling.eos_id, tools=tools)
     return StepContext(cfg=cfg, tokenizer=tokenizer, reward_fn=reward_fn, config=conf, device=torch.device(device),
                        seats=where, graph=graph, flow=flow, engine=engine, update_config=ucfg,
-                       dock_columns=dock_columns(graph, conf.routing_replay, multiturn=conf.multiturn is not None),
+                       dock_columns=dock_columns(graph, conf.routing_replay, multiturn=conf.multiturn is not None,
+                                                 pools=pool != "colocated"),
                        weights=Weights(where.train, None if placement is None else placement.rollout, where.rank),
                        critic_update_config=critic_ucfg, pool=link, multiturn=multiturn)
 
@@ -170,14 +171,21 @@ def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunSt
                           rewards=rewards.masked_fill(~scored, float("nan")))
 
 
-def generate(prompts: PromptBatch, index: int, ctx: StepContext) -> RolloutBatch:
+def generate(prompts: PromptBatch, index: int, ctx: StepContext, *, version: int | None = None,
+             newer=None) -> RolloutBatch:
     """Step ``index``'s rollout of this rank's share of ``prompts`` with the weights the engine holds: one
-    response per sample, or with ``ctx.multiturn`` one episode."""
+    response per sample, or with ``ctx.multiturn`` one episode. ``version`` (separate pools): the weights'
+    version, recorded per token (``versions_BTr``); ``newer``: partial rollout (``rollout.generate``)."""
     mine = rollout_share(prompts, ctx.seats.mesh(ctx.graph["rollout"].runs_on), ctx.seats.rank)
     G, seed = ctx.config.grpo.group_size, ctx.config.seed * 1_000_003 + index
     if ctx.multiturn is not None:
-        return ctx.multiturn.rollout(ctx.engine, mine, group_size=G, seed=seed)
-    return ctx.engine.generate(mine, group_size=G, seed=seed)
+        if newer is not None:
+            raise ValueError("step.generate: partial rollout of multi-turn episodes is not built yet")
+        rows = ctx.multiturn.rollout(ctx.engine, mine, group_size=G, seed=seed)
+        return rows if version is None else rows.replace(versions_BTr=torch.full_like(rows.response_ids_BTr, version))
+    if version is None:
+        return ctx.engine.generate(mine, group_size=G, seed=seed)
+    return ctx.engine.generate(mine, group_size=G, seed=seed, version=version, newer=newer)
 
 
 def score_and_put(rollout: RolloutBatch, index: int, ctx: StepContext):
@@ -276,6 +284,7 @@ def train_step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple
     extra = pool.names[len(FIGURES):]  # the rollout's own (multi-turn: its counts and times)
     counts = {n: got.get(n, 0.0) for n in names + tuple(n for n in extra if n not in TIMES)}
     counts["nonfinite_params"] = _nonfinite(state)
+    counts.update(stale_tokens(batch, index, conf.max_staleness))
     times = {**clock.laps, **{n: got.get(n, 0.0) for n in extra if n in TIMES},
              "rollout_time_s": got.get("rollout_time_s", 0.0),
              "score_time_s": got.get("score_time_s", 0.0), "rollout_wait_s": got.get("wait_s", 0.0),
@@ -285,20 +294,33 @@ def train_step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple
                           rows=batch, rewards=rewards)
 
 
+def stale_tokens(batch: RolloutBatch, index: int, max_staleness: int) -> dict[str, float]:
+    """The histogram of this rank's sampled tokens of step ``index`` by staleness (updates between the version
+    that sampled a token and the one it is trained with: ``stale_tokens/s``, s = 0..max_staleness; summed over
+    the ranks). A token beyond the bound is a broken rule, not a figure: it raises."""
+    stale = index - batch.versions_BTr[batch.loss_mask]
+    if len(stale) and not 0 <= int(stale.min()) <= int(stale.max()) <= max_staleness:
+        raise RuntimeError(f"separate pools: step {index} holds tokens {int(stale.min())} to {int(stale.max())} "
+                           f"versions old; the bound is {max_staleness}")
+    counts = torch.bincount(stale, minlength=max_staleness + 1).tolist()
+    return {f"stale_tokens/{s}": float(n) for s, n in enumerate(counts)}
+
+
 def sampled_budget(conf: LoopConfig) -> int:
     """The most tokens a row's response can have sampled (``seq-mean-token-sum-norm``'s constant): a turn's
     budget, times the turns of a multi-turn episode."""
     return conf.sampling.max_new_tokens * (1 if conf.multiturn is None else conf.multiturn.max_turns)
 
 
-def dock_columns(graph: Graph, routing_replay: str, multiturn: bool = False) -> list[str]:
+def dock_columns(graph: Graph, routing_replay: str, multiturn: bool = False, pools: bool = False) -> list[str]:
     """The columns the train group takes from the dock: what its stages read that the rollout group's wrote
-    (the rows themselves, ``graph.ROWS``, always come), the rollout's expert routes with routing replay, and
-    multi-turn rows' loss mask."""
+    (the rows themselves, ``graph.ROWS``, always come), the rollout's expert routes with routing replay,
+    multi-turn rows' loss mask and, with separate pools, each token's version."""
     written = {c for s in graph.stages if s.runs_on != "train" for c in s.writes}
     read = [c for s in graph.stages if s.runs_on == "train" for c in s.reads if c in written]
     routes = list(ROUTES) if routing_replay != "off" else []
-    return [c for c in dict.fromkeys(read) if c not in ROWS] + routes + ([LOSS_MASK] if multiturn else [])
+    return ([c for c in dict.fromkeys(read) if c not in ROWS] + routes + ([LOSS_MASK] if multiturn else [])
+            + ([VERSIONS] if pools else []))
 
 
 class _Clock:
