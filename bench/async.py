@@ -8,6 +8,8 @@ Configurations (each the recipe, `recipes/grpo_qwen3_moe.py`, as a subprocess wi
                            rank 1 trains, --max-staleness k
     pools k=1 rollout-is   the same at k=1 with the importance correction of the stale rows (--rollout-is token:
                            the trainer's log-probs over the sampling weights', truncated)
+    pools k=1 partial      the same at k=1 with partial rollout (--partial-rollout: a version that lands while a
+                           step generates is swapped in before the next decode step)
 
 Rounds alternate the configurations (A B C D E, A B C D E, ...) with seed = the round's number, so noise
 from a shared machine falls on all of them and the reward figures have a spread across seeds.
@@ -23,10 +25,13 @@ from a shared machine falls on all of them and the reward figures have a spread 
                          (the issue's learning bar; every configuration's step has the same samples)
     bound (pools)      = the slower pool's own work per step, max(rollout + score, log-probs + update + push): the step
                          the overlap can reach at best; what it does not reach goes to waits and contention
+    fresh (pools)      = the share of the timed steps' sampled tokens trained at staleness 0 (``stale_tokens/0``)
 
 Ratios are samples/s against world2 colocated and against world1. The last line printed is one JSON object.
+``--configs`` runs some of the pools' configurations (world1 and world2 colocated always run: the ratios').
 
     python bench/async.py
+    python bench/async.py --configs "pools k=1,pools k=1 partial" --max-new-tokens 32
     python bench/async.py --rlflow-src /tmp/base   # the recipe and rlflow of another checkout
 """
 
@@ -47,7 +52,9 @@ CONFIGS = {  # name -> (recipe flags, threads per process)
     **{f"pools k={k}": (["--world", "2", "--rollout-ranks", "1", "--max-staleness", str(k)], 1) for k in (0, 1, 2)},
     "pools k=1 rollout-is": (["--world", "2", "--rollout-ranks", "1", "--max-staleness", "1", "--rollout-is", "token"],
                              1),
+    "pools k=1 partial": (["--world", "2", "--rollout-ranks", "1", "--max-staleness", "1", "--partial-rollout"], 1),
 }
+BASES = ("world1 (2 threads)", "world2 colocated")
 
 
 def run(src: str, flags: list[str], threads: int, seed: int, a, out: str) -> list[dict]:
@@ -83,7 +90,8 @@ def figures(history: list[dict], a) -> dict[str, float]:
         train = per("logprob_time_s") + per("update_time_s") + per("push_time_s")
         f.update(rollout_busy=rollout / f["step_s"], train_busy=1 - per("train_wait_s") / f["step_s"],
                  rollout_s=rollout, train_s=train, bound_s=max(rollout, train),
-                 staleness=statistics.fmean(m["staleness"] for m in timed))
+                 staleness=statistics.fmean(m["staleness"] for m in timed),
+                 fresh=sum(m["stale_tokens/0"] for m in timed) / max(sum(m["response_tokens"] for m in timed), 1))
     return f
 
 
@@ -96,15 +104,22 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=3)
     p.add_argument("--rlflow-src", default=ROOT)
+    p.add_argument("--configs", default=",".join(n for n in CONFIGS if n not in BASES),
+                   help="the pools' configurations to run, comma-separated")
     a = p.parse_args()
+    chosen = [n.strip() for n in a.configs.split(",") if n.strip()]
+    unknown = [n for n in chosen if n not in CONFIGS or n in BASES]
+    if unknown:
+        raise SystemExit(f"--configs {a.configs}: {unknown} not among {[n for n in CONFIGS if n not in BASES]}")
     if a.warmup < 1:
         raise SystemExit(f"--warmup {a.warmup}: at least 1 (the timed steps start at a step's end)")
     if a.steps < a.warmup + 10:
         raise SystemExit(f"--steps {a.steps}: at least --warmup + 10 ({a.warmup + 10})")
-    got: dict[str, list[dict]] = {k: [] for k in CONFIGS}
+    got: dict[str, list[dict]] = {k: [] for k in (*BASES, *chosen)}
     with tempfile.TemporaryDirectory() as d:
         for seed in range(a.repeat):
-            for name, (flags, threads) in CONFIGS.items():
+            for name in got:
+                flags, threads = CONFIGS[name]
                 got[name].append(figures(run(a.rlflow_src, flags, threads, seed, a, os.path.join(d, "run")), a))
     print(f"workload: qwen3-moe-tiny, {a.prompts_per_step} prompts x {a.group_size} samples, {a.max_new_tokens} new "
           f"tokens, {a.steps} steps ({a.steps - a.warmup} timed); {a.repeat} rounds, seeds 0..{a.repeat - 1}")
@@ -134,7 +149,8 @@ def main() -> None:
         if "bound_s" in row:
             line += (f"  busy rollout {row['rollout_busy']:.0%} train {row['train_busy']:.0%}; own work rollout "
                      f"{row['rollout_s'] * 1e3:.1f} ms, train {row['train_s'] * 1e3:.1f} ms -> bound "
-                     f"{row['bound_s'] * 1e3:.1f} ms; staleness {row['staleness']:.2f}")
+                     f"{row['bound_s'] * 1e3:.1f} ms; staleness {row['staleness']:.2f}, fresh tokens "
+                     f"{row['fresh']:.1%}")
         print(line)
     print(json.dumps({"bench": "async", **{k: {q: round(v, 4) for q, v in r.items()} for k, r in report.items()}}))
 
