@@ -18,15 +18,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py")]
 RUN = ["--world", "2", "--steps", "6", "--save-every", "2", "--prompts-per-step", "4", "--group-size", "4"]
 
-# A reward with spread in every group (the weights move from the first step). In the run whose --out is OUT, rank 1
-# SIGKILLs its own process once (MARK records it), in the first scoring after checkpoint-000002 was written: mid-step.
+# A reward with spread in every group (the weights move from the first step). In the run whose --out is OUT, rank
+# KILLED SIGKILLs its own process once (MARK records it), in its first scoring after checkpoint-000002 was written:
+# mid-step.
 FAULT = '''
 import os, signal
-OUT, MARK = {out!r}, {mark!r}
+OUT, MARK, KILLED = {out!r}, {mark!r}, {killed!r}
 
 
 def distinct(prompts, completions, answers, **kwargs):
-    if os.environ.get("RANK") == "1" and os.path.isdir(os.path.join(OUT, "checkpoint-000002")) \\
+    if os.environ.get("RANK") == KILLED and os.path.isdir(os.path.join(OUT, "checkpoint-000002")) \\
             and not os.path.exists(MARK):
         open(MARK, "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
@@ -43,12 +44,15 @@ def _rows(out):
 
 
 @pytest.mark.slow
-def test_a_rank_killed_mid_step_is_restarted_from_the_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("pools", [False, True], ids=["colocated", "pools"])
+def test_a_rank_killed_mid_step_is_restarted_from_the_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path, pools):
+    """Colocated, rank 1 is killed; with separate pools (--rollout-ranks 1, staleness 0), the rollout rank 0."""
     pytest.importorskip("ray")
     out, mark = tmp_path / "run", tmp_path / "killed"
     fault = tmp_path / "fault.py"
-    fault.write_text(FAULT.format(out=str(out), mark=str(mark)))
-    reward = ["--reward", f"{fault}:distinct"]
+    killed = 0 if pools else 1
+    fault.write_text(FAULT.format(out=str(out), mark=str(mark), killed=str(killed)))
+    reward = ["--reward", f"{fault}:distinct"] + (["--rollout-ranks", "1"] if pools else [])
     # the uninterrupted run: the same world (train tp=2, rollout dp=2, gloo) as local processes, which train exactly
     # as the Ray actors do (the same ranks and collectives) and start in a third of the time
     whole = tmp_path / "whole"
@@ -64,7 +68,7 @@ def test_a_rank_killed_mid_step_is_restarted_from_the_checkpoint_and_ends_as_an_
     assert mark.exists(), "rank 1 was never killed"
     restarts = [ln for ln in res.stderr.splitlines() if ln.startswith("restart ")]
     assert len(restarts) == 1, res.stderr[-3000:]
-    assert restarts[0].startswith("restart 1 of 1: rank 1 was lost: its Ray actor died"), restarts
+    assert restarts[0].startswith(f"restart 1 of 1: rank {killed} was lost: its Ray actor died"), restarts
     assert restarts[0].endswith(f"restarting from {out / 'checkpoint-000002'}"), restarts
     assert f"resumed from {out / 'checkpoint-000002'} after 2 steps" in res.stdout
     assert "Traceback" not in res.stderr, res.stderr[-3000:]

@@ -52,13 +52,11 @@ def pool_problems(r: Recipe) -> list[tuple[str, str]]:
                 for name in ("max_staleness", "partial_rollout") if getattr(r, name)]
     if r.rollout_ranks >= r.world:
         return [("rollout_ranks", f"leaves no rank of --world {r.world} to train")]
-    refused = [("launcher", r.launcher != "local", "separate pools run on local processes and under torchrun / "
-                                                   "Slurm so far, not on Ray"),
-               ("eval_dataset", bool(r.eval_dataset), "evaluation with --rollout-ranks is not built yet (it would "
+    refused = [("eval_dataset", bool(r.eval_dataset), "evaluation with --rollout-ranks is not built yet (it would "
                                                       "generate on the train pool)"),
                ("rollout_engine", r.rollout_engine != "builtin", "vllm with --rollout-ranks is not built yet"),
-               ("dock_backend", r.dock_backend not in (None, "procs"), "separate pools need procs (the dock's "
-                                                                        "server processes)")]
+               ("dock_backend", r.dock_backend not in (None, "procs", "ray"), "separate pools need a dock of "
+                                                                               "processes (procs) or actors (ray)")]
     out = [(name, why) for name, bad, why in refused if bad]
     if r.partial_rollout:
         try:

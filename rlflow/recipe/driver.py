@@ -239,10 +239,13 @@ def run_on_ray(r: Recipe) -> list[dict]:
     rank's exit) would repeat, and end the run."""
     earlier = checkpoints_in(r.out)  # an earlier run's (--overwrite) are not this run's to resume from
     attempt = r
+    split = pools.Pools(r.rollout_ranks, r.world) if r.rollout_ranks else None
     for restart in range(r.max_restarts + 1):
         dock = make_dock(attempt, dock_rows(r))
         try:
-            return launch.ray_spawn(run, r.world, attempt, dock, address=r.ray_address, timeout_s=r.dist_timeout)[0]
+            out = launch.ray_spawn(run, r.world, attempt, dock, address=r.ray_address, timeout_s=r.dist_timeout,
+                                   pools=split)
+            return out[r.rollout_ranks]  # the train lead's (rank 0 without pools)
         except launch.RankLost as e:
             if restart == r.max_restarts:
                 tried = f" (after {restart} restart{'s' * (restart > 1)}, --max-restarts {r.max_restarts})"

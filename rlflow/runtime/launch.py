@@ -383,12 +383,14 @@ class _RankActor:
         import ray
         return ray.util.get_node_ip_address(), free_port()
 
-    def run(self, fn, rank: int, world: int, addr: str, port: int, backend: str, timeout_s, args):
+    def run(self, fn, rank: int, world: int, addr: str, port: int, backend: str, timeout_s, args, split=None):
         import ray
         gpus = ray.get_gpu_ids()
         local = gpu_index(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")) if gpus else rank
         _init(rank, world, local, addr, port, backend, timeout_s)
         try:
+            if split is not None:  # separate pools: from the whole world to the rank's pool and the link
+                split_world(split, rank, timeout_s)
             return fn(rank, world, *args)
         except SystemExit as e:
             raise _RankExit(e.code) from None
@@ -473,9 +475,10 @@ def _ray_results(refs: list, grace_s: float = 5.0) -> list:
 
 
 def ray_spawn(fn, world: int, *args, address: str | None = None, backend: str | None = None,
-              timeout_s: float | None = None) -> list:
+              timeout_s: float | None = None, pools=None) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` Ray actors (one per bundle of a placement group); returns
-    the results in rank order. Each actor gets one GPU when the cluster has ``world`` of them (nccl), else
+    the results in rank order. ``pools``: separate device pools, as ``spawn``'s (each actor joins the whole
+    world, then ``split_world``). Each actor gets one GPU when the cluster has ``world`` of them (nccl), else
     one CPU (gloo). When a rank fails, the actors are killed (none is left waiting in a collective) and the
     placement group removed, then this raises: ``RankLost`` naming the ranks lost (an actor that died: a
     killed or crashed process, a lost node; a rank that stopped answering while the others' collectives
@@ -498,7 +501,7 @@ def ray_spawn(fn, world: int, *args, address: str | None = None, backend: str | 
                                      placement_group=pg, placement_group_bundle_index=r)).remote()
                    for r in range(world)]
         addr, port = ray.get(workers[0].node_address.remote())
-        return _ray_results([w.run.remote(fn, r, world, addr, port, backend, timeout_s, args)
+        return _ray_results([w.run.remote(fn, r, world, addr, port, backend, timeout_s, args, pools)
                              for r, w in enumerate(workers)])
     finally:
         for w in workers:  # a rank still in a collective with a lost peer, or hung
