@@ -37,16 +37,26 @@ def _weights(out, name: str = "checkpoint-final") -> dict[str, torch.Tensor]:
 def test_pools_at_staleness_0_train_as_the_synchronous_run(tmp_path, multiturn):
     """1 rollout rank + 1 train rank at --max-staleness 0 against one process on one thread, as each rank
     computes: the same rewards every step and bitwise the same weights after the steps; with multi-turn
-    episodes (their loss mask through the dock), the same episodes' counts too."""
+    episodes (their loss mask through the dock), the same episodes' counts too. Single-turn, both evaluate
+    every 2 steps (the train pool evaluates the weights it trained): the same eval figures."""
     one, pools = tmp_path / "one", tmp_path / "pools"
     script = os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py")
     envs = os.path.join(ROOT, "tests", "multiturn_envs.py")
-    env = ["--env", f"{envs}:Hint", "--max-turns", "2", "--reward", f"{envs}:spread"] if multiturn else []
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text("".join(json.dumps({"prompt": f"max:{d}=", "answer": max(d)}) + "\n"
+                             for d in ("381920", "112233", "907156", "012345", "765432")))
+    env = ["--env", f"{envs}:Hint", "--max-turns", "2", "--reward", f"{envs}:spread"] if multiturn else \
+        ["--eval-dataset", str(evals), "--eval-every", "2", "--eval-samples", "2"]
     for out, flags in ((one, ["--world", "1", "--save-every", "2"]), (pools, ["--world", "2", "--rollout-ranks", "1"])):
         res = subprocess.run([sys.executable, script, *SMALL, *flags, *env, "--out", str(out)], capture_output=True,
                              text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert res.returncode == 0, res.stderr[-3000:]
     a, b = _metrics(one), _metrics(pools)
+    if not multiturn:
+        ea, eb = ([m for m in rows if "eval/pass@1" in m] for rows in (a, b))
+        assert [m["step"] for m in eb] == [0, 2, 4] and ea == eb, (ea, eb)
+        assert len({m["eval/response_len"] for m in eb}) > 1  # the evaluated weights changed
+        a, b = ([m for m in rows if "reward_mean" in m] for rows in (a, b))
     assert [m["step"] for m in b] == [0, 1, 2, 3]
     for x, y in zip(a, b):
         assert y["staleness"] == 0
@@ -182,7 +192,6 @@ def test_pools_under_torchrun_and_slurm_train_as_the_local_launch_does(tmp_path)
     (["--rollout-ranks", "1", "--max-staleness", "-1"], "--max-staleness -1: must be >= 0"),
     (["--rollout-ranks", "1", "--dock-backend", "local"], "--dock-backend local: "),
     (["--rollout-ranks", "1", "--rollout-engine", "vllm"], "--rollout-engine vllm: "),
-    (["--rollout-ranks", "1", "--eval-dataset", "x.jsonl"], "--eval-dataset x.jsonl: evaluation with --rollout-ranks"),
     (["--world", "3", "--rollout-ranks", "1", "--train-layout", "tp=3"], "--train-layout tp=3"),
     (["--partial-rollout"], "--partial-rollout: needs --rollout-ranks"),
     (["--world", "3", "--rollout-ranks", "2", "--rollout-layout", "tp=2", "--partial-rollout"],

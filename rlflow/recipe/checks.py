@@ -52,9 +52,7 @@ def pool_problems(r: Recipe) -> list[tuple[str, str]]:
                 for name in ("max_staleness", "partial_rollout") if getattr(r, name)]
     if r.rollout_ranks >= r.world:
         return [("rollout_ranks", f"leaves no rank of --world {r.world} to train")]
-    refused = [("eval_dataset", bool(r.eval_dataset), "evaluation with --rollout-ranks is not built yet (it would "
-                                                      "generate on the train pool)"),
-               ("rollout_engine", r.rollout_engine != "builtin", "vllm with --rollout-ranks is not built yet"),
+    refused = [("rollout_engine", r.rollout_engine != "builtin", "vllm with --rollout-ranks is not built yet"),
                ("dock_backend", r.dock_backend not in (None, "procs", "ray"), "separate pools need a dock of "
                                                                                "processes (procs) or actors (ray)")]
     out = [(name, why) for name, bad, why in refused if bad]
