@@ -191,7 +191,7 @@ def test_pools_under_torchrun_and_slurm_train_as_the_local_launch_does(tmp_path)
     (["--max-staleness", "1"], "--max-staleness 1: needs --rollout-ranks"),
     (["--rollout-ranks", "1", "--max-staleness", "-1"], "--max-staleness -1: must be >= 0"),
     (["--rollout-ranks", "1", "--dock-backend", "local"], "--dock-backend local: "),
-    (["--rollout-ranks", "1", "--rollout-engine", "vllm"], "--rollout-engine vllm: "),
+    (["--rollout-ranks", "1", "--rollout-engine", "vllm", "--partial-rollout"], "--partial-rollout: swaps weights"),
     (["--world", "3", "--rollout-ranks", "1", "--train-layout", "tp=3"], "--train-layout tp=3"),
     (["--partial-rollout"], "--partial-rollout: needs --rollout-ranks"),
     (["--world", "3", "--rollout-ranks", "2", "--rollout-layout", "tp=2", "--partial-rollout"],

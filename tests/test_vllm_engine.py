@@ -110,6 +110,13 @@ def test_vllm_world_2_equals_world_1(tmp_path):
     for a, b in zip(one, two):
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a["step"], a["loss"], b["loss"])
         assert b["engine_load_bytes"] > 0  # the push is measured
+    # separate pools at staleness 0: vLLM on the rollout rank, each version pushed into it once
+    pools, out = _run(tmp_path, "pools", "--world", "2", "--rollout-ranks", "1", *reward, steps=4)
+    assert "separate pools: ranks 0..0 generate and score" in out
+    assert [m["reward_mean"] for m in one] == [m["reward_mean"] for m in pools]
+    assert [m["response_tokens"] for m in one] == [m["response_tokens"] for m in pools]
+    for a, b in zip(one, pools):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (a["step"], a["loss"], b["loss"])
 
 
 @needs_vllm

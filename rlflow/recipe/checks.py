@@ -52,7 +52,8 @@ def pool_problems(r: Recipe) -> list[tuple[str, str]]:
                 for name in ("max_staleness", "partial_rollout") if getattr(r, name)]
     if r.rollout_ranks >= r.world:
         return [("rollout_ranks", f"leaves no rank of --world {r.world} to train")]
-    refused = [("rollout_engine", r.rollout_engine != "builtin", "vllm with --rollout-ranks is not built yet"),
+    refused = [("partial_rollout", r.partial_rollout and r.rollout_engine != "builtin",
+                "swaps weights inside the built-in engine's decode loop (not built for vllm)"),
                ("dock_backend", r.dock_backend not in (None, "procs", "ray"), "separate pools need a dock of "
                                                                                "processes (procs) or actors (ray)")]
     out = [(name, why) for name, bad, why in refused if bad]

@@ -33,15 +33,22 @@ def produce(source, ctx: StepContext, side: RolloutSide) -> None:
     if first is not None:
         for _ in range(first):  # the stream's position at the step the train pool starts at
             source.take(P)
-        j = first
+        j, held = first, [None]  # the version the engine holds
+
+        def newer():  # partial rollout: the engine swaps it in mid-generation
+            got = side.newer()
+            if got is not None:
+                held[0] = got[0]
+            return got
         while j < conf.steps and (got := side.weights_for(j, k)) is not None:
             version, params, waited = got
             t0 = time.perf_counter()
             prompts = prompts_at(source, j, ctx)
             ctx.flow.begin(prompts, G, slot=j % (k + 1))
-            ctx.engine.load(params)
-            rollout = generate(prompts, j, ctx, version=version, newer=side.newer if side.partial else None)
-            ctx.engine.release()  # the copy stays this pool's until a newer version replaces it
+            if version != held[0]:  # the devices are the pool's: the engine keeps its weights between steps
+                ctx.engine.load(params)
+                held[0] = version
+            rollout = generate(prompts, j, ctx, version=version, newer=newer if side.partial else None)
             t1 = time.perf_counter()
             rows, rewards, scored, bad = score_and_put(rollout, j, ctx)
             t2 = time.perf_counter()

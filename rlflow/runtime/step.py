@@ -182,10 +182,13 @@ def generate(prompts: PromptBatch, index: int, ctx: StepContext, *, version: int
         if newer is not None:
             raise ValueError("step.generate: partial rollout of multi-turn episodes is not built yet")
         rows = ctx.multiturn.rollout(ctx.engine, mine, group_size=G, seed=seed)
-        return rows if version is None else rows.replace(versions_BTr=torch.full_like(rows.response_ids_BTr, version))
-    if version is None:
-        return ctx.engine.generate(mine, group_size=G, seed=seed)
-    return ctx.engine.generate(mine, group_size=G, seed=seed, version=version, newer=newer)
+    elif newer is None:
+        rows = ctx.engine.generate(mine, group_size=G, seed=seed)
+    else:  # the engine records each token's version
+        rows = ctx.engine.generate(mine, group_size=G, seed=seed, version=version, newer=newer)
+    if version is not None and rows.versions_BTr is None:  # one version sampled the whole step
+        rows = rows.replace(versions_BTr=torch.full_like(rows.response_ids_BTr, version))
+    return rows
 
 
 def score_and_put(rollout: RolloutBatch, index: int, ctx: StepContext):
