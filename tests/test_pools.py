@@ -68,6 +68,10 @@ def test_pools_at_staleness_0_train_as_the_synchronous_run(tmp_path, multiturn):
     assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
     before = _weights(one, "checkpoint-000002")  # and the steps trained: the weights are not the start's
     assert max(float((wa[k] - before[k]).abs().max()) for k in wa) > 1e-4
+    if not multiturn:  # resumed when every step is done: the rollout pool is told to stop, the run ends cleanly
+        res = subprocess.run([sys.executable, script, *SMALL, "--world", "2", "--rollout-ranks", "1", "--out",
+                              str(pools), "--resume", "auto"], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0 and "nothing to do: 4 of 4 steps are done" in res.stdout, res.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -75,11 +79,12 @@ def test_pools_at_staleness_0_train_as_the_synchronous_run(tmp_path, multiturn):
 def test_pools_at_staleness_2_train_no_step_older_than_2(tmp_path, partial):
     """A rollout pool two versions ahead at most: every step's staleness is in [0, 2], every sampled token's
     too (with partial rollout a row may span versions: its oldest token bounds it), every step was trained
-    once, and the run reports the pools' figures."""
+    once, and the run reports the pools' figures. The partial run trains on 2 ranks in tp=2: its token counts
+    count each row once, not once per tp rank."""
     out = tmp_path / "run"
     cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--rollout-ranks", "1",
            "--max-staleness", "2", "--steps", "8", "--prompts-per-step", "4", "--group-size", "4", "--out", str(out),
-           *(["--partial-rollout"] if partial else [])]
+           *(["--partial-rollout", "--world", "3", "--train-layout", "tp=2"] if partial else [])]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = _metrics(out)
@@ -92,7 +97,8 @@ def test_pools_at_staleness_2_train_no_step_older_than_2(tmp_path, partial):
             assert tokens[int(m["staleness"])] == m["response_tokens"], m
     assert "sampled tokens by staleness" in res.stdout
     assert all(m["unscored"] == 0 and m["response_tokens"] > 0 for m in rows)  # each step trained a whole batch
-    assert "separate pools: ranks 0..0 generate and score, ranks 1..1 train; --max-staleness 2" in res.stdout
+    assert f"separate pools: ranks 0..0 generate and score, ranks 1..{2 if partial else 1} train; --max-staleness 2" \
+        in res.stdout
     assert "separate pools: staleness" in res.stdout and "rows produced after the last step trained" in res.stdout
 
 

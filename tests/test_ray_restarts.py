@@ -53,8 +53,9 @@ def test_a_rank_killed_mid_step_is_restarted_from_the_checkpoint_and_ends_as_an_
     killed = 0 if pools else 1
     fault.write_text(FAULT.format(out=str(out), mark=str(mark), killed=str(killed)))
     reward = ["--reward", f"{fault}:distinct"] + (["--rollout-ranks", "1"] if pools else [])
-    # the uninterrupted run: the same world (train tp=2, rollout dp=2, gloo) as local processes, which train exactly
-    # as the Ray actors do (the same ranks and collectives) and start in a third of the time
+    # the uninterrupted run: the same world (colocated: train tp=2, rollout dp=2; pools: 1 + 1 ranks; gloo) as local
+    # processes, which train exactly as the Ray actors do (the same ranks and collectives) and start in a third of the
+    # time
     whole = tmp_path / "whole"
     res = subprocess.run(RECIPE + RUN + reward + ["--out", str(whole)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -65,7 +66,7 @@ def test_a_rank_killed_mid_step_is_restarted_from_the_checkpoint_and_ends_as_an_
                          capture_output=True, text=True, timeout=400)
     took = time.monotonic() - t0
     assert res.returncode == 0, res.stderr[-3000:]
-    assert mark.exists(), "rank 1 was never killed"
+    assert mark.exists(), f"rank {killed} was never killed"
     restarts = [ln for ln in res.stderr.splitlines() if ln.startswith("restart ")]
     assert len(restarts) == 1, res.stderr[-3000:]
     assert restarts[0].startswith(f"restart 1 of 1: rank {killed} was lost: its Ray actor died"), restarts

@@ -12,7 +12,7 @@ import math
 import os
 import re
 
-from rlflow import metrics, rewards
+from rlflow import device, metrics, rewards
 from rlflow.data import PromptSource, apply_chat_template, load_examples
 from rlflow.envs import load_env
 from rlflow.envs.tools import load_tools
@@ -114,6 +114,9 @@ def problems(r: Recipe) -> list[tuple[str | None, str]]:
     out = []
     if r.world < 1:
         out.append(("world", "must be >= 1"))
+    if r.compile_decode and device.kind() not in ("cpu", "cuda"):
+        out.append(("compile_decode", f"on {device.kind()} is not built (the compiled decode step takes inductor's "
+                                      "cpu and cuda options); decode eagerly there"))
     for name in ("mini_batch_size", "micro_batch_size", "max_prompt_len", "dock"):
         if getattr(r, name) is not None and getattr(r, name) < 1:
             out.append((name, "must be >= 1 (leave it out for the default)"))

@@ -149,6 +149,8 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
         ck = resume_point(r, cfg, dev, dtype, say, rank, where)
         if ck is not None and ck.steps_done >= r.steps:
             say(f"nothing to do: {ck.steps_done} of {r.steps} steps are done")
+            if side is not None:  # the rollout pool waits for a first version: it is told to stop
+                side.stop()
             return []
         try:
             state = run_state.start(spec.params, spec.source, cfg, kl=bool(r.kl_coef),

@@ -389,9 +389,13 @@ class _RankActor:
         local = gpu_index(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")) if gpus else rank
         _init(rank, world, local, addr, port, backend, timeout_s)
         try:
-            if split is not None:  # separate pools: from the whole world to the rank's pool and the link
-                split_world(split, rank, timeout_s)
-            return fn(rank, world, *args)
+            if split is None:
+                return fn(rank, world, *args)
+            split_world(split, rank, timeout_s)  # separate pools: from the whole world to the rank's pool and the link
+            out = fn(rank, world, *args)
+            from rlflow.runtime import pools
+            pools.barrier(pools.joined())  # rank 0 hosts the store: no rank leaves while another reads a report
+            return out
         except SystemExit as e:
             raise _RankExit(e.code) from None
         finally:

@@ -273,8 +273,13 @@ def train_step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple
         pool.push(state.policy, index)
     flow.begin(prompts, conf.grpo.group_size, slot=index % (conf.max_staleness + 1))
     train_group = ctx.graph["update"].runs_on
-    batch, c = flow.get(train_group, ctx.dock_columns, where.mesh(train_group), where.rank)
+    mesh = where.mesh(train_group)
+    batch, c = flow.get(train_group, ctx.dock_columns, mesh, where.rank)
     clock.lap("train_wait_s")
+    # each data-parallel part's rows counted once (the tp and pp ranks of a part take the same rows), and
+    # checked before they are trained on
+    first = mesh is None or all(v == 0 for a, v in mesh.coords(where.rank).items() if a not in ("dp", "ep"))
+    stale = stale_tokens(batch, index, conf.max_staleness, count=first)
     state, upd, lr = train_on(state, batch, c, ctx, clock)
     flow.end()  # the slot is free for step index + max_staleness + 1, whose weights the push below allows
     clock.lap("update_time_s")
@@ -287,7 +292,7 @@ def train_step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple
     extra = pool.names[len(FIGURES):]  # the rollout's own (multi-turn: its counts and times)
     counts = {n: got.get(n, 0.0) for n in names + tuple(n for n in extra if n not in TIMES)}
     counts["nonfinite_params"] = _nonfinite(state)
-    counts.update(stale_tokens(batch, index, conf.max_staleness))
+    counts.update(stale)
     times = {**clock.laps, **{n: got.get(n, 0.0) for n in extra if n in TIMES},
              "rollout_time_s": got.get("rollout_time_s", 0.0),
              "score_time_s": got.get("score_time_s", 0.0), "rollout_wait_s": got.get("wait_s", 0.0),
@@ -297,16 +302,16 @@ def train_step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple
                           rows=batch, rewards=rewards)
 
 
-def stale_tokens(batch: RolloutBatch, index: int, max_staleness: int) -> dict[str, float]:
+def stale_tokens(batch: RolloutBatch, index: int, max_staleness: int, count: bool = True) -> dict[str, float]:
     """The histogram of this rank's sampled tokens of step ``index`` by staleness (updates between the version
     that sampled a token and the one it is trained with: ``stale_tokens/s``, s = 0..max_staleness; summed over
-    the ranks). A token beyond the bound is a broken rule, not a figure: it raises."""
+    the ranks; zeros where not ``count``). A token beyond the bound is a broken rule, not a figure: it raises."""
     stale = index - batch.versions_BTr[batch.loss_mask]
     if len(stale) and not 0 <= int(stale.min()) <= int(stale.max()) <= max_staleness:
         raise RuntimeError(f"separate pools: step {index} holds tokens {int(stale.min())} to {int(stale.max())} "
                            f"versions old; the bound is {max_staleness}")
     counts = torch.bincount(stale, minlength=max_staleness + 1).tolist()
-    return {f"stale_tokens/{s}": float(n) for s, n in enumerate(counts)}
+    return {f"stale_tokens/{s}": float(n) if count else 0.0 for s, n in enumerate(counts)}
 
 
 def sampled_budget(conf: LoopConfig) -> int:
