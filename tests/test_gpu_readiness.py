@@ -514,6 +514,25 @@ def test_dtype_auto_is_bfloat16_on_an_accelerator_and_float32_on_a_cpu(monkeypat
         assert concrete(dataclasses.replace(r, dtype="float32")).dtype == "float32"
 
 
+# ---- the compiled decode step off cpu and cuda ----
+def test_compile_decode_is_refused_where_its_options_are_not_the_devices(monkeypatch, capsys):
+    """The compiled decode step takes inductor's cpu options (C++ wrapper) or cuda's (CUDA graphs); an NPU would
+    get the CPU's: --compile-decode is refused there by flag, and ``generate`` refuses it off cpu and cuda."""
+    from helpers import recipe_module
+
+    from rlflow import device
+    from rlflow.rollout import _compiled_step
+
+    monkeypatch.setattr(device, "kind", lambda: "npu")
+    with pytest.raises(SystemExit):
+        recipe_module().parse_args(["--compile-decode"])
+    assert "--compile-decode: on npu is not built" in capsys.readouterr().err
+    monkeypatch.setattr(device, "kind", lambda: "cpu")
+    recipe_module().parse_args(["--compile-decode"])  # a CPU compiles it
+    with pytest.raises(ValueError, match="compile_decode on meta is not built"):
+        _compiled_step(torch.device("meta"))
+
+
 # ---- Ray: an actor sees its node's GPUs and picks its own ----
 def test_a_ray_actor_picks_its_gpu_among_the_devices_it_sees():
     """Ray's GPU actors keep the node's CUDA_VISIBLE_DEVICES (``RAY_GPU_ENV``) so NCCL sees the same-node
