@@ -4,7 +4,7 @@ No accelerator has run rlflow yet, so every time below comes from a model whose 
 (hardware rates, efficiencies, the workload), not from a measurement. What is computed, not assumed: the
 bytes of rlflow's own plans for the named layouts (``plan.allgather_swap`` for the colocated transition,
 ``plan.push_plan`` for the pools' push) and of the dock's cost model (``dock.cost``: the busiest dock
-process per step).
+process per step, ``streaming`` for the pools).
 
 The model, per step of R rows (prompt Lp, response Lr tokens), on d devices:
 
@@ -36,15 +36,18 @@ import json
 import math
 from dataclasses import dataclass
 
-from rlflow.dock.cost import Shape, project
+from rlflow.dock.cost import Shape, project, streaming
 from rlflow.models.config import get_config
 from rlflow.models.sharding import layout
 from rlflow.models.shapes import param_shapes
-from rlflow.runtime.graph import GRPO
+from rlflow.runtime.graph import GRPO, ROWS, VERSIONS
+from rlflow.runtime.step import dock_columns
 from rlflow.sharding.mesh import Mesh
 from rlflow.sharding.plan import allgather_swap, push_plan
 
 BF16 = 2
+PUT = (*ROWS, "rewards", "advantages", VERSIONS)  # what the rollout pool puts (runtime/flow.py DockFlow.put_rows)
+TAKEN = (*ROWS, *dock_columns(GRPO, "off", pools=True))  # what the train pool takes
 # as the issue quotes them: the peers' published async-over-sync speed-ups
 PEERS = ("verl fully-async 2.35-2.67x (Qwen2.5-Math-7B, 128 GPUs); AReaL 2.77x; ROLL 2.24x (RLVR), 2.72x (agentic); "
          "NeMo-RL DeepSeek-V3 111 -> 64 s per step (1.73x, one step off-policy)")
@@ -136,11 +139,14 @@ def main() -> None:
         swap = 2 * shard / (a.host_GBps * 1e9) + ags.bytes_received().max() / (a.intra_GBps * 1e9)
         gen, train = t_gen(cfg, R, D, ro.mesh.size // ro.mesh.dp, s, hw), t_train(cfg, R, D, s, hw)
         colocated = gen + train + swap
-        dock = project(Shape(s.prompts, s.group, s.prompt_len, s.response_len), D, GRPO.flow, GRPO.schema)
-        dock_s = dock["dock_busiest"] / (a.inter_GBps * 1e9)
+        shape = Shape(s.prompts, s.group, s.prompt_len, s.response_len)
+        dock = project(shape, D, GRPO.flow, GRPO.schema)  # colocated: every stage through the dock
+        stream = streaming(shape, D // 8, PUT, TAKEN, GRPO.schema, staleness=1)  # pools: one put, one take
         print(f"\n{s.name}: {s.prompts} prompts x {s.group} samples, {s.prompt_len} + {s.response_len} tokens; "
-              f"dock's busiest process {dock['dock_busiest'] / 2**30:.2f} GiB per step ({dock_s:.2f} s at the inter "
-              f"link, beside the stages)")
+              f"dock's busiest process per step {dock['dock_busiest'] / 2**30:.2f} GiB colocated, "
+              f"{stream['busiest'] / 2**30:.2f} GiB pools ({stream['busiest'] / (a.inter_GBps * 1e9):.2f} s at the "
+              f"inter link, beside the stages), holding {stream['held_per_warehouse'] / 2**30:.2f} GiB per warehouse "
+              "at k = 1 (one per node)")
         print(f"  colocated train {s.colocated[0]}, rollout {s.colocated[1]}: gen {gen:.1f} s + train {train:.1f} s + "
               f"swap {swap:.1f} s = {colocated:.1f} s per step")
         rows = {"colocated_s": round(colocated, 2), "gen_s": round(gen, 2), "train_s": round(train, 2),

@@ -466,6 +466,42 @@ def test_cost_model_matches_measured_bytes(S):
     assert sum(stage_bytes(shape, s, GRPO.schema) for s in GRPO.flow) == central
 
 
+# ---- the streaming case (separate pools) against bytes measured in-process ----
+@pytest.mark.parametrize("S,k", [(1, 0), (2, 1), (4, 2)])
+def test_streaming_cost_model_matches_measured_bytes_and_the_rows_held(S, k):
+    """The pools' pattern as DockFlow drives it: step j's rows put into slot j % (k + 1), taken k steps later
+    within that slot, the slot released. Per steady step the busiest warehouse moves what ``streaming`` says
+    (within the pickle headers), and the warehouses hold at most k + 1 steps' rows: exactly the model's bytes."""
+    from rlflow.dock.cost import streaming
+    from rlflow.runtime.graph import ROWS, VERSIONS
+    shape = Shape(prompts=4, group_size=G, prompt_len=256, response_len=512)
+    R, PL, SL = shape.rows, 256, 512
+    put = list(ROWS) + ["rewards", "advantages", VERSIONS]
+    taken = list(ROWS) + ["advantages", VERSIONS]
+    d = Dock.local(GRPO.schema, GRPO.consumers, capacity=(k + 1) * R, warehouses=S, group_size=G)
+    cells = {"prompt_ids": [torch.zeros(PL, dtype=torch.long)] * R, "group": torch.arange(R) // G,
+             "answer": [torch.zeros(int(shape.answer_len), dtype=torch.uint8)] * R,
+             "response_ids": [torch.zeros(SL, dtype=torch.long)] * R, "sample_logprobs": [torch.zeros(SL)] * R,
+             "rewards": torch.zeros(R), "advantages": torch.zeros(R), VERSIONS: [torch.zeros(SL, dtype=torch.long)] * R}
+    model = streaming(shape, S, put, taken, GRPO.schema, k)
+    per_step, held = [], []
+    for j in range(k + 4):
+        before = {n: v["bytes_in"] + v["bytes_out"] for n, v in d.traffic().items()}
+        slot = j % (k + 1)
+        d.put(range(slot * R, (slot + 1) * R), cells)
+        held.append(max(w.held_bytes() for w in d.warehouses))
+        if j >= k:  # the train pool takes step j - k from its slot, then releases the slot
+            first = (j - k) % (k + 1) * R
+            t = d.take_share("train", taken, R, key=j, parts=1, part=0, groups=True, timeout=0, within=(first, first + R))
+            d.read(t)
+            d.release(first, first + R)
+        after = {n: v["bytes_in"] + v["bytes_out"] for n, v in d.traffic().items()}
+        per_step.append(max(after[n] - before[n] for n in after if n.startswith("warehouse")))
+    steady = per_step[k:]
+    assert all(abs(b - model["warehouse"]) / model["warehouse"] < 0.02 for b in steady), (steady, model)
+    assert max(held) == model["held_per_warehouse"], (held, model)  # k + 1 slots full, never more
+
+
 # ---- the cost model against a hand-worked figure and the bytes counted at the transport ----
 class CountingTransport:
     """Wraps a dock's transport and adds up, per dock process (warehouse or centralized store), the bytes of

@@ -34,6 +34,13 @@ Eq. (4)  V_td = max(V_rb / S, M_lead)
          and the lead controller (which assigns warehouses) also R * (8 + 4 + 4 + 4 + 1) per put for
          ``place`` (index, preferred id, column-list aside, returned id, new flag). C enters the
          dock's *total* volume (C * M) but not the busiest process.
+
+Separate pools (the streaming case, ``streaming``): per step the rollout pool puts the step's rows once and the
+train pool takes them once (a two-stage flow, ``pools_flow``), and the step's slot is released (its R row
+indices, 8 bytes each, to every warehouse): V_step = Eq. (4) over that flow + R * 8 at each warehouse. The
+staleness k changes not the bytes per step but the rows held: at most k + 1 steps' (the slots the back-pressure
+bounds), H = (k + 1) * R * sum_{c put} s_c / S per warehouse, s_c the stored bytes of a cell (w_c without its
+length on the wire).
 """
 
 from __future__ import annotations
@@ -140,3 +147,23 @@ def project(shape: Shape, devices: int, flow, schema: Schema, devices_per_node: 
     update = next(s for s in flow if s.name == "update")
     return {"devices": devices, "S": S, "central_busiest": central, "dock_busiest": dock["busiest"],
             "ratio": central / dock["busiest"], "worker_update": worker_bytes(shape, update, devices, schema)}
+
+
+def stored_bytes(shape: Shape, column: str, schema: Schema) -> float:
+    """s_c: bytes one cell of ``column`` takes in a warehouse (its payload; its length is not stored apart)."""
+    return cell_bytes(shape, column, schema) - (LENGTH_BYTES if schema[column].kind == "var" else 0)
+
+
+def pools_flow(put, taken) -> tuple[Stage, Stage]:
+    """Separate pools' flow: the rollout pool puts a step's rows (columns ``put``), the train pool takes them."""
+    return Stage("rollout", (), tuple(put)), Stage("train", tuple(taken), ())
+
+
+def streaming(shape: Shape, warehouses: int, put, taken, schema: Schema, staleness: int) -> dict[str, float]:
+    """The dock of separate pools per step (see the module): ``dock_bytes`` over ``pools_flow`` with the slot's
+    release at every warehouse, and ``held_per_warehouse``: the bytes of staleness + 1 steps' rows there."""
+    d = dock_bytes(shape, warehouses, pools_flow(put, taken), schema)
+    wh = d["warehouse"] + shape.rows * INDEX_BYTES
+    held = (staleness + 1) * shape.rows * sum(stored_bytes(shape, c, schema) for c in put) / warehouses
+    return {**d, "warehouse": wh, "busiest": max(wh, d["controller"]), "total": d["total"] + (wh - d["warehouse"])
+            * warehouses, "held_per_warehouse": held}

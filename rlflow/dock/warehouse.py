@@ -156,6 +156,11 @@ class Warehouse:
         with self._lock:
             return {c: sorted(s) for c, s in self._cells.items()}
 
+    def held_bytes(self) -> int:
+        """Bytes of the cells held (for tests and the cost model's check; no bytes counted)."""
+        with self._lock:
+            return sum(a.nbytes for s in self._cells.values() for a in s.values())
+
     def traffic(self) -> dict[str, int]:
         return self.meter.read()
 
