@@ -492,7 +492,8 @@ def test_streaming_cost_model_matches_measured_bytes_and_the_rows_held(S, k):
         held.append(max(w.held_bytes() for w in d.warehouses))
         if j >= k:  # the train pool takes step j - k from its slot, then releases the slot
             first = (j - k) % (k + 1) * R
-            t = d.take_share("train", taken, R, key=j, parts=1, part=0, groups=True, timeout=0, within=(first, first + R))
+            t = d.take_share("train", taken, R, key=j, parts=1, part=0, groups=True, timeout=0,
+                             within=(first, first + R))
             d.read(t)
             d.release(first, first + R)
         after = {n: v["bytes_in"] + v["bytes_out"] for n, v in d.traffic().items()}

@@ -168,7 +168,8 @@ class DockFlow:
                                index_B=b.index_B + self.base, group_B=b["group"], answers=answers,
                                response_ids_BTr=b["response_ids"], response_mask_BTr=b.mask["response_ids"],
                                sample_logprobs_BTr=b["sample_logprobs"], **fields)
-        return rollout.to(self.device), {c: b[c].to(self.device) for c in columns if c not in ROWS + ROUTES + _ON_THE_ROWS}
+        return rollout.to(self.device), {c: b[c].to(self.device) for c in columns
+                                         if c not in ROWS + ROUTES + _ON_THE_ROWS}
 
     def end(self) -> None:
         """The step's last use of the dock: the lead clears it for the next step (its slot only, with slots)."""

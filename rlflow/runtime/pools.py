@@ -15,8 +15,9 @@ K + N ranks carries what crosses between them:
 
 The rollout side receives on a thread of its own into a spare copy of its shards while the engine uses
 the current one (two copies; a newer version waits for the spare, so at most one is pending), and swaps
-it in between steps (with partial rollout, also between decode steps: ``newer``). The train side keeps at most one push in flight: its pieces are copies, so the next
-update may change the weights while they travel. The push group is used by one thread of each process.
+it in between steps (with partial rollout, also between decode steps: ``newer``). The train side keeps at
+most one push in flight: its pieces are copies, so the next update may change the weights while they
+travel. The push group is used by one thread of each process.
 """
 
 from __future__ import annotations

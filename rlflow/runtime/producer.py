@@ -2,9 +2,9 @@
 rows into the dock while the train pool trains on earlier ones.
 
 Step j is generated with the newest version of the policy every rollout rank has received (with partial
-rollout, the newest this rank has), and at least
-version j - k (``LoopConfig.max_staleness``; the pool waits for it): so no row is ever trained on more
-than k updates after the weights that sampled it, and nothing is dropped. Its rows go to dock slot
+rollout, the newest this rank has), and at least version j - k (``LoopConfig.max_staleness``; the pool
+waits for it): so no row is ever trained on more than k updates after the weights that sampled it, and
+nothing is dropped. Its rows go to dock slot
 j mod (k + 1): the train pool released that slot (the rows of step j - k - 1) before it pushed version
 j - k, so the dock holds at most k + 1 steps of rows (the back-pressure), and a put never waits. At k = 0
 every step is generated with the weights the synchronous run would use, with the same seeds.
