@@ -57,15 +57,20 @@ def pool_problems(r: Recipe) -> list[tuple[str, str]]:
                ("dock_backend", r.dock_backend not in (None, "procs", "ray"), "separate pools need a dock of "
                                                                                "processes (procs) or actors (ray)")]
     out = [(name, why) for name, bad, why in refused if bad]
-    if r.partial_rollout:
-        try:
-            mesh = mesh_of(r, r.rollout_layout, "rollout_layout")
-        except ValueError:
-            return out  # --rollout-layout's own problem
-        if mesh.tp > 1 or mesh.ep > 1:
-            out.append(("partial_rollout", f"--rollout-layout {mesh}: its ranks decode in lockstep and would have to "
-                                           "swap weights at the same step (not built): use dp only"))
+    if r.partial_rollout and (mesh := lockstep_rollout(r)) is not None:
+        out.append(("partial_rollout", f"--rollout-layout {mesh}: its ranks decode in lockstep and would have to "
+                                       "swap weights at the same step (not built): use dp only"))
     return out
+
+
+def lockstep_rollout(r: Recipe):
+    """The rollout layout's mesh when its ranks decode in lockstep (tp or ep > 1), else None (also when
+    --rollout-layout does not parse: that is its own problem)."""
+    try:
+        mesh = mesh_of(r, r.rollout_layout, "rollout_layout")
+    except ValueError:
+        return None
+    return mesh if mesh.tp > 1 or mesh.ep > 1 else None
 
 
 def env_problems(r: Recipe) -> list[tuple[str, str]]:
@@ -94,14 +99,9 @@ def env_problems(r: Recipe) -> list[tuple[str, str]]:
                 "max_digit_feedback is --task max_digit's environment (its hint is a half of the prompt's digits)"),
                ("eval_dataset", bool(r.eval_dataset), "with --env is not built yet (evaluation generates one turn)")]
     out = [(name, why) for name, bad, why in refused if bad]
-    if r.world > 1 and not r.rollout_ranks:
-        try:
-            mesh = mesh_of(r, r.rollout_layout, "rollout_layout")
-        except ValueError:
-            return out  # --rollout-layout's own problem
-        if mesh.tp > 1 or mesh.ep > 1:
-            out.append(("rollout_layout", f"{mesh}: with --env each rank drives its own episodes; a layout with tp or "
-                                          "ep > 1 generates in lockstep across ranks: use dp only"))
+    if r.world > 1 and not r.rollout_ranks and (mesh := lockstep_rollout(r)) is not None:
+        out.append(("rollout_layout", f"{mesh}: with --env each rank drives its own episodes; a layout with tp or "
+                                      "ep > 1 generates in lockstep across ranks: use dp only"))
     return out
 
 
