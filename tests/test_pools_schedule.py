@@ -232,7 +232,7 @@ def run_schedule(s: dict, monkeypatch) -> dict:
                 half(j, version)
                 return first, version
 
-            engine = SimpleNamespace(load=loaded.update)
+            engine = SimpleNamespace(load=loaded.update, figures=dict)
             ctx = SimpleNamespace(config=conf, flow=Flow(slots), engine=engine, generate=generate, multiturn=None)
             producer.produce(SimpleNamespace(take=lambda n: None), ctx, side)
         except Exception as e:  # noqa: BLE001 -- the test reports it

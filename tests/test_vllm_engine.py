@@ -117,6 +117,7 @@ def test_vllm_world_2_equals_world_1(tmp_path):
     assert [m["response_tokens"] for m in one] == [m["response_tokens"] for m in pools]
     for a, b in zip(one, pools):
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a["step"], a["loss"], b["loss"])
+        assert b["engine_load_bytes"] > 0  # a new version every step at staleness 0: loaded, and measured
 
 
 @needs_vllm

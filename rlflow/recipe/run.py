@@ -213,8 +213,10 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
 
 
 def rollout_figures(conf) -> tuple[str, ...]:
-    """What a rollout rank of separate pools reports beyond ``pools.FIGURES``: multi-turn rollouts' figures."""
-    return () if conf.multiturn is None else figure_names(conf.multiturn)
+    """What a rollout rank of separate pools reports beyond ``pools.FIGURES``: multi-turn rollouts' figures, and
+    vLLM's weight loads."""
+    turns = () if conf.multiturn is None else figure_names(conf.multiturn)
+    return turns + (pools.ENGINE_LOADS if conf.rollout_engine == "vllm" else ())
 
 
 def _produce(rank: int, world: int, r: Recipe, dock, spec: RunSpec, link) -> list[dict]:

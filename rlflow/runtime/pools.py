@@ -36,6 +36,8 @@ from rlflow.sharding.plan import PushPlan
 # what a rollout rank reports of each step it produced (float64, in this order); ``final``: its last message
 FIGURES = ("step", "version", "final", "wait_s", "rollout_time_s", "score_time_s", "prompt_tokens",
            "response_tokens", "reward_sum", "reward_sq", "scored", "bad_rewards", "rows")
+# what a rollout rank running vLLM adds: its last weight load, in the step that loaded a version (else 0)
+ENGINE_LOADS = ("engine_load_s", "engine_load_bytes")
 _HEADER, _PIECE = 0, 1  # tags on the push group
 
 
@@ -331,4 +333,4 @@ class RolloutSide:
         self._thread.join(timeout=60)
 
 
-__all__ = ["FIGURES", "Link", "Pools", "RolloutSide", "TrainSide", "barrier", "join", "joined", "leave"]
+__all__ = ["ENGINE_LOADS", "FIGURES", "Link", "Pools", "RolloutSide", "TrainSide", "barrier", "join", "joined", "leave"]

@@ -46,9 +46,10 @@ def produce(source, ctx: StepContext, side: RolloutSide) -> None:
             t0 = time.perf_counter()
             prompts = prompts_at(source, j, ctx)
             ctx.flow.begin(prompts, G, slot=j % (k + 1))
+            loads = {}
             if version != held[0]:  # the devices are the pool's: the engine keeps its weights between steps
                 ctx.engine.load(params)
-                held[0] = version
+                held[0], loads = version, ctx.engine.figures()
             rollout = generate(prompts, j, ctx, version=version, newer=newer if side.partial else None)
             t1 = time.perf_counter()
             rows, rewards, scored, bad = score_and_put(rollout, j, ctx)
@@ -56,7 +57,7 @@ def produce(source, ctx: StepContext, side: RolloutSide) -> None:
             turns = {} if ctx.multiturn is None else {k: v for d in ctx.multiturn.figures() for k, v in d.items()}
             side.report({"step": j, "version": version, "wait_s": waited, "rollout_time_s": t1 - t0,
                          "score_time_s": t2 - t1, "bad_rewards": len(bad), "rows": rows.size,
-                         **row_counts(rows, rewards, scored), **turns})
+                         **row_counts(rows, rewards, scored), **turns, **loads})
             j += 1
     side.finish()
 

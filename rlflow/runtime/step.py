@@ -37,7 +37,7 @@ from rlflow.runtime.flow import DockFlow, MemoryFlow, rollout_share, score_share
 from rlflow.runtime.graph import LOSS_MASK, ROUTES, ROWS, VERSIONS, Graph, graph_for
 from rlflow.runtime.config import LoopConfig, check_features, share_problems
 from rlflow.runtime.placement import Placement, Seats, seats
-from rlflow.runtime.pools import FIGURES
+from rlflow.runtime.pools import ENGINE_LOADS, FIGURES
 from rlflow.runtime.state import RunState
 from rlflow.runtime.weights import Weights
 
@@ -290,10 +290,11 @@ def train_step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple
     got = pool.figures(index)
     names = ("prompt_tokens", "response_tokens", "reward_sum", "reward_sq", "scored")
     extra = pool.names[len(FIGURES):]  # the rollout's own (multi-turn: its counts and times)
-    counts = {n: got.get(n, 0.0) for n in names + tuple(n for n in extra if n not in TIMES)}
+    timed = TIMES + ENGINE_LOADS  # per-step times and the engine's load figures go with the times, as colocated
+    counts = {n: got.get(n, 0.0) for n in names + tuple(n for n in extra if n not in timed)}
     counts["nonfinite_params"] = _nonfinite(state)
     counts.update(stale)
-    times = {**clock.laps, **{n: got.get(n, 0.0) for n in extra if n in TIMES},
+    times = {**clock.laps, **{n: got.get(n, 0.0) for n in extra if n in timed},
              "rollout_time_s": got.get("rollout_time_s", 0.0),
              "score_time_s": got.get("score_time_s", 0.0), "rollout_wait_s": got.get("wait_s", 0.0),
              "staleness": float(index - got["version"]) if got else 0.0}
