@@ -7,7 +7,6 @@ float32 pairs. bench/gpu_check.sh's own checks are tests/test_gpu_check.py."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 
@@ -513,31 +512,6 @@ def test_dtype_auto_is_bfloat16_on_an_accelerator_and_float32_on_a_cpu(monkeypat
         monkeypatch.setattr(device, "kind", lambda kind=kind: kind)
         assert concrete(r).dtype == "bfloat16"
         assert concrete(dataclasses.replace(r, dtype="float32")).dtype == "float32"
-
-
-# ---- NCCL's watchdog: a timed-out collective raises instead of aborting the survivors ----
-@pytest.mark.parametrize("given", [None, "3"])
-def test_an_nccl_rank_raises_on_a_timed_out_collective_unless_the_user_chose(monkeypatch, given):
-    """With NCCL (mocked here: no GPU), ``launch._init`` sets TORCH_NCCL_ASYNC_ERROR_HANDLING=2 before the process
-    group exists: the survivors of a hung peer raise (and the launcher names the silent rank) instead of NCCL's
-    watchdog killing them with SIGABRT; a value the user set stays."""
-    from rlflow.runtime import launch
-
-    seen = {}
-    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(launch, "_node_devices", lambda backend: 1)
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
-    monkeypatch.setattr(launch.dist, "init_process_group",
-                        lambda *a, **k: seen.update(mode=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")))
-    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.setenv(name, os.environ.get(name, ""))  # restored after the test
-    if given is None:
-        monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
-    else:
-        monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", given)
-    launch._init(0, 1, 0, "127.0.0.1", 29500, "nccl")
-    assert seen["mode"] == (given or "2")
 
 
 # ---- the compiled decode step off cpu and cuda ----

@@ -204,13 +204,7 @@ def engine_problems(r: Recipe) -> list[tuple[str, str]]:
 
     if not vllm.available():
         return [("rollout_engine", f"the vllm package is not installed: {vllm.INSTALL_HINT}")]
-    splits = False
-    if r.world > 1 and r.rollout_layout:
-        try:
-            mesh = mesh_of(r, r.rollout_layout, "rollout_layout")
-            splits = mesh.tp > 1 or mesh.ep > 1
-        except ValueError:
-            pass  # problems() names it
+    splits = r.world > 1 and bool(r.rollout_layout) and lockstep_rollout(r) is not None
     return vllm.unsupported(splits_model=splits, compile_decode=r.compile_decode,
                             record_routes=r.routing_replay != "off")
 

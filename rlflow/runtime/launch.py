@@ -56,11 +56,6 @@ def _init(rank: int, world: int, local_rank: int, addr: str, port: int, backend:
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(local_rank))
     if backend == "nccl":
-        # NOT RUN HERE (no GPU). A collective that times out raises in the rank's own thread (CleanUpOnly), where
-        # torch's default lets NCCL's watchdog abort the process (SIGABRT): the survivors of a hung peer would die
-        # first and be named as the lost ranks. Raising, they fail as gloo's ranks do, and the launcher names the
-        # rank that stopped answering. A value the user set is kept.
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     elif backend == "hccl":  # NOT RUN HERE (no Ascend NPU)
         import torch_npu  # noqa: F401  (torch.npu exists once it is imported)

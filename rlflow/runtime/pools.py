@@ -74,6 +74,7 @@ class Link:
     rank: int  # global
     push: object  # a ProcessGroup over every rank (train -> rollout)
     reports: object  # a store every rank reaches (rollout -> train lead)
+    device: torch.device = torch.device("cpu")  # where the push group's tensors live (nccl's: the rank's GPU)
 
 
 _JOINED: list[Link | None] = [None]
@@ -96,7 +97,9 @@ def join(pools: Pools, rank: int, store, backend: str, timeout_s: float | None) 
                                   "nccl on CUDA)")
     reports = dist.PrefixStore("link/reports", store)
     reports.set_timeout(timeout)
-    _JOINED[0] = Link(pools, rank, group("push"), reports)
+    # NOT RUN HERE (no GPU): nccl sends device tensors only, the headers included
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    _JOINED[0] = Link(pools, rank, group("push"), reports, device)
     return _JOINED[0]
 
 
@@ -139,7 +142,7 @@ class TrainSide:
         pg, k = self.link.push, self.link.pools.rollout
         works = []
         if self.lead:
-            header = torch.tensor([version, 0], dtype=torch.int64)
+            header = torch.tensor([version, 0], dtype=torch.int64, device=self.link.device)
             works += [pg.send([header], d, _HEADER) for d in range(k)]
         pieces = push_pieces(self.plan, self.rank, policy)
         works += [pg.send([t], d, _PIECE) for d, t in pieces]
@@ -154,8 +157,10 @@ class TrainSide:
             if f["final"] or int(f["step"]) != step:
                 raise RuntimeError(f"separate pools: rollout rank {r} reported step {int(f['step'])} "
                                    f"(final={bool(f['final'])}) where the train pool trained step {step}")
-        # times: the slowest rank's; the version: the oldest (each rank's own with partial rollout)
-        how = lambda n: max if n.endswith("_s") or n == "step" else min if n == "version" else sum  # noqa: E731
+        # times and the engine's loads: the slowest rank's; the version: the oldest (each rank's own with partial
+        # rollout); counts: summed
+        how = lambda n: (max if n.endswith("_s") or n in ("step", *ENGINE_LOADS) else min if n == "version"  # noqa: E731
+                         else sum)
         return {n: how(n)(f[n] for f in got) for n in self.names if n != "final"}
 
     def _receive(self, src: int) -> dict[str, float]:
@@ -178,7 +183,8 @@ class TrainSide:
         if not self.lead:
             return 0
         pg, k = self.link.push, self.link.pools.rollout
-        _wait([pg.send([torch.tensor([-1, 1], dtype=torch.int64)], d, _HEADER) for d in range(k)])
+        stop = torch.tensor([-1, 1], dtype=torch.int64, device=self.link.device)
+        _wait([pg.send([stop], d, _HEADER) for d in range(k)])
         for r in range(k):
             while not (f := self._receive(r))["final"]:
                 self.dropped += int(f["rows"])
@@ -207,7 +213,7 @@ class RolloutSide:
         pg, lead = self.link.push, self.link.pools.train_lead
         try:
             while True:
-                header = torch.empty(2, dtype=torch.int64)
+                header = torch.empty(2, dtype=torch.int64, device=self.link.device)
                 pg.recv([header], lead, _HEADER).wait()
                 version, stop = header.tolist()
                 if stop:
