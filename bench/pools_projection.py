@@ -1,25 +1,32 @@
 """Separate pools against the colocated run, projected on paper for 16 and 384 devices.
 
 No accelerator has run rlflow yet, so every time below comes from a model whose inputs are printed with it
-(hardware rates, efficiencies, the workload), not from a measurement. What is computed, not assumed: the
-bytes of rlflow's own plans for the named layouts (``plan.allgather_swap`` for the colocated transition,
-``plan.push_plan`` for the pools' push) and of the dock's cost model (``dock.cost``: the busiest dock
-process per step, ``streaming`` for the pools).
+(hardware rates, efficiencies, the workload), not from a measurement. What is computed, not assumed: each
+rank's shards in rlflow's own layouts (``models.sharding.layout``), the bytes of rlflow's plans for them
+(``plan.allgather_swap`` for the colocated transition, ``plan.push_plan`` for the pools' push) and of the
+dock's cost model (``dock.cost.streaming`` for the pools).
 
-The model, per step of R rows (prompt Lp, response Lr tokens), on d devices:
+The model, per step of R rows (prompt Lp, response Lr tokens, G samples per prompt), per device:
 
-    decode step  = max(bytes read / (s x HBM x decode_eff), 2 x active params x rows / (s x peak x 0.5))
-                   per replica of s devices (the rollout layout's size): bytes read = the dense weights
-                   + the experts the replica's rows touch (E x (1 - (1 - k/E)^rows) per MoE layer) + the rows'
-                   KV cache at the mean length; decode is bound by memory bandwidth until the rows are many
-    T_gen(d)     = prefill (2 x active x rows x Lp / (s x peak x mfu)) + Lr decode steps; no long tail (every
-                   row runs to Lr: the tail's idle time, which the pools do not remove within a step, is left out)
-    T_train(d)   = (6 + 2 + 2) x active x R x (Lp + Lr) / (d x peak x mfu): the update and the old and
-                   reference log-probs' forwards
-    colocated    = T_gen(D) + T_train(D) + T_swap, T_swap = the swap of the train weights to host and back
-                   (2 x a rank's train shards / host link) + the allgather-swap's received bytes / intra link
-    pools (k>=1) = max(T_gen(K), T_train(D - K) + exposed push) at the best split K; the push (the busiest
-                   train rank's sent bytes / inter link) overlaps the next update, exposed only beyond it
+    decode step  = max(bytes read / (HBM x decode_eff), 2 x active params x rows / (replica x peak x 0.5)):
+                   bytes read = the device's dense shards (replicated over ep, split by tp) + its experts that
+                   the replica's rows touch (each expert E x (1 - (1 - k/E)^rows)) + its rows' KV cache at the
+                   mean length; decode is bound by memory bandwidth until the rows are many
+    T_gen        = prefill (2 x active x prompts x Lp per replica / (replica x peak x mfu): each prompt once)
+                   + Lr decode steps; no long tail (every row runs to Lr: the tail's idle time, which the pools
+                   do not remove within a step, is left out)
+    T_train      = train_flops x active x R x (Lp + Lr) / (devices x peak x mfu); 6 (the update's forward and
+                   backward: rlflow's defaults take no old or reference log-probs); + 2 per extra forward
+    colocated    = T_gen(D) + T_train(D) + T_swap, T_swap = the train state (14 bytes a parameter: bf16 weights,
+                   float32 master, two AdamW moments) to host and back + the allgather-swap's received bytes /
+                   the intra link
+    pools (k>=1) = max(T_gen(K), T_train(D - K) + exposed push) at a split K; the push (the busiest train rank's
+                   sent bytes / inter link) overlaps the next update, exposed only beyond it
+    memory       = a split runs only if every device fits in --usable-GB: a rollout device holds two copies of its
+                   shards (the engine's and the one the next version lands in) and its rows' KV cache; a train
+                   device its train state and one push in flight (its shards in bf16); colocated, a device holds
+                   the train state during the update and, the state swapped out, the rollout shards and the KV
+                   cache during generation. Activations are not counted
 
 So the pools gain where decode is bound by memory bandwidth: K devices with D/K times the rows each take
 nearly the time D devices do, while the train pool has the other devices. With linear stages they would
@@ -46,6 +53,7 @@ from rlflow.sharding.mesh import Mesh
 from rlflow.sharding.plan import allgather_swap, push_plan
 
 BF16 = 2
+TRAIN_STATE_BYTES = 14  # per parameter: bf16 weights, float32 master, two float32 AdamW moments
 PUT = (*ROWS, "rewards", "advantages", VERSIONS)  # what the rollout pool puts (runtime/flow.py DockFlow.put_rows)
 TAKEN = (*ROWS, *dock_columns(GRPO, "off", pools=True))  # what the train pool takes
 # as the issue quotes them: the peers' published async-over-sync speed-ups
@@ -70,27 +78,18 @@ SCENARIOS = (
     Scenario("16 devices: Qwen3-30B-A3B", "qwen3-moe-30b-a3b", 16, 128, 8, 512, 2048, ("ep=8,dp=2", "tp=4,dp=4"),
              ((4, "ep=4,dp=3", "tp=4"), (8, "ep=8", "tp=4,dp=2"), (12, "ep=4", "tp=4,dp=3"))),
     Scenario("384 devices: DeepSeek-R1-671B", "deepseek-r1-671b", 384, 512, 16, 1024, 4096,
-             ("pp=8,ep=16,dp=3", "ep=16,dp=24"), ((128, "pp=8,ep=16,dp=2", "ep=16,dp=8"),
-                                                  (256, "pp=8,ep=16", "ep=16,dp=16"))),
+             ("pp=8,ep=16,dp=3", "ep=32,tp=2,dp=6"), ((128, "pp=8,ep=16,dp=2", "ep=32,tp=2,dp=2"),
+                                                      (256, "pp=8,ep=16", "ep=32,tp=2,dp=4"),
+                                                      (128, "pp=8,ep=16,dp=2", "ep=16,dp=8"))),
 )
 
 
-def _model_bytes(cfg):
-    """(dense bytes read per decode step, bytes of one expert of one layer, MoE layers, active params)."""
+def _active(cfg) -> int:
+    """Parameters one token runs through (no embedding lookup): dense + top-k experts of every MoE layer."""
     shapes = param_shapes(cfg)
-    dense = expert = 0
-    moe_layers = set()
-    for name, shape in shapes.items():
-        n = math.prod(shape)
-        if ".mlp.experts." in name:
-            expert += n // cfg.num_experts
-            moe_layers.add(name.split(".mlp.")[0])
-        elif name != "model.embed_tokens.weight" or cfg.tie_word_embeddings:
-            dense += n
-    layers = len(moe_layers)
-    per_layer = expert // max(layers, 1)
-    active = dense + layers * per_layer * cfg.num_experts_per_tok
-    return dense * BF16, per_layer * BF16, layers, active
+    dense = sum(math.prod(s) for n, s in shapes.items() if ".mlp.experts." not in n and n != "model.embed_tokens.weight")
+    experts = sum(math.prod(s) for n, s in shapes.items() if ".mlp.experts." in n)
+    return dense + (experts // cfg.num_experts * cfg.num_experts_per_tok if cfg.num_experts else 0)
 
 
 def _kv_bytes_per_token(cfg) -> float:
@@ -99,68 +98,105 @@ def _kv_bytes_per_token(cfg) -> float:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * BF16
 
 
-def t_gen(cfg, rows: int, devices: int, replica: int, s: Scenario, hw) -> float:
-    dense, expert, layers, active = _model_bytes(cfg)
-    per = rows / (devices // replica)  # rows per replica
-    touched = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** per) if layers else 0
-    kv = per * (s.prompt_len + s.response_len / 2) * _kv_bytes_per_token(cfg)
-    read = dense + layers * touched * expert + kv
-    step = max(read / (replica * hw.hbm * hw.decode_eff), 2 * active * per / (replica * hw.peak * 0.5))
-    prefill = 2 * active * per * s.prompt_len / (replica * hw.peak * hw.mfu)
-    return prefill + s.response_len * step
+@dataclass(frozen=True)
+class Shards:
+    """One rank's shards in a layout (the busiest pipeline stage's): parameters, and bytes in bf16 of the dense
+    (non-expert, no embedding) and expert ones."""
+    params: int
+    dense_bytes: float
+    expert_bytes: float
+
+    @classmethod
+    def of(cls, lay) -> "Shards":
+        best = None
+        for st in range(lay.mesh.pp):
+            mine = [q for q in lay.params if q.stage == st]
+            n = sum(math.prod(q.local_shape(lay.mesh)) for q in mine)
+            dense = sum(math.prod(q.local_shape(lay.mesh)) for q in mine
+                        if ".mlp.experts." not in q.name and q.name != "model.embed_tokens.weight") * BF16
+            experts = sum(math.prod(q.local_shape(lay.mesh)) for q in mine if ".mlp.experts." in q.name) * BF16
+            if best is None or n > best.params:
+                best = cls(n, dense, experts)
+        return best
 
 
-def t_train(cfg, rows: int, devices: int, s: Scenario, hw) -> float:
-    active = _model_bytes(cfg)[3]
-    return 10 * active * rows * (s.prompt_len + s.response_len) / (devices * hw.peak * hw.mfu)
+def t_gen(cfg, rollout, s: Scenario, hw) -> tuple[float, float]:
+    """(generation seconds, a rollout device's KV bytes) of the step's rows on the rollout layout."""
+    mesh, sh = rollout.mesh, Shards.of(rollout)
+    replica = mesh.size // mesh.dp
+    rows = s.prompts * s.group / mesh.dp  # per replica
+    touched = 1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** rows if cfg.num_experts else 0.0
+    kv = rows / replica * (s.prompt_len + s.response_len / 2) * _kv_bytes_per_token(cfg)
+    read = sh.dense_bytes + touched * sh.expert_bytes + kv
+    active = _active(cfg)
+    step = max(read / (hw.hbm * hw.decode_eff), 2 * active * rows / (replica * hw.peak * 0.5))
+    prefill = 2 * active * (rows / s.group) * s.prompt_len / (replica * hw.peak * hw.mfu)
+    kv_full = rows / replica * (s.prompt_len + s.response_len) * _kv_bytes_per_token(cfg)
+    return prefill + s.response_len * step, kv_full
+
+
+def t_train(cfg, devices: int, s: Scenario, hw) -> float:
+    return hw.train_flops * _active(cfg) * s.prompts * s.group * (s.prompt_len + s.response_len) / (
+        devices * hw.peak * hw.mfu)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hbm-TBps", type=float, default=4.8, help="HBM bandwidth per device (H200: 4.8)")
     p.add_argument("--peak-TFLOPs", type=float, default=989.0, help="dense bf16 rate per device (H200: 989)")
+    p.add_argument("--usable-GB", type=float, default=127.0, help="device memory a rank may fill (H200: 141 x 0.9)")
     p.add_argument("--mfu", type=float, default=0.35, help="training's and prefill's share of the peak")
     p.add_argument("--decode-eff", type=float, default=0.6, help="decode's share of the HBM bandwidth")
-    p.add_argument("--inter-GBps", type=float, default=25.0, help="per-rank link between nodes (the push)")
+    p.add_argument("--train-flops", type=float, default=6.0,
+                   help="FLOPs per active parameter and token of a step's training: 6 the update; +2 for each of "
+                        "the old log-probs (several updates per batch) and the reference's (--kl-coef)")
+    p.add_argument("--inter-GBps", type=float, default=25.0, help="per-rank link between nodes (the push, the dock)")
     p.add_argument("--intra-GBps", type=float, default=200.0, help="per-rank link within a node (the allgather)")
     p.add_argument("--host-GBps", type=float, default=50.0, help="device <-> host (the swap)")
     a = p.parse_args()
-    hw = argparse.Namespace(hbm=a.hbm_TBps * 1e12, peak=a.peak_TFLOPs * 1e12, mfu=a.mfu, decode_eff=a.decode_eff)
-    print(f"inputs: HBM {a.hbm_TBps} TB/s x {a.decode_eff} for decode, {a.peak_TFLOPs} TFLOP/s x {a.mfu} MFU; links "
-          f"inter {a.inter_GBps} GB/s, intra {a.intra_GBps} GB/s, host {a.host_GBps} GB/s per rank. Projections, "
-          "not measurements (no accelerator has run rlflow)")
+    hw = argparse.Namespace(hbm=a.hbm_TBps * 1e12, peak=a.peak_TFLOPs * 1e12, mfu=a.mfu, decode_eff=a.decode_eff,
+                            train_flops=a.train_flops)
+    usable = a.usable_GB * 1e9
+    print(f"inputs: HBM {a.hbm_TBps} TB/s x {a.decode_eff} for decode, {a.peak_TFLOPs} TFLOP/s x {a.mfu} MFU, "
+          f"{a.train_flops:g} FLOPs per active parameter and token of training, {a.usable_GB:g} GB usable per device; "
+          f"links inter {a.inter_GBps} GB/s, intra {a.intra_GBps} GB/s, host {a.host_GBps} GB/s per rank. "
+          "Projections, not measurements (no accelerator has run rlflow)")
     report = {}
     for s in SCENARIOS:
-        cfg, D, R = get_config(s.model), s.devices, s.prompts * s.group
-        tr, ro = (layout(cfg, Mesh.parse(x, D)) for x in s.colocated)
-        ags = allgather_swap(tr, ro)
-        shard = max(sum(math.prod(q.local_shape(tr.mesh)) * q.dtype.itemsize for q in tr.params if q.stage == st)
-                    for st in range(tr.mesh.pp))  # the busiest pipeline stage's rank
-        swap = 2 * shard / (a.host_GBps * 1e9) + ags.bytes_received().max() / (a.intra_GBps * 1e9)
-        gen, train = t_gen(cfg, R, D, ro.mesh.size // ro.mesh.dp, s, hw), t_train(cfg, R, D, s, hw)
-        colocated = gen + train + swap
+        cfg, D = get_config(s.model), s.devices
         shape = Shape(s.prompts, s.group, s.prompt_len, s.response_len)
-        dock = project(shape, D, GRPO.flow, GRPO.schema)  # colocated: every stage through the dock
-        stream = streaming(shape, D // 8, PUT, TAKEN, GRPO.schema, staleness=1)  # pools: one put, one take
-        print(f"\n{s.name}: {s.prompts} prompts x {s.group} samples, {s.prompt_len} + {s.response_len} tokens; "
-              f"dock's busiest process per step {dock['dock_busiest'] / 2**30:.2f} GiB colocated, "
-              f"{stream['busiest'] / 2**30:.2f} GiB pools ({stream['busiest'] / (a.inter_GBps * 1e9):.2f} s at the "
-              f"inter link, beside the stages), holding {stream['held_per_warehouse'] / 2**30:.2f} GiB per warehouse "
-              "at k = 1 (one per node)")
+        tr, ro = (layout(cfg, Mesh.parse(x, D)) for x in s.colocated)
+        state = Shards.of(tr).params * TRAIN_STATE_BYTES
+        swap = 2 * state / (a.host_GBps * 1e9) + allgather_swap(tr, ro).bytes_received().max() / (a.intra_GBps * 1e9)
+        gen, kv = t_gen(cfg, ro, s, hw)
+        train = t_train(cfg, D, s, hw)
+        colocated = gen + train + swap
+        peak = max(state, Shards.of(ro).params * BF16 + kv)
+        print(f"\n{s.name}: {s.prompts} prompts x {s.group} samples, {s.prompt_len} + {s.response_len} tokens")
         print(f"  colocated train {s.colocated[0]}, rollout {s.colocated[1]}: gen {gen:.1f} s + train {train:.1f} s + "
-              f"swap {swap:.1f} s = {colocated:.1f} s per step")
+              f"swap {swap:.1f} s = {colocated:.1f} s per step; memory {peak / 1e9:.0f} GB per device"
+              + ("" if peak <= usable else " (does not fit)"))
         rows = {"colocated_s": round(colocated, 2), "gen_s": round(gen, 2), "train_s": round(train, 2),
-                "swap_s": round(swap, 2)}
+                "swap_s": round(swap, 2), "colocated_fits": peak <= usable}
         for K, tl, rl in s.splits:
             trk, rok = layout(cfg, Mesh.parse(tl, D - K)), layout(cfg, Mesh.parse(rl, K))
             push = push_plan(trk, rok)
-            g, t = t_gen(cfg, R, K, rok.mesh.size // rok.mesh.dp, s, hw), t_train(cfg, R, D - K, s, hw)
+            g, kv = t_gen(cfg, rok, s, hw)
+            t = t_train(cfg, D - K, s, hw)
             push_s = push.bytes_sent().max() / (a.inter_GBps * 1e9)
             step = max(g, t + max(0.0, push_s - max(g, t)))
+            mem_r = 2 * Shards.of(rok).params * BF16 + kv
+            mem_t = Shards.of(trk).params * (TRAIN_STATE_BYTES + BF16)
+            fits = max(mem_r, mem_t) <= usable
+            stream = streaming(shape, max(K // 8, 1), PUT, TAKEN, GRPO.schema, staleness=1,
+                               readers=trk.mesh.tp * trk.mesh.pp)
             print(f"  pools K={K:3d} (rollout {rl}, train {tl}): gen {g:.1f} s, train {t:.1f} s, push "
                   f"{push.bytes_sent().max() / 2**30:.1f} GiB/train rank = {push_s:.1f} s (overlapped) -> "
-                  f"{step:.1f} s per step: {colocated / step:.2f}x colocated")
-            rows[f"pools_K{K}_s"] = round(step, 2)
+                  f"{step:.1f} s per step: {colocated / step:.2f}x colocated; memory rollout {mem_r / 1e9:.0f} GB, "
+                  f"train {mem_t / 1e9:.0f} GB per device{'' if fits else ' (DOES NOT FIT)'}; dock "
+                  f"{stream['busiest'] / 2**30:.2f} GiB per step through its busiest process")
+            rows[f"pools_K{K}_{rl}_s"] = round(step, 2)
+            rows[f"pools_K{K}_{rl}_fits"] = fits
         report[s.name] = rows
     print(f"\nbeside: {PEERS}")
     print(json.dumps({"bench": "pools_projection", **report}))

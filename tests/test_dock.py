@@ -467,23 +467,24 @@ def test_cost_model_matches_measured_bytes(S):
 
 
 # ---- the streaming case (separate pools) against bytes measured in-process ----
-@pytest.mark.parametrize("S,k", [(1, 0), (2, 1), (4, 2)])
-def test_streaming_cost_model_matches_measured_bytes_and_the_rows_held(S, k):
+@pytest.mark.parametrize("S,k,parts,readers", [(1, 0, 1, 1), (2, 1, 2, 1), (4, 2, 2, 2), (2, 1, 1, 3)])
+def test_streaming_cost_model_matches_measured_bytes_and_the_rows_held(S, k, parts, readers):
     """The pools' pattern as DockFlow drives it: step j's rows put into slot j % (k + 1), taken k steps later
-    within that slot, the slot released. Per steady step the busiest warehouse moves what ``streaming`` says
-    (within the pickle headers), and the warehouses hold at most k + 1 steps' rows: exactly the model's bytes."""
+    within that slot by ``parts`` data-parallel parts, each read by ``readers`` ranks (a part's tp x pp ranks),
+    the slot released. Per steady step the busiest warehouse moves what ``streaming`` says (within the pickle
+    headers: under 2%), and the warehouses hold at most k + 1 steps' rows: exactly the model's bytes."""
     from rlflow.dock.cost import streaming
     from rlflow.runtime.graph import ROWS, VERSIONS
     shape = Shape(prompts=4, group_size=G, prompt_len=256, response_len=512)
     R, PL, SL = shape.rows, 256, 512
     put = list(ROWS) + ["rewards", "advantages", VERSIONS]
-    taken = list(ROWS) + ["advantages", VERSIONS]
+    taken = list(ROWS) + ["rewards", "advantages", VERSIONS]  # ROWS + step.dock_columns(GRPO, "off", pools=True)
     d = Dock.local(GRPO.schema, GRPO.consumers, capacity=(k + 1) * R, warehouses=S, group_size=G)
     cells = {"prompt_ids": [torch.zeros(PL, dtype=torch.long)] * R, "group": torch.arange(R) // G,
              "answer": [torch.zeros(int(shape.answer_len), dtype=torch.uint8)] * R,
              "response_ids": [torch.zeros(SL, dtype=torch.long)] * R, "sample_logprobs": [torch.zeros(SL)] * R,
              "rewards": torch.zeros(R), "advantages": torch.zeros(R), VERSIONS: [torch.zeros(SL, dtype=torch.long)] * R}
-    model = streaming(shape, S, put, taken, GRPO.schema, k)
+    model = streaming(shape, S, put, taken, GRPO.schema, k, readers=readers)
     per_step, held = [], []
     for j in range(k + 4):
         before = {n: v["bytes_in"] + v["bytes_out"] for n, v in d.traffic().items()}
@@ -492,9 +493,11 @@ def test_streaming_cost_model_matches_measured_bytes_and_the_rows_held(S, k):
         held.append(max(w.held_bytes() for w in d.warehouses))
         if j >= k:  # the train pool takes step j - k from its slot, then releases the slot
             first = (j - k) % (k + 1) * R
-            t = d.take_share("train", taken, R, key=j, parts=1, part=0, groups=True, timeout=0,
-                             within=(first, first + R))
-            d.read(t)
+            for part in range(parts):
+                for _ in range(readers):  # every rank of the part asks for the step's one take, and reads it
+                    t = d.take_share("train", taken, R, key=j, parts=parts, part=part, groups=True, timeout=0,
+                                     within=(first, first + R))
+                    d.read(t)
             d.release(first, first + R)
         after = {n: v["bytes_in"] + v["bytes_out"] for n, v in d.traffic().items()}
         per_step.append(max(after[n] - before[n] for n in after if n.startswith("warehouse")))

@@ -36,8 +36,10 @@ Eq. (4)  V_td = max(V_rb / S, M_lead)
          dock's *total* volume (C * M) but not the busiest process.
 
 Separate pools (the streaming case, ``streaming``): per step the rollout pool puts the step's rows once and the
-train pool takes them once (a two-stage flow, ``pools_flow``), and the step's slot is released (its R row
-indices, 8 bytes each, to every warehouse): V_step = Eq. (4) over that flow + R * 8 at each warehouse. The
+train pool takes them once (a two-stage flow, ``pools_flow``; each of the P = tp x pp ranks of a data-parallel
+part reads its part's rows), and the step's slot is released (its R row indices, 8 bytes each, to every
+warehouse): V_step = (V_put + P * V_take) / S + R * 8 at each warehouse, S the warehouses the rows are put in
+(a row goes to its producer's node: the rollout pool's), assuming S divides the step's groups. The
 staleness k changes not the bytes per step but the rows held: at most k + 1 steps' (the slots the back-pressure
 bounds), H = (k + 1) * R * sum_{c put} s_c / S per warehouse, s_c the stored bytes of a cell (w_c without its
 length on the wire).
@@ -159,11 +161,16 @@ def pools_flow(put, taken) -> tuple[Stage, Stage]:
     return Stage("rollout", (), tuple(put)), Stage("train", tuple(taken), ())
 
 
-def streaming(shape: Shape, warehouses: int, put, taken, schema: Schema, staleness: int) -> dict[str, float]:
-    """The dock of separate pools per step (see the module): ``dock_bytes`` over ``pools_flow`` with the slot's
-    release at every warehouse, and ``held_per_warehouse``: the bytes of staleness + 1 steps' rows there."""
-    d = dock_bytes(shape, warehouses, pools_flow(put, taken), schema)
-    wh = d["warehouse"] + shape.rows * INDEX_BYTES
+def streaming(shape: Shape, warehouses: int, put, taken, schema: Schema, staleness: int,
+              readers: int = 1) -> dict[str, float]:
+    """The dock of separate pools per step (see the module): Eq. (4) over ``pools_flow`` with the take read by
+    ``readers`` ranks (the tp x pp ranks of a data-parallel part of the train layout each read its rows) and the
+    slot's release at every warehouse, and ``held_per_warehouse``: the bytes of staleness + 1 steps' rows there.
+    ``warehouses``: those the rows are put in (the rollout pool's nodes': a row goes to its producer's node)."""
+    put_stage, take_stage = pools_flow(put, taken)
+    d = dock_bytes(shape, warehouses, (put_stage, take_stage), schema)
+    moved = stage_bytes(shape, put_stage, schema) + readers * stage_bytes(shape, take_stage, schema)
+    wh = moved / warehouses + shape.rows * INDEX_BYTES
     held = (staleness + 1) * shape.rows * sum(stored_bytes(shape, c, schema) for c in put) / warehouses
     return {**d, "warehouse": wh, "busiest": max(wh, d["controller"]), "total": d["total"] + (wh - d["warehouse"])
             * warehouses, "held_per_warehouse": held}
