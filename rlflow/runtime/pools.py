@@ -183,8 +183,8 @@ class TrainSide:
         if not self.lead:
             return 0
         pg, k = self.link.push, self.link.pools.rollout
-        stop = torch.tensor([-1, 1], dtype=torch.int64, device=self.link.device)
-        _wait([pg.send([stop], d, _HEADER) for d in range(k)])
+        header = torch.tensor([-1, 1], dtype=torch.int64, device=self.link.device)  # [no version, stop]
+        _wait([pg.send([header], d, _HEADER) for d in range(k)])
         for r in range(k):
             while not (f := self._receive(r))["final"]:
                 self.dropped += int(f["rows"])
