@@ -245,3 +245,19 @@ def test_the_train_lead_sums_the_rollout_ranks_counts_and_takes_their_slowest_ti
     assert (got["rows"], got["reward_sum"]) == (16, 3.5)
     assert (got["rollout_time_s"], got["engine_load_s"], got["engine_load_bytes"]) == (0.5, 0.3, 100.0)
     assert got["version"] == 2
+
+
+@pytest.mark.parametrize("setting", [dict(max_staleness=1), dict(partial_rollout=True)])
+def test_a_colocated_context_refuses_the_pools_settings(setting):
+    """Through the library (no recipe flags): a colocated step would run synchronously, ignoring a staleness bound or
+    partial rollout it was given; ``step.context`` refuses them by name instead."""
+    import dataclasses
+
+    from rlflow.rewards import per_sample
+    from rlflow.runtime.step import context
+    from tests.test_runtime import CFG, TOK, lcfg, reward
+
+    conf = dataclasses.replace(lcfg(), **setting)
+    with pytest.raises(ValueError, match=f"{next(iter(setting))}={next(iter(setting.values()))}"):
+        context(CFG, TOK, per_sample(reward), conf)
+    context(CFG, TOK, per_sample(reward), lcfg())  # the same without them builds

@@ -93,6 +93,9 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
         raise ValueError(f"step.context: pool={pool!r} with link={link!r}: a train pool's rank needs its link")
     if pool != "colocated" and dock is None:
         raise ValueError("step.context: separate pools exchange their rows through a dock")
+    if pool == "colocated" and (conf.max_staleness or conf.partial_rollout):
+        raise ValueError(f"step.context: max_staleness={conf.max_staleness}, partial_rollout={conf.partial_rollout}: "
+                         "colocated steps are synchronous (these are separate pools' settings)")
     graph = graph_for(conf.grpo.adv_estimator)
     check_features(cfg, 1 if placement is None else placement.train.mesh.pp, routing_replay=conf.routing_replay,
                    check_logprobs=conf.check_logprobs, adv_estimator=conf.grpo.adv_estimator)
