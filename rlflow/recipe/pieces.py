@@ -13,7 +13,7 @@ from rlflow import device as rl_device
 from rlflow import optim, rewards
 from rlflow.algos import grpo
 from rlflow.algos.critic import CriticConfig
-from rlflow.data import Example, PromptSource, apply_chat_template, load_examples
+from rlflow.data import EVAL_TASK, TASKS, Example, PromptSource, apply_chat_template, load_examples
 from rlflow.dock import Dock
 from rlflow.dock.proc_backend import node_dock, proc_dock
 from rlflow.models import hf, qwen3_moe
@@ -161,8 +161,12 @@ def check_tokenizer(r: Recipe, cfg) -> None:
 
 
 def reward_specs(r: Recipe) -> list[str]:
-    """--reward, else the default: math for datasets (the eval set of --eval-only is one), exact for the tasks."""
-    return list(r.reward) if r.reward else ["math" if r.dataset or (r.eval_only and r.eval_dataset) else "exact"]
+    """--reward, else the default: math for datasets (the eval set of --eval-only is one), a built-in task's own
+    (``data.TASKS``; for --eval-only that of ``--eval-dataset task:NAME``)."""
+    if r.reward:
+        return list(r.reward)
+    task = r.eval_dataset.removeprefix(EVAL_TASK) if r.eval_only and r.eval_dataset else None if r.dataset else r.task
+    return [TASKS[task].reward if task in TASKS else "math"]
 
 
 def reward_weights(r: Recipe) -> list[float] | None:

