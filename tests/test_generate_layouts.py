@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 # name -> (mesh sizes, rule overrides, model)
 CASES = {
     2: {"tp2": (dict(tp=2), {}, "qwen3-moe-tiny"), "ep2": (dict(ep=2), {}, "qwen3-moe-tiny"),
-        "deepseek-tp2": (dict(tp=2), {}, "deepseek-tiny")},
+        "deepseek-tp2": (dict(tp=2), {}, "deepseek-tiny"), "llama-tp2": (dict(tp=2), {}, "llama-tiny")},
     4: {"ep2-tp2": (dict(ep=2, tp=2), {}, "qwen3-moe-tiny"),
         "tp4-kv-replicated": (dict(tp=4), {"kv_heads": None}, "qwen3-moe-tiny"),
         "deepseek-ep2-tp2": (dict(ep=2, tp=2), {}, "deepseek-tiny")},

@@ -1,5 +1,5 @@
 """Model execution in a layout (rlflow.parallel) on real gloo processes: the tiny Qwen3-MoE's (and the tiny
-DeepSeek-V3's) GRPO loss (clipped surrogate + entropy bonus + router aux loss) and its gradients, gathered
+DeepSeek-V3's and Llama's) GRPO loss (clipped surrogate + entropy bonus + router aux loss) and its gradients, gathered
 from every rank's shards, equal one process's within 1e-5 in float32 (relative where they exceed 1), for TP,
 EP, PP, DP and combinations of three axes.
 
@@ -32,6 +32,8 @@ pytestmark = pytest.mark.slow
 DENSE_BIAS = dict(mlp_only_layers=(1,), attention_bias=True)  # a dense MLP layer, Qwen2's q/k/v biases
 DEEPSEEK = dict(preset="deepseek-tiny")  # MLA, sigmoid group-limited routing, shared experts, a dense first layer
 DEEPSEEK_Q = dict(preset="deepseek-tiny", q_lora_rank=None)  # MLA with a direct q_proj
+LLAMA = dict(preset="llama-tiny")  # dense, no bias, no qk norm
+LLAMA_TIED = dict(preset="llama-tiny", tie_word_embeddings=True)  # SmolLM2's tied head
 CASES = {
     2: [
         ("tp2", dict(tp=2), {}, 1, "1f1b", False, {}),
@@ -48,6 +50,9 @@ CASES = {
         ("deepseek-ep2", dict(ep=2), {}, 2, "1f1b", False, DEEPSEEK),
         ("deepseek-pp2", dict(pp=2), {}, 2, "1f1b", False, DEEPSEEK),
         ("deepseek-tp2-no-q-lora", dict(tp=2), {}, 1, "1f1b", False, DEEPSEEK_Q),
+        ("llama-tp2", dict(tp=2), {}, 1, "1f1b", False, LLAMA),
+        ("llama-pp2", dict(pp=2), {}, 2, "1f1b", False, LLAMA),
+        ("llama-tied-tp2", dict(tp=2), {}, 1, "1f1b", False, LLAMA_TIED),
     ],
     4: [
         ("tp4-kv-replicated", dict(tp=4), {"kv_heads": None}, 1, "1f1b", False, {}),

@@ -31,9 +31,10 @@ def checks():
 
 
 @needs_vllm
-@pytest.mark.parametrize("model", ["greedy_moe", "greedy_dense"])
+@pytest.mark.parametrize("model", ["greedy_moe", "greedy_dense", "greedy_llama"])
 def test_vllm_greedy_tokens_equal_the_builtin_engines(checks, model):
-    """Qwen3-MoE and Qwen2.5 (tiny, head_dim 32), prompts of 2 to 6 tokens, an EOS some rows reach."""
+    """Qwen3-MoE, Qwen2.5 (tiny, head_dim 32) and Llama (tiny, head_dim 32), prompts of 2 to 6 tokens, an EOS some
+    rows reach."""
     g = checks[model]
     assert g["ids_equal"] and g["mask_equal"], g
     assert g["lp_max_diff"] < EXACT, g

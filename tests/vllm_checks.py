@@ -154,7 +154,8 @@ def multiturn() -> dict:
 
 
 def main():
-    res = {"greedy_moe": greedy("qwen3-moe-tiny"), "greedy_dense": greedy("qwen2.5-tiny"), "pushes": pushes(),
+    res = {"greedy_moe": greedy("qwen3-moe-tiny"), "greedy_dense": greedy("qwen2.5-tiny"),
+           "greedy_llama": greedy("llama-tiny"), "pushes": pushes(),
            "sampled": sampled(), "multiturn": multiturn()}
     print("RESULT " + json.dumps(res))
 

