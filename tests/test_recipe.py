@@ -184,6 +184,10 @@ def test_under_torchrun_what_a_rank_cannot_run_is_refused_by_flag(flags, named, 
     (["--entropy-coef", "inf"], "--entropy-coef must be finite"),
     (["--temperature", "inf"], "--temperature must be finite"),
     (["--adv-estimator", "gae", "--critic-lr", "nan"], "--critic-lr must be finite"),
+    # the natural-language task through the built-in character tokenizer; an eval split a task does not have
+    (["--task", "addition"], "--task addition: has natural-language prompts: it needs a --model"),
+    (["--eval-dataset", "task:max_digit"], "--eval-dataset task:max_digit: task:max_digit: the task has no held-out"),
+    (["--eval-dataset", "task:nosuch"], "--eval-dataset task:nosuch: task:nosuch: unknown built-in task"),
     # refused by the ranks once started, with a traceback each
     (["--world", "2", "--prompts-per-step", "3", "--mini-batch-size", "24", "--micro-batch-size", "24"],
      "--prompts-per-step 3: is not divisible by the 2 ranks"),
@@ -214,8 +218,8 @@ def _model_dir(d, kind: str):
     cfg = get_config("qwen3-moe-tiny")
     if kind == "accented data":  # the built-in tokenizer has no 'é': the run died when row 1 was drawn
         (d / "data.jsonl").write_text('{"prompt": "max:12=", "answer": "2"}\n{"prompt": "max:3é4=", "answer": "4"}\n')
-    elif kind == "llama":
-        (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    elif kind == "gemma":
+        (d / "config.json").write_text(json.dumps({"model_type": "gemma", "hidden_size": 64}))
     elif kind == "bad json":
         (d / "config.json").write_text("{bad")
     elif kind in ("no tokenizer", "truncated weights"):
@@ -230,7 +234,7 @@ def _model_dir(d, kind: str):
     (None, ["--preset", "nosuch"], "--preset nosuch: unknown model name 'nosuch'; known: ["),
     (None, ["--model", "{d}"], "--model {d}: no such directory"),
     ("empty", ["--model", "{d}"], "--model {d}: has no config.json"),
-    ("llama", ["--model", "{d}"], "--model {d}: config.json model_type='llama' is not supported"),
+    ("gemma", ["--model", "{d}"], "--model {d}: config.json model_type='gemma' is not supported"),
     ("bad json", ["--model", "{d}"], "--model {d}: config.json: Expecting property name"),
     ("no tokenizer", ["--model", "{d}"], "--model {d}: has no tokenizer.json"),
     (None, ["--world", "3"], "--world 3: the default --train-layout: mesh spec 'tp=2': world=3 does not divide"),

@@ -81,3 +81,16 @@ def test_prompts_past_max_position_embeddings_are_refused():
     check_positions(batch, 1, cfg.replace(max_position_embeddings=100))
     with pytest.raises(ValueError, match="max_position_embeddings=12"):
         check_positions(batch, 8, cfg)
+
+
+def test_a_tasks_held_out_split_is_never_drawn_for_training_and_is_the_same_for_every_run():
+    from rlflow.data import TASKS, held_out_examples
+    task = TASKS["addition"]
+    held = held_out_examples("addition")
+    assert len(held) >= 100 and len({e.prompt for e in held}) == len(held)
+    assert held == held_out_examples("addition")  # not the run's seed
+    drawn = {e.prompt for seed in range(3) for e in PromptSource(task="addition", seed=seed).take(1000)}
+    assert drawn and not drawn & {e.prompt for e in held}
+    assert len(drawn) + len(held) == 25 * 25  # together they are every question the task asks
+    assert all(str(eval(e.prompt.removeprefix("What is ").rstrip("?"))) == e.answer for e in held)
+    assert task.reward == "math"
