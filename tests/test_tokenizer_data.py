@@ -84,13 +84,14 @@ def test_prompts_past_max_position_embeddings_are_refused():
 
 
 def test_a_tasks_held_out_split_is_never_drawn_for_training_and_is_the_same_for_every_run():
-    from rlflow.data import TASKS, held_out_examples
+    from rlflow.data import TASKS, Example, held_out_examples
     task = TASKS["addition"]
     held = held_out_examples("addition")
     assert len(held) >= 100 and len({e.prompt for e in held}) == len(held)
     assert held == held_out_examples("addition")  # not the run's seed
     drawn = {e.prompt for seed in range(3) for e in PromptSource(task="addition", seed=seed).take(1000)}
     assert drawn and not drawn & {e.prompt for e in held}
-    assert len(drawn) + len(held) == 25 * 25  # together they are every question the task asks
+    every = {f"What is {a} + {b}?" for a in range(25) for b in range(25)}
+    assert {e.prompt for e in held} == {p for p in every if task.is_held_out(Example(p, ""))}  # the whole split
     assert all(str(eval(e.prompt.removeprefix("What is ").rstrip("?"))) == e.answer for e in held)
     assert task.reward == "math"
