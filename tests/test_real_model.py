@@ -83,7 +83,7 @@ def test_logits_and_response_logprobs_equal_transformers_on_the_real_checkpoint(
                              response_ids_BTr=resp * rmask, response_mask_BTr=rmask,
                              sample_logprobs_BTr=torch.zeros(resp.shape))
         got = response_logprobs(params, cfg, batch)[0]
-    assert float((got - want)[rmask].abs().max()) < 1e-3
+    assert float((got - want)[rmask].abs().max()) < 1e-4  # 2.1e-5 measured: float32 sums in another order
 
 
 def test_the_engine_answers_the_question_transformers_answers(smol, reference):
