@@ -15,7 +15,14 @@ synchronized) and one `GRPOTrainer.train()` over one step's prompts (timed from 
 `on_step_end`). The figure is the paper's Eq. (5), per system, on the median step time.
 
     python bench/e2e_vs_trl.py                                   # CPU, qwen3-moe-tiny, 32 new tokens
+    python bench/e2e_vs_trl.py --model smollm2-135m-instruct --task addition --prompts-per-step 8 --lr 2e-5
     python bench/e2e_vs_trl.py --device cuda --preset qwen3-moe-0.5b --max-new-tokens 256
+
+With ``--model`` (a checkpoint directory, a .gguf file or a packaged model's name) both systems load that
+checkpoint (TRL with ``AutoModelForCausalLM`` and ``AutoTokenizer``), the prompts are chat messages rendered by
+its chat template on both sides, and the reward is the task's (``rlflow.data.TASKS``). Each system's step is
+split into generation, log-probs (rlflow: the old/ref log-prob stage; TRL: the log-prob forwards while it
+prepares the step's inputs) and the rest (the loss's forward and backward, AdamW, scoring and advantages).
 
 The last line printed is one JSON object.
 """
@@ -95,6 +102,8 @@ def char_tokenizer_for_transformers(tok):
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen3-moe-tiny", help="model preset (rlflow.models.config)")
+    ap.add_argument("--model", default=None, help="a checkpoint both systems load instead of --preset's random init "
+                    "(a directory, a .gguf file, or a packaged model's name such as smollm2-135m-instruct)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="both systems run here")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="parameter dtype on both sides (no autocast on either)")
@@ -136,7 +145,7 @@ def main(argv=None) -> dict:
     import transformers
     import trl
     from datasets import Dataset
-    from transformers import PrinterCallback, Qwen3MoeForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -152,7 +161,11 @@ def main(argv=None) -> dict:
 
     # ---- rlflow: the recipe's build(), with a fixed response length and a constant LR ----
     recipe = _load_recipe(src["src"])
-    r = recipe.Recipe(preset=a.preset, task=a.task, prompts_per_step=P, group_size=G, max_new_tokens=T,
+    model_dir = None
+    if a.model:
+        from rlflow.models import gguf
+        model_dir = gguf.resolve(a.model)
+    r = recipe.Recipe(preset=a.preset, model=model_dir, task=a.task, prompts_per_step=P, group_size=G, max_new_tokens=T,
                       micro_batch_size=micro, lr=a.lr, warmup_lr_steps=0, seed=a.seed, dtype=a.dtype, steps=1,
                       compile_decode=a.compile)
     torch.manual_seed(a.seed)
@@ -173,9 +186,14 @@ def main(argv=None) -> dict:
     hf.save(ckpt, cfg, params)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
     dtype_kw = hf.dtype_kwarg(dtype) if hasattr(hf, "dtype_kwarg") else {"dtype": dtype}  # an older --rlflow-src
-    model = Qwen3MoeForCausalLM.from_pretrained(ckpt, **dtype_kw).to(dev)
-    hf_tok = char_tokenizer_for_transformers(tok)
-    examples = PromptSource(task=a.task, seed=a.seed).take(P * n_total)  # the stream rlflow's source yields
+    model = AutoModelForCausalLM.from_pretrained(ckpt, **dtype_kw).to(dev)
+    if model_dir is None:
+        hf_tok = char_tokenizer_for_transformers(tok)
+    else:
+        hf_tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    # the stream rlflow's source yields, rendered as its source renders it (a chat template with --model)
+    examples = source.transform(PromptSource(task=a.task, seed=a.seed).take(P * n_total)) if source.transform \
+        else PromptSource(task=a.task, seed=a.seed).take(P * n_total)
 
     # same initial weights: logits of the first step's prompts from both implementations
     pb = prompt_batch(examples[:P], tok).to(dev)
@@ -189,11 +207,14 @@ def main(argv=None) -> dict:
     if dtype == torch.float32 and init_diff > 1e-3:  # bf16 rounding differs by op order: reported, not checked
         raise SystemExit(f"initial weights differ: max |logits diff| = {init_diff:.3g}")
 
-    from rlflow import rewards
-    verify = rewards.get("exact")  # the built-in tasks' verifier, per sample in every rlflow version
+    from rlflow import data, rewards
+    task = getattr(data, "TASKS", {}).get(a.task)
+    verify = rewards.get(getattr(task, "reward", "exact"))  # the task's verifier, per sample in every rlflow version
 
     def exact_match(completions, answer, **_):
-        return [float(verify(c, ans)) for c, ans in zip(completions, answer)]
+        # a conversational prompt's completion is TRL's [{"role": "assistant", "content": ...}]
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(verify(c, ans)) for c, ans in zip(texts, answer)]
 
     targs = GRPOConfig(
         output_dir=os.path.join(tmp.name, "trl"), seed=a.seed,
@@ -213,7 +234,9 @@ def main(argv=None) -> dict:
 
     def step_dataset(i):
         ex = examples[i * P:(i + 1) * P]
-        return Dataset.from_dict({"prompt": [e.prompt for e in ex], "answer": [e.answer for e in ex]})
+        # chat messages: TRL renders them with the same template (rlflow rendered ``e.prompt`` from them)
+        prompts = [list(e.messages) if e.messages is not None else e.prompt for e in ex]
+        return Dataset.from_dict({"prompt": prompts, "answer": [e.answer for e in ex]})
 
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=targs, train_dataset=step_dataset(0),
                           processing_class=hf_tok)
@@ -235,8 +258,28 @@ def main(argv=None) -> dict:
     clock = StepClock()
     trainer.add_callback(clock)
     trainer.remove_callback(PrinterCallback)  # train() would print its metrics dict
-    trl_tokens, trl_gen_time = [], []
+    trl_tokens, trl_gen_time, trl_lp_time = [], [], []
     orig_generate, orig_single = trainer._generate, trainer._generate_single_turn
+    orig_prepare, orig_logps = trainer._generate_and_score_completions, trainer._get_per_token_logps_and_entropies
+    preparing = [False]
+
+    def timed_prepare(*args, **kw):  # the log-prob forwards of the step's preparation (old / ref log-probs)
+        trl_lp_time.append(0.0)
+        preparing[0] = True
+        try:
+            return orig_prepare(*args, **kw)
+        finally:
+            preparing[0] = False
+
+    def timed_logps(*args, **kw):
+        if not preparing[0]:
+            return orig_logps(*args, **kw)
+        _sync(dev)
+        t = time.perf_counter()
+        out = orig_logps(*args, **kw)
+        _sync(dev)
+        trl_lp_time[-1] += time.perf_counter() - t
+        return out
 
     def counted_generate(prompts):  # counts tokens: unpadded prompt ids + completion ids, as rlflow's masks
         out = orig_generate(prompts)
@@ -253,6 +296,7 @@ def main(argv=None) -> dict:
         return out
 
     trainer._generate, trainer._generate_single_turn = counted_generate, timed_single_turn
+    trainer._generate_and_score_completions, trainer._get_per_token_logps_and_entropies = timed_prepare, timed_logps
 
     rows = {"rlflow": [], "trl": []}
 
@@ -279,7 +323,8 @@ def main(argv=None) -> dict:
         wall = time.perf_counter() - t
         m = hist[0]
         rows["rlflow"].append(dict(step=i, wall_s=wall, loop_step_s=m["step_time_s"],
-                                   rollout_s=m["rollout_time_s"], prompt_tokens=m["prompt_tokens"],
+                                   rollout_s=m["rollout_time_s"], logprob_s=m.get("logprob_time_s", 0.0),
+                                   update_s=m.get("update_time_s", 0.0), prompt_tokens=m["prompt_tokens"],
                                    response_tokens=m["response_tokens"], reward=m["reward_mean"]))
 
     def run_trl(i):
@@ -289,10 +334,11 @@ def main(argv=None) -> dict:
         if len(clock.times) != n_before + 1 or trainer.state.global_step != 1:
             raise RuntimeError(f"TRL did {len(clock.times) - n_before} steps for one step's prompts")
         p_tok, c_tok = trl_tokens[-1]
-        rows["trl"].append(dict(step=i, wall_s=clock.times[-1], rollout_s=trl_gen_time[-1], prompt_tokens=p_tok,
+        rows["trl"].append(dict(step=i, wall_s=clock.times[-1], rollout_s=trl_gen_time[-1], logprob_s=trl_lp_time[-1],
+                                prompt_tokens=p_tok,
                                 response_tokens=c_tok))
 
-    print(f"model: {a.preset} ({cfg.model_type}, {n_params / 1e6:.2f}M params, {cfg.num_experts} experts "
+    print(f"model: {a.model or a.preset} ({cfg.model_type}, {n_params / 1e6:.2f}M params, {cfg.num_experts} experts "
           f"top-{cfg.num_experts_per_tok}, {a.dtype}) on {dev}; initial logits max |rlflow - transformers| = "
           f"{init_diff:.2e}")
     print(f"workload: task {a.task}, {P} prompts x {G} samples = {B} per step, {T} new tokens per sample (fixed), "
@@ -302,7 +348,7 @@ def main(argv=None) -> dict:
     print(f"TRL {trl.__version__} GRPOTrainer (transformers {transformers.__version__}, "
           f"experts_implementation={getattr(model.config, '_experts_implementation', None)}, "
           f"attn={model.config._attn_implementation}); torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(loop.TPS_DEFINITION + ", devices = 1; per system: tokens of a step / median step wall time")
+    print(loop.TPS_DEFINITION + ", devices = 1; per system: tokens of a step (the median step's, when prompts vary) / median step wall time")
     sys.stdout.flush()
 
     for i in range(n_total):
@@ -314,40 +360,44 @@ def main(argv=None) -> dict:
         sys.stdout.flush()
 
     res = {}
+    per_step = {name: [(x["prompt_tokens"], x["response_tokens"]) for x in rs[a.warmup:]] for name, rs in rows.items()}
+    if per_step["rlflow"] != per_step["trl"]:
+        raise RuntimeError(f"systems processed different tokens: rlflow {per_step['rlflow']}, trl {per_step['trl']}")
     for name, rs in rows.items():
         timed = rs[a.warmup:]
-        toks = {(x["prompt_tokens"], x["response_tokens"]) for x in timed}
-        if len(toks) != 1:
-            raise RuntimeError(f"{name}: tokens per step vary across steps: {sorted(toks)}")
-        (pt, rt), = toks
+        # a task's prompts of varying length: each step's own tokens; the step's median, as with fixed prompts
+        pt, rt = (round(statistics.median(t[k] for t in per_step[name])) for k in (0, 1))
         step_s = statistics.median(x["wall_s"] for x in timed)
         roll_s = statistics.median(x["rollout_s"] for x in timed)
+        lp_s = statistics.median(x["logprob_s"] for x in timed)
         loop_s = statistics.median(x.get("loop_step_s", x["wall_s"]) for x in timed)
         res[name] = dict(prompt_tokens=pt, response_tokens=rt, step_s=step_s, rollout_s=roll_s, loop_step_s=loop_s,
-                         rest_s=step_s - roll_s, tps=(pt + rt) / step_s, rollout_tps=(pt + rt) / roll_s,
+                         logprob_s=lp_s, rest_s=step_s - roll_s - lp_s, tps=(pt + rt) / step_s,
+                         rollout_tps=(pt + rt) / roll_s,
                          step_times_s=[round(x["wall_s"], 4) for x in timed])
-    if (res["rlflow"]["prompt_tokens"], res["rlflow"]["response_tokens"]) != \
-            (res["trl"]["prompt_tokens"], res["trl"]["response_tokens"]):
-        raise RuntimeError(f"systems processed different tokens: rlflow {res['rlflow']}, trl {res['trl']}")
     ratio = res["rlflow"]["tps"] / res["trl"]["tps"]
 
-    print(f"\n{'system':<8} {'tokens/step':>12} {'step s':>8} {'TPS':>9} {'rollout s':>10} {'rest s':>8} "
-          f"{'rollout %':>9}")
+    print(f"\n{'system':<8} {'tokens/step':>12} {'step s':>8} {'TPS':>9} {'rollout s':>10} {'logprob s':>10} "
+          f"{'rest s':>8} {'rollout %':>9}")
     for name in ("rlflow", "trl"):
         x = res[name]
         print(f"{name:<8} {x['prompt_tokens'] + x['response_tokens']:>12} {x['step_s']:>8.3f} {x['tps']:>9.0f} "
-              f"{x['rollout_s']:>10.3f} {x['rest_s']:>8.3f} {100 * x['rollout_s'] / x['step_s']:>8.0f}%")
+              f"{x['rollout_s']:>10.3f} {x['logprob_s']:>10.3f} {x['rest_s']:>8.3f} "
+              f"{100 * x['rollout_s'] / x['step_s']:>8.0f}%")
     print(f"ratio rlflow / TRL TPS = {ratio:.2f}x   (rollout: rlflow loop's generate(); TRL model.generate in "
-          f"_generate_single_turn; rest: scoring, advantages, log-prob forward+backward, AdamW)")
+          f"_generate_single_turn; logprob: rlflow's old/ref log-prob stage, TRL's log-prob forwards while it "
+          f"prepares the inputs; rest: scoring, advantages, the loss's forward+backward, AdamW)")
 
     out = dict(
         rlflow_tps=round(res["rlflow"]["tps"], 1), trl_tps=round(res["trl"]["tps"], 1), ratio=round(ratio, 3),
         rlflow_step_s=round(res["rlflow"]["step_s"], 4), trl_step_s=round(res["trl"]["step_s"], 4),
         rlflow_rollout_s=round(res["rlflow"]["rollout_s"], 4), trl_rollout_s=round(res["trl"]["rollout_s"], 4),
+        rlflow_logprob_s=round(res["rlflow"]["logprob_s"], 4), trl_logprob_s=round(res["trl"]["logprob_s"], 4),
+        rlflow_rest_s=round(res["rlflow"]["rest_s"], 4), trl_rest_s=round(res["trl"]["rest_s"], 4),
         rlflow_loop_step_s=round(res["rlflow"]["loop_step_s"], 4),  # loop.train's own step_time_s (Eq. 5 timer)
         rlflow_step_times_s=res["rlflow"]["step_times_s"], trl_step_times_s=res["trl"]["step_times_s"],
         tokens_per_step=res["rlflow"]["prompt_tokens"] + res["rlflow"]["response_tokens"],
-        workload=dict(preset=a.preset, params_m=round(n_params / 1e6, 3), dtype=a.dtype, task=a.task,
+        workload=dict(preset=a.preset, model=a.model, params_m=round(n_params / 1e6, 3), dtype=a.dtype, task=a.task,
                       prompts_per_step=P, group_size=G, samples_per_step=B, max_new_tokens=T, fixed_length=True,
                       rlflow_compile_decode=a.compile,
                       micro_batch_size=micro, optimizer_steps_per_step=1, lr=a.lr, kl=0.0, warmup_steps=a.warmup,
