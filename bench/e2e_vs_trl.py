@@ -121,14 +121,54 @@ def parse_args(argv=None):
     ap.add_argument("--compile", action="store_true",
                     help="rlflow's decode step through torch.compile (the warm-up steps absorb compilation)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--memory", action="store_true",
+                    help="peak memory per process instead: each system runs its steps alone in a process of its own "
+                         "(--only), and its peak resident set size over those steps is compared")
+    ap.add_argument("--only", choices=["rlflow", "trl"], default=None,
+                    help="run one system's steps alone (the other is dropped after the set-up) and print its peak "
+                         "resident set size over them (Linux: VmHWM, reset before the first step)")
     ap.add_argument("--rlflow-src", default=ROOT,
                     help="directory to import rlflow and the recipe from (default: this checkout; e.g. a "
                          "`git archive` snapshot of a commit)")
     return ap.parse_args(argv)
 
 
+def peak_memory(argv: list[str]) -> dict:
+    """--memory: this script with --only rlflow, then --only trl, each in a process of its own; their peak resident
+    set sizes over the steps and the ratio TRL / rlflow."""
+    import subprocess
+    args = [x for x in argv if x != "--memory"]
+    got = {}
+    for name in ("rlflow", "trl"):
+        res = subprocess.run([sys.executable, os.path.abspath(__file__), *args, "--only", name], capture_output=True,
+                             text=True)
+        if res.returncode:
+            raise SystemExit(f"--only {name} failed:\n{res.stderr[-3000:]}")
+        got[name] = json.loads(res.stdout.strip().splitlines()[-1])
+        print(f"  {name:<7} peak RSS {got[name]['peak_rss_mib']:8.0f} MiB over {got[name]['steps']} steps "
+              f"(before the steps {got[name]['rss_before_mib']:.0f} MiB; median step {got[name]['step_s']:.3f} s)")
+    ratio = got["trl"]["peak_rss_mib"] / got["rlflow"]["peak_rss_mib"]
+    print(f"peak RSS: the largest resident set size of a process that runs one system's steps alone (VmHWM, reset "
+          f"after the set-up); TRL / rlflow = {ratio:.2f}x")
+    out = dict(rlflow_peak_rss_mib=got["rlflow"]["peak_rss_mib"], trl_peak_rss_mib=got["trl"]["peak_rss_mib"],
+               trl_over_rlflow=round(ratio, 3), runs=got)
+    print(json.dumps(out))
+    return out
+
+
+def _rss_mib(field: str) -> float:
+    """VmRSS / VmHWM of this process in MiB (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
 def main(argv=None) -> dict:
     a = parse_args(argv)
+    if a.memory:
+        return peak_memory(sys.argv[1:] if argv is None else list(argv))
     src = _use_rlflow_from(os.path.abspath(a.rlflow_src))
     import rlflow
     from rlflow.data import PromptSource, prompt_batch
@@ -348,8 +388,29 @@ def main(argv=None) -> dict:
     print(f"TRL {trl.__version__} GRPOTrainer (transformers {transformers.__version__}, "
           f"experts_implementation={getattr(model.config, '_experts_implementation', None)}, "
           f"attn={model.config._attn_implementation}); torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(loop.TPS_DEFINITION + ", devices = 1; per system: tokens of a step (the median step's, when prompts vary) / median step wall time")
+    print(loop.TPS_DEFINITION + ", devices = 1; per system: tokens of a step (the median step's, when prompts "
+          "vary) / median step wall time")
     sys.stdout.flush()
+
+    if a.only:  # the other system dropped (its closures' cells too), then the peak counted from here
+        import gc
+        ours = theirs = h = None  # the initial-logits check's
+        if a.only == "rlflow":
+            trainer = model = None
+        else:
+            params = state = built = opt_state = None
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        before = _rss_mib("VmRSS")
+        run = run_rlflow if a.only == "rlflow" else run_trl
+        for i in range(n_total):
+            run(i)
+        timed = rows[a.only][a.warmup:]
+        out = dict(system=a.only, peak_rss_mib=round(_rss_mib("VmHWM"), 1), rss_before_mib=round(before, 1),
+                   steps=n_total, step_s=round(statistics.median(x["wall_s"] for x in timed), 4))
+        print(json.dumps(out))
+        return out
 
     for i in range(n_total):
         order = (run_rlflow, run_trl) if i % 2 == 0 else (run_trl, run_rlflow)

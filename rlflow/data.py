@@ -68,7 +68,7 @@ class Task:
         return self.held_out > 0 and zlib.crc32(ex.prompt.encode()) % self.held_out == 0
 
     def draw(self, rng: random.Random) -> Example:
-        """A training example: one of the eval split is drawn again."""
+        """A training example: a held-out one is drawn again."""
         while True:
             ex = self.make(rng)
             if not self.is_held_out(ex):

@@ -79,7 +79,8 @@ def test_logits_and_response_logprobs_equal_transformers_on_the_real_checkpoint(
                            position_ids=qwen3_moe.positions_from_valid(fvalid)).logits.float().log_softmax(-1)
         want = ref_lp[:, ids.shape[1] - 1:-1].gather(-1, (resp * rmask)[..., None])[..., 0]
         B = ids.shape[0]
-        batch = RolloutBatch(prompt_ids_BTp=ids, prompt_mask_BTp=valid, index_B=torch.arange(B), group_B=torch.arange(B),
+        batch = RolloutBatch(prompt_ids_BTp=ids, prompt_mask_BTp=valid, index_B=torch.arange(B),
+                             group_B=torch.arange(B),
                              response_ids_BTr=resp * rmask, response_mask_BTr=rmask,
                              sample_logprobs_BTr=torch.zeros(resp.shape))
         got = response_logprobs(params, cfg, batch)[0]

@@ -64,7 +64,8 @@ def _import_vllm():
     return vllm
 
 
-ARCHITECTURES = ("qwen3_moe", "qwen2", "llama", "deepseek_v3")  # model types whose config.json vLLM loads as rlflow writes it
+# model types whose config.json vLLM loads as rlflow writes it
+ARCHITECTURES = ("qwen3_moe", "qwen2", "llama", "deepseek_v3")
 
 
 def unsupported(cfg: ModelConfig | None = None, *, splits_model: bool = False, compile_decode: bool = False,

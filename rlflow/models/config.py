@@ -2,9 +2,9 @@
 dense, Qwen3 dense, Qwen3-MoE and DeepSeek-V3 / R1.
 
 One frozen dataclass covers all of them, each family a set of switches over one decoder:
-``num_experts == 0`` is a dense model (Llama: dense, no bias, no qk norm); ``qk_norm`` is Qwen3's per-head RMSNorm on q and k;
-``attention_bias`` Qwen2's bias on q/k/v; ``kv_lora_rank > 0`` is DeepSeek's Multi-head Latent Attention
-(``mla``); ``scoring_func == "sigmoid"`` DeepSeek-V3's group-limited sigmoid routing, with
+``num_experts == 0`` is a dense model (Llama: dense, no bias, no qk norm); ``qk_norm`` is Qwen3's per-head
+RMSNorm on q and k; ``attention_bias`` Qwen2's bias on q/k/v; ``kv_lora_rank > 0`` is DeepSeek's Multi-head
+Latent Attention (``mla``); ``scoring_func == "sigmoid"`` DeepSeek-V3's group-limited sigmoid routing, with
 ``n_shared_experts`` and ``first_k_dense_replace``. ``from_hf`` / ``to_hf`` read and write transformers'
 ``config.json`` (both the 4.x keys and 5.x's ``rope_parameters`` / ``num_local_experts``), refusing by
 name any field value rlflow does not implement. ``models/shapes.py`` gives every parameter's shape from the
