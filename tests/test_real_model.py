@@ -127,7 +127,9 @@ def _gguf_file(path, arch="llama", qtype=None):
 @pytest.mark.parametrize("case, match", [
     ("truncated", "truncated or damaged"), ("foreign", "no GGUF magic"), ("gpt2", "architecture 'gpt2'"),
     ("iq2", r"tensor type\(s\) \['IQ2_XXS'\]"), ("missing", "no such file")])
-def test_a_gguf_file_rlflow_does_not_read_is_refused_by_flag_and_nothing_is_written(case, match, tmp_path):
+def test_a_gguf_file_rlflow_does_not_read_is_refused_by_flag_and_nothing_is_written(case, match, tmp_path,
+                                                                                   monkeypatch, capsys):
+    from rlflow.recipe import parse_args
     cache = tmp_path / "cache"
     if case == "truncated":
         f = tmp_path / "cut.gguf"
@@ -142,12 +144,12 @@ def test_a_gguf_file_rlflow_does_not_read_is_refused_by_flag_and_nothing_is_writ
         f = _gguf_file(tmp_path / "q.gguf", qtype="IQ2_XXS")
     else:
         f = tmp_path / "absent.gguf"
-    env = {**os.environ, "RLFLOW_CACHE": str(cache)}
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "grpo_smollm2.py"), "--model", str(f),
-                          "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 2, res.stderr[-2000:]
-    last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"grpo_smollm2.py: error: --model {f}: ") and re.search(match, last), last
+    monkeypatch.setenv("RLFLOW_CACHE", str(cache))
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", str(f), "--out", str(tmp_path / "out")])
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(f": error: --model {re.escape(str(f))}: ", last) and re.search(match, last), last
     assert not (tmp_path / "out").exists()
     assert not cache.exists() or not [p for p in cache.rglob("*") if p.is_file()], list(cache.rglob("*"))
 
