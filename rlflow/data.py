@@ -14,6 +14,7 @@ import math
 import numbers
 import os
 import random
+import re
 import zlib
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -55,17 +56,20 @@ def _addition(rng: random.Random) -> Example:
 @dataclass(frozen=True)
 class Task:
     """A built-in task: ``make`` draws an example from a seeded generator. ``reward``: its default --reward.
-    ``held_out`` k > 0: one prompt in k (by a hash of its text) is never drawn for training and makes the
-    task's eval split (``held_out_examples``, ``--eval-dataset task:NAME``). ``text``: natural-language
-    prompts, for a model with a real tokenizer (``--model``), not the built-in character one."""
+    ``held_out`` k > 0: one question in k (by a hash of ``question(example)``, by default the prompt) is never
+    drawn for training and makes the task's eval split (``held_out_examples``, ``--eval-dataset task:NAME``);
+    ``question`` names what makes two prompts the same question (7 + 15 and 15 + 7), so that neither form of a
+    held-out one is trained on. ``text``: natural-language prompts, for a model with a real tokenizer
+    (``--model``), not the built-in character one."""
 
     make: Callable[[random.Random], Example]
     reward: str = "exact"
     held_out: int = 0
     text: bool = False
+    question: Callable[[Example], str] = lambda ex: ex.prompt
 
     def is_held_out(self, ex: Example) -> bool:
-        return self.held_out > 0 and zlib.crc32(ex.prompt.encode()) % self.held_out == 0
+        return self.held_out > 0 and zlib.crc32(self.question(ex).encode()) % self.held_out == 0
 
     def draw(self, rng: random.Random) -> Example:
         """A training example: a held-out one is drawn again."""
@@ -79,9 +83,10 @@ TASKS: dict[str, Task] = {
     "max_digit": Task(_max_digit),  # the largest of six digits (one-token answer)
     "sum_mod10": Task(_sum_mod10),  # (a + b) mod 10
     "first_digit": Task(_first_digit),
-    # "What is 7 + 15?" for a pretrained chat model: a, b in [0, 24], 625 questions, 1 in 5 held out (~125);
-    # the reward is the last number of the reply (math)
-    "addition": Task(_addition, reward="math", held_out=5, text=True),
+    # "What is 7 + 15?" for a pretrained chat model: a, b in [0, 24], 625 prompts; 1 in 5 unordered pairs held out
+    # with both orders; the reward is the last number of the reply (math)
+    "addition": Task(_addition, reward="math", held_out=5, text=True,
+                     question=lambda ex: "+".join(sorted(re.findall(r"\d+", ex.prompt), key=int))),
 }
 EVAL_TASK = "task:"  # --eval-dataset task:NAME: the held-out split of built-in task NAME
 HELD_OUT_SEED = 0x5EED
@@ -92,9 +97,9 @@ def held_out_examples(name: str, limit: int = 1000) -> list[Example]:
     fixed generator (not the run's seed) first draws them, so that every run evaluates on the same prompts."""
     task = TASKS.get(name)
     if task is None:
-        raise ValueError(f"{EVAL_TASK}{name}: unknown built-in task; built-in tasks: {sorted(TASKS)}")
+        raise ValueError(f"unknown built-in task {name!r}; built-in tasks: {sorted(TASKS)}")
     if not task.held_out:
-        raise ValueError(f"{EVAL_TASK}{name}: the task has no held-out split (tasks with one: "
+        raise ValueError(f"built-in task {name!r} has no held-out split (tasks with one: "
                          f"{sorted(n for n, t in TASKS.items() if t.held_out)})")
     rng, seen = random.Random(HELD_OUT_SEED), {}
     for _ in range(max(20_000, 50 * limit)):
