@@ -232,8 +232,9 @@ def main(argv=None) -> dict:
     else:
         hf_tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     # the stream rlflow's source yields, rendered as its source renders it (a chat template with --model)
-    examples = source.transform(PromptSource(task=a.task, seed=a.seed).take(P * n_total)) if source.transform \
-        else PromptSource(task=a.task, seed=a.seed).take(P * n_total)
+    examples = PromptSource(task=a.task, seed=a.seed).take(P * n_total)
+    if source.transform:
+        examples = source.transform(examples)
 
     # same initial weights: logits of the first step's prompts from both implementations
     pb = prompt_batch(examples[:P], tok).to(dev)
@@ -395,8 +396,8 @@ def main(argv=None) -> dict:
     if a.only:  # the other system dropped (its closures' cells too), then the peak counted from here
         import gc
         ours = theirs = h = None  # the initial-logits check's
-        if a.only == "rlflow":
-            trainer = model = None
+        if a.only == "rlflow":  # the wrapped bound methods hold the trainer too
+            trainer = model = orig_generate = orig_single = orig_prepare = orig_logps = None
         else:
             params = state = built = opt_state = None
         gc.collect()

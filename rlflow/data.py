@@ -218,14 +218,20 @@ DATA_FILES = {".parquet": "parquet", ".json": "json", ".csv": "csv"}  # besides 
 
 
 def load_examples(path: str, *, prompt_key: str = "prompt", answer_key: str = "answer",
-                  split: str = "train") -> list[Example]:
+                  split: str = "train", held_out: bool = False) -> list[Example]:
     """The examples of a dataset: a ``.jsonl`` file (``load_jsonl``; its one split is "train"), a ``.parquet``,
     ``.json`` or ``.csv`` file (``datasets.load_dataset(<format>, data_files=path, split=split)``: split "train",
     or a slice of it like "train[:100]"), a ``save_to_disk`` folder (``datasets.load_from_disk``) or a folder of
     data files (``datasets.load_dataset(path, split=split)``). CSV cells are read as text (an empty one is null).
-    Errors name the file, the line or row (``dataset[i]``, from 0), the key and the value. ``task:NAME``: the
-    held-out split of built-in task NAME (``held_out_examples``)."""
+    Errors name the file, the line or row (``dataset[i]``, from 0), the key and the value. With ``held_out`` (an
+    eval set), ``task:NAME`` is the held-out split of built-in task NAME (``held_out_examples``); a training set
+    never is (it would train on what the evaluation holds out)."""
     if path.startswith(EVAL_TASK):
+        if not held_out:
+            raise ValueError(f"{path} is a built-in task's held-out split, for --eval-dataset only; train on the "
+                             f"task with --task {path[len(EVAL_TASK):]}")
+        if split != "train":
+            raise ValueError(f"{path} is one split already: split {split!r} does not apply")
         return held_out_examples(path[len(EVAL_TASK):])
     if not os.path.exists(path):
         raise ValueError(f"{path}: no such file or directory")

@@ -55,7 +55,8 @@ def test_the_packaged_model_converts_to_a_llama_checkpoint_with_its_tokenizer_an
     assert tok.decode([tok.eos_id]) == "" and tok.eos_id == 2  # <|im_end|>, a special token
     text = ChatTemplate(smol).render([{"role": "user", "content": "What is 2 + 3?"}])
     assert text.endswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
-    assert gguf.resolve(NAME) == smol  # cached: converted once, keyed by the file's content
+    made = os.stat(os.path.join(smol, "config.json")).st_mtime_ns
+    assert gguf.resolve(NAME) == smol and os.stat(os.path.join(smol, "config.json")).st_mtime_ns == made  # cached
 
 
 def test_logits_and_response_logprobs_equal_transformers_on_the_real_checkpoint(smol, reference):
@@ -194,3 +195,35 @@ def test_the_real_model_recipe_trains_evaluates_and_saves_a_checkpoint_transform
     # the final weights are the trained ones: changed exactly when some group's rewards differed
     signal = any(r.get("reward_std", 0) > 0 for r in rows)
     assert signal == any(not torch.equal(params[k], before[k]) for k in params), rows
+
+
+def test_a_failed_conversion_leaves_nothing_in_the_cache(monkeypatch, tmp_path):
+    """transformers writes part of the directory, then fails: the partial directory is removed, no cache entry."""
+    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path))
+
+    def half(path, out):
+        (__import__("pathlib").Path(out) / "config.json").write_text("{}")
+        raise ValueError("transformers could not read it (disk on fire)")
+    monkeypatch.setattr(gguf, "_convert", half)
+    with pytest.raises(ValueError, match="disk on fire"):
+        gguf.resolve(NAME)
+    assert [p for p in tmp_path.rglob("*") if p.is_file() and p.name != ".lock"] == []
+    assert [p.name for p in (tmp_path / "gguf").iterdir()] == [".lock"]
+
+
+def test_a_directory_named_like_a_packaged_model_is_that_directory(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / NAME).mkdir()
+    assert not gguf.is_gguf(NAME) and gguf.resolve(NAME) == NAME
+
+
+def test_an_eval_task_scored_otherwise_than_the_run_is_refused_by_flag(smol, capsys):
+    """--task max_digit scores with exact; task:addition's answers are the reply's last number (math): its
+    accuracy would read about 0."""
+    from rlflow.recipe import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--model", NAME, "--eval-dataset", "task:addition", "--world", "1"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--eval-dataset task:addition: the task is scored by 'math', the run by 'exact'" in last, last
+    r = parse_args(["--model", NAME, "--task", "addition", "--eval-dataset", "task:addition", "--world", "1"])
+    assert r.model == smol

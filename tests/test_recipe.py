@@ -186,8 +186,13 @@ def test_under_torchrun_what_a_rank_cannot_run_is_refused_by_flag(flags, named, 
     (["--adv-estimator", "gae", "--critic-lr", "nan"], "--critic-lr must be finite"),
     # the natural-language task through the built-in character tokenizer; an eval split a task does not have
     (["--task", "addition"], "--task addition: has natural-language prompts: it needs a --model"),
-    (["--eval-dataset", "task:max_digit"], "--eval-dataset task:max_digit: task:max_digit: the task has no held-out"),
-    (["--eval-dataset", "task:nosuch"], "--eval-dataset task:nosuch: task:nosuch: unknown built-in task"),
+    (["--eval-dataset", "task:max_digit"], "--eval-dataset task:max_digit: built-in task 'max_digit' has no held-out"),
+    (["--eval-dataset", "task:nosuch"], "--eval-dataset task:nosuch: unknown built-in task 'nosuch'"),
+    # training on the held-out split itself; an eval split that does not apply
+    (["--dataset", "task:addition"], "--dataset task:addition: task:addition is a built-in task's held-out split, "
+                                     "for --eval-dataset only; train on the task with --task addition"),
+    (["--eval-dataset", "task:max_digit", "--eval-split", "test"], "--eval-dataset task:max_digit: task:max_digit is "
+                                                                   "one split already"),
     # refused by the ranks once started, with a traceback each
     (["--world", "2", "--prompts-per-step", "3", "--mini-batch-size", "24", "--micro-batch-size", "24"],
      "--prompts-per-step 3: is not divisible by the 2 ranks"),

@@ -96,6 +96,9 @@ class ModelConfig:
                                  f"num_attention_heads={self.num_attention_heads}")
             if self.qk_norm or self.attention_bias:
                 raise ValueError("ModelConfig: MLA has no qk_norm nor attention_bias (set both False)")
+        if self.model_type == "llama" and (self.qk_norm or self.attention_bias or self.num_experts):
+            raise ValueError(f"ModelConfig: llama has no qk_norm (got {self.qk_norm}), attention_bias (got "
+                             f"{self.attention_bias}) nor experts (got num_experts={self.num_experts}); set them off")
         if self.scoring_func not in ("softmax", "sigmoid"):
             raise ValueError(f"ModelConfig.scoring_func={self.scoring_func!r} is not implemented by rlflow "
                              "(softmax: Qwen3-MoE; sigmoid: DeepSeek-V3)")
@@ -193,8 +196,9 @@ class ModelConfig:
             qk_norm=mt.startswith("qwen3"),
             num_experts=n_exp or 0, num_experts_per_tok=d.get("num_experts_per_tok", 0) if n_exp else 0,
             moe_intermediate_size=d.get("moe_intermediate_size", 0) if n_exp else 0,
-            # transformers' Qwen3MoeConfig defaults it to False when config.json leaves it out
-            norm_topk_prob=d.get("norm_topk_prob", False), decoder_sparse_step=d.get("decoder_sparse_step", 1),
+            # transformers' Qwen3MoeConfig defaults it to False when config.json leaves it out (a dense model has
+            # no routing: the field's own default, so that a dense config round-trips)
+            norm_topk_prob=d.get("norm_topk_prob", False) if n_exp else True, decoder_sparse_step=d.get("decoder_sparse_step", 1),
             mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
             router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001),
         )
@@ -204,8 +208,7 @@ class ModelConfig:
         if self.rope_scaling is not None:
             r = self.rope_scaling
             rope = {**rope, "rope_type": r.kind, "factor": r.factor,
-                    **{k: v for k, v in dataclasses.asdict(r).items() if k not in ("kind", "factor") and v is not None
-                       and (k in r.LLAMA3_FIELDS if r.kind == "llama3" else k not in r.LLAMA3_ONLY)}}
+                    **{k: getattr(r, k) for k in r.FIELDS[r.kind] if getattr(r, k) is not None}}
         d = dict(
             architectures=[ARCHITECTURES[self.model_type]], model_type=self.model_type, vocab_size=self.vocab_size,
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
@@ -260,17 +263,13 @@ def _rope_from_hf(d: dict) -> tuple[float, RopeScaling | None]:
                                                              d.get("max_position_embeddings")))
     if factor is None and kind == "yarn":
         factor = d["max_position_embeddings"] / orig
-    known = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
-             "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"}
-    if kind == "llama3":
-        known = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
-                 "high_freq_factor"}
+    # linear: yarn's fields too, read and ignored (rlflow before the Llama family wrote them for linear scaling)
+    known = {"rope_type", "type", "rope_theta", "factor", *RopeScaling.FIELDS["yarn" if kind == "linear" else kind]}
     extra = sorted(set(r) - known)
     if extra:
         raise ValueError(f"config.json {where}: field(s) {extra} of rope type {kind!r} are not implemented by rlflow")
     if kind == "llama3":
-        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-                   if r.get(k) is None]
+        missing = [k for k in ("factor", *RopeScaling.FIELDS[kind]) if r.get(k) is None]
         if missing:
             raise ValueError(f"config.json {where}: rope type 'llama3' needs {missing}")
         return theta, RopeScaling(kind=kind, factor=float(factor), original_max_position_embeddings=r[

@@ -4,12 +4,13 @@
 ``.gguf`` file dequantized once (transformers reads GGUF through the ``gguf`` package) into a directory under
 the cache, keyed by the file's content, with its tokenizer and chat template; or the name of a model a Python
 package ships (``PACKAGED``), found without importing that package. Nothing is written unless the conversion
-succeeds: the directory is built beside the cache and renamed into place. The weights are the quantized ones
-expanded to float32, not the original float weights.
+succeeds: the directory is built beside the cache (one conversion at a time, under a lock) and renamed into
+place. The weights are the quantized ones expanded to float32, not the original float weights.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -31,12 +32,17 @@ def cache_root() -> str:
 
 
 def is_gguf(model: str) -> bool:
-    """``model`` names a GGUF file (by its extension, or its first four bytes) or a packaged model."""
-    if model in PACKAGED or model.endswith(".gguf"):
-        return True
-    if not os.path.isfile(model):
+    """``model`` names a GGUF file (by its extension, or its first four bytes) or a packaged model (unless a
+    path of that name exists: a directory ``smollm2-135m-instruct`` is that directory)."""
+    if os.path.isdir(model):
         return False
-    with open(model, "rb") as f:
+    if os.path.isfile(model):
+        return model.endswith(".gguf") or _magic(model)
+    return model in PACKAGED or model.endswith(".gguf")
+
+
+def _magic(path: str) -> bool:
+    with open(path, "rb") as f:
         return f.read(4) == MAGIC
 
 
@@ -58,7 +64,7 @@ def resolve(model: str) -> str:
     written, when a GGUF file cannot be converted."""
     if not is_gguf(model):
         return model
-    path = packaged_file(model) if model in PACKAGED else model
+    path = model if os.path.exists(model) or model not in PACKAGED else packaged_file(model)
     if not os.path.isfile(path):
         raise ValueError("no such file" if not os.path.exists(path) else "not a file")
     out = os.path.join(cache_root(), _digest(path))
@@ -66,16 +72,20 @@ def resolve(model: str) -> str:
         return out
     _check(path)
     os.makedirs(cache_root(), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".converting-", dir=cache_root())
-    try:
-        _convert(path, tmp)
+    # one conversion at a time (torchrun's ranks parse the flags together): the others wait, then find it done
+    with open(os.path.join(cache_root(), ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isfile(os.path.join(out, "config.json")):
+            return out
+        tmp = tempfile.mkdtemp(prefix=".converting-", dir=cache_root())
         try:
+            _convert(path, tmp)
+            os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide it from other users of a shared cache
             os.rename(tmp, out)
-        except OSError:  # another process converted it meanwhile
-            if not os.path.isfile(os.path.join(out, "config.json")):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        except OSError as e:
+            raise ValueError(f"cannot write the converted checkpoint under {cache_root()} ({e})") from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -94,12 +104,12 @@ def _check(path: str) -> None:
         import gguf
     except ImportError:
         raise ValueError("reading a GGUF file needs the gguf package (pip install gguf)") from None
-    with open(path, "rb") as f:
-        if f.read(4) != MAGIC:
-            raise ValueError("not a GGUF file (no GGUF magic)")
+    if not _magic(path):
+        raise ValueError("not a GGUF file (no GGUF magic)")
     try:
         reader = gguf.GGUFReader(path)
-        arch = reader.fields["general.architecture"].contents()
+        field = reader.fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode()  # a string field's value (any gguf version)
         types = {t.tensor_type.name for t in reader.tensors}
         end = max(t.data_offset + t.n_bytes for t in reader.tensors)
     except Exception as e:  # numpy's memmap and gguf's parser raise their own errors on a cut or foreign file

@@ -31,9 +31,12 @@ class RopeScaling:
     low_freq_factor: float | None = None  # llama3
     high_freq_factor: float | None = None
 
-    KINDS = ("linear", "yarn", "llama3")
-    LLAMA3_FIELDS = ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor")  # beside factor
-    LLAMA3_ONLY = ("low_freq_factor", "high_freq_factor")
+    # each kind's fields in config.json's rope settings, beside rope_type and factor
+    FIELDS = {"linear": (),
+              "yarn": ("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                       "attention_factor", "truncate"),
+              "llama3": ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor")}
+    KINDS = tuple(FIELDS)
 
     def __post_init__(self):
         if self.kind not in self.KINDS:

@@ -20,7 +20,8 @@ from rlflow.runtime.weights import full_weights
 
 def eval_examples(r: Recipe) -> list[Example]:
     """The first --eval-max-prompts examples of --eval-dataset, prepared as the training prompts are."""
-    examples = load_examples(r.eval_dataset, prompt_key=r.prompt_key, answer_key=r.answer_key, split=r.eval_split)
+    examples = load_examples(r.eval_dataset, prompt_key=r.prompt_key, answer_key=r.answer_key, split=r.eval_split,
+                             held_out=True)
     return prompt_transform(r, rewards.CombinedReward.load(reward_specs(r), reward_weights(r)), chat_template(r))(
         examples[:r.eval_max_prompts])
 

@@ -165,7 +165,10 @@ def reward_specs(r: Recipe) -> list[str]:
     (``data.TASKS``; for --eval-only that of ``--eval-dataset task:NAME``)."""
     if r.reward:
         return list(r.reward)
-    task = r.eval_dataset.removeprefix(EVAL_TASK) if r.eval_only and r.eval_dataset else None if r.dataset else r.task
+    if r.eval_only and r.eval_dataset:
+        task = r.eval_dataset[len(EVAL_TASK):] if r.eval_dataset.startswith(EVAL_TASK) else None
+    else:
+        task = None if r.dataset else r.task
     return [TASKS[task].reward if task in TASKS else "math"]
 
 
