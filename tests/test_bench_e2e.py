@@ -69,12 +69,12 @@ def test_e2e_vs_trl_prints_both_tps_and_ratio_as_last_json_line():
 def test_peak_memory_mode_measures_each_system_alone():
     """--memory: each system's steps in a process of its own; the peak covers the steps (at least the resident set
     before them) and the ratio is the two peaks'."""
-    res = subprocess.run([sys.executable, SCRIPT, *ARGS, "--steps", "1", "--memory"], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, SCRIPT, *ARGS, "--steps", "1", "--warmup", "0", "--memory"], capture_output=True, text=True,
                          timeout=240, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     for name in ("rlflow", "trl"):
         run = out["runs"][name]
-        assert run["system"] == name and run["steps"] == 2
+        assert run["system"] == name and run["steps"] == 1
         assert run["peak_rss_mib"] >= run["rss_before_mib"] > 0 and out[f"{name}_peak_rss_mib"] == run["peak_rss_mib"]
     assert abs(out["trl_over_rlflow"] - out["trl_peak_rss_mib"] / out["rlflow_peak_rss_mib"]) < 1e-3
