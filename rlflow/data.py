@@ -92,6 +92,11 @@ EVAL_TASK = "task:"  # --eval-dataset task:NAME: the held-out split of built-in 
 HELD_OUT_SEED = 0x5EED
 
 
+def eval_task(path: str) -> str | None:
+    """NAME of a ``task:NAME`` dataset (a built-in task's held-out split), else None."""
+    return path[len(EVAL_TASK):] if path.startswith(EVAL_TASK) else None
+
+
 def held_out_examples(name: str, limit: int = 1000) -> list[Example]:
     """The eval split of built-in task ``name``: up to ``limit`` distinct held-out examples, in the order a
     fixed generator (not the run's seed) first draws them, so that every run evaluates on the same prompts."""
@@ -226,13 +231,14 @@ def load_examples(path: str, *, prompt_key: str = "prompt", answer_key: str = "a
     Errors name the file, the line or row (``dataset[i]``, from 0), the key and the value. With ``held_out`` (an
     eval set), ``task:NAME`` is the held-out split of built-in task NAME (``held_out_examples``); a training set
     never is (it would train on what the evaluation holds out)."""
-    if path.startswith(EVAL_TASK):
+    task = eval_task(path)
+    if task is not None:
         if not held_out:
             raise ValueError(f"{path} is a built-in task's held-out split, for --eval-dataset only; train on the "
-                             f"task with --task {path[len(EVAL_TASK):]}")
+                             f"task with --task {task}")
         if split != "train":
             raise ValueError(f"{path} is one split already: split {split!r} does not apply")
-        return held_out_examples(path[len(EVAL_TASK):])
+        return held_out_examples(task)
     if not os.path.exists(path):
         raise ValueError(f"{path}: no such file or directory")
     ext = os.path.splitext(path)[1].lower()

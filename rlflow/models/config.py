@@ -198,7 +198,8 @@ class ModelConfig:
             moe_intermediate_size=d.get("moe_intermediate_size", 0) if n_exp else 0,
             # transformers' Qwen3MoeConfig defaults it to False when config.json leaves it out (a dense model has
             # no routing: the field's own default, so that a dense config round-trips)
-            norm_topk_prob=d.get("norm_topk_prob", False) if n_exp else True, decoder_sparse_step=d.get("decoder_sparse_step", 1),
+            norm_topk_prob=d.get("norm_topk_prob", False) if n_exp else True,
+            decoder_sparse_step=d.get("decoder_sparse_step", 1),
             mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
             router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001),
         )

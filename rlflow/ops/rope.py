@@ -43,7 +43,7 @@ class RopeScaling:
             raise ValueError(f"rope scaling rope_type={self.kind!r} is not implemented by rlflow; known: {self.KINDS}")
         if not self.factor or self.factor <= 0:
             raise ValueError(f"rope scaling factor={self.factor!r} must be > 0")
-        if self.kind in ("yarn", "llama3") and not self.original_max_position_embeddings:
+        if "original_max_position_embeddings" in self.FIELDS[self.kind] and not self.original_max_position_embeddings:
             raise ValueError(f"{self.kind} rope scaling needs original_max_position_embeddings")
         if self.kind == "llama3" and not (0 < (self.low_freq_factor or 0) < (self.high_freq_factor or 0)):
             raise ValueError(f"llama3 rope scaling needs 0 < low_freq_factor={self.low_freq_factor} < "

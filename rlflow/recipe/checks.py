@@ -13,7 +13,7 @@ import os
 import re
 
 from rlflow import device, metrics, rewards
-from rlflow.data import EVAL_TASK, TASKS, PromptSource, apply_chat_template, load_examples
+from rlflow.data import TASKS, PromptSource, eval_task, apply_chat_template, load_examples
 from rlflow.envs import load_env
 from rlflow.envs.tools import load_tools
 from rlflow.models import hf
@@ -380,7 +380,7 @@ def eval_problems(r: Recipe) -> list[tuple[str, str]]:
         return out + [("eval_dataset", str(e))]
     if r.model is None:
         out += unencodable(examples, "eval_dataset")
-    task = TASKS[r.eval_dataset[len(EVAL_TASK):]] if r.eval_dataset.startswith(EVAL_TASK) else None
+    task = TASKS.get(eval_task(r.eval_dataset))  # loaded above: a task: path names a task
     if task is not None and not r.reward and reward_specs(r) != [task.reward]:  # the run's reward scores the eval
         out.append(("eval_dataset", f"the task is scored by {task.reward!r}, the run by {reward_specs(r)[0]!r}: pass "
                                     f"--reward {task.reward} (or the reward you want both scored by)"))

@@ -13,7 +13,7 @@ from rlflow import device as rl_device
 from rlflow import optim, rewards
 from rlflow.algos import grpo
 from rlflow.algos.critic import CriticConfig
-from rlflow.data import EVAL_TASK, TASKS, Example, PromptSource, apply_chat_template, load_examples
+from rlflow.data import TASKS, Example, eval_task, PromptSource, apply_chat_template, load_examples
 from rlflow.dock import Dock
 from rlflow.dock.proc_backend import node_dock, proc_dock
 from rlflow.models import hf, qwen3_moe
@@ -166,7 +166,7 @@ def reward_specs(r: Recipe) -> list[str]:
     if r.reward:
         return list(r.reward)
     if r.eval_only and r.eval_dataset:
-        task = r.eval_dataset[len(EVAL_TASK):] if r.eval_dataset.startswith(EVAL_TASK) else None
+        task = eval_task(r.eval_dataset)
     else:
         task = None if r.dataset else r.task
     return [TASKS[task].reward if task in TASKS else "math"]
