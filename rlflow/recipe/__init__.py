@@ -10,6 +10,7 @@ and ``doc`` is the --help text.
 
 # flags.py   Recipe (every flag, its default and --help), the choices of a flag
 # checks.py  the refusals by flag: the rules no config owns, and the configs' own errors mapped onto the flags
+# data_checks.py  the refusals of what the run trains and evaluates on: dataset or task, template, rewards, eval set
 # pieces.py  the run's pieces of the flags: model, configs, prompts and reward, layouts, transfer dock, build
 # evals.py   the eval set, --eval-only, a run's evaluation over its ranks
 # driver.py  parse_args, main (picks the launcher; nothing per rank), run_started, run_on_ray, prepare_out,
