@@ -4,7 +4,7 @@ same run, alternating repeats; and the weight push into vLLM against a plain mem
 Both sample (temperature 1, no top-k/top-p) a fixed number of new tokens per row (EOS never ends a row) from
 the same weights (rlflow's random init, pushed into vLLM in place as the RL step does). Figures: decode
 tokens/s = rows x new tokens / wall time of one generate call (prefill included), median over the timed
-repeats; push = wall time of ``VLLMEngine.load`` (in-place reload and, on a CPU MoE, the experts' repack),
+repeats; push = wall time of ``VLLMEngine.load`` (the in-place copy into vLLM's parameters and, on a CPU MoE, the experts' repack),
 bound = its bytes / the device's copy bandwidth. Last line: one JSON object.
 
     python bench/rollout_vs_vllm.py                                   # CPU: 64 rows x 64 tokens, tiny Qwen3-MoE

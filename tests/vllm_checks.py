@@ -49,10 +49,9 @@ def greedy(name: str) -> dict:
             "rows": int(got.response_ids_BTr.shape[0])}
 
 
-def pushes() -> dict:
+def pushes(cfg) -> dict:
     """Weights pushed again and again into one engine: each time, greedy against the built-in engine with the
     same weights. One parameter at a time is changed (a stale one would keep the old log-probs)."""
-    cfg = PRESETS["qwen3-moe-tiny"]
     batch = prompts(cfg, P=4, seed=3)
     scfg = SamplingConfig(max_new_tokens=8, eos_id=cfg.vocab_size - 1, temperature=0)
     eng = VLLMEngine(cfg, scfg, max_model_len=64)
@@ -78,11 +77,12 @@ def pushes() -> dict:
         changed[name] = b[name] + 0.5 * b[name].abs().mean().clamp_min(0.02) * torch.randn(b[name].shape, generator=g)
         got, want = both(changed)
         per_param[name] = {"engine_vs_builtin": diff(got, want), "visible": diff(want, want_b)}
+    direct = eng._direct
     eng.close()
     return {"a": diff(got_a, want_a), "b": diff(got_b, want_b), "a_vs_b": diff(want_a, want_b),
             "b_twice": diff(got_b2, want_b),
             "ids_b_equal": torch.equal(got_b.response_ids_BTr, want_b.response_ids_BTr),
-            "per_param": per_param}
+            "per_param": per_param, "direct": direct}
 
 
 def sampled() -> dict:
@@ -155,7 +155,8 @@ def multiturn() -> dict:
 
 def main():
     res = {"greedy_moe": greedy("qwen3-moe-tiny"), "greedy_dense": greedy("qwen2.5-tiny"),
-           "greedy_llama": greedy("llama-tiny"), "pushes": pushes(),
+           "greedy_llama": greedy("llama-tiny"), "pushes": pushes(PRESETS["qwen3-moe-tiny"]),
+           "pushes_tied_llama": pushes(dataclasses.replace(PRESETS["llama-tiny"], tie_word_embeddings=True)),
            "sampled": sampled(), "multiturn": multiturn()}
     print("RESULT " + json.dumps(res))
 

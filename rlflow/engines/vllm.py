@@ -7,11 +7,16 @@ builds those weights from the train shards, and ``load`` pushes them into the en
 - **Start.** The first ``load`` starts the engine from a config-only model directory (``config.json``
   written from the ``ModelConfig``) with ``load_format="dummy"``: no weights are read from disk, then or
   later. The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that the
-  in-place reload reaches its worker's model.
+  push reaches its worker's model.
 - **Weights every step.** ``load(weights)`` hands the rollout shards, in checkpoint names
-  (``models.hf.to_disk_names``: views, nothing copied), to the worker's ``reload_weights`` one tensor at a
-  time; vLLM repacks them into its kernels' format. ``release`` returns the weights to the transition
-  (which frees them): the engine keeps only its own copy.
+  (``models.hf.to_disk_names``: views, nothing copied), to the model's own ``load_weights``, which copies
+  each into its parameter in place (its fused qkv and gate_up slices included). That is a push when every
+  module keeps its weights as plain parameters in checkpoint layout: on a CPU rlflow has vLLM keep its
+  linears so (``_keep_cpu_linears_plain``) and repacks the MoE experts itself (``_prepack_cpu_moe``). A
+  model with a module that derives other state from its weights (MLA's absorbed projections, a
+  quantization), and every model on an accelerator, goes through vLLM's layerwise ``reload_weights``,
+  which reruns that processing. ``release`` returns the weights to the transition (which frees them): the
+  engine keeps only its own copy.
 - **Token in, token out.** Prompts go in as ids (``TokensPrompt``), responses come out as ids; the sampled
   token's log-prob is vLLM's ``processed_logprobs``: under the distribution that sampled (after
   temperature, top-k and top-p), so the mismatch metrics and ``--rollout-is`` see the engine as it sampled.
@@ -202,28 +207,84 @@ class VLLMEngine:
         # offset"): a large batch of seeded requests, or requests joining while others decode, would fail
         whole = dict(enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_model_len, 8192)) \
             if device.type == "cpu" else {}
+        if device.type == "cpu":
+            _keep_cpu_linears_plain()
         self.llm = vllm.LLM(model=self._dir, load_format="dummy", skip_tokenizer_init=True,
                             dtype=str(dtype).removeprefix("torch."), enforce_eager=True, seed=self.seed,
                             max_model_len=self.max_model_len, gpu_memory_utilization=util,
                             logprobs_mode="processed_logprobs", enable_sleep_mode=self._sleep_mode,
                             tensor_parallel_size=1, **whole)
         self._worker = self.llm.llm_engine.model_executor.driver_worker.worker
-        self._cpu_moe = _cpu_moe_layers(self._worker.model_runner.model)
+        model = self._worker.model_runner.model
+        self._cpu_moe = _cpu_moe_layers(model)
+        self._direct = device.type == "cpu" and _plain_modules(model)
 
     def _reload(self, weights: dict) -> None:
         from rlflow.models.hf import to_disk_names
 
-        self._worker.reload_weights(weights_iterator=iter(to_disk_names(weights).items()))
+        named = iter(to_disk_names(weights).items())
+        if self._direct:
+            model = self._worker.model_runner.model
+            with torch.no_grad():
+                loaded = model.load_weights(named)
+            missing = {name for name, _ in model.named_parameters()} - set(loaded)
+            if missing:
+                raise RuntimeError(f"VLLMEngine.load: the push left {len(missing)} of vLLM's parameters unwritten "
+                                   f"(e.g. {sorted(missing)[:3]})")
+        else:
+            self._worker.reload_weights(weights_iterator=named)
         for layer, experts in self._cpu_moe:
             _prepack_cpu_moe(layer, experts)
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
 
 
+def _keep_cpu_linears_plain() -> None:
+    """vLLM-CPU packs each linear's weight into a oneDNN handle at load and frees the parameter, so every
+    push would rebuild the handles (creating them alone costs 5.4x a copy of the bytes at 135M). An RL
+    engine's weights change every step: keep each 2-D weight as its parameter and run torch's linear over
+    it (generation speed level with the packed kernels at this size: docs/benchmarks.md). Installed in this
+    process before the engine loads its model; idempotent."""
+    import vllm.model_executor.layers.utils as utils
+
+    packed = utils.dispatch_cpu_unquantized_gemm
+    if getattr(packed, "rlflow_plain", False):
+        return
+
+    def plain(layer, remove_weight: bool) -> None:
+        if layer.weight.ndim != 2 or layer.weight.is_meta:
+            return packed(layer, remove_weight)
+        layer.cpu_linear = torch.nn.functional.linear
+
+    plain.rlflow_plain = True
+    utils.dispatch_cpu_unquantized_gemm = plain
+
+
+# what may hold weights in vLLM's CPU model with nothing derived from them after a load, once its linears
+# stay plain (the attention layer's processing sets quantization scales only; the experts' prepack is ours)
+_PLAIN_MODULES = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod",
+                  "Attention"}
+
+
+def _plain_modules(model) -> bool:
+    """Whether every module of vLLM's model that processes its weights after a load is one of
+    ``_PLAIN_MODULES``: then a push may copy straight into the parameters (``load_weights``)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and type(method).__name__ not in _PLAIN_MODULES:
+            return False
+        weight = getattr(module, "weight", None)
+        if method is not None and isinstance(weight, torch.Tensor) and weight.numel() == 0:
+            return False  # packed into a kernel's handle and freed: only a reload rebuilds it
+        if hasattr(module, "process_weights_after_loading") and type(module).__name__ not in _PLAIN_MODULES:
+            return False
+    return True
+
+
 def _cpu_moe_layers(model) -> list:
-    """The MoE layers whose experts run vLLM's CPU grouped GEMM. vllm-cpu 0.32's in-place reload copies a
+    """The MoE layers whose experts run vLLM's CPU grouped GEMM. vllm-cpu 0.32's weight loading copies a
     weight update into their parameters in checkpoint layout without the CPU prepack the first load applies
     (``UnquantizedFusedMoEMethod._setup_kernel`` calls ``process_weights_after_loading`` of the experts only
-    on the first load), so the engine repacks them after every reload (``_prepack_cpu_moe``)."""
+    on the first load), so the engine repacks them after every push (``_prepack_cpu_moe``)."""
     try:
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     except ImportError:

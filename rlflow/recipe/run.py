@@ -335,7 +335,7 @@ def report(history: list[dict], where: Placement | None, dock, world: int, wall:
             f"{mean('transition_recv_bytes') / 2**20:.2f} MiB received by rank 0; back (swap-in): "
             f"{mean('transition_back_s') * 1e3:.1f} ms")
     if "engine_load_bytes" in history[0]:
-        say(f"weights into the rollout engine (in-place reload): {mean('engine_load_s') * 1e3:.1f} ms per step, "
+        say(f"weights into the rollout engine (in place): {mean('engine_load_s') * 1e3:.1f} ms per step, "
             f"{mean('engine_load_bytes') / 2**20:.2f} MiB per rank")
     if "staleness" in history[0]:  # separate pools
         seen = Counter(int(m["staleness"]) for m in history)
