@@ -53,6 +53,8 @@ CASES = {
         ("llama-tp2", dict(tp=2), {}, 1, "1f1b", False, LLAMA),
         ("llama-pp2", dict(pp=2), {}, 2, "1f1b", False, LLAMA),
         ("llama-tied-tp2", dict(tp=2), {}, 1, "1f1b", False, LLAMA_TIED),
+        # the head on the last stage borrows the first stage's embedding; its gradient goes back
+        ("llama-tied-pp2", dict(pp=2), {}, 2, "1f1b", False, LLAMA_TIED),
     ],
     4: [
         ("tp4-kv-replicated", dict(tp=4), {"kv_heads": None}, 1, "1f1b", False, {}),
@@ -63,12 +65,14 @@ CASES = {
         ("pp2-tp2", dict(pp=2, tp=2), {}, 2, "1f1b", False, {}),
         ("ep2-tp2", dict(ep=2, tp=2), {}, 1, "1f1b", False, {}),
         ("deepseek-ep2-tp2", dict(ep=2, tp=2), {}, 1, "1f1b", False, DEEPSEEK),
+        ("llama-tied-pp4", dict(pp=4), {}, 4, "gpipe", False, LLAMA_TIED),
     ],
     8: [
         ("pp2-ep2-tp2", dict(pp=2, ep=2, tp=2), {}, 2, "1f1b", False, {}),
         ("pp2-dp2-tp2", dict(pp=2, dp=2, tp=2), {}, 2, "gpipe", False, {}),
         ("pp2-ep2-tp2-dense-bias", dict(pp=2, ep=2, tp=2), {}, 1, "1f1b", False, DENSE_BIAS),
         ("dp2-ep2-tp2", dict(dp=2, ep=2, tp=2), {}, 1, "1f1b", False, {}),
+        ("llama-tied-pp2-dp2-tp2", dict(pp=2, dp=2, tp=2), {}, 2, "1f1b", False, LLAMA_TIED),
     ],
 }
 

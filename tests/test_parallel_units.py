@@ -59,7 +59,6 @@ def test_layouts_the_executor_accepts(mesh, rules):
     (Mesh(tp=2), {"router": "tp"}, CFG, r"model\.layers\.0\.mlp\.gate\.weight"),
     (Mesh(dp=2), {"experts": "dp"}, CFG, r"experts\.gate_up_proj"),
     (Mesh(tp=2), {"heads": None}, CFG, r"kv heads split over tp need the query heads"),
-    (Mesh(pp=2), {}, CFG.replace(tie_word_embeddings=True), "tied embeddings"),
 ])
 def test_layouts_the_executor_refuses_name_the_param(mesh, rules, cfg, match):
     layout = msh.layout(cfg, mesh, rules, dtype=torch.float32)

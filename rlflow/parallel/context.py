@@ -115,9 +115,6 @@ def check_layout(layout: Layout, cfg: ModelConfig) -> None:
             if Hl % per_kv and per_kv % Hl:
                 raise ValueError(f"param {a}q_proj.weight: on tp={n}, {Hl} local query heads straddle groups of "
                                  f"{per_kv} query heads per kv head")
-    if cfg.tie_word_embeddings and layout.mesh.pp > 1:
-        raise ValueError("tied embeddings on pp > 1 stages are not supported (the head's gradient would "
-                         "have to be summed between the first and the last stage)")
 
 
 @dataclass(frozen=True, eq=False)

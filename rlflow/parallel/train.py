@@ -19,6 +19,8 @@ from rlflow.models import logprobs
 from rlflow.parallel import pp
 from rlflow.parallel.context import LayoutExec
 
+EMBED = "model.embed_tokens.weight"
+
 
 @dataclass(frozen=True)
 class PPStageOut:
@@ -61,17 +63,56 @@ def _pipe_kw(ctx: LayoutExec, params, micro_batches) -> dict:
                 next_rank=ctx.peer(ctx.pp_stage + 1), recv_shape=recv_shape, dtype=t.dtype, device=t.device)
 
 
+def _tied(ctx: LayoutExec) -> bool:
+    """The head is the embedding and they sit on different stages: rank pairs (first, last stage) share it."""
+    return ctx.cfg.tie_word_embeddings and ctx.pp_stages > 1 and (ctx.first or ctx.last)
+
+
+def _lend_embedding(params, ctx: LayoutExec) -> tuple[dict, Tensor | None]:
+    """Tied embeddings on pp > 1: the first stage sends its shard of the embedding to the last stage (the
+    rank with its dp, ep and tp coordinates), which computes the head with it as a leaf of its own. One copy
+    of the weight and of its optimizer state stays on the first stage; ``_return_head_grad`` sends the
+    head's gradient back to be added to the embedding's (Megatron keeps a replica on the last stage and
+    all-reduces the two gradients: the same sum, with a second optimizer state). Returns (the params the
+    stage's forward reads, the borrowed leaf on the last stage or None)."""
+    if not _tied(ctx):
+        return params, None
+    if ctx.first:
+        dist.send(params[EMBED].detach().contiguous(), ctx.peer(ctx.pp_stages - 1))
+        return params, None
+    like = next(iter(params.values()))
+    w = torch.empty(ctx.layout[EMBED].local_shape(ctx.layout.mesh), dtype=like.dtype, device=like.device)
+    dist.recv(w, ctx.peer(0))
+    return {**params, EMBED: w.requires_grad_(like.requires_grad)}, w
+
+
+def _return_head_grad(grads: dict[str, Tensor], ctx: LayoutExec, borrowed: Tensor | None) -> None:
+    """The other half of ``_lend_embedding`` after a backward: the last stage sends the head's gradient,
+    the first stage adds it to the embedding's in ``grads``."""
+    if not _tied(ctx):
+        return
+    if ctx.last:
+        dist.send(borrowed.grad if borrowed.grad is not None else torch.zeros_like(borrowed), ctx.peer(0))
+        return
+    g = torch.empty_like(grads[EMBED])
+    dist.recv(g, ctx.peer(ctx.pp_stages - 1))
+    grads[EMBED] = grads[EMBED] + g
+
+
 def forward_only(params, ctx: LayoutExec, micro_batches: list, *, temperature: float = 1.0,
                  with_entropy: bool = False, replay: bool = True) -> list[tuple[Tensor, Tensor | None]]:
     """Log-probs (and entropies) of every micro-batch without gradients, through the pipeline: on the
     last stage a list of ``(logprobs_BTr, entropy_BTr)``, elsewhere an empty list (the old_logprob and
     ref_logprob stages)."""
+    kw = _pipe_kw(ctx, params, micro_batches)
+    params, _ = _lend_embedding(params, ctx)
+
     def fwd(m: int, x):
         out = pp_stage_forward(params, ctx, micro_batches[m], x, temperature=temperature, with_entropy=with_entropy,
                                replay=replay)
         return (out.logprobs, out.entropy) if ctx.last else out.h
 
-    return pp.run_forward(fwd, len(micro_batches), **_pipe_kw(ctx, params, micro_batches))
+    return pp.run_forward(fwd, len(micro_batches), **kw)
 
 
 def forward_backward(params, ctx: LayoutExec, micro_batches: list, loss_fn: Callable, *,
@@ -88,9 +129,11 @@ def forward_backward(params, ctx: LayoutExec, micro_batches: list, loss_fn: Call
     ``dp.all_reduce_grads`` and ``total_loss``)."""
     for t in params.values():
         t.grad = None
+    kw = _pipe_kw(ctx, params, micro_batches)
+    stage_params, borrowed = _lend_embedding(params, ctx)
 
     def fwd(m: int, x):
-        out = pp_stage_forward(params, ctx, micro_batches[m], x, temperature=temperature, with_entropy=with_entropy,
+        out = pp_stage_forward(stage_params, ctx, micro_batches[m], x, temperature=temperature, with_entropy=with_entropy,
                                remat=remat, replay=replay)
         extra = None
         if aux_weights is not None and aux_weights[m]:
@@ -99,8 +142,9 @@ def forward_backward(params, ctx: LayoutExec, micro_batches: list, loss_fn: Call
             return loss_fn(out.logprobs, out.entropy, micro_batches[m]), extra
         return out.h, extra
 
-    total = pp.run(fwd, len(micro_batches), kind=schedule, **_pipe_kw(ctx, params, micro_batches))
+    total = pp.run(fwd, len(micro_batches), kind=schedule, **kw)
     grads = {n: (t.grad if t.grad is not None else torch.zeros_like(t)) for n, t in params.items()}
+    _return_head_grad(grads, ctx, borrowed)
     return total, grads
 
 
