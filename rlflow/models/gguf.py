@@ -67,8 +67,11 @@ def resolve(model: str) -> str:
     path = model if os.path.exists(model) or model not in PACKAGED else packaged_file(model)
     if not os.path.isfile(path):
         raise ValueError("no such file" if not os.path.exists(path) else "not a file")
-    out = os.path.join(cache_root(), _digest(path))
+    digest, known = _digest(path)
+    out = os.path.join(cache_root(), digest)
     if os.path.isfile(os.path.join(out, "config.json")):
+        if not known:
+            _remember(path, digest)
         return out
     _check(path)
     os.makedirs(cache_root(), exist_ok=True)
@@ -86,15 +89,45 @@ def resolve(model: str) -> str:
             raise ValueError(f"cannot write the converted checkpoint under {cache_root()} ({e})") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    _remember(path, digest)
     return out
 
 
-def _digest(path: str) -> str:
+def _digest(path: str) -> tuple[str, bool]:
+    """(the file's content hash, whether it came from the memo of an earlier start). The memo is kept under the cache by (path, size, mtime, inode), written only once a conversion is
+    in the cache (``_remember``), so a start does not read the whole file again; a file changed in place has
+    a new mtime and is hashed anew."""
+    memo = _memo(path)
+    try:
+        with open(memo) as f:
+            got = f.read().strip()
+        if len(got) == 32:
+            return got, True
+    except OSError:
+        pass
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
-    return h.hexdigest()[:32]
+    return h.hexdigest()[:32], False
+
+
+def _memo(path: str) -> str:
+    st = os.stat(path)
+    key = f"{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}".encode()
+    return os.path.join(cache_root(), ".digests", hashlib.sha256(key).hexdigest()[:32])
+
+
+def _remember(path: str, digest: str) -> None:
+    memo = _memo(path)
+    try:  # a read-only cache only costs the hash next time
+        os.makedirs(os.path.dirname(memo), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(memo))
+        with os.fdopen(fd, "w") as f:
+            f.write(digest)
+        os.replace(tmp, memo)
+    except OSError:
+        pass
 
 
 def _check(path: str) -> None:
