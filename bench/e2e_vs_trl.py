@@ -23,6 +23,8 @@ checkpoint (TRL with ``AutoModelForCausalLM`` and ``AutoTokenizer``), the prompt
 its chat template on both sides, and the reward is the task's (``rlflow.data.TASKS``). Each system's step is
 split into generation, log-probs (rlflow: the old/ref log-prob stage; TRL: the log-prob forwards while it
 prepares the step's inputs) and the rest (the loss's forward and backward, AdamW, scoring and advantages).
+``--rollout-engine vllm`` has rlflow generate with vLLM in this process (its generation time includes the
+push of the updated weights into it); TRL's side is unchanged (transformers' ``generate``).
 
 The last line printed is one JSON object.
 """
@@ -120,6 +122,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compile", action="store_true",
                     help="rlflow's decode step through torch.compile (the warm-up steps absorb compilation)")
+    ap.add_argument("--rollout-engine", default="builtin", choices=["builtin", "vllm"],
+                    help="rlflow's rollout engine (vllm: vLLM in this process, the weights pushed into it each step)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--memory", action="store_true",
                     help="peak memory per process instead: each system runs its steps alone in a process of its own "
@@ -207,7 +211,8 @@ def main(argv=None) -> dict:
         model_dir = gguf.resolve(a.model)
     r = recipe.Recipe(preset=a.preset, model=model_dir, task=a.task, prompts_per_step=P, group_size=G,
                       max_new_tokens=T, micro_batch_size=micro, lr=a.lr, warmup_lr_steps=0, seed=a.seed, dtype=a.dtype,
-                      steps=1, compile_decode=a.compile)
+                      steps=1, compile_decode=a.compile,
+                      **({"rollout_engine": a.rollout_engine} if a.rollout_engine != "builtin" else {}))
     torch.manual_seed(a.seed)
     built = recipe.build(r)  # a RunSpec (a tuple in rlflow snapshots before it)
     cfg, params, tok, source, reward_fn, lcfg, dev = built if isinstance(built, tuple) else (
@@ -461,7 +466,7 @@ def main(argv=None) -> dict:
         tokens_per_step=res["rlflow"]["prompt_tokens"] + res["rlflow"]["response_tokens"],
         workload=dict(preset=a.preset, model=a.model, params_m=round(n_params / 1e6, 3), dtype=a.dtype, task=a.task,
                       prompts_per_step=P, group_size=G, samples_per_step=B, max_new_tokens=T, fixed_length=True,
-                      rlflow_compile_decode=a.compile,
+                      rlflow_compile_decode=a.compile, rlflow_rollout_engine=a.rollout_engine,
                       micro_batch_size=micro, optimizer_steps_per_step=1, lr=a.lr, kl=0.0, warmup_steps=a.warmup,
                       timed_steps=a.steps, seed=a.seed),
         torch_threads=torch.get_num_threads(), device=str(dev), host_memory_kept=host_memory_kept,
