@@ -138,8 +138,8 @@ def test_qk_norm_rope_equals_torch(with_norm, lead, heads, d, seed):
 
 @settings(max_examples=15)
 @given(counts=st.lists(st.integers(0, 5), min_size=1, max_size=4).filter(lambda c: sum(c) > 0),
-       Tp=st.integers(1, 9), R=st.integers(1, 8), heads=st.sampled_from([(1, 1), (4, 2), (6, 3), (4, 1), (4, 4)]),
-       d=st.sampled_from([8, 16, 64]), seed=st.integers(0, 99))
+       Tp=st.integers(1, 12), R=st.integers(1, 24), heads=st.sampled_from([(1, 1), (4, 2), (6, 3), (4, 1), (4, 4)]),
+       d=st.sampled_from([8, 16, 24, 32, 64]), seed=st.integers(0, 99))
 def test_prefix_attention_equals_torch(counts, Tp, R, heads, d, seed):
     """The packed shared-prompt attention kernel against the two-SDPA reference in float64, on every token
     (padding too: the same every-token-sees-itself rule; prompts and rows of padding only, prompts without
@@ -161,6 +161,11 @@ def test_prefix_attention_equals_torch(counts, Tp, R, heads, d, seed):
     _close(ours, ref)
     for a, b in zip(g_ours, g_ref):
         _close(a, b)
+
+
+def test_prefix_attention_with_more_query_heads_per_kv_head_than_a_backward_tile():
+    """33 query heads on one kv head: a tile of the backward is one token's heads, more than its usual size."""
+    test_prefix_attention_equals_torch.hypothesis.inner_test(counts=[2, 1], Tp=3, R=4, heads=(33, 1), d=8, seed=0)
 
 
 @settings(max_examples=20)

@@ -288,9 +288,11 @@ static inline float dot(const float* x, const float* y, int64_t d) {
 }
 
 /* per-thread scratch: the key list, transposed keys/values [d][nmax8], bias [nmax8] (0 or -inf per
- * causal key), scores [nmax8], and (backward) dK, dV rows [nmax][d] */
+ * causal key), scores [nmax8], and (backward) dK, dV rows [nmax][d], a tile's p and ds rows [rows][nmax8]
+ * and its queries' q and dO rows */
 typedef struct {
-  int64_t* tok; float* kt; float* vt; float* bias; float* w; float* dw; float* dk; float* dv;
+  int64_t* tok; float* kt; float* vt; float* bias; float* w; float* dk; float* dv;
+  float* pt; float* dst; const float** qp; const float** gp;  /* backward: a tile of queries' p, ds rows */
 } scratch_t;
 
 static int64_t unit_keys(const attn_t* a, int64_t p, int64_t row, int64_t* tok, int64_t* npre, int64_t* L,
@@ -330,6 +332,53 @@ static void gather_keys(const attn_t* a, const scratch_t* sc, int64_t n, int64_t
   }
 }
 
+/* out[i] = sum_j x[j] t[j * stride + i] for i in [0, n8) (t transposed, n8 a multiple of W). Four (then
+ * two, one) blocks of W outputs at a time: independent accumulators, so the FMAs are not one chain of d. */
+static inline void tdot_blocks(const float* x, const float* t, int64_t stride, int64_t d, const int nb, float* out) {
+  vf acc[4];
+  for (int b = 0; b < nb; b++) acc[b] = vsplat(0.0f);
+  for (int64_t j = 0; j < d; j++) {
+    const vf xj = vsplat(x[j]);
+    for (int b = 0; b < nb; b++) acc[b] += xj * vld(t + j * stride + b * W);
+  }
+  for (int b = 0; b < nb; b++) vst(out + b * W, acc[b]);
+}
+
+static inline void tdot(const float* x, const float* t, int64_t stride, int64_t d, int64_t n8, float* out) {
+  int64_t i = 0;
+  for (; i + 4 * W <= n8; i += 4 * W) tdot_blocks(x, t + i, stride, d, 4, out + i);
+  if (i + 2 * W <= n8) {
+    tdot_blocks(x, t + i, stride, d, 2, out + i);
+    i += 2 * W;
+  }
+  if (i < n8) tdot_blocks(x, t + i, stride, d, 1, out + i);
+}
+
+/* out[j] = mul sum_i w[i] base[tok[i] * stride + j] for j in [0, d): rows gathered by token, four (then
+ * two, one) column blocks of W in registers over the rows. */
+static inline void wsum_blocks(const float* w, int64_t n, const int64_t* tok, const float* base, int64_t stride,
+                               const int nb, float mul, float* out) {
+  vf acc[4];
+  for (int b = 0; b < nb; b++) acc[b] = vsplat(0.0f);
+  for (int64_t i = 0; i < n; i++) {
+    const vf wi = vsplat(w[i]);
+    const float* r = base + tok[i] * stride;
+    for (int b = 0; b < nb; b++) acc[b] += wi * vld(r + b * W);
+  }
+  for (int b = 0; b < nb; b++) vst(out + b * W, acc[b] * vsplat(mul));
+}
+
+static inline void wsum(const float* w, int64_t n, const int64_t* tok, const float* base, int64_t stride, int64_t d,
+                        float mul, float* out) {
+  int64_t j = 0;
+  for (; j + 4 * W <= d; j += 4 * W) wsum_blocks(w, n, tok, base + j, stride, 4, mul, out + j);
+  if (j + 2 * W <= d) {
+    wsum_blocks(w, n, tok, base + j, stride, 2, mul, out + j);
+    j += 2 * W;
+  }
+  if (j < d) wsum_blocks(w, n, tok, base + j, stride, 1, mul, out + j);
+}
+
 /* Scores of query q (causal position t) against keys [0, n8) into w, with the mask: keys past npre + t and
  * padding are -inf, except the query's own key. kt's rows are `stride` long. Returns the max. */
 static inline float scores(const scratch_t* sc, const float* q, int64_t d, int64_t stride, int64_t n8, int64_t npre,
@@ -338,10 +387,9 @@ static inline float scores(const scratch_t* sc, const float* q, int64_t d, int64
   const vi lane = {0, 1, 2, 3, 4, 5, 6, 7};
   const vf ninf = vsplat(-__builtin_inff());
   vf mx = ninf;
+  tdot(q, sc->kt, stride, d, n8, sc->w);
   for (int64_t i = 0; i < n8; i += W) {
-    vf acc = vsplat(0.0f);
-    for (int64_t j = 0; j < d; j++) acc += vsplat(q[j]) * vld(sc->kt + j * stride + i);
-    acc = acc * vsplat(scale) + vld(sc->bias + i);
+    vf acc = vld(sc->w + i) * vsplat(scale) + vld(sc->bias + i);
     if (i + W > last) acc = vsel(lane + (int32_t)i > (int32_t)last, ninf, acc);
     vst(sc->w + i, acc);
     mx = vsel(acc > mx, acc, mx);
@@ -369,22 +417,65 @@ static inline float exp_shift(float* w, int64_t n8, float shift) {
   return vsum(sum);
 }
 
-static void scratch_alloc(scratch_t* sc, int64_t nmax, int64_t d, int backward) {
-  const int64_t n8 = (nmax + W - 1) / W * W;
+/* Queries per tile of the backward (tokens x the query heads of one kv head): their p and ds rows are kept
+ * so that each key's dk, dv sum over the tile in registers. */
+#define QTILE 32
+
+/* backward: `rows` queries a tile at most (0 in the forward) */
+static void scratch_alloc(scratch_t* sc, int64_t nmax, int64_t d, int64_t rows) {
+  const int backward = rows > 0;
+  const int64_t n8 = (nmax + W - 1) / W * W, tile = 2 * rows * n8;
   sc->tok = (int64_t*)__builtin_malloc(sizeof(int64_t) * n8);
-  float* f = (float*)__builtin_malloc(sizeof(float) * (n8 * (2 * d + 3) + (backward ? 2 * n8 * d : 0)));
+  float* f = (float*)__builtin_malloc(sizeof(float) * (n8 * (2 * d + 2) + (backward ? 2 * n8 * d : 0) + tile));
   sc->kt = f;
   sc->vt = f + n8 * d;
   sc->bias = f + 2 * n8 * d;
   sc->w = sc->bias + n8;
-  sc->dw = sc->w + n8;
-  sc->dk = backward ? sc->dw + n8 : 0;
+  sc->dk = backward ? sc->w + n8 : 0;
   sc->dv = backward ? sc->dk + n8 * d : 0;
+  sc->pt = backward ? sc->dv + n8 * d : 0;
+  sc->dst = backward ? sc->pt + rows * n8 : 0;
+  sc->qp = backward ? (const float**)__builtin_malloc(sizeof(float*) * 2 * rows) : 0;
+  sc->gp = backward ? sc->qp + rows : 0;
 }
 
 static void scratch_free(scratch_t* sc) {
   __builtin_free(sc->tok);
   __builtin_free(sc->kt);
+  if (sc->qp) __builtin_free((void*)sc->qp);
+}
+
+/* dk += sum_r ds[r] q_r, dv += sum_r p[r] g_r over the tile's queries r in [r0, nq) (ds, p: one key's column
+ * of the tile, rows `stride` apart), for column blocks [j, j + nb W): the sums in registers. */
+static inline void kv_blocks(const float* ds, const float* p, int64_t stride, const float* const* qp,
+                             const float* const* gp, int64_t r0, int64_t nq, int64_t j, const int nb, float* dk,
+                             float* dv) {
+  vf ak[4], av[4];
+  for (int b = 0; b < nb; b++) ak[b] = av[b] = vsplat(0.0f);
+  for (int64_t r = r0; r < nq; r++) {
+    const vf a = vsplat(ds[r * stride]), c = vsplat(p[r * stride]);
+    const float* q = qp[r] + j;
+    const float* g = gp[r] + j;
+    for (int b = 0; b < nb; b++) {
+      ak[b] += a * vld(q + b * W);
+      av[b] += c * vld(g + b * W);
+    }
+  }
+  for (int b = 0; b < nb; b++) {
+    vst(dk + j + b * W, vld(dk + j + b * W) + ak[b]);
+    vst(dv + j + b * W, vld(dv + j + b * W) + av[b]);
+  }
+}
+
+static inline void kv_accumulate(const float* ds, const float* p, int64_t stride, const float* const* qp,
+                                 const float* const* gp, int64_t r0, int64_t nq, int64_t d, float* dk, float* dv) {
+  int64_t j = 0;
+  for (; j + 4 * W <= d; j += 4 * W) kv_blocks(ds, p, stride, qp, gp, r0, nq, j, 4, dk, dv);
+  if (j + 2 * W <= d) {
+    kv_blocks(ds, p, stride, qp, gp, r0, nq, j, 2, dk, dv);
+    j += 2 * W;
+  }
+  if (j < d) kv_blocks(ds, p, stride, qp, gp, r0, nq, j, 1, dk, dv);
 }
 
 void prefix_attn_fwd(const float* qk, const float* v, const uint8_t* pvalid, const uint8_t* rvalid,
@@ -412,12 +503,7 @@ void prefix_attn_fwd(const float* qk, const float* v, const uint8_t* pvalid, con
               const float m = scores(&sc, qk + (tq * HK + h) * d, d, n8, nt8, npre, t, scale);
               const float sum = exp_shift(sc.w, nt8, m);
               lse[tq * H + h] = m + __builtin_logf(sum);
-              float* out = o + (tq * H + h) * d;
-              for (int64_t j = 0; j < d; j += W) {  /* one register accumulator per column block */
-                vf acc = vsplat(0.0f);
-                for (int64_t i = 0; i < npre + t + 1; i++) acc += vsplat(sc.w[i]) * vld(v + (sc.tok[i] * K + kh) * d + j);
-                vst(out + j, acc * vsplat(1.0f / sum));
-              }
+              wsum(sc.w, npre + t + 1, sc.tok, v + kh * d, K * d, d, 1.0f / sum, o + (tq * H + h) * d);
             }
           }
         }
@@ -438,7 +524,8 @@ void prefix_attn_bwd(const float* qk, const float* v, const uint8_t* pvalid, con
 #pragma omp parallel
   {
     scratch_t sc;
-    scratch_alloc(&sc, Tp + R, d, 1);
+    const int64_t TQ = QTILE / G > 0 ? QTILE / G : 1;  /* tokens per tile of queries */
+    scratch_alloc(&sc, Tp + R, d, TQ * G);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t p = 0; p < P; p++) {
       /* zero the k slots and dv of this prompt's tokens and its rows' tokens (keys accumulate) */
@@ -457,31 +544,35 @@ void prefix_attn_bwd(const float* qk, const float* v, const uint8_t* pvalid, con
         for (int64_t kh = 0; kh < K; kh++) {
           gather_keys(&a, &sc, n, n8, npre, own_valid, kh);
           for (int64_t i = 0; i < n * d; i++) sc.dk[i] = sc.dv[i] = 0.f;
-          for (int64_t t = 0; t < L; t++) {
-            const int64_t tq = own_first + t, nt8 = (npre + t + 1 + W - 1) / W * W, nt = npre + t + 1;
-            for (int64_t h = kh * G; h < (kh + 1) * G; h++) {
-              const int64_t qi = tq * H + h;
-              const float* q = qk + (tq * HK + h) * d;
-              const float* g = dout + qi * d;
-              const float delta = dot(g, o + qi * d, d);
-              scores(&sc, q, d, n8, nt8, npre, t, scale);
-              exp_shift(sc.w, nt8, lse[qi]);  /* w = p */
-              for (int64_t i = 0; i < nt8; i += W) {  /* dw = ds = p (dO.v_s - delta) */
-                vf dp = vsplat(0.0f);
-                for (int64_t j = 0; j < d; j++) dp += vsplat(g[j]) * vld(sc.vt + j * n8 + i);
-                vst(sc.dw + i, vld(sc.w + i) * (dp - vsplat(delta)) * vsplat(scale));
-              }
-              for (int64_t j = 0; j < d; j += W) {  /* column block j: dq in a register; dk, dv rows */
-                vf dq = vsplat(0.0f);
-                const vf qj = vld(q + j), gj = vld(g + j);
-                for (int64_t i = 0; i < nt; i++) {
-                  const vf ds = vsplat(sc.dw[i]);
-                  dq += ds * vld(qk + (sc.tok[i] * HK + H + kh) * d + j);
-                  vst(sc.dk + i * d + j, vld(sc.dk + i * d + j) + ds * qj);
-                  vst(sc.dv + i * d + j, vld(sc.dv + i * d + j) + vsplat(sc.w[i]) * gj);
+          for (int64_t t0 = 0; t0 < L; t0 += TQ) {
+            const int64_t t1 = t0 + TQ < L ? t0 + TQ : L, nq = (t1 - t0) * G;
+            const int64_t nk = npre + t1, nk8 = (nk + W - 1) / W * W;  /* the keys the tile's queries see */
+            for (int64_t t = t0; t < t1; t++) {
+              const int64_t tq = own_first + t, nt8 = (npre + t + 1 + W - 1) / W * W, nt = npre + t + 1;
+              for (int64_t h = kh * G; h < (kh + 1) * G; h++) {
+                const int64_t qi = tq * H + h, r = (t - t0) * G + (h - kh * G);
+                const float* q = qk + (tq * HK + h) * d;
+                const float* g = dout + qi * d;
+                float* pr = sc.pt + r * nk8;
+                float* dr = sc.dst + r * nk8;
+                sc.qp[r] = q;
+                sc.gp[r] = g;
+                const float delta = dot(g, o + qi * d, d);
+                scores(&sc, q, d, n8, nt8, npre, t, scale);
+                exp_shift(sc.w, nt8, lse[qi]);  /* p */
+                tdot(g, sc.vt, n8, d, nt8, dr);  /* dO.v_s */
+                for (int64_t i = 0; i < nt8; i += W) {  /* ds = p (dO.v_s - delta) */
+                  const vf pi = vld(sc.w + i);
+                  vst(pr + i, pi);
+                  vst(dr + i, pi * (vld(dr + i) - vsplat(delta)) * vsplat(scale));
                 }
-                vst(dqk + (tq * HK + h) * d + j, dq);
+                for (int64_t i = nt8; i < nk8; i++) pr[i] = dr[i] = 0.f;  /* keys past this query's */
+                wsum(dr, nt, sc.tok, qk + (H + kh) * d, HK * d, d, 1.0f, dqk + (tq * HK + h) * d);  /* dq */
               }
+            }
+            for (int64_t i = 0; i < nk; i++) {  /* key i: the queries from its own position on see it */
+              const int64_t first = i < npre ? 0 : i - npre, r0 = (first > t0 ? first - t0 : 0) * G;
+              if (r0 < nq) kv_accumulate(sc.dst + i, sc.pt + i, nk8, sc.qp, sc.gp, r0, nq, d, sc.dk + i * d, sc.dv + i * d);
             }
           }
           for (int64_t i = 0; i < n; i++) {  /* the unit's key gradients into their tokens' slots */
