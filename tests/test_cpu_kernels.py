@@ -192,6 +192,29 @@ def test_moe_small_experts_equals_the_reference(N, E, K, dims, skew, seed):
     _close(ours, ref, 1e-5)
 
 
+def test_qk_norm_rope_is_an_extern_kernel_of_a_compiled_decode_graph():
+    """Inside torch.compile the q/k norm and rotary run as the operator (inductor would otherwise recompute
+    the rotary tables' cos and sin for every head of every layer in its fused kernels), with the torch
+    reference's values."""
+    calls = _Calls()
+    g = torch.Generator().manual_seed(0)
+    B, H, K, d = 16, 4, 2, 32
+    qkv, norm = torch.randn(B, 1, H + 2 * K, d, generator=g), torch.rand(H + K, d, generator=g) + 0.5
+    pos = torch.randint(0, 100, (B, 1), generator=g)
+
+    def step(qkv, norm, pos):
+        cos, sin = rope_cos_sin(pos, d, 10000.0, torch.float32)
+        return qk_norm_rope(qkv, norm, cos, sin, H + K, 1e-6)
+    f = torch.compile(step, fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        got = f(qkv, norm, pos)
+        assert calls.n["qk_norm_rope_fwd"] == 1
+        cos, sin = rope_cos_sin(pos, d, 10000.0, torch.float32)
+        ref = _ref_qk_norm_rope(qkv.double(), norm.double(), cos.double(), sin.double(), H + K, 1e-6)
+    for a, b in zip(got, ref):
+        _close(a, b)
+
+
 def test_moe_small_experts_in_a_compiled_graph_and_only_without_gradients(monkeypatch):
     calls = _Calls(monkeypatch)
     g = torch.Generator().manual_seed(0)
@@ -359,7 +382,7 @@ def test_model_forward_backward_with_and_without_kernels():
             "prefix_attn_bwd", "router_fwd", "router_bwd", "moe_plan", "gather_sum", "swiglu_fwd",
             "swiglu_bwd"} <= ran, ran
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_kernels, "usable", lambda *_: False)
+        mp.setattr(cpu_kernels, "usable", lambda *_, **__: False)
         without = run(torch.float32)
     ref = run(torch.float64)
     for a, b, r in zip(with_k, without, ref):

@@ -42,7 +42,7 @@ def _grads_as_close_to_float64(params, cfg, batch, g_s, g_p):
 def test_shared_prompt_forward_equals_plain_forward(monkeypatch):
     # torch ops on both paths, so they differ by rounding only: the fused CPU kernels (float32, both paths)
     # are checked against float64 and against these ops, on the shared path too, in tests/test_cpu_kernels.py
-    monkeypatch.setattr(cpu_kernels, "usable", lambda *_: False)
+    monkeypatch.setattr(cpu_kernels, "usable", lambda *_, **__: False)
     moe = get_config("qwen3-moe-tiny")
     dense_qwen2 = moe.replace(model_type="qwen2", num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
                               attention_bias=True, qk_norm=False)

@@ -22,8 +22,10 @@ implementations and the autograd formulas (``torch.library.register_autograd``; 
 operators too) are registered here. OpenMP only when the process already has GNU OpenMP loaded (torch's
 Linux CPU builds do), so the kernels share torch's threads. No compiler or ninja, a failed build,
 another platform, or ``RLFLOW_CPU_KERNELS=0``: ``available()`` is False (the reason is logged once, as a
-warning) and every entry returns None, so the ops run their torch references. The training kernels are
-not used while torch.compile traces (inductor fuses the torch ops there); ``moe_small_experts`` is.
+warning) and every entry returns None, so the ops run their torch references. While torch.compile traces
+(the compiled decode step), ``moe_small_experts`` and ``qk_norm_rope`` run as extern kernels (inductor would
+recompute the rotary tables' cos and sin for every head of every layer inside its fused kernels); the
+other kernels are left to inductor's fusion of the torch ops.
 """
 
 from __future__ import annotations
@@ -227,10 +229,13 @@ def calls() -> collections.Counter:
     return collections.Counter(dict(zip(KERNELS, ops._kernel_calls())))
 
 
-def usable(*tensors: Tensor) -> bool:
-    """The kernels can take these tensors: float32, CPU, contiguous, not being traced by torch.compile."""
-    return (not torch.compiler.is_compiling()
-            and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+def usable(*tensors: Tensor, traced: bool = False) -> bool:
+    """The kernels can take these tensors: float32, CPU, contiguous, and not being traced by torch.compile
+    unless ``traced`` (an entry inductor calls as an extern kernel, once the kernels are loaded: the
+    loader itself is not traced)."""
+    if torch.compiler.is_compiling() and not (traced and _state is not None):
+        return False
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
             and available())
 
 
@@ -385,7 +390,7 @@ def qk_norm_rope(qkv: Tensor, norm_Hd: Tensor | None, cos: Tensor, sin: Tensor, 
     if (qkv.dim() < 3 or d % (2 * WIDTH) or d > 512 or cos.shape != qkv.shape[:-2] + (d,) or sin.shape != cos.shape
             or cos.requires_grad or sin.requires_grad
             or (norm_Hd is not None and norm_Hd.shape != (hk, d))
-            or not usable(qkv, cos, sin, *(() if norm_Hd is None else (norm_Hd,)))):
+            or not usable(qkv, cos, sin, *(() if norm_Hd is None else (norm_Hd,)), traced=True)):
         return None
     qk, v, _ = _call("qk_norm_rope", qkv, norm_Hd, cos, sin, hk, eps)
     return qk, v
