@@ -196,6 +196,8 @@ def test_pools_under_torchrun_and_slurm_train_as_the_local_launch_does(tmp_path)
     (["--rollout-ranks", "-1"], "--rollout-ranks -1: must be >= 0"),
     (["--max-staleness", "1"], "--max-staleness 1: needs --rollout-ranks"),
     (["--rollout-ranks", "1", "--max-staleness", "-1"], "--max-staleness -1: must be >= 0"),
+    (["--rollout-ranks", "1", "--steps", "20", "--max-staleness", "1000000000"],
+     "--max-staleness 1000000000: must be <= --steps 20"),
     (["--rollout-ranks", "1", "--dock-backend", "local"], "--dock-backend local: "),
     (["--rollout-ranks", "1", "--rollout-engine", "vllm", "--partial-rollout"], "--partial-rollout: swaps weights"),
     (["--world", "3", "--rollout-ranks", "1", "--train-layout", "tp=3"], "--train-layout tp=3"),

@@ -173,6 +173,8 @@ def test_under_torchrun_what_a_rank_cannot_run_is_refused_by_flag(flags, named, 
     (["--world", "2", "--dock", "0"], "--dock 0"),
     (["--world", "2", "--train-layout", "tp=3"], "--train-layout tp=3"),
     (["--world", "1", "--rollout-layout", "tp=2"], "--rollout-layout tp=2"),
+    (["--world", "2", "--rollout-layout", "pp=2"], "--rollout-layout pp=2: mesh(pp=2,dp=1,ep=1,tp=1): generation "
+                                                   "runs every layer on each rank (no pp)"),
     (["--dual-clip", "0.5"], "--dual-clip must be > 1, got 0.5"),
     (["--rollout-is-cap", "1"], "--rollout-is-cap must be > 1"),
     (["--adv-estimator", "ppo"], "--adv-estimator"),

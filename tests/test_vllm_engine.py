@@ -145,6 +145,8 @@ def test_the_recipe_learns_with_vllm(tmp_path, world):
     (["--vllm-memory-utilization", "0.3"], "--vllm-memory-utilization"),
     (["--rollout-engine", "vllm", "--vllm-memory-utilization", "1.5"], "--vllm-memory-utilization"),
     (["--rollout-engine", "sglang"], "--rollout-engine"),
+    # vLLM's MLA attention takes latent widths 320, 512, 576; the tiny DeepSeek's is 40
+    (["--rollout-engine", "vllm", "--preset", "deepseek-tiny"], "--preset deepseek-tiny: its MLA latent width"),
 ])
 def test_what_the_vllm_engine_cannot_honour_is_refused_by_flag(flags, named, capsys):
     with pytest.raises(SystemExit) as e:

@@ -92,7 +92,23 @@ def unsupported(cfg: ModelConfig | None = None, *, splits_model: bool = False, c
     if cfg is not None and cfg.model_type not in ARCHITECTURES:
         out.append(("model", f"model_type {cfg.model_type!r} has no vLLM architecture mapped "
                               f"({', '.join(ARCHITECTURES)})"))
+    if cfg is not None and cfg.mla and (sizes := _mla_head_sizes()) is not None:
+        width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        if width not in sizes:
+            out.append(("model", f"its MLA latent width kv_lora_rank + qk_rope_head_dim = {cfg.kv_lora_rank} + "
+                                  f"{cfg.qk_rope_head_dim} = {width} is not one vLLM's MLA attention takes "
+                                  f"({', '.join(map(str, sizes))}): use --rollout-engine builtin"))
     return out
+
+
+def _mla_head_sizes() -> list[int] | None:
+    """The MLA latent widths vLLM's MLA attention runs (its backend's head sizes); None when this vLLM does
+    not say (the engine's start then tells)."""
+    try:
+        from vllm.model_executor.layers.attention.mla_attention import MLACommonBackend
+        return list(MLACommonBackend.get_supported_head_sizes())
+    except (ImportError, AttributeError):
+        return None
 
 
 def check(cfg: ModelConfig, *, ex: Exec = LOCAL, compile_decode: bool = False, record_routes: bool = False) -> None:

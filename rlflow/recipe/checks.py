@@ -45,6 +45,9 @@ def pool_problems(r: Recipe) -> list[tuple[str, str]]:
         return [("rollout_ranks", "must be >= 0 (0: colocated)")]
     if r.max_staleness < 0:
         return [("max_staleness", "must be >= 0")]
+    if r.max_staleness > r.steps:  # the dock holds max_staleness + 1 steps' rows: bound it by the run
+        return [("max_staleness", f"must be <= --steps {r.steps} (the rollout pool can be no more steps ahead "
+                                  f"than the run has; the dock holds --max-staleness + 1 steps' rows)")]
     if not r.rollout_ranks:
         return [(name, "needs --rollout-ranks (colocated steps are synchronous)")
                 for name in ("max_staleness", "partial_rollout") if getattr(r, name)]
@@ -153,10 +156,13 @@ def problems(r: Recipe) -> list[tuple[str | None, str]]:
     if r.world > 1 and not out:
         for name, spec in (("train_layout", r.train_layout), ("rollout_layout", r.rollout_layout)):
             try:
-                mesh_of(r, spec, name)
+                mesh = mesh_of(r, spec, name)
             except ValueError as e:  # the default layout's problem is --world's
                 out.append((name, str(e)) if spec else
                            ("world", f"the default --{name.replace('_', '-')}: {e}; pass --{name.replace('_', '-')}"))
+                continue
+            if name == "rollout_layout" and mesh.pp > 1:
+                out.append((name, f"{mesh}: generation runs every layer on each rank (no pp); use tp, ep or dp"))
     if r.world > 1 and not out and not r.eval_only:  # each rank's share of the step, checked before any starts
         out += share_problems(loop_config(r, eos_id=0, pad_id=0), r.rollout_ranks or r.world,
                               mesh_of(r, r.train_layout, "train_layout"))
@@ -203,8 +209,10 @@ def engine_problems(r: Recipe) -> list[tuple[str, str]]:
     if not vllm.available():
         return [("rollout_engine", f"the vllm package is not installed: {vllm.INSTALL_HINT}")]
     splits = r.world > 1 and bool(r.rollout_layout) and lockstep_rollout(r) is not None
-    return vllm.unsupported(splits_model=splits, compile_decode=r.compile_decode,
-                            record_routes=r.routing_replay != "off")
+    cfg = hf.load_config(r.model) if r.model else get_config(r.preset)  # model_problems passed
+    return [("preset" if k == "model" and r.model is None else k, why)
+            for k, why in vllm.unsupported(cfg, splits_model=splits, compile_decode=r.compile_decode,
+                                           record_routes=r.routing_replay != "off")]
 
 
 # the config fields a config's ValueError names: qualified (GRPOConfig.group_size, sampling.temperature,
