@@ -111,6 +111,28 @@ def test_a_nan_reward_skips_the_update_and_repeated_ones_stop_the_run(caplog):
     assert all(torch.equal(p1[k], p2[k]) and torch.isfinite(p2[k]).all() for k in p1)
 
 
+def test_steps_in_which_no_row_is_scored_stop_the_run():
+    """Every row unscored (every episode failed; here a reward that returns None): nothing to learn from, so
+    max_bad_steps such steps in a row stop the run (5 of them ran to the end); one scored step resets the count."""
+    tok = CharTokenizer()
+    cfg = get_config("qwen3-moe-tiny").replace(eos_token_id=tok.eos_id)
+    P, G = 2, 4
+    lcfg = loop.LoopConfig(steps=6, prompts_per_step=P, grpo=GRPOConfig(group_size=G), mini_batch_size=P * G,
+                           micro_batch_size=P * G, optim=optim.AdamWConfig(lr=3e-3), max_bad_steps=2,
+                           sampling=SamplingConfig(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id))
+    calls = {"n": 0}
+
+    def reward(resps, answers):  # the batched form; step 1 scored, steps 0, 2, 3, ... unscored
+        calls["n"] += 1
+        return [len(r) / 4 if calls["n"] == 2 else None for r in resps]
+
+    seen = []
+    with pytest.raises(loop.NonFiniteError, match="steps 2..3: 2 steps in a row had no row scored"):
+        loop.train(init(qwen3_moe.init_params(cfg, seed=0), PromptSource(task="sum_mod10", seed=1)),
+                   context(cfg, tok, reward, lcfg), hooks=[OnStep(seen.append)])
+    assert [m["unscored"] for m in seen] == [P * G, 0, P * G, P * G]
+
+
 def test_the_reference_policy_stays_frozen_and_the_kl_grows_once_the_policy_moves(monkeypatch):
     """A reference that aliased the live parameters would keep the KL at 0 and pass every other test."""
     from rlflow.algos import stages

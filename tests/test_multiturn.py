@@ -158,6 +158,34 @@ def test_every_failure_and_limit_is_handled_as_stated_and_counted():
     assert scored.tolist() == [False] * 8 + [True] * 2
 
 
+def test_a_micro_batch_of_episodes_that_never_reached_the_model_trains_as_nothing():
+    """Rows whose episodes ended before the model's first turn (an environment whose start raised) fill a
+    micro-batch of their own: it contributes no gradient (it crashed: the loss did not depend on the weights)
+    and the update is the one over the other rows alone."""
+    mt = driver("Faulty", max_turns=2, timeout_s=0.3)
+    rows = mt.rollout(engine(), prompts(list("0123456789")), group_size=1, seed=0)
+    empty = (~rows.loss_mask_BTr.any(-1)).nonzero()[:, 0]
+    live = rows.loss_mask_BTr.any(-1).nonzero()[:, 0][:4]
+    assert len(empty) >= 1 and len(live) == 4
+    params = model.init_params(CFG, seed=0, std=0.3)
+    lp, _, _ = response_logprobs(params, CFG, rows, with_aux=False)
+    b = extend(rows, TrainBatch, rewards_B=torch.zeros(rows.size), advantages_B=torch.linspace(-1, 1, rows.size),
+               old_logprobs_BTr=lp.detach() - 0.05 * rows.loss_mask_BTr)
+    both, alone = b.select(torch.cat([empty[:1], live])), b.select(live)
+    gcfg = grpo.GRPOConfig(group_size=2, kl_coef=0.0)  # the advantages are given: the group size is not read
+
+    def run(batch, micro):
+        p = {k: v.clone() for k, v in params.items()}
+        ucfg = stages.UpdateConfig(mini_batch_size=batch.size, micro_batch_size=micro)
+        return stages.update(p, optim.init(p), batch, CFG, gcfg, ucfg, optim.AdamWConfig(lr=1e-2), seed=0)[::2]
+    got, met = run(both, 1)  # one row a micro-batch: the empty row is one of them
+    want, _ = run(alone, 1)
+    assert math.isfinite(met["loss"]) and met["update_skipped"] == 0.0
+    assert max(float((want[k] - params[k]).abs().max()) for k in want) > 1e-3  # a real step (lr 1e-2)
+    # the same step; the shuffle of 5 rows orders the micro-batches otherwise than that of 4 (float sums)
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) < 1e-5
+
+
 def test_max_turns_and_max_total_tokens_end_episodes_by_the_stated_rules():
     mt = driver("Hint", max_turns=3)
     rows = mt.rollout(engine(), prompts(list("12")), group_size=2, seed=0)

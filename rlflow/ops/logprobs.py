@@ -49,8 +49,9 @@ def chunked(fn, hidden_ND: Tensor, weight_VD: Tensor, targets_N: Tensor, *extra,
         lp, ent = checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args)
         lps.append(lp)
         ents.append(ent)
-    if not lps:
-        z = hidden_ND.new_zeros(0, dtype=torch.float32)
+    if not lps:  # no token: an empty result still joined to the hidden states, so that a backward through a
+        # micro-batch with nothing to train on runs (zero gradients, and every collective of the forward's layers)
+        z = hidden_ND.float().sum(-1)
         return z, (z if with_entropy else None)
     return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
 

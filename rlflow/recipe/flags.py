@@ -141,7 +141,8 @@ class Recipe:
     compile_decode: bool = _f(False, "compile the rollout's decode step with torch.compile (static shapes; "
                                      "pays off on long runs with fixed shapes, CUDA graphs on CUDA)")
     max_bad_steps: int = _f(3, "stop after this many steps in a row whose updates were skipped for non-finite "
-                               "rewards, losses or gradients (a skipped update leaves the parameters unchanged)")
+                               "rewards, losses or gradients (a skipped update leaves the parameters unchanged), "
+                               "or in which no row was scored (every episode ended unscored)")
     out: str | None = _f(None, "directory for args.json, metrics.jsonl, reward.png, the --log-to files and the final "
                                "checkpoint")
     overwrite: bool = _f(False, "let --out be a directory that holds an earlier run (its files are replaced)")

@@ -35,7 +35,7 @@ class LoopConfig:
     # vLLM's gpu_memory_utilization (on a CPU a share of host memory); None: 0.5 on an accelerator, 0.2 on a CPU
     vllm_memory_utilization: float | None = None
     seed: int = 0
-    max_bad_steps: int = 3  # this many steps in a row whose updates were all skipped (non-finite) stop the run
+    max_bad_steps: int = 3  # this many steps in a row with every update skipped (non-finite) or no row scored stop the run
     # MoE Rollout Routing Replay: "off"; "measure": the rollout's expert choices travel with the rows and
     # the update reports the share of (token, layer) pairs whose top-k differs; "on": the old log-probs and
     # the update route by them (R3; the reference policy routes freely)

@@ -85,11 +85,16 @@ def _steps(state: RunState, ctx: StepContext, hooks: Sequence[Hook], should_stop
         history.append(m)
         for h in hooks:
             h.after_step(state, m, out)
-        bad_streak = bad_streak + 1 if m["update_skipped"] == 1.0 else 0
+        # a step with nothing to learn from: every update skipped, or no row scored (every episode ended
+        # unscored: its environment raised, timed out or answered malformed; or the reward returned None)
+        unscored = m["unscored"] >= conf.global_batch
+        bad_streak = bad_streak + 1 if m["update_skipped"] == 1.0 or unscored else 0
         if bad_streak >= conf.max_bad_steps:
             first = m["step"] - bad_streak + 1
-            raise NonFiniteError(f"steps {first}..{m['step']}: {bad_streak} steps in a row had every update "
-                                 f"skipped for non-finite rewards, losses or gradients (max_bad_steps="
+            why = ("no row scored (every episode ended unscored: see the env/errors, env/timeouts and "
+                   "env/malformed counts and the warnings above; or the reward returned None for every row)"
+                   if unscored else "every update skipped for non-finite rewards, losses or gradients")
+            raise NonFiniteError(f"steps {first}..{m['step']}: {bad_streak} steps in a row had {why} (max_bad_steps="
                                  f"{conf.max_bad_steps}); the parameters are those before step {first}")
         if stop:
             break
