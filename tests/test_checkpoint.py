@@ -256,6 +256,25 @@ def test_a_bfloat16_checkpoint_reshards_its_float32_masters_and_keeps_its_router
     assert res.returncode != 0 and "--dtype float32: --resume" in res.stderr.strip().splitlines()[-1], res.stderr[-2000:]
 
 
+def test_resume_with_other_data_is_refused_naming_what_changed(tmp_path):
+    """A run trained on --dataset, resumed without it, trained on the built-in task from the dataset's position."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}{b}{c}=", "answer": str(max(a, b, c))}) + "\n"
+                            for a, b, c in [(1, 5, 2), (7, 3, 0), (4, 4, 9), (2, 8, 6)] * 4))
+    flags = ["--world", "1", "--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "2"]
+    out = tmp_path / "run"
+    res = _run(flags + ["--dataset", str(data), "--steps", "1", "--out", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = _run(flags + ["--steps", "2", "--out", str(tmp_path / "again"), "--resume", str(out / "checkpoint-final")])
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode != 0 and last.startswith("error: --dataset None (trained with ") and "other data" in last, last
+    assert not (tmp_path / "again" / "metrics.jsonl").exists()
+    # the same file by another path is the same data
+    res = _run(flags + ["--dataset", "d.jsonl", "--steps", "2", "--out", str(tmp_path / "same"),
+                        "--resume", str(out / "checkpoint-final")], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_a_terminal_ctrl_c_gives_one_checkpoint_and_a_clean_exit_every_time(tmp_path):
     """Ctrl-C in a terminal reaches the whole foreground process group: the launcher and every rank. The

@@ -51,6 +51,16 @@ def test_advantages_hand_computed():
     torch.testing.assert_close(estimators.group_advantages(r, g, scale=False)[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]))
 
 
+@pytest.mark.parametrize("spread", [1.0, 2e19, 1e30, 3e38])
+def test_advantages_of_a_huge_reward_spread_are_those_of_the_same_rewards_scaled_down(spread):
+    """In float32 the group's squared deviations overflowed past a spread of ~1.8e19: every advantage came out 0,
+    with no bad reward counted. The advantages are scale-invariant: those of [0, 1, 0, 1] at any finite scale."""
+    g = torch.tensor([0, 0, 0, 0])
+    a = estimators.group_advantages(torch.tensor([0.0, spread, 0.0, spread]), g)
+    assert a.dtype == torch.float32
+    torch.testing.assert_close(a, estimators.group_advantages(torch.tensor([0.0, 1.0, 0.0, 1.0]), g))
+
+
 @given(st.lists(st.floats(-5, 5, allow_nan=False, width=32), min_size=1, max_size=20),
        st.lists(st.floats(-5, 5, allow_nan=False, width=32), min_size=1, max_size=20))
 def test_k3_nonnegative_and_zero_at_equality(a, b):

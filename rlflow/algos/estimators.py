@@ -71,21 +71,23 @@ def group_advantages(rewards_B: Tensor, group_B: Tensor, *, scale: bool = True, 
         A_i =  r_i - mean_g(r)                          (scale=False: Dr.GRPO)
 
     A group whose rewards are all equal gets advantages of exactly 0 (in floating point the mean need
-    not equal the common value, and dividing its rounding error by std + eps would amplify it).
+    not equal the common value, and dividing its rounding error by std + eps would amplify it). The
+    statistics are computed in float64, as ``batch_whiten``'s: in float32 the squares of a spread past
+    ~1.8e19 overflow and every advantage of the group came out 0. Returns float32.
     """
     _, inv = torch.unique(group_B, return_inverse=True)
     n_groups = int(inv.max()) + 1 if inv.numel() else 0
-    r = rewards_B.float()
+    r = rewards_B.double()
     count = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inv, torch.ones_like(r))
     mean = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inv, r) / count
     hi = torch.full((n_groups,), float("-inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, inv, r, "amax")
     lo = torch.full((n_groups,), float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, inv, r, "amin")
     centered = torch.where((hi == lo)[inv], torch.zeros_like(r), r - mean[inv])
     if not scale:
-        return centered
+        return centered.float()
     var = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inv, centered**2)
     std = (var / (count - 1).clamp_min(1)).sqrt()
-    return centered / (std[inv] + eps)
+    return (centered / (std[inv] + eps)).float()
 
 
 def rloo(rewards_B: Tensor, group_B: Tensor) -> Tensor:

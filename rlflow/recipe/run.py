@@ -53,6 +53,11 @@ def resume_point(r: Recipe, cfg, dev, dtype, say, rank: int = 0, where=None):
         if wrote not in (None, r.dtype):  # the optimizer's float32 masters exist only for a low-precision run
             raise SystemExit(f"error: --dtype {r.dtype}: --resume {path} was trained in {wrote}; resume it with "
                              f"--dtype {wrote}, or start from its weights with --model (a fresh optimizer)")
+        changed = data_changes(r, checkpoint.read_args(path))
+        if changed:
+            raise SystemExit(f"error: {changed[0]}: --resume {path} drew its prompts from other data"
+                             f"{''.join('; ' + c for c in changed[1:])}; resume it with the flags it was trained "
+                             f"with, or start from its weights with --model (a fresh data stream and optimizer)")
         ck = checkpoint.load(path, dtype=dtype, device=dev, rank=rank, verified=verified,
                              layout=None if where is None else where.train,
                              critic_layout=None if where is None else where.critic)
@@ -62,6 +67,27 @@ def resume_point(r: Recipe, cfg, dev, dtype, say, rank: int = 0, where=None):
     say(f"resumed from {path} after {ck.steps_done} steps" + ("" if was is None else
         f" (resharded from train {was['train_layout']} on {was['world']} ranks)"))
     return ck
+
+
+# the flags that make the prompt stream a checkpoint's data position counts in
+DATA_FLAGS = ("dataset", "dataset_split", "prompt_key", "answer_key", "task", "chat_template", "system_prompt")
+
+
+def data_changes(r: Recipe, wrote: dict) -> list[str]:
+    """'--flag now (trained with was)' for each data flag that differs from the checkpoint's run (a flag its
+    args.json lacks, from an older rlflow, is not compared); a --dataset file is compared by what it is."""
+    out = []
+    for k in DATA_FLAGS:
+        if k not in wrote:
+            continue
+        was, now = wrote[k], getattr(r, k)
+        if k == "dataset" and was and now and os.path.exists(was) and os.path.exists(now):
+            same = os.path.samefile(was, now)
+        else:
+            same = was == now
+        if not same:
+            out.append(f"--{k.replace('_', '-')} {now} (trained with {was})")
+    return out
 
 
 SAME_SIGNAL_S = 1.0  # a second signal this soon after the first is the same request (it stops at once later)
