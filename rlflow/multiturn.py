@@ -138,6 +138,43 @@ class EnvTimeout(Exception):
     """An environment's start or step outlasted ``MultiTurnConfig.timeout_s`` (its own TimeoutError is an error)."""
 
 
+class _Slices:
+    """An ``async def`` call run slice by slice (each ``send`` to its coroutine is the time it holds the event loop
+    without yielding), timed: ``longest`` is its longest slice. ``held`` (shared by the calls of one loop) adds
+    up the slices long enough to have stalled the other calls (over ``STALL_S``), so that their timeouts do not
+    count the time this call kept the loop from them."""
+
+    def __init__(self, coro, held: list):
+        self.coro, self.held, self.longest, self.charged = coro, held, 0.0, 0.0
+
+    def __await__(self):
+        it, send, err = self.coro.__await__(), None, None
+        while True:
+            t0 = time.perf_counter()
+            try:
+                got = it.throw(err) if err is not None else it.send(send)
+            except StopIteration as stop:
+                self._took(time.perf_counter() - t0)
+                return stop.value
+            except BaseException:
+                self._took(time.perf_counter() - t0)
+                raise
+            self._took(time.perf_counter() - t0)
+            try:
+                send, err = (yield got), None
+            except BaseException as e:  # noqa: BLE001 -- a cancellation (or a throw) goes to the coroutine
+                send, err = None, e
+
+    def _took(self, dt: float) -> None:
+        self.longest = max(self.longest, dt)
+        if dt > STALL_S:
+            self.held[0] += dt
+            self.charged += dt
+
+
+STALL_S = 0.1  # an async slice this long stalls every other episode: reported once, and not charged to them
+
+
 class _Threads:
     """Up to ``n`` daemon threads, started as calls need them, that run sync environment calls (daemon: a call
     that never returns cannot keep the process from exiting, as a ThreadPoolExecutor's joined threads would; it
@@ -227,6 +264,7 @@ class MultiTurn:
         self._thread = threading.Thread(target=self._loop.run_forever, name="rlflow-env", daemon=True)
         self._thread.start()
         self._sync = _Threads(mcfg.concurrency)
+        self._held, self._warned_blocking = [0.0], False  # seconds async calls held the loop (``_Slices``)
         self._counts: dict[str, float] = {}
         self._times: dict[str, float] = {}
 
@@ -237,17 +275,31 @@ class MultiTurn:
         timeout = self.mcfg.timeout_s
 
         async def bounded():
+            timed = None
             if inspect.iscoroutinefunction(fn):
-                task = asyncio.ensure_future(fn(*args))
+                timed = _Slices(fn(*args), self._held)
+                task = asyncio.ensure_future(timed)
             else:
                 started, done = self._sync.run(self._loop, fn, args)
                 await started
                 task = done
-            # asyncio.wait, not wait_for: a step that swallows its cancellation cannot hold the driver
-            finished, _ = await asyncio.wait({task}, timeout=timeout)
-            if not finished:
-                task.cancel()
-                raise EnvTimeout(f"took over {timeout} s")
+            # asyncio.wait, not wait_for: a step that swallows its cancellation cannot hold the driver. The time
+            # another async call held the loop (a blocking call in its async def) is given back to this one.
+            held0, given, budget = self._held[0], 0.0, timeout
+            while True:
+                finished, _ = await asyncio.wait({task}, timeout=budget)
+                if finished:
+                    break
+                stolen = self._held[0] - held0 - (0.0 if timed is None else timed.charged)  # its own are its own
+                if stolen <= given:
+                    task.cancel()
+                    raise EnvTimeout(f"took over {timeout} s")
+                budget, given = stolen - given, stolen
+            if timed is not None and timed.longest > STALL_S:
+                self._blocked(timed.longest)
+                if timed.longest > timeout:
+                    raise EnvTimeout(f"blocked the event loop for {timed.longest:.1f} s, over the {timeout} s timeout "
+                                     f"(a blocking call inside async def step)")
             out = task.result()
             if inspect.isawaitable(out):  # a sync step that returned a coroutine
                 out = await asyncio.wait_for(out, timeout)
@@ -265,6 +317,15 @@ class MultiTurn:
             return out
         # its result: a settled future of the call's outcome (``result()`` gives it or raises its exception)
         return asyncio.run_coroutine_threadsafe(settled(), self._loop)
+
+    def _blocked(self, seconds: float) -> None:
+        """One line, once a run: an async step that holds the event loop stalls every other episode."""
+        if not self._warned_blocking:
+            self._warned_blocking = True
+            log.warning("multi-turn: an async step of %s held the event loop for %.1f s without awaiting (a blocking "
+                        "call such as time.sleep or requests inside async def): every episode waits while it does; "
+                        "await it (asyncio.sleep, asyncio.to_thread) or make step a plain def (run in a thread)",
+                        self.mcfg.env, seconds)
 
     def close(self) -> None:
         self._sync.close()

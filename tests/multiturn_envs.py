@@ -107,3 +107,18 @@ class Stubborn:
                 await asyncio.sleep(10)
             except asyncio.CancelledError:
                 pass
+
+
+class Blocking:
+    """Episode 0's async step blocks the event loop (time.sleep inside async def) for 0.6 s; the others await
+    0.05 s and go on."""
+
+    def __init__(self, example):
+        self.blocks = example.answer == "0"
+
+    async def step(self, turn):
+        if self.blocks:
+            time.sleep(0.6)
+        else:
+            await asyncio.sleep(0.05)
+        return Feedback(observation=[])

@@ -504,6 +504,16 @@ def test_the_timeout_counts_from_the_start_of_a_call_and_a_stubborn_step_cannot_
     assert mt.figures()[0]["env/timeouts"] == 2
 
 
+def test_an_async_step_that_blocks_the_event_loop_is_its_own_timeout_not_the_others(caplog):
+    """time.sleep inside async def holds the loop: past the timeout that call is a timeout (it was never counted:
+    the loop could not time it), said in one line; the episodes it stalled keep their own budget."""
+    mt = driver("Blocking", max_turns=2, timeout_s=0.4)
+    mt.rollout(engine(), prompts(list("0123")), group_size=1, seed=0)
+    c = mt.figures()[0]
+    assert c["env/timeouts"] == 1 and c["env/turns"] == 1 + 3 * 2, c  # episode 0 ends after its first turn
+    assert caplog.text.count("held the event loop") == 1 and "blocked the event loop for 0.6 s" in caplog.text
+
+
 def test_a_non_finite_reward_of_the_last_turn_is_a_bad_reward_not_an_unscored_row():
     """As in the single-turn path: the step sees it (and skips its update), it is not dropped as unscored."""
     rows = driver("Hint", max_turns=1, reward=lambda text, answer: float("nan")).rollout(
