@@ -13,7 +13,10 @@ Every flag is a field of rlflow.recipe.Recipe, with its default and --help text;
 (run.py on every rank, over rlflow/runtime/step.py).
 """
 
-from rlflow.recipe import Recipe, build, main, parse_args, prepare_out  # noqa: F401  (what tests and bench/ import)
+from rlflow.startup import interruptible
+
+with interruptible():  # Ctrl-C while the libraries load: one line
+    from rlflow.recipe import Recipe, build, main, parse_args, prepare_out  # noqa: F401  (what tests and bench/ import)
 
 if __name__ == "__main__":
     main(doc=__doc__)

@@ -12,7 +12,10 @@ With flags it is recipes/grpo_qwen3_moe.py with other defaults and takes all its
 (a checkpoint directory or a .gguf file), --dataset and --eval-dataset, --world and the layouts, ...
 """
 
-from rlflow.recipe import main
+from rlflow.startup import interruptible
+
+with interruptible():  # Ctrl-C while the libraries load: one line
+    from rlflow.recipe import main
 
 DEFAULTS = {"model": "smollm2-135m-instruct", "task": "addition", "eval_dataset": "task:addition",
             "world": 1, "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 32, "steps": 40, "lr": 2e-5,

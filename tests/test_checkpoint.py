@@ -298,6 +298,22 @@ def test_a_terminal_ctrl_c_gives_one_checkpoint_and_a_clean_exit_every_time(tmp_
         checkpoint.verify(str(out / saved[0]))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("after_s", [0.3, 1.2, 1.8, 2.6])
+def test_a_terminal_ctrl_c_during_start_up_is_one_line(after_s, tmp_path):
+    """Ctrl-C while the libraries load, the flags are checked, the ranks import torch and meet, or before the
+    first step: exit 130 and one line saying what was kept (there were KeyboardInterrupt tracebacks from the
+    launcher or the ranks, and 'ranks ended with exit codes [-2]')."""
+    p = subprocess.Popen(RECIPE + ["--steps", "200", "--out", str(tmp_path / "run")], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    time.sleep(after_s)
+    os.killpg(p.pid, signal.SIGINT)  # what the terminal does
+    out, _ = p.communicate(timeout=120)
+    lines = [ln.split("\r")[-1] for ln in out.splitlines()]
+    said = [ln for ln in lines if ln.startswith("interrupted")]
+    assert p.returncode == 128 + signal.SIGINT and "Traceback" not in out and len(said) == 1, (p.returncode, out[-3000:])
+
+
 def test_a_full_disk_during_a_checkpoint_says_so_and_leaves_nothing_half_written(tmp_path, monkeypatch):
     """torch.save on a full disk says 'unexpected pos' or 'file write failed', never that the disk is full;
     the run died with that traceback. Now the checkpoint is refused naming the disk and its free space, its

@@ -25,6 +25,7 @@ from rlflow.recipe.pieces import check_tokenizer, layouts, make_dock
 from rlflow.recipe.run import run
 from rlflow.runtime import checkpoint, launch, pools
 from rlflow.runtime.config import check_features
+from rlflow.startup import interruptible
 
 
 RUN_FILES = ("args.json", "metrics.jsonl", "samples.jsonl", "tensorboard", "reward.png", "checkpoint-final",
@@ -153,6 +154,11 @@ def parse_args(argv=None, defaults: dict | None = None, doc: str | None = None) 
 
 
 def main(argv=None, defaults: dict | None = None, doc: str | None = None) -> list[dict]:
+    with interruptible():  # Ctrl-C before the run's own handlers (recipe/run.py: Interrupt) are in place
+        return _main(argv, defaults, doc)
+
+
+def _main(argv, defaults, doc) -> list[dict]:
     r = parse_args(argv, defaults, doc)
     where = launch.env_world()  # started by torchrun / Slurm: this process is one rank (parse_args checked --world)
     cfg = hf.load_config(r.model) if r.model else get_config(r.preset)

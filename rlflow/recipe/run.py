@@ -25,7 +25,7 @@ from rlflow.recipe.flags import Recipe
 from rlflow.parallel.context import shard_params
 from rlflow.recipe.pieces import RunSpec, build, concrete, layouts, placement
 from rlflow.rewards import RewardError
-from rlflow.runtime import checkpoint, hooks, loop, pools, producer, state as run_state, step
+from rlflow.runtime import checkpoint, hooks, launch, loop, pools, producer, state as run_state, step
 from rlflow.sharding.plan import push_plan
 from rlflow.runtime.placement import Placement
 from rlflow.runtime.weights import same_layout
@@ -100,8 +100,8 @@ class Interrupt(hooks.Hook):
     may take long). Once the steps are over (``end``, before the final or the interrupt checkpoint is
     written) the handlers are the process's own again."""
 
-    def __init__(self):
-        self.signal, self._old, self.stepped, self._at = None, {}, False, 0.0
+    def __init__(self, announce: bool = True):
+        self.signal, self._old, self.stepped, self._at, self.announce = None, {}, False, 0.0, announce
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, signal.SIGTERM):
                 self._old[s] = signal.signal(s, self._handle)
@@ -131,8 +131,9 @@ class Interrupt(hooks.Hook):
         if self.signal is not None and now - self._at < SAME_SIGNAL_S:
             return  # the same request again: a scheduler signals every process, and the launcher forwards
         if self.signal is not None or not self.stepped:
-            signal.signal(sig, signal.SIG_DFL)
-            signal.raise_signal(sig)
+            launch.stop_at_once(sig, say=None if not self.announce else "\ninterrupted " + (  # after the bar
+                "again: stopped without a checkpoint" if self.signal is not None else
+                "before the first step was done: nothing saved"))
         self.signal, self._at = sig, now
 
     def __call__(self) -> bool:
@@ -144,7 +145,7 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
     transfer dock the driver made (None: in memory, one process)."""
     torch.manual_seed(r.seed)
     r = concrete(r)
-    return _run(rank, world, r, dock, build(r), Interrupt())  # the spec's only reference is _run's
+    return _run(rank, world, r, dock, build(r), Interrupt(announce=rank == 0))  # the spec's only reference is _run's
 
 
 def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Interrupt) -> list[dict]:

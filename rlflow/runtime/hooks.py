@@ -11,6 +11,7 @@ where they have something to do (the lead's sinks and bar).
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Callable
 
 from rlflow import metrics as rl_metrics
@@ -75,6 +76,9 @@ class Progress(Hook):
         except ImportError:
             self.bar = None
         else:
+            # a thread lock, not tqdm's default multiprocessing one: a semaphore a rank that is stopped at once
+            # (``launch.stop_at_once``) cannot release, which the resource tracker then reports as leaked
+            tqdm.set_lock(threading.RLock())
             self.bar = tqdm(total=total, initial=initial, unit="step", file=sys.stdout, mininterval=0.5,
                             dynamic_ncols=True)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import ipaddress
 import os
 import re
@@ -171,8 +172,31 @@ def split_world(split, rank: int, timeout_s: float | None = None) -> None:
     pools.join(split, rank, dist.PrefixStore("pools", store), backend, timeout_s)
 
 
+STARTING = "interrupted while the ranks started: nothing was saved"
+
+
+def stop_at_once(sig, _frame=None, *, say: str | None = None) -> None:
+    """A signal handler for the start-up, before there is anything to save: the process ends now, with exit code
+    128 + sig and the line ``say`` (a KeyboardInterrupt traceback from wherever it was, or death by the signal,
+    which the launcher reports as a failure, is neither)."""
+    if say:
+        print(say, file=sys.stderr)
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(128 + sig)
+
+
 def _entry(rank, fn, world, port, backend, timeout_s, outdir, launcher, args, split=None):
     _own_group(launcher)
+    # started with SIGINT and SIGTERM ignored (a terminal's Ctrl-C reached the ranks while they imported, each
+    # with its traceback): until the run installs its own handlers they end the rank at once, and the launcher
+    # forwards a signal only once the rank says it can take it
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, functools.partial(stop_at_once, say=STARTING if rank == 0 else None))
+    open(os.path.join(outdir, f"ready-{rank}"), "w").close()
     # one host: the store is a file (torch's TCP store listens on every interface, unauthenticated) and gloo's
     # connections stay on the loopback
     if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and (lo := loopback_interface()):
@@ -195,12 +219,13 @@ def _entry(rank, fn, world, port, backend, timeout_s, outdir, launcher, args, sp
         _finish()
 
 
-def _wait_stopping(procs, fine: set[int], grace_s: float = 3.0) -> None:
+def _wait_stopping(procs, fine: set[int], grace_s: float = 3.0, tick=lambda: None) -> None:
     """Wait for ranks asked to stop (they finish their step and write the checkpoint, however long that takes);
     once one ends otherwise than ``fine``, the others get ``grace_s`` and are then killed: they may wait on it
-    in a collective for as long as its timeout."""
+    in a collective for as long as its timeout. ``tick()`` runs every round (signals still to deliver)."""
     failed_at = None
     while any(p.is_alive() for p in procs):
+        tick()
         for p in procs:
             p.join(0.1)
         if failed_at is None and any(p.exitcode is not None and p.exitcode not in fine for p in procs):
@@ -241,20 +266,36 @@ def spawn(fn, world: int, *args, backend: str | None = None, timeout_s: float | 
     size there are ``pools.local(rank)``; ``fn`` still gets the global ones) and linked to every rank
     (``pools.joined()``)."""
     backend = backend or rd.backend_for(world)
+    main = threading.current_thread() is threading.main_thread()
     with tempfile.TemporaryDirectory() as d:
-        ctx = mp.start_processes(_entry, args=(fn, world, free_port(), backend, timeout_s, d, os.getpid(), args,
-                                               pools),
-                                 nprocs=world,
-                                 join=False, start_method="spawn")
+        # the ranks start with SIGINT and SIGTERM ignored (inherited), until ``_entry`` installs its handlers
+        ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        try:
+            ctx = mp.start_processes(_entry, args=(fn, world, free_port(), backend, timeout_s, d, os.getpid(), args,
+                                                   pools),
+                                     nprocs=world,
+                                     join=False, start_method="spawn")
+        finally:
+            for s, h in ignored.items():
+                signal.signal(s, h)
         got: list[int] = []
+        pending: dict[int, int] = {}  # rank -> a signal for it once it can take one
+
+        def deliver():
+            for r, sig in list(pending.items()):
+                p = ctx.processes[r]
+                if not p.is_alive():
+                    del pending[r]
+                elif os.path.exists(os.path.join(d, f"ready-{r}")):
+                    del pending[r]
+                    os.kill(p.pid, sig)
 
         def forward(sig, _frame):
             got.append(sig)
-            for p in ctx.processes:
-                if p.is_alive():
-                    os.kill(p.pid, sig)
+            pending.update({r: sig for r in range(len(ctx.processes))})
+            deliver()
         old = {}
-        if threading.current_thread() is threading.main_thread():
+        if main:
             old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             while not got:
@@ -272,9 +313,15 @@ def spawn(fn, world: int, *args, backend: str | None = None, timeout_s: float | 
                     raise SystemExit(e.exit_code) from None  # it exited with a code and said why
             if got:
                 # a rank may have heard another signal first (a scheduler's SIGTERM beside the terminal's SIGINT)
-                _wait_stopping(ctx.processes, {0, *(128 + g for g in got), 128 + signal.SIGINT, 128 + signal.SIGTERM})
+                # a rank ends with 128 + the signal (its handler), or by the signal itself: one that arrives while
+                # the rank is inside a blocking call of its start-up (gloo's connect) may find no handler to run
+                sigs = {*got, signal.SIGINT, signal.SIGTERM}
+                fine = {0, *(128 + g for g in sigs), *(-g for g in sigs)}
+                _wait_stopping(ctx.processes, fine, tick=deliver)
                 codes = {p.exitcode for p in ctx.processes}
-                if codes <= {0, 128 + got[0]}:
+                if codes <= fine:
+                    if ctx.processes[0].exitcode < 0:  # rank 0 could not say it
+                        print(STARTING, file=sys.stderr)
                     raise SystemExit(128 + got[0])
                 raise RuntimeError(f"ranks ended with exit codes {sorted(codes)} after signal {got[0]}")
         finally:
