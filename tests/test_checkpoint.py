@@ -44,7 +44,7 @@ def test_a_signal_before_the_first_step_ends_the_run_at_once(tmp_path):
     """A SIGTERM while a run starts up (here the vLLM engine's start, seconds long, in the first step) was
     only noted: the run went on to finish its first step (17 s here), and one stuck in its start-up could not
     be stopped by ``timeout`` or a scheduler at all. Before any step is done there is nothing to save: the
-    first signal ends the run as the default action does."""
+    first signal ends the run at once, with exit code 128 + the signal and one line."""
     p = subprocess.Popen([sys.executable, "-u", *RECIPE[1:], "--world", "1", "--rollout-engine", "vllm", "--steps",
                           "50", "--out", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
@@ -53,9 +53,10 @@ def test_a_signal_before_the_first_step_ends_the_run_at_once(tmp_path):
             break
     t0 = time.time()
     p.send_signal(signal.SIGTERM)
-    p.communicate(timeout=120)
-    assert p.returncode == -signal.SIGTERM, p.returncode
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM, p.returncode
     assert time.time() - t0 < 5
+    assert "interrupted before the first step was done: nothing saved" in err and "Traceback" not in err, err[-2000:]
 
 
 def test_interrupted_and_resumed_equals_uninterrupted(uninterrupted, tmp_path):

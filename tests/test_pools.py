@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -263,3 +264,30 @@ def test_a_colocated_context_refuses_the_pools_settings(setting):
     with pytest.raises(ValueError, match=f"{next(iter(setting))}={next(iter(setting.values()))}"):
         context(CFG, TOK, per_sample(reward), conf)
     context(CFG, TOK, per_sample(reward), lcfg())  # the same without them builds
+
+
+@pytest.mark.slow
+def test_a_dock_process_killed_under_separate_pools_is_one_line():
+    """kill -9 of a dock process mid-run: the rank that reaches it says DockLost in one line; the others, whose
+    connections to it closed, end without a word (there was 'terminate called without an active exception',
+    the rollout rank's traceback and torch's notes on each rank it stopped)."""
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--world", "3", "--rollout-ranks", "1",
+           "--steps", "300", "--prompts-per-step", "4", "--group-size", "4"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while True:  # the dock's servers are the launcher's forked children (the ranks are spawned)
+        kids = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(p.pid)], capture_output=True,
+                              text=True).stdout.splitlines()
+        ranks = [k for k in kids if "spawn_main" in k]
+        docks = [int(k.split()[0]) for k in kids if "spawn_main" not in k and "resource_tracker" not in k]
+        if len(ranks) == 3 and docks:
+            break
+        assert p.poll() is None and time.time() < deadline, (kids, p.communicate()[0][-300:])
+        time.sleep(0.2)
+    time.sleep(6)  # the ranks started and stepping
+    os.kill(docks[0], signal.SIGKILL)
+    out, _ = p.communicate(timeout=120)
+    errors = re.findall(r"error: [^\n]*", out)  # after the progress bar's last frame, on its line
+    assert p.returncode != 0 and len(errors) == 1 and "transfer dock" in errors[0], out[-3000:]
+    for noise in ("Traceback", "terminate called", "Terminating process", "Unable to shutdown"):
+        assert noise not in out, out[-3000:]

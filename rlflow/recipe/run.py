@@ -264,6 +264,10 @@ def _produce(rank: int, world: int, r: Recipe, dock, spec: RunSpec, link) -> lis
     source, spec, mine = spec.source, None, None
     try:
         producer.produce(source, ctx, side)
+    except DockLost as e:  # as on the train ranks: one line
+        raise SystemExit(f"error: {e}") from None
+    except RewardError as e:
+        raise SystemExit(f"error: --{e}") from None
     finally:
         ctx.engine.close()
     return []

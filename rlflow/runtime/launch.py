@@ -23,6 +23,7 @@ import contextlib
 import datetime
 import functools
 import ipaddress
+import logging
 import os
 import re
 import signal
@@ -215,8 +216,70 @@ def _entry(rank, fn, world, port, backend, timeout_s, outdir, launcher, args, sp
         # no rank tears its gloo pairs down while a peer's last operations may still use them (a peer then
         # aborts: "terminate called without an active exception")
         dist.barrier()
+    except SystemExit as e:  # the rank's verdict: handed to the launcher, which says each verdict once (several
+        if e.code in (None, 0) or e.code == 128 + signal.SIGINT or e.code == 128 + signal.SIGTERM:
+            raise  # ranks reach the same one), and the rank ends now (its peers are stopped soon after: a message
+        if isinstance(e.code, str):  # left to the exit could be lost; tearing gloo down under a peer aborts)
+            with open(os.path.join(outdir, f"said-{rank}"), "w") as f:
+                f.write(e.code)
+        _exit_now(e.code if isinstance(e.code, int) else 1)
+    except BaseException as e:
+        if peer_gone(e):  # a consequence of another rank's end, or the dock's: that one says why
+            _exit_now(PEER_GONE)
+        raise
     finally:
         _finish()
+
+
+PEER_GONE = 75  # a rank's exit code when its connection to another process of the run closed under it
+
+
+def peer_gone(e: BaseException) -> bool:
+    """``e`` (or what it was raised from) says a connection of gloo to another rank closed: that rank ended."""
+    seen = 0
+    while e is not None and seen < 8:
+        text = str(e)
+        if ("gloo" in text or "pair.cc" in text) and ("closed by peer" in text or "reset by peer" in text):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
+def _exit_now(code: int) -> None:
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _failure(procs, e, outdir: str) -> str | int:
+    """What ends a run one of whose ranks failed (``e``: torch's ProcessExitedException of the first one it saw;
+    the others were stopped by then): the exit code of a rank that said why (each different verdict the ranks
+    left in ``outdir`` is said once here), or a line naming a rank killed by a signal. A rank that lost its
+    connection to another (``PEER_GONE``) points at the others."""
+    said = []
+    for r in range(len(procs)):
+        try:
+            with open(os.path.join(outdir, f"said-{r}")) as f:
+                said.append(f.read())
+        except OSError:
+            pass
+    for line in dict.fromkeys(said):  # the ranks' order, each once
+        print(line, file=sys.stderr)
+    if e.exit_code != PEER_GONE:
+        first = (e.error_index, e.exit_code if not e.signal_name else -signal.Signals[e.signal_name])
+    else:
+        stopped = {0, None, PEER_GONE, -signal.SIGTERM, -signal.SIGKILL}  # the launcher stopped these
+        first = next(((i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in stopped), None)
+        if first is None:
+            return (f"error: rank {e.error_index} lost its connection to another rank, and no rank said why; the "
+                    f"other ranks were stopped")
+    i, code = first
+    if code < 0:  # killed (the OOM killer, a lost node): no rank said why
+        return f"error: rank {i} was killed by signal {signal.Signals(-code).name}; the other ranks were stopped"
+    return code  # it exited with a code and said why
 
 
 def _wait_stopping(procs, fine: set[int], grace_s: float = 3.0, tick=lambda: None) -> None:
@@ -267,6 +330,9 @@ def spawn(fn, world: int, *args, backend: str | None = None, timeout_s: float | 
     (``pools.joined()``)."""
     backend = backend or rd.backend_for(world)
     main = threading.current_thread() is threading.main_thread()
+    # torch logs each rank it stops after a failure ("Terminating process ... via signal SIGTERM", "Unable to
+    # shutdown ..."): the failure's own line (``_failure``) says what happened
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory() as d:
         # the ranks start with SIGINT and SIGTERM ignored (inherited), until ``_entry`` installs its handlers
         ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
@@ -307,10 +373,7 @@ def spawn(fn, world: int, *args, backend: str | None = None, timeout_s: float | 
                 except mp.ProcessExitedException as e:  # the other ranks were stopped by now
                     if got:
                         continue
-                    if e.signal_name:  # killed (the OOM killer, a lost node): no rank said why
-                        raise SystemExit(f"error: rank {e.error_index} was killed by signal {e.signal_name}; "
-                                         "the other ranks were stopped") from None
-                    raise SystemExit(e.exit_code) from None  # it exited with a code and said why
+                    raise SystemExit(_failure(ctx.processes, e, d)) from None
             if got:
                 # a rank may have heard another signal first (a scheduler's SIGTERM beside the terminal's SIGINT)
                 # a rank ends with 128 + the signal (its handler), or by the signal itself: one that arrives while
