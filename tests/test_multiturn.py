@@ -273,7 +273,9 @@ def test_recipe_refuses_what_multi_turn_does_not_run_with_by_flag():
              ("routing_replay", dict(mt, routing_replay="on")), ("adv_estimator", dict(mt, adv_estimator="gae")),
              ("env", dict(env="tools")), ("tools", dict(env="tools", tools="calculator")),  # no chat template
              ("tools", dict(mt, tools="calculator")), ("tools", dict(env="tools", tools="nope.py")),
-             ("env", dict(mt, task="sum_mod10"))]
+             ("env", dict(mt, task="sum_mod10")),
+             ("max_turns", dict(mt, max_turns=1000000)),  # more turns than 512 positions hold (ran 9 min a step)
+             ("max_turns", dict(mt, max_turns=50, max_total_tokens=40))]
     for field, kw in cases:
         got = problems(dataclasses.replace(base, **kw))
         assert any(name == field for name, _ in got), (field, got)
@@ -281,6 +283,20 @@ def test_recipe_refuses_what_multi_turn_does_not_run_with_by_flag():
     assert any(name == "max_turns" and "max_turns=0" not in why for name, why in bad_turns), bad_turns
     assert problems(dataclasses.replace(base, env="max_digit_feedback")) == []
     assert problems(dataclasses.replace(base, env="max_digit_feedback", rollout_ranks=1, max_staleness=1)) == []
+    assert problems(dataclasses.replace(base, env="max_digit_feedback", max_turns=40, max_total_tokens=40)) == []
+
+
+def test_the_max_digit_environment_under_a_chat_template_is_refused_by_flag(tmp_path):
+    """Its hint reads the plain prompt: rendered by a chat template, every episode failed at its start."""
+    from test_data_formats import QWEN25
+
+    from rlflow.recipe.checks import problems
+    from rlflow.recipe.flags import Recipe
+    chat = _chat_dir(tmp_path / "chat", QWEN25)
+    got = problems(Recipe(model=chat, env="max_digit_feedback"))
+    assert any(name == "env" and "chat template" in why for name, why in got), got
+    assert not any(name == "env" for name, _ in problems(Recipe(model=chat, env="max_digit_feedback",
+                                                                chat_template=False)))
 
 
 def test_recipe_runs_a_multi_turn_env_and_logs_its_counts(tmp_path):
@@ -337,10 +353,11 @@ def test_tool_calls_run_and_malformed_ones_are_answered_and_counted(tmp_path):
     from rlflow.envs import Feedback
     from rlflow.envs.tools import ToolEnv, load_tools
     f = tmp_path / "mytools.py"
-    f.write_text('def add(a: int, b: int) -> int:\n    """Add two integers."""\n    return a + b\n\n'
+    f.write_text('import sys\n\ndef add(a: int, b: int) -> int:\n    """Add two integers."""\n    return a + b\n\n'
+                 'def quit(code: int) -> int:\n    """Exit, as a script would."""\n    sys.exit(code)\n\n'
                  'def _hidden(x: int):\n    return x\n')
     tools = load_tools(f"calculator,{f}")
-    assert sorted(tools) == ["add", "calculator"]
+    assert sorted(tools) == ["add", "calculator", "quit"]
     e = ToolEnv(Example("p", "a"), tools=tools)
     call = lambda body: f"<tool_call>\n{body}\n</tool_call>"  # noqa: E731
     got = e.step("let me add " + call('{"name": "add", "arguments": {"a": 2, "b": 40}}')
@@ -351,6 +368,8 @@ def test_tool_calls_run_and_malformed_ones_are_answered_and_counted(tmp_path):
                  + call('{"name": "calculator", "arguments": {"expression": "__import__(\'os\')"}}'))
     assert bad.counts == {"tool_calls": 4, "tool_errors": 4}
     assert [m["content"].split(":")[0] for m in bad.observation] == ["error"] * 4
+    gone = e.step(call('{"name": "quit", "arguments": {"code": 3}}'))  # sys.exit: the call's error, not the episode's
+    assert gone.observation == [{"role": "tool", "content": "error: quit exited (SystemExit: 3)"}] and not gone.done
     cut = e.step('<tool_call>\n{"name": "calculator", "argu')  # the turn's token limit cut the call
     assert cut.counts == {"tool_calls": 1, "tool_errors": 1} and cut.observation[0]["content"].startswith("error")
     assert e.step("The answer is 42.") == Feedback(done=True)

@@ -212,6 +212,16 @@ def test_bad_flags_are_one_line_naming_the_flag_and_write_nothing(flags, named, 
     assert not out.exists()
 
 
+def test_a_learning_rate_no_fine_tuning_survives_is_warned_of_and_run(capsys):
+    """--lr 1e10 was accepted without a word (every weight moved by about 1e10 a step)."""
+    recipe = recipe_module()
+    r = recipe.parse_args(["--lr", "1e10"])
+    assert r.lr == 1e10  # accepted: the user may mean it
+    assert "warning: --lr 10000000000.0: above 0.01" in capsys.readouterr().err
+    recipe.parse_args(["--lr", "3e-4"])
+    assert "warning" not in capsys.readouterr().err
+
+
 def _model_dir(d, kind: str):
     """A --model directory that is wrong in one way (``kind``)."""
     import json

@@ -128,6 +128,8 @@ def run_call(body: str, tools: dict[str, Callable]) -> tuple[str, bool]:
         return str(fn(**call.get("arguments", {}))), True
     except Exception as e:  # the model's arguments: its error to read, not the run's
         return f"error: {call['name']} raised {type(e).__name__}: {e}", False
+    except SystemExit as e:  # a tool that calls sys.exit (a script's habit) ends its call, not the episode
+        return f"error: {call['name']} exited (SystemExit: {e.code})", False
 
 
 class ToolEnv:

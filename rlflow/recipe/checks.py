@@ -98,12 +98,27 @@ def env_problems(r: Recipe) -> list[tuple[str, str]]:
         return [("tools", "needs --model with a chat template (the prompts show the model the tools' schemas)")]
     refused = [("env", r.env == "max_digit_feedback" and (bool(r.dataset) or r.task != "max_digit"),
                 "max_digit_feedback is --task max_digit's environment (its hint is a half of the prompt's digits)"),
+               ("env", r.env == "max_digit_feedback" and r.model is not None and has_chat_template(r),
+                "max_digit_feedback reads the built-in task's plain prompts; --model's chat template renders them "
+                "otherwise and every episode would fail at its start (--no-chat-template, or another --env)"),
                ("eval_dataset", bool(r.eval_dataset), "with --env is not built yet (evaluation generates one turn)")]
     out = [(name, why) for name, bad, why in refused if bad]
     if r.world > 1 and not r.rollout_ranks and (mesh := lockstep_rollout(r)) is not None:
         out.append(("rollout_layout", f"{mesh}: with --env each rank drives its own episodes; a layout with tp or "
                                       "ep > 1 generates in lockstep across ranks: use dp only"))
+    budget = r.max_total_tokens or _positions(r)
+    if r.max_turns is not None and budget is not None and r.max_turns > budget:
+        out.append(("max_turns", f"is more turns than an episode's {budget} tokens can hold (--max-total-tokens, "
+                                 f"else the model's positions; a turn takes a token at least)"))
     return out
+
+
+def _positions(r: Recipe) -> int | None:
+    """The model's positions, when its config reads (``model_problems`` says why it does not)."""
+    try:
+        return (hf.load_config(r.model) if r.model else get_config(r.preset)).max_position_embeddings
+    except Exception:  # noqa: BLE001 -- any reason is model_problems' to tell
+        return None
 
 
 GAE_FLAGS = ("gae_gamma", "gae_lambda", "critic_lr", "value_clip")

@@ -150,7 +150,23 @@ def parse_args(argv=None, defaults: dict | None = None, doc: str | None = None) 
         v = getattr(r, name)
         shown = "" if isinstance(v, bool) else " " + (" ".join(v) if isinstance(v, tuple) else str(v))
         p.error(f"--{name.replace('_', '-')}{shown}: {why}")  # one line, exit 2, nothing written
+    for line in warnings(r) if started is None or started[0] == 0 else []:
+        print(f"{p.prog}: warning: {line}", file=sys.stderr)
     return r
+
+
+LR_WARN = 1e-2  # AdamW moves each weight by about lr a step: past this, fine-tuning destroys the model
+
+
+def warnings(r: Recipe) -> list[str]:
+    """What the run will do, though it is likely not what was meant (said once, the run goes on)."""
+    out = []
+    for name in ("lr", "critic_lr"):
+        v = getattr(r, name, None)
+        if v is not None and v > LR_WARN:
+            out.append(f"--{name.replace('_', '-')} {v}: above {LR_WARN}; AdamW moves every weight by about the "
+                       f"learning rate each step (RL fine-tuning uses 1e-6 to 1e-5, these toy presets 3e-4)")
+    return out
 
 
 def main(argv=None, defaults: dict | None = None, doc: str | None = None) -> list[dict]:
