@@ -210,3 +210,37 @@ def test_an_update_that_makes_weights_non_finite_stops_the_run_before_any_checkp
     with pytest.raises(checkpoint.CheckpointError, match="checkpoint-x: not written: .* not finite"):
         checkpoint.save_state(str(tmp_path), "checkpoint-x", state, cfg=cfg, args={})
     assert not any(tmp_path.iterdir())
+
+
+def test_one_step_moves_the_policy_up_its_rows_with_positive_advantage():
+    """A negated advantage anywhere in the step (estimator, loss, the rows' order) was caught only by the 6-minute
+    learning test. To first order an AdamW step from fresh moments moves along the gradient, so the summed
+    advantage-weighted change of the rows' log-probs, sum_i A_i (log p_after - log p_before), must be positive."""
+    from rlflow.algos import estimators
+    from rlflow.models.logprobs import response_logprobs
+    from rlflow.runtime.hooks import Hook
+
+    tok = CharTokenizer()
+    cfg = get_config("qwen3-moe-tiny").replace(eos_token_id=tok.eos_id)
+    params = qwen3_moe.init_params(cfg, seed=0)
+    P, G = 4, 8
+    lcfg = loop.LoopConfig(steps=1, prompts_per_step=P, grpo=GRPOConfig(group_size=G), mini_batch_size=P * G,
+                           micro_batch_size=P * G, optim=optim.AdamWConfig(lr=1e-4),
+                           sampling=SamplingConfig(max_new_tokens=6, eos_id=tok.eos_id, pad_id=tok.pad_id))
+
+    class Rows(Hook):
+        def after_step(self, state, metrics, out):
+            self.rows, self.rewards = out.rows, out.rewards
+
+    seen = Rows()
+    reward = per_sample(lambda resp, ans: resp.count("1") / 6)  # varies within every group
+    state, _ = loop.train(init({k: v.clone() for k, v in params.items()}, PromptSource(task="sum_mod10", seed=1)),
+                          context(cfg, tok, reward, lcfg), hooks=[seen])
+    rows = seen.rows
+    adv = estimators.group_advantages(seen.rewards, rows.group_B)
+    assert bool((adv != 0).any())
+    with torch.no_grad():
+        before, _, _ = response_logprobs(params, cfg, rows, with_aux=False)
+        after, _, _ = response_logprobs(state.policy, cfg, rows, with_aux=False)
+    moved = (adv[:, None] * (after - before) * rows.response_mask_BTr).sum()
+    assert float(moved) > 0, float(moved)
