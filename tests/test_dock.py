@@ -676,3 +676,17 @@ def test_a_step_takes_its_own_rows_and_releases_them_for_the_next(make):
             d.take_share("update", ["prompt_ids"], 2, key=3, parts=1, part=0, within=(1, 3))
     finally:
         d.close()
+
+
+def test_a_grouped_take_past_the_whole_groups_left_is_refused_though_as_many_rows_are(dock):
+    """Rows taken one by one from two groups leave their other rows free: as many rows remain as a grouped take
+    of one more group than remain whole asks for, but that take can never complete. It is refused at once
+    (counting free rows instead of whole free groups, it waited forever; the state machine did not reach this)."""
+    consumer = GRPO.flow_consumers[0]
+    put_prompts(dock, [0, G])  # one row of each of the first two groups is ready
+    got = dock.get_dp(consumer, ["prompt_ids"], 2, 1, groups=False, timeout=0)
+    assert sorted(i for p in got for i in p.index_B.tolist()) == [0, G]
+    whole = CAP // G - 2  # the groups nothing was taken from
+    n = (whole + 1) * G  # <= the rows left: CAP - 2
+    with pytest.raises(ValueError, match="in whole groups but only"):
+        dock.get_dp(consumer, ["prompt_ids"], n, 1, groups=True, timeout=0)

@@ -327,3 +327,30 @@ def _check(s: dict, seen: dict) -> None:
     untrained = {i: n for i, n in slots.produced.items() if i not in slots.trained}
     assert all(i >= s["stop_at"] for i in untrained), untrained  # only what the stop made useless
     assert seen["dropped"] == {0: sum(untrained.values()), **{t: 0 for t in range(1, s["train"])}}
+
+
+@pytest.mark.parametrize("partial", [False, True])
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_step_j_is_generated_only_with_version_j_minus_k_or_newer_driven_by_hand(k, partial):
+    """The staleness rule with the schedule driven step by step, no timing: with version v pushed, the rollout
+    side hands out weights at once for every step up to v + k, and for step v + k + 1 only once version v + 1
+    lands. (A rule loosened to k + 1 passed the drawn schedules above unless their timing hit it.)"""
+    pools, hub, store = Pools(1, 2), Hub(), Store()
+    plan = push_plan(*_layouts(1, 1, False))
+    rollout = RolloutSide(Link(pools, 0, Group(hub, 0), store), 0, 1, plan,
+                          ({"w": torch.empty(4, 4)}, {"w": torch.empty(4, 4)}), partial=partial)
+    train = TrainSide(Link(pools, 1, Group(hub, 1), store), 0, plan)
+    v = 3
+    train.push({"w": torch.full((4, 4), float(v))}, v)
+    assert rollout.first_version() == v
+    for step in range(v, v + k + 1):
+        got = rollout.weights_for(step, k)
+        assert got[0] == v and bool((got[1]["w"] == v).all()), (step, got[0])
+    waiter: dict = {}
+    th = threading.Thread(target=lambda: waiter.update(got=rollout.weights_for(v + k + 1, k)), daemon=True)
+    th.start()
+    th.join(0.3)
+    assert "got" not in waiter, f"step {v + k + 1} was handed version {waiter['got'][0]}, {k + 1} versions old"
+    train.push({"w": torch.full((4, 4), float(v + 1))}, v + 1)
+    th.join(TIMEOUT)
+    assert waiter["got"][0] == v + 1 and bool((waiter["got"][1]["w"] == v + 1).all())
