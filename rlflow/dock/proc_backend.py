@@ -82,14 +82,15 @@ class ProcTransport:
             raise self._lost(target, e) from e
 
     def _lost(self, target, e: BaseException) -> "DockLost":
-        """The error of a round trip to a dock process that is gone, naming it."""
+        """The error of a round trip to a dock process that is gone, naming it (the same words whichever way a
+        rank noticed, ``e``: EOFError, a broken pipe or a reset, so that the ranks' verdicts are one)."""
         proxy = self.hub if isinstance(target, _Ctrl) else target
         address = getattr(getattr(proxy, "_token", None), "address", None)
         server = next((s for s in self._servers if s.address == address), None)
         pid = getattr(getattr(server, "_process", None), "pid", None)
         what = "the controllers' hub" if isinstance(target, _Ctrl) else "a warehouse"
         return DockLost(f"the transfer dock's process serving {what} at {address}"
-                        f"{f' (pid {pid})' if pid else ''} is gone ({type(e).__name__}: {e}); the step's rows were "
+                        f"{f' (pid {pid})' if pid else ''} is gone (its connection closed); the step's rows were "
                         "there, so the run cannot go on: continue it from its last checkpoint (--resume auto)")
 
     def call_many(self, calls) -> list:

@@ -259,15 +259,7 @@ def _failure(procs, e, outdir: str) -> str | int:
     the others were stopped by then): the exit code of a rank that said why (each different verdict the ranks
     left in ``outdir`` is said once here), or a line naming a rank killed by a signal. A rank that lost its
     connection to another (``PEER_GONE``) points at the others."""
-    said = []
-    for r in range(len(procs)):
-        try:
-            with open(os.path.join(outdir, f"said-{r}")) as f:
-                said.append(f.read())
-        except OSError:
-            pass
-    for line in dict.fromkeys(said):  # the ranks' order, each once
-        print(line, file=sys.stderr)
+    _say_verdicts(outdir, len(procs))
     if e.exit_code != PEER_GONE:
         first = (e.error_index, e.exit_code if not e.signal_name else -signal.Signals[e.signal_name])
     else:
@@ -280,6 +272,19 @@ def _failure(procs, e, outdir: str) -> str | int:
     if code < 0:  # killed (the OOM killer, a lost node): no rank said why
         return f"error: rank {i} was killed by signal {signal.Signals(-code).name}; the other ranks were stopped"
     return code  # it exited with a code and said why
+
+
+def _say_verdicts(outdir: str, world: int) -> None:
+    """The one-line verdicts the ranks left (``_entry``), each different one once, in the ranks' order."""
+    said = []
+    for r in range(world):
+        try:
+            with open(os.path.join(outdir, f"said-{r}")) as f:
+                said.append(f.read())
+        except OSError:
+            pass
+    for line in dict.fromkeys(said):
+        print(line, file=sys.stderr)
 
 
 def _wait_stopping(procs, fine: set[int], grace_s: float = 3.0, tick=lambda: None) -> None:
@@ -381,6 +386,7 @@ def spawn(fn, world: int, *args, backend: str | None = None, timeout_s: float | 
                 sigs = {*got, signal.SIGINT, signal.SIGTERM}
                 fine = {0, *(128 + g for g in sigs), *(-g for g in sigs)}
                 _wait_stopping(ctx.processes, fine, tick=deliver)
+                _say_verdicts(d, world)
                 codes = {p.exitcode for p in ctx.processes}
                 if codes <= fine:
                     if ctx.processes[0].exitcode < 0:  # rank 0 could not say it
