@@ -9,9 +9,9 @@ With flags it is recipes/grpo_qwen3_moe.py with other defaults and takes all its
 checkpoint directory (e.g. Qwen2.5-7B-Instruct), --dataset, --reward, --world and the layouts, ... (see --help).
 """
 
-from rlflow.startup import interruptible
+from rlflow.startup import loading
 
-with interruptible():  # Ctrl-C while the libraries load: one line
+with loading():  # Ctrl-C while the libraries load: one line
     from rlflow.recipe import main
 
 DEFAULTS = {"preset": "qwen2.5-tiny", "entropy_coef": 0.01}

@@ -13,9 +13,9 @@ Every flag is a field of rlflow.recipe.Recipe, with its default and --help text;
 (run.py on every rank, over rlflow/runtime/step.py).
 """
 
-from rlflow.startup import interruptible
+from rlflow.startup import loading
 
-with interruptible():  # Ctrl-C while the libraries load: one line
+with loading():  # Ctrl-C while the libraries load: one line
     from rlflow.recipe import Recipe, build, main, parse_args, prepare_out  # noqa: F401  (what tests and bench/ import)
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ With flags it is recipes/grpo_qwen3_moe.py with other defaults and takes all its
 (a checkpoint directory or a .gguf file), --dataset and --eval-dataset, --world and the layouts, ...
 """
 
-from rlflow.startup import interruptible
+from rlflow.startup import loading
 
-with interruptible():  # Ctrl-C while the libraries load: one line
+with loading():  # Ctrl-C while the libraries load: one line
     from rlflow.recipe import main
 
 DEFAULTS = {"model": "smollm2-135m-instruct", "task": "addition", "eval_dataset": "task:addition",

@@ -315,6 +315,32 @@ def test_a_terminal_ctrl_c_during_start_up_is_one_line(after_s, tmp_path):
     assert p.returncode == 128 + signal.SIGINT and "Traceback" not in out and len(said) == 1, (p.returncode, out[-3000:])
 
 
+_SWALLOWED = """
+import signal, time
+from rlflow.startup import loading
+with loading():
+    try:  # what torch's C code did with a KeyboardInterrupt raised inside its import of numpy
+        signal.raise_signal(signal.SIGINT)
+        time.sleep(0.2)
+    except BaseException:
+        pass
+    print("went on")
+"""
+
+
+@pytest.mark.parametrize("ignored", [False, True])
+def test_ctrl_c_while_the_libraries_load_ends_the_process_even_if_the_import_swallows_it(ignored):
+    """An interrupted import of numpy under torch was swallowed: the run trained on as if never interrupted, or
+    failed later on a half-imported numpy. A process started with SIGINT ignored (a rank importing the recipe)
+    keeps ignoring it."""
+    p = subprocess.run([sys.executable, "-c", _SWALLOWED], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                       preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignored else None)
+    if ignored:
+        assert (p.returncode, p.stdout.strip(), p.stderr) == (0, "went on", ""), p
+    else:
+        assert (p.returncode, p.stdout, p.stderr.strip()) == (130, "", "interrupted while starting: nothing was run"), p
+
+
 def test_a_full_disk_during_a_checkpoint_says_so_and_leaves_nothing_half_written(tmp_path, monkeypatch):
     """torch.save on a full disk says 'unexpected pos' or 'file write failed', never that the disk is full;
     the run died with that traceback. Now the checkpoint is refused naming the disk and its free space, its

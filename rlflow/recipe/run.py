@@ -25,10 +25,11 @@ from rlflow.recipe.flags import Recipe
 from rlflow.parallel.context import shard_params
 from rlflow.recipe.pieces import RunSpec, build, concrete, layouts, placement
 from rlflow.rewards import RewardError
-from rlflow.runtime import checkpoint, hooks, launch, loop, pools, producer, state as run_state, step
+from rlflow.runtime import checkpoint, hooks, loop, pools, producer, state as run_state, step
 from rlflow.sharding.plan import push_plan
 from rlflow.runtime.placement import Placement
 from rlflow.runtime.weights import same_layout
+from rlflow.startup import stop_at_once
 
 
 
@@ -131,7 +132,7 @@ class Interrupt(hooks.Hook):
         if self.signal is not None and now - self._at < SAME_SIGNAL_S:
             return  # the same request again: a scheduler signals every process, and the launcher forwards
         if self.signal is not None or not self.stepped:
-            launch.stop_at_once(sig, say=None if not self.announce else "\ninterrupted " + (  # after the bar
+            stop_at_once(sig, say=None if not self.announce else "\ninterrupted " + (  # after the bar
                 "again: stopped without a checkpoint" if self.signal is not None else
                 "before the first step was done: nothing saved"))
         self.signal, self._at = sig, now

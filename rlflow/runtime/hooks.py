@@ -77,7 +77,7 @@ class Progress(Hook):
             self.bar = None
         else:
             # a thread lock, not tqdm's default multiprocessing one: a semaphore a rank that is stopped at once
-            # (``launch.stop_at_once``) cannot release, which the resource tracker then reports as leaked
+            # (``startup.stop_at_once``) cannot release, which the resource tracker then reports as leaked
             tqdm.set_lock(threading.RLock())
             self.bar = tqdm(total=total, initial=initial, unit="step", file=sys.stdout, mininterval=0.5,
                             dynamic_ncols=True)

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlflow import device as rd
+from rlflow.startup import stop_at_once
 
 
 def free_port() -> int:
@@ -174,20 +175,6 @@ def split_world(split, rank: int, timeout_s: float | None = None) -> None:
 
 
 STARTING = "interrupted while the ranks started: nothing was saved"
-
-
-def stop_at_once(sig, _frame=None, *, say: str | None = None) -> None:
-    """A signal handler for the start-up, before there is anything to save: the process ends now, with exit code
-    128 + sig and the line ``say`` (a KeyboardInterrupt traceback from wherever it was, or death by the signal,
-    which the launcher reports as a failure, is neither)."""
-    if say:
-        print(say, file=sys.stderr)
-    for f in (sys.stdout, sys.stderr):
-        try:
-            f.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(128 + sig)
 
 
 def _entry(rank, fn, world, port, backend, timeout_s, outdir, launcher, args, split=None):
@@ -382,9 +369,10 @@ def spawn(fn, world: int, *args, backend: str | None = None, timeout_s: float | 
             if got:
                 # a rank may have heard another signal first (a scheduler's SIGTERM beside the terminal's SIGINT)
                 # a rank ends with 128 + the signal (its handler), or by the signal itself: one that arrives while
-                # the rank is inside a blocking call of its start-up (gloo's connect) may find no handler to run
+                # the rank is inside a blocking call of its start-up (gloo's connect) may find no handler to run;
+                # a rank whose peer stopped first may see their connection close (``PEER_GONE``)
                 sigs = {*got, signal.SIGINT, signal.SIGTERM}
-                fine = {0, *(128 + g for g in sigs), *(-g for g in sigs)}
+                fine = {0, PEER_GONE, *(128 + g for g in sigs), *(-g for g in sigs)}
                 _wait_stopping(ctx.processes, fine, tick=deliver)
                 _say_verdicts(d, world)
                 codes = {p.exitcode for p in ctx.processes}
