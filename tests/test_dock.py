@@ -589,6 +589,33 @@ def test_each_warehouse_carries_the_central_figure_over_S(S, procs):
         d.close()
 
 
+def test_ctrl_c_while_the_dock_starts_leaves_no_server_behind(monkeypatch):
+    """Ctrl-C between a server's fork and the read of its address (the dock starting as the run starts): that
+    server had no shutdown of its own, and the run's exit waited for it forever."""
+    import multiprocessing
+    from multiprocessing import managers
+
+    real, calls = managers.connection.Pipe, []
+
+    def pipe(duplex=True):
+        r, w = real(duplex)
+        calls.append(1)
+        if len(calls) != 2:
+            return r, w
+
+        class Interrupted:  # the second server's address is being read when the signal comes
+            def recv(self):
+                raise KeyboardInterrupt
+
+            def close(self):
+                r.close()
+        return Interrupted(), w
+    monkeypatch.setattr(managers.connection, "Pipe", pipe)
+    with pytest.raises(KeyboardInterrupt):
+        proc_dock(GRPO.schema, GRPO.flow_consumers, capacity=CAP, warehouses=2, group_size=G)
+    assert len(calls) == 2 and multiprocessing.active_children() == []
+
+
 def test_a_local_docks_servers_admit_only_their_own_processes():
     """One host: each dock server listens on a Unix socket in a directory only this user can enter (0700),
     and a client without the run's key is refused before anything is unpickled."""

@@ -129,6 +129,17 @@ class ProcTransport:
         self._servers = []
 
 
+def _stop(servers: list) -> None:
+    """Shut ``servers`` down, one whose start was interrupted too (its process forked, its address not yet read:
+    no ``shutdown`` of its own, and the interpreter's exit would wait for it forever)."""
+    for s in servers:
+        if hasattr(s, "shutdown"):
+            s.shutdown()
+        elif getattr(s, "_process", None) is not None:
+            s._process.kill()
+            s._process.join()
+
+
 def _hub(server, schema: Schema, consumers: Sequence[str], capacity: int, group_size: int):
     var = [c.name for c in schema if c.kind == "var"]
     return server.ControllerHub(list(consumers), capacity, schema.names, var, group_size)
@@ -148,14 +159,12 @@ def proc_dock(schema: Schema, consumers: Sequence[str], *, capacity: int,
     servers = []
     try:
         for _ in range(warehouses + 1):
-            s = _Server(ctx=ctx)
-            s.start()
-            servers.append(s)
+            servers.append(_Server(ctx=ctx))
+            servers[-1].start()
         whs = [servers[i].Warehouse(f"w{i}", schema.wire_spec()) for i in range(warehouses)]
         hub = _hub(servers[-1], schema, consumers, capacity, group_size)
     except BaseException:
-        for s in servers:
-            s.shutdown()
+        _stop(servers)
         raise
     return _dock(schema, consumers, capacity, group_size, ProcTransport(servers, hub), whs)
 
@@ -249,10 +258,9 @@ def node_dock(schema: Schema, consumers: Sequence[str], *, capacity: int, wareho
                 ctx.set_forkserver_preload([__name__])
 
                 def start():
-                    s = _Server(address=(host, 0), authkey=key[0], ctx=ctx)
-                    s.start()
-                    servers.append(s)
-                    return s
+                    servers.append(_Server(address=(host, 0), authkey=key[0], ctx=ctx))
+                    servers[-1].start()
+                    return servers[-1]
                 for i in mine:
                     made[i] = start().Warehouse(f"w{i}", schema.wire_spec())
                 if rank == 0:
@@ -274,8 +282,7 @@ def node_dock(schema: Schema, consumers: Sequence[str], *, capacity: int, wareho
             hub = h if r == 0 else hub
         _all_ok("reach the dock's servers", err)
     except BaseException:
-        for s in servers:
-            s.shutdown()
+        _stop(servers)
         raise
     transport = ProcTransport(servers, hub, nodes=tuple(nodes[i % len(nodes)] for i in range(warehouses)),
                               here=me)

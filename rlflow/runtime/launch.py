@@ -377,8 +377,8 @@ def spawn(fn, world: int, *args, backend: str | None = None, timeout_s: float | 
                 _say_verdicts(d, world)
                 codes = {p.exitcode for p in ctx.processes}
                 if codes <= fine:
-                    if ctx.processes[0].exitcode < 0:  # rank 0 could not say it
-                        print(STARTING, file=sys.stderr)
+                    if ctx.processes[0].exitcode not in (0, *(128 + g for g in sigs)):  # rank 0 did not say it: it
+                        print(STARTING, file=sys.stderr)  # had no handler yet, or a peer stopped first (PEER_GONE)
                     raise SystemExit(128 + got[0])
                 raise RuntimeError(f"ranks ended with exit codes {sorted(codes)} after signal {got[0]}")
         finally:
