@@ -50,6 +50,7 @@ import torch
 
 from rlflow.batch import PromptBatch, RolloutBatch, extend, pad, unpad
 from rlflow.data import Example
+from rlflow.engines.base import capabilities
 from rlflow.envs import Feedback, load_env
 
 log = logging.getLogger("rlflow")
@@ -344,7 +345,7 @@ class MultiTurn:
                         budget=min(self.mcfg.max_total_tokens or self.max_positions, self.max_positions - len(plist[b])))
                for b in range(rows.size)]
         counts = dict.fromkeys(self._count_keys, 0.0)
-        if hasattr(engine, "serve"):
+        if capabilities(engine).serve:
             idle = self._stream(engine, rows, eps, seed, counts)
         else:
             idle = self._waves(engine, rows, eps, seed, counts)

@@ -9,46 +9,45 @@ step:
                                             response ids, masks, the sampling log-probs (and, asked at
                                             build time, the MoE routes)
     engine.generate(..., version=v, newer=f)
-                                            separate pools (the built-in engine): each token's version
-                                            recorded; ``newer`` polled for weights to continue with
-                                            mid-generation (partial rollout)
+                                            capability ``partial_rollout`` (separate pools): each token's
+                                            version recorded; ``newer`` polled for weights to continue with
+                                            mid-generation
     engine.serve(requests, slots=, max_len=, seed=)
-                                            optional (the built-in engine): continuous batching over requests
-                                            that arrive while it decodes (multi-turn rollouts, ``rollout.serve``)
+                                            capability ``serve``: continuous batching over requests that
+                                            arrive while it decodes (multi-turn rollouts, ``rollout.serve``)
     engine.release() -> weights             the weights handed back (the transition's way back frees
                                             them); the engine keeps nothing of them
-    engine.figures() -> dict                the last load's seconds and bytes, for the metrics
+    engine.figures() -> dict                the last load's figures (its kind's ``figures`` names)
     engine.close()                          at the end of a run
 
+What an engine can do is declared (``base.Capabilities``) and each engine kind is registered by name
+(``base.register``): the runtime and the recipe ask capabilities, never names, so an engine is one file.
 ``builtin`` is rlflow's own engine (``rlflow/rollout.py``); ``vllm`` drives vLLM in the rank's process
-(``engines/vllm.py``).
+(``engines/vllm.py``; the vllm package is imported only when one starts).
 """
 
 from __future__ import annotations
 
+from rlflow.engines.base import (Capabilities, EngineKind, Options, RolloutEngine, capabilities, check, kind,
+                                 names, option_problems, register, unsupported)
 from rlflow.engines.builtin import BuiltinEngine
+from rlflow.engines import vllm as _vllm  # noqa: F401, E402  (registers "vllm" after "builtin")
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import LOCAL, Exec
 from rlflow.rollout import SamplingConfig
 
-ENGINES = ("builtin", "vllm")
+
+def build(name: str, cfg: ModelConfig, sampling: SamplingConfig, *, ex: Exec = LOCAL,
+          options: Options = Options()) -> RolloutEngine:
+    """The rollout engine ``name`` for this rank (``ex``: its execution context in the rollout layout); what it
+    cannot do of what ``options`` and ``ex`` ask is refused here, by name (ValueError)."""
+    k = kind(name)
+    if (why := k.missing()) is not None:
+        raise ImportError(f"rollout engine {name}: {why}")
+    check(name, cfg, sharded=ex.collective_forward, compile_decode=options.compile_decode,
+          record_routes=options.record_routes)
+    return k.make(cfg, sampling, ex, options)
 
 
-def build(name: str, cfg: ModelConfig, sampling: SamplingConfig, *, ex: Exec = LOCAL, compile_decode: bool = False,
-          record_routes: bool = False, max_model_len: int | None = None, memory_utilization: float | None = None,
-          seed: int = 0):
-    """The rollout engine ``name`` for this rank (``ex``: its execution context in the rollout layout).
-    ``max_model_len`` (the longest prompt plus response; default the model's positions), ``memory_utilization``
-    and ``seed`` are vLLM's."""
-    if name == "builtin":
-        return BuiltinEngine(cfg, sampling, ex=ex, compile_decode=compile_decode, record_routes=record_routes)
-    if name == "vllm":
-        from rlflow.engines.vllm import VLLMEngine
-
-        return VLLMEngine(cfg, sampling, ex=ex, compile_decode=compile_decode, record_routes=record_routes,
-                          max_model_len=max_model_len or cfg.max_position_embeddings,
-                          memory_utilization=memory_utilization, seed=seed)
-    raise ValueError(f"rollout engine {name!r}: expected one of {ENGINES}")
-
-
-__all__ = ["BuiltinEngine", "ENGINES", "build"]
+__all__ = ["BuiltinEngine", "Capabilities", "EngineKind", "Options", "RolloutEngine", "build", "capabilities", "check",
+           "kind", "names", "option_problems", "register", "unsupported"]

@@ -4,6 +4,7 @@ in any tensor / expert parallel layout, through the rank's execution context."""
 from __future__ import annotations
 
 from rlflow.batch import PromptBatch, RolloutBatch
+from rlflow.engines.base import Capabilities, EngineKind, register
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import LOCAL, Exec
 from rlflow.rollout import SamplingConfig, generate, serve
@@ -14,6 +15,7 @@ class BuiltinEngine:
 
     ``compile_decode``: the decode step through torch.compile (``rollout.generate``); ``record_routes``:
     the MoE expert choices of every token travel with the rows (Rollout Routing Replay)."""
+    capabilities = Capabilities(serve=True, partial_rollout=True, routes=True, sharded=True, compile_decode=True)
 
     def __init__(self, cfg: ModelConfig, sampling: SamplingConfig, *, ex: Exec = LOCAL, compile_decode: bool = False,
                  record_routes: bool = False):
@@ -58,4 +60,9 @@ class BuiltinEngine:
         pass
 
 
-__all__ = ["BuiltinEngine"]
+KIND = register(EngineKind(
+    "builtin", BuiltinEngine.capabilities,
+    lambda cfg, sampling, ex, o: BuiltinEngine(cfg, sampling, ex=ex, compile_decode=o.compile_decode,
+                                               record_routes=o.record_routes)))
+
+__all__ = ["BuiltinEngine", "KIND"]

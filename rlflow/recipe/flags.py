@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlflow import optim
+from rlflow import engines, optim
 from rlflow.algos import estimators, grpo
 from rlflow.algos.corrections import IS_LEVELS, IS_MODES
-from rlflow.engines import ENGINES
 from rlflow.runtime.config import ROUTING_REPLAY
 
 
@@ -181,7 +180,7 @@ def choices() -> dict[str, list[str]]:
             "kl_estimator": list(grpo.KL_ESTIMATORS), "loss_agg": list(grpo.LOSS_AGGS),
             "policy_loss": list(grpo.POLICY_LOSSES), "adv_estimator": list(estimators.ADV_ESTIMATORS),
             "rollout_is": list(IS_LEVELS), "rollout_is_mode": list(IS_MODES), "routing_replay": list(ROUTING_REPLAY),
-            "rollout_engine": list(ENGINES)}
+            "rollout_engine": list(engines.names())}
 
 
 __all__ = ["Recipe", "choices"]

@@ -14,7 +14,7 @@ from collections import Counter
 
 import torch
 
-from rlflow import metrics
+from rlflow import engines, metrics
 from rlflow.algos.corrections import LogprobMismatchError
 from rlflow.data import PromptTooLong
 from rlflow.dock.proc_backend import DockLost
@@ -244,7 +244,7 @@ def rollout_figures(conf) -> tuple[str, ...]:
     """What a rollout rank of separate pools reports beyond ``pools.FIGURES``: multi-turn rollouts' figures, and
     vLLM's weight loads."""
     turns = () if conf.multiturn is None else figure_names(conf.multiturn)
-    return turns + (pools.ENGINE_LOADS if conf.rollout_engine == "vllm" else ())
+    return turns + engines.kind(conf.rollout_engine).figures
 
 
 def _produce(rank: int, world: int, r: Recipe, dock, spec: RunSpec, link) -> list[dict]:

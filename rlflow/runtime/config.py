@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlflow import optim
+from rlflow import engines, optim
 from rlflow.algos import critic as critics, grpo
-from rlflow.engines import ENGINES
 from rlflow.models.config import ModelConfig
 from rlflow.multiturn import MultiTurnConfig, check_budget
 from rlflow.rollout import SamplingConfig
@@ -31,7 +30,7 @@ class LoopConfig:
     lr_schedule: str = "constant"  # after the warm-up: constant, cosine or linear decay (optim.lr_at)
     min_lr_ratio: float = 0.0  # the decay ends at optim.lr * this, on the run's last step
     compile_decode: bool = False  # rollout's decode step through torch.compile (see rollout.generate)
-    rollout_engine: str = "builtin"  # engines.ENGINES: rlflow's own, or vLLM in the rank's process
+    rollout_engine: str = "builtin"  # engines.names(): rlflow's own, or vLLM in the rank's process
     # vLLM's gpu_memory_utilization (on a CPU a share of host memory); None: 0.5 on an accelerator, 0.2 on a CPU
     vllm_memory_utilization: float | None = None
     seed: int = 0
@@ -85,8 +84,11 @@ class LoopConfig:
             raise ValueError(f"dock_timeout_s={self.dock_timeout_s} must be > 0 (None: no limit)")
         if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ValueError(f"max_staleness={self.max_staleness!r} must be an integer >= 0")
-        if self.rollout_engine not in ENGINES:
-            raise ValueError(f"rollout_engine={self.rollout_engine!r}: expected one of {ENGINES}")
+        if self.rollout_engine not in engines.names():
+            raise ValueError(f"rollout_engine={self.rollout_engine!r}: expected one of {engines.names()}")
+        for name, why in engines.option_problems(self.rollout_engine,
+                                                 {"vllm_memory_utilization": self.vllm_memory_utilization})[:1]:
+            raise ValueError(f"{name}={getattr(self, name)} {why}, not of {self.rollout_engine}")
         if self.vllm_memory_utilization is not None and not 0 < self.vllm_memory_utilization <= 1:
             raise ValueError(f"vllm_memory_utilization={self.vllm_memory_utilization} must be in (0, 1]")
         if self.routing_replay not in ROUTING_REPLAY:

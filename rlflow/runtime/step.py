@@ -56,7 +56,7 @@ class StepContext:
     flow: DockFlow | MemoryFlow
     dock_columns: list[str]  # what the train group takes from the dock (``dock_columns``)
     weights: Weights
-    engine: object  # engines.build: the seam load / generate / release
+    engine: engines.RolloutEngine | None  # engines.build (None on the train pool's ranks)
     update_config: stages.UpdateConfig  # the policy's mini- / micro-batches per data rank, in the train layout
     critic_update_config: stages.UpdateConfig  # the same in the critic's layout
     pool: object = None  # separate pools, on a train rank: its end of the link (``runtime.pools.TrainSide``)
@@ -120,9 +120,9 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
     max_len = cfg.max_position_embeddings if conf.multiturn is not None else \
         (conf.max_prompt_len or cfg.max_position_embeddings) + conf.sampling.max_new_tokens
     engine = None if pool == "train" else engines.build(
-        conf.rollout_engine, cfg, conf.sampling, ex=where.rollout_ex, compile_decode=conf.compile_decode,
-        record_routes=routes, seed=conf.seed, max_model_len=min(max_len, cfg.max_position_embeddings),
-        memory_utilization=conf.vllm_memory_utilization)
+        conf.rollout_engine, cfg, conf.sampling, ex=where.rollout_ex, options=engines.Options(
+            compile_decode=conf.compile_decode, record_routes=routes, seed=conf.seed,
+            max_model_len=min(max_len, cfg.max_position_embeddings), memory_utilization=conf.vllm_memory_utilization))
     critic_ucfg = ucfg if placement is None else dataclasses.replace(ucfg, layout=placement.critic)
     multiturn = None
     if conf.multiturn is not None and pool != "train":
