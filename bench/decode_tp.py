@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from rlflow.models import qwen3_moe
+from rlflow.models import decoder
 from rlflow.models.config import get_config
 from rlflow.rollout import SamplingConfig, generate
 from rlflow.runtime.launch import spawn
@@ -60,7 +60,7 @@ def _tp_worker(rank, world, a):
     cfg = get_config(a.preset)
     layout = msh.layout(cfg, Mesh(tp=world), dtype=torch.float32)
     ex = context.context(layout, cfg)
-    local = context.shard_params(qwen3_moe.init_params(cfg, seed=0), layout, rank)
+    local = context.shard_params(decoder.init_params(cfg, seed=0), layout, rank)
     spent = [0.0]
 
     def timed(fn):
@@ -89,7 +89,7 @@ def main():
     a = ap.parse_args()
     cfg = get_config(a.preset)
     torch.set_num_threads(2)
-    wall1, ids1 = _run(qwen3_moe.init_params(cfg, seed=0), cfg, a)
+    wall1, ids1 = _run(decoder.init_params(cfg, seed=0), cfg, a)
     res = spawn(_tp_worker, 2, a, backend="gloo")
     wall2 = max(r["wall"] for r in res)
     toks = a.batch * a.new_tokens

@@ -176,7 +176,7 @@ def main(argv=None) -> dict:
     src = _use_rlflow_from(os.path.abspath(a.rlflow_src))
     import rlflow
     from rlflow.data import PromptSource, prompt_batch
-    from rlflow.models import hf, qwen3_moe
+    from rlflow.models import decoder, hf
     from rlflow.runtime import loop
     if not os.path.abspath(rlflow.__file__).startswith(src["src"] + os.sep):
         raise SystemExit(f"rlflow imported from {rlflow.__file__}, not from --rlflow-src {src['src']}")
@@ -244,9 +244,9 @@ def main(argv=None) -> dict:
     # same initial weights: logits of the first step's prompts from both implementations
     pb = prompt_batch(examples[:P], tok).to(dev)
     with torch.no_grad():
-        pos = qwen3_moe.positions_from_valid(pb.prompt_mask_BTp)
-        h, _, _ = qwen3_moe.forward(params, cfg, pb.prompt_ids_BTp, pos, valid_BT=pb.prompt_mask_BTp)
-        ours = qwen3_moe.logits(params, cfg, h)
+        pos = decoder.positions_from_valid(pb.prompt_mask_BTp)
+        h, _, _ = decoder.forward(params, cfg, pb.prompt_ids_BTp, pos, valid_BT=pb.prompt_mask_BTp)
+        ours = decoder.logits(params, cfg, h)
         theirs = model(input_ids=pb.prompt_ids_BTp, attention_mask=pb.prompt_mask_BTp.long(),
                        position_ids=pos).logits
         init_diff = float((ours - theirs.to(ours.dtype))[pb.prompt_mask_BTp].abs().max())

@@ -83,7 +83,7 @@ def rollout(mode: str, a, seed: int) -> dict:
 
     from rlflow import multiturn
     from rlflow.data import PromptSource, prompt_batch
-    from rlflow.models import qwen3_moe
+    from rlflow.models import decoder
     from rlflow.models.config import get_config
     from rlflow.rewards import per_sample
     from rlflow.rollout import SamplingConfig
@@ -92,7 +92,7 @@ def rollout(mode: str, a, seed: int) -> dict:
     tok = CharTokenizer()
     cfg = get_config(a.preset).replace(eos_token_id=tok.eos_id)
     eng = make_engine(a, cfg, SamplingConfig(max_new_tokens=a.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id))
-    eng.load(qwen3_moe.init_params(cfg, seed=seed))
+    eng.load(decoder.init_params(cfg, seed=seed))
     Sleepy.max_latency_s = a.max_latency_ms / 1000
     sys.modules["bench_multiturn"] = sys.modules[__name__]
     mt = multiturn.MultiTurn(multiturn.MultiTurnConfig(env="bench_multiturn:Sleepy", max_turns=a.max_turns),

@@ -20,7 +20,7 @@ import time
 import torch
 
 from rlflow.data import PromptSource, prompt_batch
-from rlflow.models import hf, qwen3_moe
+from rlflow.models import decoder, hf
 from rlflow.models.config import get_config
 from rlflow.rollout import SamplingConfig, generate
 from rlflow.tokenizer import CharTokenizer
@@ -85,7 +85,7 @@ def main(argv=None):
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
     tok = CharTokenizer()
     cfg = get_config(a.preset).replace(eos_token_id=tok.eos_id)
-    params = qwen3_moe.init_params(cfg, seed=a.seed, dtype=dtype, device=dev)
+    params = decoder.init_params(cfg, seed=a.seed, dtype=dtype, device=dev)
     P = a.batch // a.group_size
     prompts = prompt_batch(PromptSource(task="max_digit", seed=a.seed).take(P), tok).to(dev)
 

@@ -23,7 +23,7 @@ import torch
 from rlflow.data import PromptSource, prompt_batch
 from rlflow.engines import BuiltinEngine
 from rlflow.engines.vllm import VLLMEngine
-from rlflow.models import qwen3_moe
+from rlflow.models import decoder
 from rlflow.models.config import get_config
 from rlflow.rollout import SamplingConfig
 from rlflow.tokenizer import CharTokenizer
@@ -40,7 +40,7 @@ def main(argv=None):
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
     tok = CharTokenizer()
     cfg = get_config(a.preset).replace(eos_token_id=tok.eos_id)
-    params = qwen3_moe.init_params(cfg, seed=a.seed, dtype=dtype, device=dev)
+    params = decoder.init_params(cfg, seed=a.seed, dtype=dtype, device=dev)
     G = a.group_size
     prompts = prompt_batch(PromptSource(task="max_digit", seed=a.seed).take(a.batch // G), tok).to(dev)
     scfg = SamplingConfig(max_new_tokens=a.new_tokens, eos_id=-1, pad_id=tok.pad_id, temperature=1.0)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from rlflow.batch import PromptBatch, RolloutBatch, extend, pad
-from rlflow.models import qwen3_moe as model
+from rlflow.models import decoder as model
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import LOCAL, Exec
 from rlflow.ops import counter_keys, counter_noise, sample

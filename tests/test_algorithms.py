@@ -174,7 +174,7 @@ def test_a_reward_that_leaves_samples_unscored_trains_on_the_others(adv):
     from rlflow import optim
     from rlflow.algos import critic
     from rlflow.data import PromptSource
-    from rlflow.models import qwen3_moe
+    from rlflow.models import decoder
     from rlflow.models.config import get_config
     from rlflow.rollout import SamplingConfig
     from rlflow.runtime import loop
@@ -194,7 +194,7 @@ def test_a_reward_that_leaves_samples_unscored_trains_on_the_others(adv):
                            grpo=GRPOConfig(group_size=4, adv_estimator=adv), optim=optim.AdamWConfig(lr=1e-2),
                            sampling=SamplingConfig(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id),
                            critic=critic.CriticConfig(optim=optim.AdamWConfig(lr=1e-2)) if adv == "gae" else None)
-    params = qwen3_moe.init_params(cfg, seed=0)
+    params = decoder.init_params(cfg, seed=0)
     c = critic.Critic.from_policy(params, cfg) if adv == "gae" else None
     _, hist = loop.train(init(params, PromptSource(task="max_digit", seed=1), critic=c), context(cfg, tok, reward, lcfg))
     assert [h["unscored"] for h in hist] == [8, 8]
@@ -209,14 +209,14 @@ def test_mismatch_is_rounding_sized_on_one_float32_path_and_reported_for_a_bfloa
     (the same weights rounded to bfloat16) far outside it: the metric reports the engine mismatch."""
     from rlflow.algos import stages
     from rlflow.data import PromptSource, prompt_batch
-    from rlflow.models import qwen3_moe
+    from rlflow.models import decoder
     from rlflow.models.config import get_config
     from rlflow.rollout import SamplingConfig, generate
     from rlflow.tokenizer import CharTokenizer
 
     tok = CharTokenizer()
     cfg = get_config("qwen3-moe-tiny").replace(eos_token_id=tok.eos_id)
-    params = qwen3_moe.init_params(cfg, seed=3, std=0.3)
+    params = decoder.init_params(cfg, seed=3, std=0.3)
     prompts = prompt_batch(PromptSource(task="max_digit", seed=0).take(4), tok)
     scfg = SamplingConfig(max_new_tokens=6, eos_id=tok.eos_id, pad_id=tok.pad_id)
     diffs = {}

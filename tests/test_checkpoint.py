@@ -349,12 +349,12 @@ def test_a_full_disk_during_a_checkpoint_says_so_and_leaves_nothing_half_written
     from collections import namedtuple
 
     from rlflow.data import PromptSource
-    from rlflow.models import qwen3_moe
+    from rlflow.models import decoder
     from rlflow.models.config import get_config
     from rlflow.runtime.state import init
 
     cfg = get_config("qwen3-moe-tiny")
-    state = init(qwen3_moe.init_params(cfg, seed=0), PromptSource(task="max_digit"))
+    state = init(decoder.init_params(cfg, seed=0), PromptSource(task="max_digit"))
 
     def full(*a, **k):
         raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 1024 vs 0")

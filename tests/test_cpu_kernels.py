@@ -353,7 +353,7 @@ def test_model_forward_backward_with_and_without_kernels():
     and with torch ops, against float64: the kernels' rounding is of the same order as the torch ops'."""
     from rlflow.models import prefix
     from rlflow.models.config import get_config
-    from rlflow.models.qwen3_moe import init_params
+    from rlflow.models.decoder import init_params
 
     cfg = get_config("qwen3-moe-tiny")
     params = init_params(cfg, seed=1, std=0.2)

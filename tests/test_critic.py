@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from rlflow import optim
 from rlflow.algos import critic, estimators, grpo, stages
 from rlflow.batch import TrainBatch
-from rlflow.models import logprobs, qwen3_moe
+from rlflow.models import decoder, logprobs
 from rlflow.models.config import get_config
 from rlflow.models.shapes import VALUE_HEAD
 from rlflow.models.sharding import layout, model_shapes
@@ -114,7 +114,7 @@ def batch(params, seed=0, B=6, Tp=3, Tr=4):
 
 
 def test_the_critic_is_the_policy_with_a_value_head():
-    params = qwen3_moe.init_params(CFG, seed=1)
+    params = decoder.init_params(CFG, seed=1)
     c = critic.Critic.from_policy(params, CFG, seed=2)
     assert set(c.params) == set(model_shapes(CFG, head="value"))
     assert "lm_head.weight" not in c.params and c.params[VALUE_HEAD].shape == (1, CFG.hidden_size)
@@ -136,7 +136,7 @@ def test_the_critic_is_the_policy_with_a_value_head():
 
 
 def test_critic_update_fits_the_returns():
-    params = qwen3_moe.init_params(CFG, seed=1)
+    params = decoder.init_params(CFG, seed=1)
     c = critic.Critic.from_policy(params, CFG, seed=2)
     b = batch(params)
     old = critic.batched_values(c.params, CFG, b, micro_batch_size=6)
@@ -172,7 +172,7 @@ def test_the_policy_loss_takes_per_token_advantages():
 
 
 def test_batches_and_configs_refuse_a_missing_or_doubled_advantage():
-    params = qwen3_moe.init_params(CFG, seed=1)
+    params = decoder.init_params(CFG, seed=1)
     b = batch(params)
     with pytest.raises(ValueError, match="exactly one of advantages_B"):
         b.replace(token_advantages_BTr=torch.zeros(b.response_mask_BTr.shape))
@@ -277,7 +277,7 @@ def test_unscored_rows_take_no_part_in_gae_or_the_critic():
     torch.testing.assert_close(ret[keep], sub_r)
     assert bool((adv[~keep] == 0).all()) and bool((ret[~keep] == 0).all())
 
-    params = qwen3_moe.init_params(CFG, seed=1)
+    params = decoder.init_params(CFG, seed=1)
     b = batch(params)
     c = critic.Critic.from_policy(params, CFG, seed=2)
     old = critic.batched_values(c.params, CFG, b, micro_batch_size=6)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-from rlflow.models import deepseek, hf, qwen3_moe
+from rlflow.models import decoder, deepseek, hf
 from rlflow.models.config import ModelConfig, get_config
 from rlflow.rollout import SamplingConfig, generate
 from helpers import random_prompts, recipe_module
@@ -60,12 +60,12 @@ def inputs(B=3, T=11):
     valid = torch.ones(B, T, dtype=torch.bool)
     valid[1, :4] = False  # left padding
     valid[2, :1] = False
-    return ids, valid, qwen3_moe.positions_from_valid(valid)
+    return ids, valid, decoder.positions_from_valid(valid)
 
 
 def ours(params, cfg, ids, valid, pos):
     with torch.no_grad():
-        return qwen3_moe.logits(params, cfg, qwen3_moe.forward(params, cfg, ids, pos, valid_BT=valid)[0])
+        return decoder.logits(params, cfg, decoder.forward(params, cfg, ids, pos, valid_BT=valid)[0])
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
@@ -88,7 +88,7 @@ def test_rlflow_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path):
     tiny = get_config("deepseek-tiny")
     yarn = ModelConfig.from_hf({**tiny.to_hf(), "rope_parameters": YARN}).rope_scaling
     cfg = tiny.replace(vocab_size=V, rope_scaling=yarn)
-    params = qwen3_moe.init_params(cfg, seed=0, std=0.2)
+    params = decoder.init_params(cfg, seed=0, std=0.2)
     g = torch.Generator().manual_seed(5)
     params = {k: torch.randn(v.shape, generator=g) * 0.1 if k.endswith("e_score_correction_bias") else v
               for k, v in params.items()}
@@ -124,7 +124,7 @@ def test_the_multi_token_prediction_layer_is_skipped_on_load(tmp_path, caplog):
 
 def test_the_absorbed_decode_equals_the_expanded_attention():
     cfg = get_config("deepseek-tiny")
-    params = qwen3_moe.init_params(cfg, seed=2, std=0.3)
+    params = decoder.init_params(cfg, seed=2, std=0.3)
     a, H = "model.layers.0.self_attn.", cfg.num_attention_heads
     g = torch.Generator().manual_seed(3)
     B, S = 3, 9
@@ -142,8 +142,8 @@ def test_the_latent_cache_generates_what_recomputing_the_full_forward_gives():
     """Greedy decoding through the cache (one latent of r + p numbers per token and layer, absorbed decode,
     refilled slots) picks, at every step, the argmax of the full forward over the whole sequence so far."""
     cfg = get_config("deepseek-tiny")
-    params = qwen3_moe.init_params(cfg, seed=4, std=0.3)
-    cache = qwen3_moe.KVCache.allocate(cfg, 2, 16, dtype=torch.float32, device="cpu")
+    params = decoder.init_params(cfg, seed=4, std=0.3)
+    cache = decoder.KVCache.allocate(cfg, 2, 16, dtype=torch.float32, device="cpu")
     assert cache.k[0].shape == (2, 1, 16, cfg.kv_lora_rank + cfg.qk_rope_head_dim) and cache.v[0] is None
     prompts = random_prompts(cfg.vocab_size, 4, torch.Generator().manual_seed(6))
     n = 6
@@ -154,8 +154,8 @@ def test_the_latent_cache_generates_what_recomputing_the_full_forward_gives():
         for t in range(n):
             ids = torch.tensor([seq])
             with torch.no_grad():
-                h = qwen3_moe.forward(params, cfg, ids, torch.arange(len(seq))[None])[0]
-                nxt = int(qwen3_moe.logits(params, cfg, h)[0, -1].argmax())
+                h = decoder.forward(params, cfg, ids, torch.arange(len(seq))[None])[0]
+                nxt = int(decoder.logits(params, cfg, h)[0, -1].argmax())
             assert int(ro.response_ids_BTr[b, t]) == nxt, f"row {b} step {t}"
             seq.append(nxt)
 
@@ -242,7 +242,7 @@ def test_in_bfloat16_the_router_stays_float32_and_chooses_what_transformers_choo
         assert not torch.equal(pick(params[bias].to(torch.bfloat16)), want)  # rounded, the bias chooses others
     tiny = get_config("deepseek-tiny")
     src, dst = (layout(tiny, Mesh.parse(s, 2), dtype=torch.bfloat16) for s in ("tp=2", "dp=2"))
-    full = qwen3_moe.init_params(tiny, dtype=torch.bfloat16)
+    full = decoder.init_params(tiny, dtype=torch.bfloat16)
     assert all(src[n].dtype == full[n].dtype for n in src.names) and full[bias.replace("1", "2", 1)].dtype == torch.float32
     got, want = simulate(allgather_swap(src, dst), shard(full, src)), shard(full, dst)
     for r in (0, 1):

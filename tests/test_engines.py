@@ -13,7 +13,7 @@ import pytest
 from rlflow import engines, optim
 from rlflow.algos.grpo import GRPOConfig
 from rlflow.data import PromptSource
-from rlflow.models import qwen3_moe
+from rlflow.models import decoder
 from rlflow.models.config import get_config
 from rlflow.rollout import SamplingConfig, generate
 from rlflow.runtime import loop
@@ -75,7 +75,7 @@ def test_a_registered_engine_runs_the_step(toy):
     lcfg = loop.LoopConfig(steps=2, prompts_per_step=2, grpo=GRPOConfig(group_size=2), mini_batch_size=4,
                            micro_batch_size=4, optim=optim.AdamWConfig(), rollout_engine=toy.name,
                            sampling=SamplingConfig(max_new_tokens=3, eos_id=tok.eos_id, pad_id=tok.pad_id))
-    state = init(qwen3_moe.init_params(cfg, seed=0), PromptSource(task="max_digit"))
+    state = init(decoder.init_params(cfg, seed=0), PromptSource(task="max_digit"))
     _, history = loop.train(state, context(cfg, tok, lambda resp, ans: [float(r == ans) for r in resp], lcfg))
     (engine,) = GreedyEngine.built
     assert engine.calls == 2 and [h["greedy_calls"] for h in history] == [1.0, 2.0], history

@@ -17,13 +17,13 @@ from hypothesis import strategies as st
 from rlflow import rewards
 from rlflow.data import Example
 from rlflow.eval import Scores, cat, evaluate, pass_at_k, sample_scores, summarize
-from rlflow.models import qwen3_moe
+from rlflow.models import decoder
 from rlflow.models.config import get_config
 from rlflow.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
 CFG = get_config("qwen3-moe-tiny").replace(eos_token_id=TOK.eos_id)
-PARAMS = qwen3_moe.init_params(CFG, seed=0)
+PARAMS = decoder.init_params(CFG, seed=0)
 EXAMPLES = [Example(f"max:{d}=", max(d)) for d in ("381920", "112233", "907156", "444444", "012345", "765432",
                                                    "550055")]
 FIRST = set(CharTokenizer.CHARS[::2])  # a completion that starts with one of these is "correct"

@@ -12,7 +12,7 @@ from rlflow.data import PromptSource
 from rlflow.dock import Dock
 from rlflow.rewards import per_sample
 from rlflow.runtime.graph import GRPO
-from rlflow.models import qwen3_moe
+from rlflow.models import decoder
 from rlflow.models.config import get_config
 from rlflow.rollout import SamplingConfig
 from rlflow.runtime import loop
@@ -25,7 +25,7 @@ from rlflow.tokenizer import CharTokenizer
 def _run(dock, **gkw):
     tok = CharTokenizer()
     cfg = get_config("qwen3-moe-tiny").replace(eos_token_id=tok.eos_id)
-    params = qwen3_moe.init_params(cfg, seed=0)
+    params = decoder.init_params(cfg, seed=0)
     P, G = 4, 4
     gcfg = GRPOConfig(group_size=G, **gkw)
     mini = P * G if gcfg.epochs == 1 else P * G // 2
@@ -63,10 +63,10 @@ def test_a_continued_run_keeps_its_optimizer_state_and_lr_warm_up():
                            micro_batch_size=16, optim=optim.AdamWConfig(lr=3e-3), warmup_lr_steps=4,
                            sampling=SamplingConfig(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id))
     reward = per_sample(lambda resp, ans: len(resp) / 4)
-    _, h = loop.train(init(qwen3_moe.init_params(cfg, seed=0), PromptSource(task="sum_mod10", seed=1)),
+    _, h = loop.train(init(decoder.init_params(cfg, seed=0), PromptSource(task="sum_mod10", seed=1)),
                       context(cfg, tok, reward, lcfg))
     two = dataclasses.replace(lcfg, steps=2)
-    half, h1 = loop.train(init(qwen3_moe.init_params(cfg, seed=0), PromptSource(task="sum_mod10", seed=1)),
+    half, h1 = loop.train(init(decoder.init_params(cfg, seed=0), PromptSource(task="sum_mod10", seed=1)),
                           context(cfg, tok, reward, two))
     half, h2 = loop.train(half, context(cfg, tok, reward, lcfg))
     st = half.opt_state
@@ -79,7 +79,7 @@ def test_a_nan_reward_skips_the_update_and_repeated_ones_stop_the_run(caplog):
     """One NaN from a custom reward turned every parameter into NaN while training went on."""
     tok = CharTokenizer()
     cfg = get_config("qwen3-moe-tiny").replace(eos_token_id=tok.eos_id)
-    params = qwen3_moe.init_params(cfg, seed=0)
+    params = decoder.init_params(cfg, seed=0)
     P, G = 4, 4
     lcfg = loop.LoopConfig(steps=5, prompts_per_step=P, grpo=GRPOConfig(group_size=G), mini_batch_size=P * G,
                            micro_batch_size=P * G, optim=optim.AdamWConfig(lr=3e-3), max_bad_steps=3,
@@ -128,7 +128,7 @@ def test_steps_in_which_no_row_is_scored_stop_the_run():
 
     seen = []
     with pytest.raises(loop.NonFiniteError, match="steps 2..3: 2 steps in a row had no row scored"):
-        loop.train(init(qwen3_moe.init_params(cfg, seed=0), PromptSource(task="sum_mod10", seed=1)),
+        loop.train(init(decoder.init_params(cfg, seed=0), PromptSource(task="sum_mod10", seed=1)),
                    context(cfg, tok, reward, lcfg), hooks=[OnStep(seen.append)])
     assert [m["unscored"] for m in seen] == [P * G, 0, P * G, P * G]
 
@@ -161,7 +161,7 @@ def test_bf16_training_accumulates_gradients_in_float32(monkeypatch):
     monkeypatch.setattr(stages.optim, "step", spy)
     tok = CharTokenizer()
     cfg = get_config("qwen3-moe-tiny").replace(eos_token_id=tok.eos_id)
-    params = qwen3_moe.init_params(cfg, seed=0, dtype=torch.bfloat16)
+    params = decoder.init_params(cfg, seed=0, dtype=torch.bfloat16)
     lcfg = loop.LoopConfig(steps=1, prompts_per_step=4, grpo=GRPOConfig(group_size=4), mini_batch_size=16,
                            micro_batch_size=4, optim=optim.AdamWConfig(lr=3e-3),
                            sampling=SamplingConfig(max_new_tokens=4, eos_id=tok.eos_id, pad_id=tok.pad_id))
@@ -201,7 +201,7 @@ def test_an_update_that_makes_weights_non_finite_stops_the_run_before_any_checkp
     saved = []
     ck = hooks.Checkpointer(lambda name, s, keep: saved.append(name), every=1, keep_last=5, last=3,
                             say=lambda *a, **k: None)
-    params = qwen3_moe.init_params(cfg, seed=0)
+    params = decoder.init_params(cfg, seed=0)
     state = init(params, PromptSource(task="max_digit", seed=1),
                  critic=critics.Critic.from_policy(params, cfg) if ppo else None)
     with pytest.raises(loop.NonFiniteError, match="step 1: its update made 1 parameter tensors non-finite"):
@@ -222,7 +222,7 @@ def test_one_step_moves_the_policy_up_its_rows_with_positive_advantage():
 
     tok = CharTokenizer()
     cfg = get_config("qwen3-moe-tiny").replace(eos_token_id=tok.eos_id)
-    params = qwen3_moe.init_params(cfg, seed=0)
+    params = decoder.init_params(cfg, seed=0)
     P, G = 4, 8
     lcfg = loop.LoopConfig(steps=1, prompts_per_step=P, grpo=GRPOConfig(group_size=G), mini_batch_size=P * G,
                            micro_batch_size=P * G, optim=optim.AdamWConfig(lr=1e-4),

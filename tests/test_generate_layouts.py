@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import random_prompts
 
-from rlflow.models import qwen3_moe as qm
+from rlflow.models import decoder as qm
 from rlflow.models.config import get_config
 from rlflow.rollout import SamplingConfig, generate
 from rlflow.runtime.launch import spawn

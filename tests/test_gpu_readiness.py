@@ -440,7 +440,7 @@ def test_host_syncs_per_micro_batch_of_the_update_and_per_decode_step():
     from rlflow import optim
     from rlflow.algos import stages
     from rlflow.algos.grpo import GRPOConfig
-    from rlflow.models import qwen3_moe as model
+    from rlflow.models import decoder as model
     from rlflow.rollout import SamplingConfig, generate
     from helpers import random_prompts
 

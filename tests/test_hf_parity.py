@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers  # a declared test dependency: an install without it fails here, it does not skip
 
-from rlflow.models import hf, qwen3_moe
+from rlflow.models import decoder, hf
 
 TOL = 1e-4
 
@@ -57,11 +57,11 @@ def test_load_transformers_checkpoint_same_logits(kind, tmp_path):
     model.save_pretrained(tmp_path)
     cfg, params = hf.load(str(tmp_path))
     ids, valid = _inputs()
-    pos = qwen3_moe.positions_from_valid(valid)
+    pos = decoder.positions_from_valid(valid)
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=valid.long(), position_ids=pos).logits
-        h, aux, _ = qwen3_moe.forward(params, cfg, ids, pos, valid_BT=valid)
-        out = qwen3_moe.logits(params, cfg, h)
+        h, aux, _ = decoder.forward(params, cfg, ids, pos, valid_BT=valid)
+        out = decoder.logits(params, cfg, h)
     diff = (out - ref)[valid].abs().max().item()
     assert diff <= TOL, f"{kind}: max |logits - transformers| = {diff}"
     assert torch.isfinite(out).all()
@@ -78,11 +78,11 @@ def test_saved_checkpoint_loads_in_transformers(kind, tmp_path):
     assert (tmp_path / "dst" / hf.INDEX).exists()
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "dst", dtype=torch.float32).eval()
     ids, valid = _inputs(seed=3)
-    pos = qwen3_moe.positions_from_valid(valid)
+    pos = decoder.positions_from_valid(valid)
     with torch.no_grad():
         ref = loaded(input_ids=ids, attention_mask=valid.long(), position_ids=pos).logits
-        h, _, _ = qwen3_moe.forward(params, cfg, ids, pos, valid_BT=valid)
-        out = qwen3_moe.logits(params, cfg, h)
+        h, _, _ = decoder.forward(params, cfg, ids, pos, valid_BT=valid)
+        out = decoder.logits(params, cfg, h)
     assert (out - ref)[valid].abs().max().item() <= TOL
     cfg2, params2 = hf.load(str(tmp_path / "dst"))
     assert cfg2 == cfg and all(torch.equal(params[k], params2[k]) for k in params)
@@ -115,10 +115,10 @@ def test_a_config_without_norm_topk_prob_loads_as_transformers_reads_it(tmp_path
     assert ref_model.config.norm_topk_prob is False
     cfg, params = hf.load(str(tmp_path))
     ids, valid = _inputs()
-    pos = qwen3_moe.positions_from_valid(valid)
+    pos = decoder.positions_from_valid(valid)
     with torch.no_grad():
         ref = ref_model(input_ids=ids, attention_mask=valid.long(), position_ids=pos).logits
-        out = qwen3_moe.logits(params, cfg, qwen3_moe.forward(params, cfg, ids, pos, valid_BT=valid)[0])
+        out = decoder.logits(params, cfg, decoder.forward(params, cfg, ids, pos, valid_BT=valid)[0])
     assert (out - ref)[valid].abs().max().item() < TOL
 
 
@@ -168,12 +168,12 @@ def test_rope_scalings_give_the_same_logits(rope, tmp_path):
     cfg, params = hf.load(str(tmp_path))
     assert cfg.rope_scaling is not None and cfg.rope_scaling.kind == rope["rope_type"]
     ids, valid = _inputs()
-    pos = qwen3_moe.positions_from_valid(valid) + 20  # past the original context
+    pos = decoder.positions_from_valid(valid) + 20  # past the original context
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=valid.long(), position_ids=pos).logits
-        out = qwen3_moe.logits(params, cfg, qwen3_moe.forward(params, cfg, ids, pos, valid_BT=valid)[0])
-        plain = qwen3_moe.logits(params, cfg.replace(rope_scaling=None),
-                                 qwen3_moe.forward(params, cfg.replace(rope_scaling=None), ids, pos, valid_BT=valid)[0])
+        out = decoder.logits(params, cfg, decoder.forward(params, cfg, ids, pos, valid_BT=valid)[0])
+        plain = decoder.logits(params, cfg.replace(rope_scaling=None),
+                                 decoder.forward(params, cfg.replace(rope_scaling=None), ids, pos, valid_BT=valid)[0])
     assert (out - ref)[valid].abs().max().item() < TOL
     assert (plain - ref)[valid].abs().max().item() > 100 * TOL  # the scaling is really applied
 
@@ -182,7 +182,7 @@ def test_rope_scalings_give_the_same_logits(rope, tmp_path):
 def test_a_damaged_safetensors_file_is_refused_naming_it(damage, tmp_path):
     from rlflow.models.config import get_config
     cfg = get_config("qwen3-moe-tiny")
-    hf.save(str(tmp_path), cfg, qwen3_moe.init_params(cfg))
+    hf.save(str(tmp_path), cfg, decoder.init_params(cfg))
     f = tmp_path / hf.SINGLE
     data = f.read_bytes()
     noise = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
@@ -195,7 +195,7 @@ def test_saving_over_an_older_sharded_checkpoint_replaces_all_of_it(tmp_path):
     """The stale index of an older sharded checkpoint made ``load`` read the old weights."""
     from rlflow.models.config import get_config
     cfg = get_config("qwen3-moe-tiny")
-    old, new = qwen3_moe.init_params(cfg, seed=1), qwen3_moe.init_params(cfg, seed=2)
+    old, new = decoder.init_params(cfg, seed=1), decoder.init_params(cfg, seed=2)
     assert len(hf.save(str(tmp_path), cfg, old, max_shard_bytes=20_000)) > 1  # sharded, with an index
     hf.save(str(tmp_path), cfg, new)  # one file
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", hf.SINGLE]

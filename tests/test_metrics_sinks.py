@@ -188,7 +188,7 @@ def test_a_resumed_loop_continues_the_cosine_schedule():
     steps left): both calls follow the one 4-step schedule."""
     from rlflow.algos.grpo import GRPOConfig
     from rlflow.data import PromptSource
-    from rlflow.models import qwen3_moe
+    from rlflow.models import decoder
     from rlflow.models.config import get_config
     from rlflow.rollout import SamplingConfig
     from rlflow.runtime import loop
@@ -203,7 +203,7 @@ def test_a_resumed_loop_continues_the_cosine_schedule():
                            sampling=SamplingConfig(max_new_tokens=2, eos_id=tok.eos_id, pad_id=tok.pad_id))
     reward = lambda resp, ans: [float(len(r)) for r in resp]  # noqa: E731
     src, asked = PromptSource(task="max_digit"), []
-    state, h1 = loop.train(init(qwen3_moe.init_params(cfg, seed=0), src), context(cfg, tok, reward, lcfg),
+    state, h1 = loop.train(init(decoder.init_params(cfg, seed=0), src), context(cfg, tok, reward, lcfg),
                            should_stop=lambda: asked.append(1) or len(asked) == 2)
     _, h2 = loop.train(state, context(cfg, tok, reward, lcfg))
     assert [m["step"] for m in h1 + h2] == [0, 1, 2, 3]

@@ -17,7 +17,7 @@ from rlflow.algos import grpo, stages
 from rlflow.batch import PromptBatch, RolloutBatch, TrainBatch, extend, pad, unpad
 from rlflow.data import Example, prompt_batch
 from rlflow.engines import BuiltinEngine
-from rlflow.models import qwen3_moe as model
+from rlflow.models import decoder as model
 from rlflow.models.config import get_config
 from rlflow.models.logprobs import response_logprobs
 from rlflow.multiturn import MultiTurn, MultiTurnConfig, plain_render

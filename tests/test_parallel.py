@@ -16,7 +16,7 @@ import torch
 
 from rlflow.algos import grpo, stages
 from rlflow.batch import TrainBatch, pad
-from rlflow.models import qwen3_moe as qm
+from rlflow.models import decoder as qm
 from rlflow.models.config import get_config
 from rlflow.runtime.launch import spawn
 

@@ -4,7 +4,7 @@ import torch
 from helpers import random_prompts
 
 from rlflow.models import logprobs
-from rlflow.models import qwen3_moe as model
+from rlflow.models import decoder as model
 from rlflow.models.config import get_config
 from rlflow.ops.backends import cpu as cpu_kernels
 from rlflow.rollout import SamplingConfig, generate

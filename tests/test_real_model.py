@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlflow.batch import RolloutBatch
-from rlflow.models import gguf, hf, qwen3_moe
+from rlflow.models import decoder, gguf, hf
 from rlflow.models.logprobs import response_logprobs
 from rlflow.tokenizer import ChatTemplate, HFTokenizer
 
@@ -62,10 +62,10 @@ def test_the_packaged_model_converts_to_a_llama_checkpoint_with_its_tokenizer_an
 def test_logits_and_response_logprobs_equal_transformers_on_the_real_checkpoint(smol, reference):
     cfg, params = hf.load(smol)
     ids, valid = _chat_batch(smol, ["Name the capital of France.", "What is 7 + 15?", "Hi"])
-    pos = qwen3_moe.positions_from_valid(valid)
+    pos = decoder.positions_from_valid(valid)
     with torch.no_grad():
         ref = reference(input_ids=ids, attention_mask=valid.long(), position_ids=pos).logits
-        out = qwen3_moe.logits(params, cfg, qwen3_moe.forward(params, cfg, ids, pos, valid_BT=valid)[0])
+        out = decoder.logits(params, cfg, decoder.forward(params, cfg, ids, pos, valid_BT=valid)[0])
     scale = float(ref[valid].abs().max())
     assert float((out - ref)[valid].abs().max()) <= 1e-5 * scale, "logits differ from transformers'"
     # the response log-probs of a sampled-looking continuation: the trainer's path against transformers'
@@ -77,7 +77,7 @@ def test_logits_and_response_logprobs_equal_transformers_on_the_real_checkpoint(
         full = torch.cat([ids, resp], 1)
         fvalid = torch.cat([valid, rmask], 1)
         ref_lp = reference(input_ids=full, attention_mask=fvalid.long(),
-                           position_ids=qwen3_moe.positions_from_valid(fvalid)).logits.float().log_softmax(-1)
+                           position_ids=decoder.positions_from_valid(fvalid)).logits.float().log_softmax(-1)
         want = ref_lp[:, ids.shape[1] - 1:-1].gather(-1, (resp * rmask)[..., None])[..., 0]
         B = ids.shape[0]
         batch = RolloutBatch(prompt_ids_BTp=ids, prompt_mask_BTp=valid, index_B=torch.arange(B),

@@ -228,7 +228,7 @@ def _model_dir(d, kind: str):
 
     from rlflow.models import hf
     from rlflow.models.config import get_config
-    from rlflow.models import qwen3_moe
+    from rlflow.models import decoder
     from rlflow.tokenizer import CharTokenizer
 
     d.mkdir()
@@ -240,7 +240,7 @@ def _model_dir(d, kind: str):
     elif kind == "bad json":
         (d / "config.json").write_text("{bad")
     elif kind in ("no tokenizer", "truncated weights"):
-        hf.save(str(d), cfg, qwen3_moe.init_params(cfg, seed=0))
+        hf.save(str(d), cfg, decoder.init_params(cfg, seed=0))
         if kind == "truncated weights":
             CharTokenizer().save(str(d))
             w = d / hf.SINGLE

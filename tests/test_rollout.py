@@ -5,7 +5,7 @@ import torch
 from helpers import random_prompts
 
 from rlflow.algos import stages
-from rlflow.models import qwen3_moe as model
+from rlflow.models import decoder as model
 from rlflow.models.config import get_config
 from rlflow.rollout import SamplingConfig, _bucketed, generate
 

@@ -13,7 +13,7 @@ from helpers import random_prompts, recipe_module
 from rlflow.algos import stages
 from rlflow.batch import PromptBatch
 from rlflow.dock import Dock
-from rlflow.models import qwen3_moe as qm
+from rlflow.models import decoder as qm
 from rlflow.models.config import get_config
 from rlflow.ops import replay_routes, route, route_grouped
 from rlflow.rollout import SamplingConfig, generate

@@ -18,7 +18,7 @@ from rlflow.algos import critic as critics, grpo
 from rlflow.data import PromptSource
 from rlflow.dock.proc_backend import proc_dock
 from rlflow.dock.routing import route
-from rlflow.models import qwen3_moe
+from rlflow.models import decoder
 from rlflow.models.config import get_config
 from rlflow.multiturn import MultiTurnConfig
 from rlflow.rewards import per_sample
@@ -55,7 +55,7 @@ def lcfg(kl: float = 0.0, gae: bool = False, new_tokens: int = 4, mt: bool = Fal
 
 
 def full_params():
-    return qwen3_moe.init_params(CFG, seed=5, std=0.3)
+    return decoder.init_params(CFG, seed=5, std=0.3)
 
 
 def full_critic(gae: bool):

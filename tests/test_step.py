@@ -10,7 +10,7 @@ import pytest
 from rlflow import optim
 from rlflow.algos.grpo import GRPOConfig
 from rlflow.data import PromptSource
-from rlflow.models import qwen3_moe
+from rlflow.models import decoder
 from rlflow.models.config import get_config
 from rlflow.rollout import SamplingConfig
 from rlflow.runtime import hooks, loop
@@ -40,7 +40,7 @@ def _lcfg(**kw):
 def test_the_state_must_carry_what_the_loop_config_asks_for():
     tok = CharTokenizer()
     cfg = get_config("qwen3-moe-tiny").replace(eos_token_id=tok.eos_id)
-    params = qwen3_moe.init_params(cfg, seed=0)
+    params = decoder.init_params(cfg, seed=0)
     reward = lambda resp, ans: [0.0] * len(resp)  # noqa: E731
     with_kl = _lcfg(grpo=GRPOConfig(group_size=2, kl_coef=0.1))
     with pytest.raises(ValueError, match="needs the state's reference policy"):

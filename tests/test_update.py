@@ -9,7 +9,7 @@ from rlflow.algos import stages
 from rlflow.algos.estimators import group_advantages
 from rlflow.algos.grpo import GRPOConfig
 from rlflow.batch import TrainBatch, extend
-from rlflow.models import qwen3_moe as model
+from rlflow.models import decoder as model
 from rlflow.models.config import get_config
 from rlflow.rollout import SamplingConfig, generate
 

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from rlflow.engines.vllm import VLLMEngine
-from rlflow.models import qwen3_moe
+from rlflow.models import decoder
 from rlflow.models.config import PRESETS
 from rlflow.models.logprobs import response_logprobs
 from rlflow.rollout import SamplingConfig, generate
@@ -32,7 +32,7 @@ def an_eos(params, cfg, batch) -> int:
 
 def greedy(name: str) -> dict:
     cfg = PRESETS[name]
-    params = qwen3_moe.init_params(cfg, seed=1)
+    params = decoder.init_params(cfg, seed=1)
     batch = prompts(cfg)
     scfg = SamplingConfig(max_new_tokens=TN, eos_id=an_eos(params, cfg, batch), temperature=0)
     eng = VLLMEngine(cfg, scfg, max_model_len=64)
@@ -66,7 +66,7 @@ def pushes(cfg) -> dict:
     def diff(a, b):
         return float((a.sample_logprobs_BTr - b.sample_logprobs_BTr).abs().max())
 
-    a, b = qwen3_moe.init_params(cfg, seed=0), qwen3_moe.init_params(cfg, seed=1)
+    a, b = decoder.init_params(cfg, seed=0), decoder.init_params(cfg, seed=1)
     got_a, want_a = both(a)
     got_b, want_b = both(b)
     got_b2, _ = both(b)  # the same weights pushed twice
@@ -88,7 +88,7 @@ def pushes(cfg) -> dict:
 def sampled() -> dict:
     """Sampled at temperature 0.7: vLLM's log-probs of its tokens against the trainer's of the same tokens."""
     cfg = PRESETS["qwen3-moe-tiny"]
-    params = qwen3_moe.init_params(cfg, seed=2)
+    params = decoder.init_params(cfg, seed=2)
     batch = prompts(cfg, P=8, seed=5)
     scfg = SamplingConfig(max_new_tokens=TN, eos_id=cfg.vocab_size - 1, temperature=0.7)
     eng = VLLMEngine(cfg, scfg, max_model_len=64)
@@ -122,7 +122,7 @@ def multiturn() -> dict:
     from rlflow.multiturn import MultiTurn, MultiTurnConfig
     from rlflow.rewards import per_sample
     cfg = PRESETS["qwen3-moe-tiny"]
-    params = qwen3_moe.init_params(cfg, seed=1)
+    params = decoder.init_params(cfg, seed=1)
     batch = prompts(cfg, P=4, seed=7)
     scfg = SamplingConfig(max_new_tokens=6, eos_id=an_eos(params, cfg, batch), temperature=0)
 

@@ -15,7 +15,7 @@ from torch import Tensor
 from rlflow import optim
 from rlflow.algos import corrections, grpo
 from rlflow.batch import RolloutBatch, TrainBatch, unpad
-from rlflow.models import qwen3_moe as model
+from rlflow.models import decoder as model
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import LOCAL, Exec
 from rlflow.models.logprobs import response_logprobs

@@ -44,6 +44,7 @@ from rlflow.batch import PromptBatch, RolloutBatch, extend
 from rlflow.engines.base import Capabilities, EngineKind, Options, check, register
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import LOCAL, Exec
+from rlflow.models.families import vllm_model_types
 from rlflow.rollout import SamplingConfig
 
 # vLLM's INFO lines (and a warning per engine that a tokenizer-free engine cannot warm up a chat template)
@@ -71,8 +72,6 @@ def _import_vllm():
     return vllm
 
 
-# model types whose config.json vLLM loads as rlflow writes it
-ARCHITECTURES = ("qwen3_moe", "qwen2", "llama", "deepseek_v3")
 
 WHY_NOT = {
     "sharded": "it takes whole weights on each rank (vLLM's tensor parallelism over rlflow's ranks is not built): "
@@ -88,9 +87,8 @@ WHY_NOT = {
 def model_problems(cfg: ModelConfig) -> list[tuple[str, str]]:
     """(setting, why) for a model vLLM will not run as rlflow hands it over, found before it starts."""
     out = []
-    if cfg.model_type not in ARCHITECTURES:
-        out.append(("model", f"model_type {cfg.model_type!r} has no vLLM architecture mapped "
-                              f"({', '.join(ARCHITECTURES)})"))
+    if cfg.model_type not in (types := vllm_model_types()):  # whose config.json vLLM loads as rlflow writes it
+        out.append(("model", f"model_type {cfg.model_type!r} has no vLLM architecture mapped ({', '.join(types)})"))
     if cfg.mla and (sizes := _mla_head_sizes()) is not None:
         width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         if width not in sizes:
@@ -403,4 +401,4 @@ KIND = register(EngineKind("vllm", VLLMEngine.capabilities, _make, figures=("eng
                            options=("vllm_memory_utilization",), why_not=WHY_NOT, model_problems=model_problems,
                            missing=missing))
 
-__all__ = ["ARCHITECTURES", "KIND", "VLLMEngine", "generate", "missing", "model_problems", "serve"]
+__all__ = ["KIND", "VLLMEngine", "generate", "missing", "model_problems", "serve"]

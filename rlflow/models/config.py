@@ -1,7 +1,8 @@
 """Model configuration for the model families rlflow runs: Llama (Llama 2/3, SmolLM, ...), Qwen2 / Qwen2.5
 dense, Qwen3 dense, Qwen3-MoE and DeepSeek-V3 / R1.
 
-One frozen dataclass covers all of them, each family a set of switches over one decoder:
+One frozen dataclass covers all of them, each family a set of switches over one decoder (its row in
+``models/families.py`` says which):
 ``num_experts == 0`` is a dense model (Llama: dense, no bias, no qk norm); ``qk_norm`` is Qwen3's per-head
 RMSNorm on q and k; ``attention_bias`` Qwen2's bias on q/k/v; ``kv_lora_rank > 0`` is DeepSeek's Multi-head
 Latent Attention (``mla``); ``scoring_func == "sigmoid"`` DeepSeek-V3's group-limited sigmoid routing, with
@@ -20,10 +21,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from rlflow.models.families import FAMILIES
 from rlflow.ops import RopeScaling, yarn_mscale
-
-ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,8 +72,8 @@ class ModelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {v!r}")
-        if self.model_type not in ARCHITECTURES:
-            raise ValueError(f"ModelConfig.model_type={self.model_type!r} is not supported; known: {sorted(ARCHITECTURES)}")
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"ModelConfig.model_type={self.model_type!r} is not supported; known: {sorted(FAMILIES)}")
         if not self.num_key_value_heads:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if not self.head_dim:
@@ -96,9 +95,7 @@ class ModelConfig:
                                  f"num_attention_heads={self.num_attention_heads}")
             if self.qk_norm or self.attention_bias:
                 raise ValueError("ModelConfig: MLA has no qk_norm nor attention_bias (set both False)")
-        if self.model_type == "llama" and (self.qk_norm or self.attention_bias or self.num_experts):
-            raise ValueError(f"ModelConfig: llama has no qk_norm (got {self.qk_norm}), attention_bias (got "
-                             f"{self.attention_bias}) nor experts (got num_experts={self.num_experts}); set them off")
+        FAMILIES[self.model_type].refuse_config(self)
         if self.scoring_func not in ("softmax", "sigmoid"):
             raise ValueError(f"ModelConfig.scoring_func={self.scoring_func!r} is not implemented by rlflow "
                              "(softmax: Qwen3-MoE; sigmoid: DeepSeek-V3)")
@@ -160,8 +157,9 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, d: dict) -> "ModelConfig":
         mt = d.get("model_type", "qwen3_moe")
-        if mt not in ARCHITECTURES:
-            raise ValueError(f"config.json model_type={mt!r} is not supported ({', '.join(sorted(ARCHITECTURES))})")
+        if mt not in FAMILIES:
+            raise ValueError(f"config.json model_type={mt!r} is not supported ({', '.join(sorted(FAMILIES))})")
+        fam = FAMILIES[mt]
         theta, scaling = _rope_from_hf(d)
         act = d.get("hidden_act", "silu")
         if act != "silu":
@@ -184,16 +182,15 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 32768),
             tie_word_embeddings=d.get("tie_word_embeddings", False), model_type=mt,
             bos_token_id=d.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos)
-        if mt == "deepseek_v3":
+        if fam.mla:
             return cls(**common, **_deepseek_from_hf(d))
-        if mt == "llama":
-            _refuse_llama(d)
-        n_exp = d.get("num_experts", d.get("num_local_experts", 0)) if mt.endswith("moe") else 0
+        fam.refuse_json(d)
+        n_exp = d.get("num_experts", d.get("num_local_experts", 0)) if fam.experts else 0
         return cls(
             **common, num_key_value_heads=d.get("num_key_value_heads", heads),
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            attention_bias=d.get("attention_bias", mt.startswith("qwen2")),
-            qk_norm=mt.startswith("qwen3"),
+            attention_bias=d.get("attention_bias", fam.attention_bias),
+            qk_norm=fam.qk_norm,
             num_experts=n_exp or 0, num_experts_per_tok=d.get("num_experts_per_tok", 0) if n_exp else 0,
             moe_intermediate_size=d.get("moe_intermediate_size", 0) if n_exp else 0,
             # transformers' Qwen3MoeConfig defaults it to False when config.json leaves it out (a dense model has
@@ -205,13 +202,14 @@ class ModelConfig:
         )
 
     def to_hf(self) -> dict:
+        fam = FAMILIES[self.model_type]
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
             r = self.rope_scaling
             rope = {**rope, "rope_type": r.kind, "factor": r.factor,
                     **{k: getattr(r, k) for k in r.FIELDS[r.kind] if getattr(r, k) is not None}}
         d = dict(
-            architectures=[ARCHITECTURES[self.model_type]], model_type=self.model_type, vocab_size=self.vocab_size,
+            architectures=[fam.hf_architecture], model_type=self.model_type, vocab_size=self.vocab_size,
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads, hidden_act="silu",
@@ -222,7 +220,7 @@ class ModelConfig:
         )
         if self.rope_scaling is not None:  # transformers 4.x reads the scaling from here (the key "type" before 4.45)
             d["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"} | {"type": self.rope_scaling.kind}
-        if self.model_type == "deepseek_v3":
+        if fam.mla:
             d.update(q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
                      qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
                      v_head_dim=self.v_head_dim, rope_interleave=self.rope_interleave,
@@ -233,10 +231,8 @@ class ModelConfig:
                      routed_scaling_factor=self.routed_scaling_factor, scoring_func="sigmoid",
                      topk_method="noaux_tc", num_nextn_predict_layers=0)
             return d
-        d["head_dim"] = self.head_dim
-        if self.model_type == "llama":
-            d.update(mlp_bias=False, pretraining_tp=1)
-        if self.model_type == "qwen3_moe":
+        d.update(head_dim=self.head_dim, **fam.hf_extra)
+        if fam.experts:
             d.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
                      num_experts_per_tok=self.num_experts_per_tok,
                      moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
@@ -281,16 +277,6 @@ def _rope_from_hf(d: dict) -> tuple[float, RopeScaling | None]:
         beta_fast=float(r.get("beta_fast") or 32), beta_slow=float(r.get("beta_slow") or 1),
         mscale=r.get("mscale"), mscale_all_dim=r.get("mscale_all_dim"), attention_factor=r.get("attention_factor"),
         truncate=bool(r.get("truncate", True)))
-
-
-def _refuse_llama(d: dict) -> None:
-    """The Llama fields rlflow does not implement, refused by name: biases on the MLP's or the attention's
-    projections. (``pretraining_tp`` only splits the same matmuls: read as any value.)"""
-    if d.get("mlp_bias"):
-        raise ValueError("config.json mlp_bias=true is not implemented by rlflow for llama (the MLP has no bias)")
-    if d.get("attention_bias"):
-        raise ValueError("config.json attention_bias=true is not implemented by rlflow for llama (Llama's bias "
-                         "covers o_proj too; rlflow's attention bias is Qwen2's, on q/k/v only)")
 
 
 def _deepseek_from_hf(d: dict) -> dict:

@@ -4,7 +4,7 @@ Legend: B batch, T tokens of this call, S key positions, D model dim, H the view
 latent (``kv_lora_rank``), n / p the per-head non-rotary / rotary q·k dims (``qk_nope_head_dim`` /
 ``qk_rope_head_dim``), v the value dims.
 
-The decoder around it is ``models/qwen3_moe.py`` (one decoder for every family; DeepSeekMoE is its MoE
+The decoder around it is ``models/decoder.py`` (one decoder for every family; DeepSeekMoE is its MoE
 block with sigmoid group-limited routing and shared experts). MLA as transformers'
 ``DeepseekV3Attention`` computes it:
 
@@ -84,7 +84,7 @@ def _absorbed(P: dict, cfg: ModelConfig, a: str, q: Tensor, kv_BSL: Tensor, head
 def attention_block(view: View, cfg: ModelConfig, layer: int, x_BTD: Tensor, cos: Tensor, sin: Tensor,
                     mask: Tensor | None, cache=None, cache_slots=None) -> Tensor:
     """MLA of x's tokens (and, with a cache, of the cached ones before them) on the view's heads, before
-    ``view.leave``. The cache's layer buffer is [B, 1, S_max, r + p] (``qwen3_moe.KVCache``)."""
+    ``view.leave``. The cache's layer buffer is [B, 1, S_max, r + p] (``decoder.KVCache``)."""
     a = f"model.layers.{layer}.self_attn."
     P, H = view.params, view.heads
     q = _queries(P, cfg, a, x_BTD, H)

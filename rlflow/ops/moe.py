@@ -121,7 +121,7 @@ def moe_experts_reference(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_E2
 
 def prepare_experts(gate_up_E2FD: Tensor, down_EDF: Tensor) -> tuple | None:
     """What the inference path of ``moe_experts(prepared=...)`` wants of a layer's expert weights, computed
-    once per rollout (``qwen3_moe.fuse_for_inference``) and opaque to the caller; None where no
+    once per rollout (``decoder.fuse_for_inference``) and opaque to the caller; None where no
     inference kernel would use it, so nothing is copied for nothing (the device's ``prepare_experts``
     entry decides: today the CPU small-experts kernel's transposed weights)."""
     return registry.run("prepare_experts", gate_up_E2FD.device, gate_up_E2FD, down_EDF)

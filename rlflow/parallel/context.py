@@ -1,5 +1,5 @@
 """One rank of a layout as the model's execution context: the seams of ``rlflow.models.execution`` with
-TP, EP and PP (Megatron), so ``models/qwen3_moe.py`` trains and generates sharded with no code of its own.
+TP, EP and PP (Megatron), so ``models/decoder.py`` trains and generates sharded with no code of its own.
 
 Legend: B batch, T tokens, D model dim, H / K query / key-value heads, Hl / Kl the local ones, d head dim,
 N tokens, E experts, V vocab.
@@ -40,7 +40,7 @@ from torch import Tensor
 
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import Exec, Params, View, lm_head
-from rlflow.models.qwen3_moe import QKV_W
+from rlflow.models.decoder import QKV_W
 from rlflow.models.sharding import executable_specs
 from rlflow.parallel import ep, pp, tp
 from rlflow.parallel.collectives import all_gather, copy_to, copy_to_many, reduce_from

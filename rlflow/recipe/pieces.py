@@ -16,7 +16,7 @@ from rlflow.algos.critic import CriticConfig
 from rlflow.data import TASKS, Example, eval_task, PromptSource, apply_chat_template, load_examples
 from rlflow.dock import Dock
 from rlflow.dock.proc_backend import node_dock, proc_dock
-from rlflow.models import hf, qwen3_moe
+from rlflow.models import decoder, hf
 from rlflow.models.config import ModelConfig, get_config
 from rlflow.models.sharding import layout
 from rlflow.envs.tools import load_tools, schema
@@ -122,7 +122,7 @@ def load_model(r: Recipe):
         if cfg.vocab_size < tok.vocab_size:
             raise ValueError(f"--preset {r.preset}: vocab_size {cfg.vocab_size} < built-in tokenizer's {tok.vocab_size}")
         cfg = cfg.replace(eos_token_id=tok.eos_id)
-        params = qwen3_moe.init_params(cfg, seed=r.seed, dtype=dtype, device=dev)
+        params = decoder.init_params(cfg, seed=r.seed, dtype=dtype, device=dev)
     return cfg, params, tok, dev
 
 
