@@ -322,13 +322,13 @@ def test_gloo_across_hosts_gets_the_interface_towards_master_addr(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setattr(socket, "gethostname", lambda: "localhost")  # a name /etc/hosts maps to 127.0.0.1
     name = launch.gloo_interface(here)
-    assert name is not None and name != "lo" and launch._ipv4_of(name) == here
+    assert name is not None and name != "lo" and launch.world._ipv4_of(name) == here
     assert launch.gloo_interface("127.0.0.1") is None  # one host
     # the master's own host, MASTER_ADDR its name (a loopback address there): the default route's interface
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert launch.gloo_interface("127.0.0.1") == name
-    monkeypatch.setattr(launch, "_ipv4_of", lambda n: None)  # no interface can be told: gloo's choice, said
+    monkeypatch.setattr(launch.world, "_ipv4_of", lambda n: None)  # no interface can be told: gloo's choice, said
     with pytest.warns(RuntimeWarning, match="set GLOO_SOCKET_IFNAME"):
         assert launch.gloo_interface(here) is None
     monkeypatch.undo()
@@ -427,7 +427,7 @@ def test_torchrun_on_two_hosts_whose_names_resolve_to_the_loopback(tmp_path):
 
     if shutil.which("ip") is None or os.geteuid() != 0:
         pytest.skip("needs root and iproute2 (network namespaces)")
-    if not launch._is_loopback(socket.gethostname()):
+    if not launch.world._is_loopback(socket.gethostname()):
         pytest.skip("this host's name does not resolve to a loopback address: nothing to show")
     tag = uuid.uuid4().hex[:6]
     ns, links, procs = [f"rlh1{tag}", f"rlh2{tag}"], [f"rlv1{tag}", f"rlv2{tag}"], []
