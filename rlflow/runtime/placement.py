@@ -29,9 +29,6 @@ from rlflow.sharding.dist import all_reduce, create_groups
 from rlflow.sharding.layout import Layout
 from rlflow.sharding.mesh import Mesh
 
-PLACEMENTS = ("colocated",)
-
-
 @dataclass(frozen=True)
 class Placement:
     """The layouts of a world of more than one rank: the rollout in ``rollout``, the old and reference
@@ -42,15 +39,12 @@ class Placement:
     train: Layout
     rollout: Layout
     critic: Layout | None = None
-    kind: str = "colocated"
 
     def __post_init__(self):
-        if self.kind not in PLACEMENTS:
-            raise ValueError(f"Placement.kind={self.kind!r}: expected one of {PLACEMENTS} (separate device pools "
-                             "are not built yet)")
         if self.train.mesh.size != self.rollout.mesh.size:
             raise ValueError(f"Placement: the train layout's {self.train.mesh} and the rollout layout's "
-                             f"{self.rollout.mesh} must span the same ranks (separate device pools are not built)")
+                             f"{self.rollout.mesh} must span the same ranks (separate device pools are a world "
+                             "each, with a placement of its own: runtime/pools.py)")
         if self.critic is not None and self.critic.mesh != self.train.mesh:
             raise ValueError(f"Placement: the critic's layout ({self.critic.mesh}) must be on the train layout's mesh "
                              f"({self.train.mesh}): it reads the update's rows")
@@ -116,4 +110,4 @@ def seats(placement: Placement | None, cfg: ModelConfig) -> Seats:
     return Seats(placement, dist.get_rank(), rollout_ex=context(placement.rollout, cfg), train_ex=train_ex)
 
 
-__all__ = ["PLACEMENTS", "Placement", "Seats", "seats"]
+__all__ = ["Placement", "Seats", "seats"]
