@@ -24,6 +24,9 @@ class Capabilities:
     sleep: bool = False  # frees its device memory while the update runs (``release``)
 
 
+# what an engine that holds a copy of the weights reports of each load (``figures()``): seconds and bytes
+LOAD_FIGURES = ("engine_load_s", "engine_load_bytes")
+
 # what each capability is, as the refusal says it, and the setting (the recipe's flag) that asks for it
 NEEDS = {"partial_rollout": ("partial_rollout", "swap weights mid-generation"),
          "routes": ("routing_replay", "record the rollout's expert choices"),

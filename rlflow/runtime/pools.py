@@ -30,14 +30,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rlflow.engines.base import LOAD_FIGURES
 from rlflow.sharding.execute import push_pieces, push_place, push_slots
 from rlflow.sharding.plan import PushPlan
 
 # what a rollout rank reports of each step it produced (float64, in this order); ``final``: its last message
 FIGURES = ("step", "version", "final", "wait_s", "rollout_time_s", "score_time_s", "prompt_tokens",
            "response_tokens", "reward_sum", "reward_sq", "scored", "bad_rewards", "rows")
-# what a rollout rank running vLLM adds: its last weight load, in the step that loaded a version (else 0)
-ENGINE_LOADS = ("engine_load_s", "engine_load_bytes")
+# what a rollout rank whose engine holds a copy of the weights (vLLM) adds: its last weight load, in the step that
+# loaded a version (else 0)
+ENGINE_LOADS = LOAD_FIGURES
 _HEADER, _PIECE = 0, 1  # tags on the push group
 
 
