@@ -90,7 +90,7 @@ def test_what_an_engine_cannot_do_is_refused_by_its_capabilities(toy):
     assert got["partial_rollout"].endswith("it has no decode loop of its own"), got
     assert engines.unsupported("builtin", cfg, sharded=True, compile_decode=True, record_routes=True,
                                partial_rollout=True) == []
-    with pytest.raises(ValueError, match="routing_replay: the toy-greedy engine does not record"):
+    with pytest.raises(ValueError, match="routing_replay: records the rollout's expert choices, which the toy-greedy engine does not"):
         engines.check(toy.name, cfg, record_routes=True)
     with pytest.raises(ValueError, match="registered already"):
         engines.register(engines.EngineKind(toy.name, engines.Capabilities(), lambda *a: None))

@@ -28,10 +28,10 @@ class Capabilities:
 LOAD_FIGURES = ("engine_load_s", "engine_load_bytes")
 
 # what each capability is, as the refusal says it, and the setting (the recipe's flag) that asks for it
-NEEDS = {"partial_rollout": ("partial_rollout", "swap weights mid-generation"),
-         "routes": ("routing_replay", "record the rollout's expert choices"),
-         "sharded": ("rollout_layout", "run in a rollout layout that splits the model (tp or ep > 1)"),
-         "compile_decode": ("compile_decode", "compile its decode step")}
+NEEDS = {"partial_rollout": ("partial_rollout", "swaps weights mid-generation"),
+         "routes": ("routing_replay", "records the rollout's expert choices"),
+         "sharded": ("rollout_layout", "splits the model over the rollout ranks (tp or ep > 1)"),
+         "compile_decode": ("compile_decode", "compiles the decode step")}
 
 
 class RolloutEngine(Protocol):
@@ -117,7 +117,7 @@ def unsupported(name: str, cfg: ModelConfig | None = None, *, sharded: bool = Fa
         if wanted and not getattr(k.capabilities, cap):
             setting, what = NEEDS[cap]
             why = k.why_not.get(cap)
-            out.append((setting, f"the {name} engine does not {what}" + (f": {why}" if why else "")))
+            out.append((setting, f"{what}, which the {name} engine does not" + (f": {why}" if why else "")))
     return out + (k.model_problems(cfg) if cfg is not None else [])
 
 
