@@ -443,7 +443,7 @@ def test_the_built_in_multi_turn_task_learns_and_beats_one_turn(tmp_path):
     last = {}
     for turns in (2, 1):
         out = tmp_path / f"turns{turns}"
-        cmd = [sys.executable, os.path.join(os.path.dirname(HERE), "recipes", "grpo_qwen3_moe.py"), "--steps", "200",
+        cmd = [sys.executable, os.path.join(os.path.dirname(HERE), "recipes", "grpo_qwen3_moe.py"), "--steps", "150",
                "--env", "max_digit_feedback", "--max-turns", str(turns), "--out", str(out)]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]

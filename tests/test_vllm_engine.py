@@ -127,10 +127,11 @@ def test_vllm_world_2_equals_world_1(tmp_path):
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [2])
 def test_the_recipe_learns_with_vllm(tmp_path, world):
     """The built-in task from scratch with --rollout-engine vllm: the last 10 steps' mean reward at least 0.25
-    above the first 10's (the issue's bar; a stale or skipped weight push keeps it near 0)."""
+    above the first 10's (the issue's bar; a stale or skipped weight push keeps it near 0). World 2 only: one
+    process trains as two do (``test_vllm_world_2_equals_world_1``)."""
     hist, _ = _run(tmp_path, f"w{world}", "--world", str(world), steps=300)
     r = [m["reward_mean"] for m in hist]
     rise = sum(r[-10:]) / 10 - sum(r[:10]) / 10
