@@ -55,7 +55,7 @@ class GreedyEngine:
 
 
 TOY = engines.EngineKind("toy-greedy", GreedyEngine.capabilities, lambda cfg, s, ex, o: GreedyEngine(cfg, s, ex),
-                         figures=("greedy_calls",), why_not={"partial_rollout": "it has no decode loop of its own"})
+                         why_not={"partial_rollout": "it has no decode loop of its own"})
 # ---- end of the file ----
 
 

@@ -18,7 +18,8 @@ import torch
 from helpers import recipe_module
 from safetensors.torch import load_file
 
-from rlflow.runtime.pools import ENGINE_LOADS, FIGURES, Link, Pools, TrainSide
+from rlflow.runtime.pools import Link, Pools, TrainSide
+from rlflow.runtime.report import Figures, RolloutReport
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--steps", "4", "--prompts-per-step", "4", "--group-size", "4", "--lr", "1e-3"]
@@ -229,7 +230,6 @@ def test_pools_number_their_ranks_rollout_first():
 def test_the_train_lead_sums_the_rollout_ranks_counts_and_takes_their_slowest_times_and_oldest_version():
     """Two rollout ranks' reports of one step, as the train lead reads them: counts summed; times and vLLM's load
     figures (a rank's own, reported "per rank") the slowest rank's; the version the oldest (the staleness bound)."""
-    names = FIGURES + ENGINE_LOADS
 
     class Reports(dict):
         def get(self, key):
@@ -237,17 +237,17 @@ def test_the_train_lead_sums_the_rollout_ranks_counts_and_takes_their_slowest_ti
 
         def delete_key(self, key):
             del self[key]
-    rows = ({"step": 3, "version": 2, "rows": 8, "reward_sum": 1.5, "rollout_time_s": 0.2, "engine_load_s": 0.1,
-             "engine_load_bytes": 100.0},
-            {"step": 3, "version": 3, "rows": 8, "reward_sum": 2.0, "rollout_time_s": 0.5, "engine_load_s": 0.3,
-             "engine_load_bytes": 100.0})
-    reports = Reports({f"{r}/1": torch.tensor([float(row.get(n, 0.0)) for n in names], dtype=torch.float64).numpy()
-                       .tobytes() for r, row in enumerate(rows)})
-    side = TrainSide(Link(Pools(2, 3), 2, None, reports), 0, plan=None, extra=ENGINE_LOADS)
+    rows = (RolloutReport(3, Figures({"reward_sum": 1.5}, {"rollout_time_s": 0.2, "engine_load_s": 0.1,
+                                                            "engine_load_bytes": 100.0}), rows=8, version=2),
+            RolloutReport(3, Figures({"reward_sum": 2.0}, {"rollout_time_s": 0.5, "engine_load_s": 0.3,
+                                                            "engine_load_bytes": 100.0}), rows=8, version=3))
+    reports = Reports({f"{r}/1": row.to_bytes() for r, row in enumerate(rows)})
+    side = TrainSide(Link(Pools(2, 3), 2, None, reports), 0, plan=None)
     got = side.figures(3)
-    assert (got["rows"], got["reward_sum"]) == (16, 3.5)
-    assert (got["rollout_time_s"], got["engine_load_s"], got["engine_load_bytes"]) == (0.5, 0.3, 100.0)
-    assert got["version"] == 2
+    assert (got.rows, got.figures.counts["reward_sum"]) == (16, 3.5)
+    times = got.figures.times
+    assert (times["rollout_time_s"], times["engine_load_s"], times["engine_load_bytes"]) == (0.5, 0.3, 100.0)
+    assert got.version == 2
 
 
 @pytest.mark.parametrize("setting", [dict(max_staleness=1), dict(partial_rollout=True)])

@@ -1,5 +1,5 @@
 """Separate pools' schedule under drawn timings: the real rollout loop (``producer.produce``), the real train
-step (``step.train_step``) and both ends of the link (``pools.RolloutSide`` / ``TrainSide``, the push of a
+step (``step.step`` on a train rank) and both ends of the link (``pools.RolloutSide`` / ``TrainSide``, the push of a
 real ``push_plan``) run as threads of one process, over an in-memory link whose sends complete only once
 received (as gloo's do) and a model of the dock's slots; generation, scoring and the update are replaced by
 sleeps of drawn length. For drawn pool sizes, staleness bounds, start steps (a resumed run), stops (an
@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from rlflow.runtime import producer, step as step_mod
 from rlflow.runtime.pools import Link, Pools, RolloutSide, TrainSide
+from rlflow.runtime.report import Figures, RolloutReport
 from rlflow.runtime.state import RunState
 from rlflow.sharding import Layout, Mesh
 from rlflow.sharding.layout import ParamLayout
@@ -247,9 +248,9 @@ def run_schedule(s: dict, monkeypatch) -> dict:
             w = torch.full((4 // T, 4), float(s["start"]))
             state = RunState(policy={"w": w}, opt_state=None, source=None, steps_done=s["start"])
             for _ in range(s["start"], s["stop_at"]):
-                state, out = step_mod.train_step(state, None, ctx)
+                state, out = step_mod.step(state, None, ctx)
                 if t == 0:
-                    seen["staleness"].append(out.times["staleness"])
+                    seen["staleness"].append(out.figures.times["staleness"])
             seen["dropped"][t] = side.stop()
         except Exception as e:  # noqa: BLE001
             seen["errors"].append(f"train rank {t}: {e!r}")
@@ -263,16 +264,15 @@ def run_schedule(s: dict, monkeypatch) -> dict:
         state.policy["w"].fill_(index + 1)  # in place, while the previous push may still travel
         return state, {}, 0.0
 
-    def score_and_put(version, j, ctx):  # ``version``: the fake generate's (first, last)
+    def score_and_put(version, j, ctx, clock):  # ``version``: the fake generate's (first, last)
         slots.put(ctx.flow.slot, j, version)
-        return SimpleNamespace(size=ROWS), None, None, []
+        return RolloutReport(j, Figures(), rows=ROWS), None, None
 
     monkeypatch.setattr("rlflow.sharding.dist.all_reduce", reduce)
     monkeypatch.setattr(producer, "generate",
                         lambda prompts, j, ctx, version, newer: ctx.generate(j, version, newer))
     monkeypatch.setattr(producer, "score_and_put", score_and_put)
     monkeypatch.setattr(producer, "prompts_at", lambda source, j, ctx: None)
-    monkeypatch.setattr(producer, "row_counts", lambda *a: {})
     monkeypatch.setattr(step_mod, "train_on", train_on)
     monkeypatch.setattr(step_mod, "_nonfinite", lambda state: 0.0)
     threads = [threading.Thread(target=rollout_rank, args=(r,), daemon=True) for r in range(R)]

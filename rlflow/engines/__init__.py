@@ -17,7 +17,8 @@ step:
                                             arrive while it decodes (multi-turn rollouts, ``rollout.serve``)
     engine.release() -> weights             the weights handed back (the transition's way back frees
                                             them); the engine keeps nothing of them
-    engine.figures() -> dict                the last load's figures (its kind's ``figures`` names)
+    engine.figures() -> dict                its figures, the same names every step (vLLM: its last weight
+                                            load's seconds and bytes); the step adds them to its times
     engine.close()                          at the end of a run
 
 What an engine can do is declared (``base.Capabilities``) and each engine kind is registered by name

@@ -24,9 +24,6 @@ class Capabilities:
     sleep: bool = False  # frees its device memory while the update runs (``release``)
 
 
-# what an engine that holds a copy of the weights reports of each load (``figures()``): seconds and bytes
-LOAD_FIGURES = ("engine_load_s", "engine_load_bytes")
-
 # what each capability is, as the refusal says it, and the setting (the recipe's flag) that asks for it
 NEEDS = {"partial_rollout": ("partial_rollout", "swaps weights mid-generation"),
          "routes": ("routing_replay", "records the rollout's expert choices"),
@@ -63,15 +60,13 @@ class Options:
 
 @dataclass(frozen=True)
 class EngineKind:
-    """One engine in the registry. ``make(cfg, sampling, ex, options)`` builds it for a rank; ``figures``: the
-    names of what its ``figures()`` reports per load; ``options``: the run's settings that are this engine's
-    alone (refused with another engine); ``why_not``: its reason for a capability it lacks (the refusal's tail);
-    ``model_problems(cfg)``: (setting, why) for a model it cannot run; ``missing()``: why it cannot be imported
-    here (how to install it), or None."""
+    """One engine in the registry. ``make(cfg, sampling, ex, options)`` builds it for a rank; ``options``: the
+    run's settings that are this engine's alone (refused with another engine); ``why_not``: its reason for a
+    capability it lacks (the refusal's tail); ``model_problems(cfg)``: (setting, why) for a model it cannot run;
+    ``missing()``: why it cannot be imported here (how to install it), or None."""
     name: str
     capabilities: Capabilities
     make: Callable
-    figures: tuple[str, ...] = ()
     options: tuple[str, ...] = ()
     why_not: dict[str, str] = dataclasses.field(default_factory=dict)
     model_problems: Callable[[ModelConfig], list[tuple[str, str]]] = lambda cfg: []

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from rlflow.batch import PromptBatch, RolloutBatch, extend
-from rlflow.engines.base import LOAD_FIGURES, Capabilities, EngineKind, Options, check, register
+from rlflow.engines.base import Capabilities, EngineKind, Options, check, register
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import LOCAL, Exec
 from rlflow.models.families import vllm_model_types
@@ -169,7 +169,7 @@ class VLLMEngine:
         return weights
 
     def figures(self) -> dict[str, float]:
-        return dict(zip(LOAD_FIGURES, (self.load_seconds, float(self.load_bytes))))
+        return {"engine_load_s": self.load_seconds, "engine_load_bytes": float(self.load_bytes)}
 
     def close(self) -> None:
         """Shut the engine down. Its shutdown tears down vLLM's process groups and then torch.distributed's
@@ -397,8 +397,7 @@ def _make(cfg: ModelConfig, sampling: SamplingConfig, ex: Exec, o: Options) -> V
                       memory_utilization=o.memory_utilization, seed=o.seed)
 
 
-KIND = register(EngineKind("vllm", VLLMEngine.capabilities, _make, figures=LOAD_FIGURES,
-                           options=("vllm_memory_utilization",), why_not=WHY_NOT, model_problems=model_problems,
-                           missing=missing))
+KIND = register(EngineKind("vllm", VLLMEngine.capabilities, _make, options=("vllm_memory_utilization",),
+                           why_not=WHY_NOT, model_problems=model_problems, missing=missing))
 
 __all__ = ["KIND", "VLLMEngine", "generate", "missing", "model_problems", "serve"]

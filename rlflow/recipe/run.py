@@ -19,7 +19,6 @@ from rlflow.algos.corrections import LogprobMismatchError
 from rlflow.data import PromptTooLong
 from rlflow.dock.proc_backend import DockLost
 from rlflow.models import hf
-from rlflow.multiturn import figure_names
 from rlflow.recipe.evals import eval_examples, eval_line, evaluation
 from rlflow.recipe.flags import Recipe
 from rlflow.parallel.context import shard_params
@@ -165,8 +164,7 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
         side = None
         if link is not None:
             lays = layouts(r, cfg, dtype)
-            side = pools.TrainSide(link, rank, push_plan(lays["train_layout"], lays["rollout_layout"]),
-                                   extra=rollout_figures(spec.config))
+            side = pools.TrainSide(link, rank, push_plan(lays["train_layout"], lays["rollout_layout"]))
         lead = rank == 0
         say = print if lead else (lambda *a, **k: None)
         introduce(r, spec, where, dock, r.world, say)
@@ -240,13 +238,6 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
         return history
 
 
-def rollout_figures(conf) -> tuple[str, ...]:
-    """What a rollout rank of separate pools reports beyond ``pools.FIGURES``: multi-turn rollouts' figures, and
-    vLLM's weight loads."""
-    turns = () if conf.multiturn is None else figure_names(conf.multiturn)
-    return turns + engines.kind(conf.rollout_engine).figures
-
-
 def _produce(rank: int, world: int, r: Recipe, dock, spec: RunSpec, link) -> list[dict]:
     """A rollout rank of separate pools (rank ``rank`` of the rollout pool's ``world``): generate and score
     until the train pool says stop (``runtime.producer``). The train pool decides when the run stops (a signal
@@ -261,7 +252,7 @@ def _produce(rank: int, world: int, r: Recipe, dock, spec: RunSpec, link) -> lis
     mine = spec.params if world == 1 else shard_params(spec.params, lays["rollout_layout"], rank)
     buffers = (mine, {n: t.clone() for n, t in mine.items()})  # the engine's copy, and the one the next version fills
     side = pools.RolloutSide(link, rank, world, push_plan(lays["train_layout"], lays["rollout_layout"]), buffers,
-                             extra=rollout_figures(spec.config), partial=spec.config.partial_rollout)
+                             partial=spec.config.partial_rollout)
     source, spec, mine = spec.source, None, None
     try:
         producer.produce(source, ctx, side)

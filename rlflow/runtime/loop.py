@@ -11,21 +11,20 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
-import torch
-
 from rlflow.batch import PromptBatch
 from rlflow.data import check_positions, prompt_batch
 from rlflow.runtime.config import LoopConfig  # noqa: F401  (re-exported: the loop's configuration)
 from rlflow.runtime.flow import DockFlow
 from rlflow.runtime.hooks import Hook
+from rlflow.runtime.report import Figures, combine
 from rlflow.runtime.state import RunState
 from rlflow.runtime.step import StepContext, StepOut, step
-from rlflow.sharding.dist import all_gather_rows
 
 TPS_DEFINITION = ("TPS = (prompt tokens + response tokens of all samples in the step) / "
                   "(devices x step wall time)   [MindSpeed RL, Eq. 5]")
 # the per-stage times of a step's metrics; each stage's TPS is the step's tokens over its time (Eq. 5)
 STAGE_TIMES = ("rollout_time_s", "score_time_s", "logprob_time_s", "update_time_s")
+_DERIVED = ("reward_sum", "reward_sq", "scored")  # counts the metrics hold as the reward statistics
 
 
 class NonFiniteError(RuntimeError):
@@ -128,14 +127,13 @@ def prompts_at(source, index: int, ctx: StepContext) -> PromptBatch:
 
 
 def reduce(out: StepOut, ctx: StepContext, wall: float, stop: bool, *, index: int) -> tuple[dict, bool]:
-    """Step ``index``'s global metrics from every rank's ``out`` (one collective: the sums over the ranks, the
-    slowest rank's times, whether any rank asks to stop), and that stop."""
-    world, counts, times = ctx.seats.world, out.counts, {"step_time_s": wall, **out.times}
+    """Step ``index``'s global metrics from every rank's ``out`` (one gather: their figures combined by
+    ``report.combine``, counts summed and times the slowest rank's; whether any rank asks to stop), and that stop."""
+    world, figures = ctx.seats.world, Figures(times={"step_time_s": wall}) + out.figures
     if world > 1:
-        ranks = all_gather_rows(torch.tensor([*counts.values(), float(stop), *times.values()], dtype=torch.float64))
-        counts = dict(zip(counts, ranks[:, :len(counts)].sum(0).tolist()))
-        stop = bool(ranks[:, len(counts)].max() > 0)
-        times = dict(zip(times, ranks[:, len(counts) + 1:].max(0).values.tolist()))
+        ranks = ctx.seats.gather((figures, stop))
+        figures, stop = combine([f for f, _ in ranks]), any(s for _, s in ranks)
+    counts, times = figures.counts, dict(figures.times)
     devices = world if ctx.pool is None else ctx.pool.link.pools.world  # separate pools: both pools' devices
     n, n_scored = ctx.config.global_batch, int(counts["scored"])
     n_prompt, n_resp, wall = int(counts["prompt_tokens"]), int(counts["response_tokens"]), times.pop("step_time_s")
@@ -149,10 +147,10 @@ def reduce(out: StepOut, ctx: StepContext, wall: float, stop: bool, *, index: in
          "lr": out.lr, "response_len_mean": n_resp / n, "prompt_tokens": n_prompt, "response_tokens": n_resp,
          "nonfinite_params": counts["nonfinite_params"],
          **out.update}
-    episodes = {k: v for k, v in counts.items() if k.startswith("env/")}  # multi-turn rollouts' counts
-    if episodes:
-        m.update(episodes, **{"env/turns_mean": episodes["env/turns"] / max(episodes["env/episodes"], 1.0)})
-    m.update({k: v for k, v in counts.items() if k.startswith("stale_tokens/")})  # separate pools' histogram
+    # the other counts as they are (multi-turn rollouts' env/*, separate pools' stale_tokens/*)
+    m.update({k: v for k, v in counts.items() if k not in m and k not in _DERIVED})
+    if "env/episodes" in counts:
+        m["env/turns_mean"] = counts["env/turns"] / max(counts["env/episodes"], 1.0)
     if isinstance(ctx.flow, DockFlow):
         m["dock_busiest_bytes"] = ctx.flow.busiest_bytes() if ctx.seats.rank == 0 else 0.0
     m["bad_rewards"] = out.bad_rewards  # this rank's

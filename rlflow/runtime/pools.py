@@ -9,9 +9,9 @@ K + N ranks carries what crosses between them:
   new policy, version v = the steps trained, as the plan's point-to-point pieces; the train lead first sends
   a header [v, stop].
 - the reports (rollout -> train lead, keys in the store every rank reaches): after each step it produced,
-  each rollout rank sets that step's figures (``FIGURES``: counts, times, the version that sampled it, the
-  seconds it waited for weights). A store key, not a message: a point-to-point send waits for its receive,
-  which the train lead posts only after it trained the step, and the rollout pool would wait with it.
+  each rollout rank sets that step's ``report.RolloutReport`` (its counts and times, the version that sampled
+  it, the seconds it waited for weights). A store key, not a message: a point-to-point send waits for its
+  receive, which the train lead posts only after it trained the step, and the rollout pool would wait with it.
 
 The rollout side receives on a thread of its own into a spare copy of its shards while the engine uses
 the current one (two copies; a newer version waits for the spare, so at most one is pending), and swaps
@@ -30,16 +30,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlflow.engines.base import LOAD_FIGURES
+from rlflow.runtime.report import RolloutReport, combine_reports
 from rlflow.sharding.execute import push_pieces, push_place, push_slots
 from rlflow.sharding.plan import PushPlan
 
-# what a rollout rank reports of each step it produced (float64, in this order); ``final``: its last message
-FIGURES = ("step", "version", "final", "wait_s", "rollout_time_s", "score_time_s", "prompt_tokens",
-           "response_tokens", "reward_sum", "reward_sq", "scored", "bad_rewards", "rows")
-# what a rollout rank whose engine holds a copy of the weights (vLLM) adds: its last weight load, in the step that
-# loaded a version (else 0)
-ENGINE_LOADS = LOAD_FIGURES
+_FINAL = b"final"  # a rollout rank's last report
 _HEADER, _PIECE = 0, 1  # tags on the push group
 
 
@@ -128,9 +123,8 @@ class TrainSide:
     """The train pool's end of the link (rank ``rank`` of the train pool): ``push`` each new version,
     ``figures`` of each step from the rollout ranks (the lead), ``stop`` at the end."""
 
-    def __init__(self, link: Link, rank: int, plan: PushPlan, extra: tuple[str, ...] = ()):
+    def __init__(self, link: Link, rank: int, plan: PushPlan):
         self.link, self.rank, self.plan = link, rank, plan
-        self.names = FIGURES + tuple(extra)  # ``extra``: the rollout's own figures (multi-turn: ``multiturn.figure_names``)
         self.lead = rank == 0
         self.version: int | None = None  # the last version pushed
         self._flight: tuple[list, list] = ([], [])  # the works of the push in flight, and its pieces
@@ -150,28 +144,26 @@ class TrainSide:
         works += [pg.send([t], d, _PIECE) for d, t in pieces]
         self._flight, self.version = (works, pieces), version
 
-    def figures(self, step: int) -> dict[str, float]:
-        """The rollout ranks' figures of step ``step`` (the lead; {} elsewhere): counts summed, times the slowest."""
+    def figures(self, step: int) -> RolloutReport | None:
+        """The rollout ranks' reports of step ``step`` as one (the lead; None elsewhere): ``report.combine_reports``
+        (the version the oldest: each rank's own with partial rollout)."""
         if not self.lead:
-            return {}
+            return None
         got = [self._receive(r) for r in range(self.link.pools.rollout)]
         for r, f in enumerate(got):
-            if f["final"] or int(f["step"]) != step:
-                raise RuntimeError(f"separate pools: rollout rank {r} reported step {int(f['step'])} "
-                                   f"(final={bool(f['final'])}) where the train pool trained step {step}")
-        # times and the engine's loads: the slowest rank's; the version: the oldest (each rank's own with partial
-        # rollout); counts: summed
-        how = lambda n: (max if n.endswith("_s") or n in ("step", *ENGINE_LOADS) else min if n == "version"  # noqa: E731
-                         else sum)
-        return {n: how(n)(f[n] for f in got) for n in self.names if n != "final"}
+            if f is None or f.step != step:
+                raise RuntimeError(f"separate pools: rollout rank {r} reported "
+                                   f"{'its final message' if f is None else f'step {f.step}'} where the train pool "
+                                   f"trained step {step}")
+        return combine_reports(got)
 
-    def _receive(self, src: int) -> dict[str, float]:
-        """Rollout rank ``src``'s next report (waited for), its key deleted."""
+    def _receive(self, src: int) -> RolloutReport | None:
+        """Rollout rank ``src``'s next report (waited for; None: its final message), its key deleted."""
         self._next[src] = n = self._next.get(src, 0) + 1
         key = f"{src}/{n}"
-        row = torch.frombuffer(bytearray(self.link.reports.get(key)), dtype=torch.float64)
+        got = self.link.reports.get(key)
         self.link.reports.delete_key(key)
-        return dict(zip(self.names, row.tolist()))
+        return None if bytes(got) == _FINAL else RolloutReport.from_bytes(got)
 
     def stop(self) -> int:
         """The end of the run: the rollout ranks are told to stop, and the lead takes their reports up to each
@@ -188,8 +180,8 @@ class TrainSide:
         header = torch.tensor([-1, 1], dtype=torch.int64, device=self.link.device)  # [no version, stop]
         _wait([pg.send([header], d, _HEADER) for d in range(k)])
         for r in range(k):
-            while not (f := self._receive(r))["final"]:
-                self.dropped += int(f["rows"])
+            while (f := self._receive(r)) is not None:
+                self.dropped += f.rows
         return self.dropped
 
 
@@ -198,10 +190,9 @@ class RolloutSide:
     versions arrive on a receiver thread into ``buffers`` (two copies of this rank's rollout shards)."""
 
     def __init__(self, link: Link, rank: int, pool: int, plan: PushPlan, buffers: tuple[dict, dict],
-                 extra: tuple[str, ...] = (), partial: bool = False):
+                 partial: bool = False):
         self.link, self.rank, self.pool, self.plan = link, rank, pool, plan
         self.partial = partial  # partial rollout: each rank swaps a newer version in as it lands (``newer``)
-        self.names = FIGURES + tuple(extra)  # the train side's, in the same order
         self._cond = threading.Condition()
         self._reports = 0
         self._free = list(buffers)  # copies the receiver may fill
@@ -316,13 +307,13 @@ class RolloutSide:
         got = self.weights_for(-1, 0)
         return None if got is None else got[0]
 
-    def report(self, figures: dict[str, float]) -> None:
-        """One step's ``figures`` (every name of ``FIGURES`` but ``final``, and the extra ones) to the train lead."""
-        self._set([float(figures.get(n, 0.0)) for n in self.names])
+    def report(self, report: RolloutReport) -> None:
+        """One step's ``report`` to the train lead."""
+        self._set(report.to_bytes())
 
-    def _set(self, row: list[float]) -> None:
+    def _set(self, value: bytes) -> None:
         self._reports += 1
-        self.link.reports.set(f"{self.rank}/{self._reports}", torch.tensor(row, dtype=torch.float64).numpy().tobytes())
+        self.link.reports.set(f"{self.rank}/{self._reports}", value)
 
     def finish(self) -> None:
         """The final report, once the train pool said stop (waited for). Versions that arrive meanwhile are
@@ -337,8 +328,8 @@ class RolloutSide:
                     self._cond.notify_all()
                     continue
                 break
-        self._set([1.0 if n == "final" else 0.0 for n in self.names])
+        self._set(_FINAL)
         self._thread.join(timeout=60)
 
 
-__all__ = ["ENGINE_LOADS", "FIGURES", "Link", "Pools", "RolloutSide", "TrainSide", "barrier", "join", "joined", "leave"]
+__all__ = ["Link", "Pools", "RolloutSide", "TrainSide", "barrier", "join", "joined", "leave"]

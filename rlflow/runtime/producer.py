@@ -19,11 +19,9 @@ the train pool starts at (the first version's number, so a resumed run continues
 
 from __future__ import annotations
 
-import time
-
 from rlflow.runtime.loop import prompts_at
 from rlflow.runtime.pools import RolloutSide
-from rlflow.runtime.step import StepContext, generate, row_counts, score_and_put
+from rlflow.runtime.step import Clock, StepContext, generate, score_and_put
 
 
 def produce(source, ctx: StepContext, side: RolloutSide) -> None:
@@ -43,21 +41,20 @@ def produce(source, ctx: StepContext, side: RolloutSide) -> None:
             return got
         while j < conf.steps and (got := side.weights_for(j, k)) is not None:
             version, params, waited = got
-            t0 = time.perf_counter()
+            clock = Clock()
             prompts = prompts_at(source, j, ctx)
             ctx.flow.begin(prompts, G, slot=j % (k + 1))
-            loads = {}
+            # the engine's load figures in the step that loaded a version, zeros in the others
+            loads = dict.fromkeys(ctx.engine.figures(), 0.0)
             if version != held[0]:  # the devices are the pool's: the engine keeps its weights between steps
                 ctx.engine.load(params)
                 held[0], loads = version, ctx.engine.figures()
             rollout = generate(prompts, j, ctx, version=version, newer=newer if side.partial else None)
-            t1 = time.perf_counter()
-            rows, rewards, scored, bad = score_and_put(rollout, j, ctx)
-            t2 = time.perf_counter()
-            turns = {} if ctx.multiturn is None else {k: v for d in ctx.multiturn.figures() for k, v in d.items()}
-            side.report({"step": j, "version": version, "wait_s": waited, "rollout_time_s": t1 - t0,
-                         "score_time_s": t2 - t1, "bad_rewards": len(bad), "rows": rows.size,
-                         **row_counts(rows, rewards, scored), **turns, **loads})
+            clock.lap("rollout_time_s")
+            report, _, _ = score_and_put(rollout, j, ctx, clock)
+            report.version = version
+            report.figures.times.update({"rollout_wait_s": waited, **loads})
+            side.report(report)
             j += 1
     side.finish()
 

@@ -10,10 +10,16 @@
     values, gae   PPO: the critic's values and GAE's per-token advantages
     update        the policy's optimizer steps (and the critic's)
 
+The stages above the line are the step's rollout side, those below its train side (``train_side``). One
+schedule runs them for every placement: colocated, both sides in turn on the same ranks; separate pools,
+the rollout side on the rollout pool's ranks (``runtime/producer.py``) and the train side on the train
+pool's, each step's rows through a dock slot and the rollout side's figures as one ``RolloutReport``
+(``runtime/report.py``) through the link.
+
 Where each stage runs and which dock columns it reads is ``runtime/graph.py``; ``StepContext`` holds
 what is fixed for a run (the model config, the reward, the sizes, this rank's seats, the sample flow,
 the weight transition, the engine). The step returns this rank's raw figures (``StepOut``); the loop
-reduces them over the ranks once (``loop.reduce``).
+combines them over the ranks once (``loop.reduce``).
 """
 
 from __future__ import annotations
@@ -32,12 +38,12 @@ from rlflow.batch import PromptBatch, RolloutBatch
 from rlflow.envs.tools import load_tools
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import n_moe_layers
-from rlflow.multiturn import TIMES, MultiTurn, chat_render, plain_render
+from rlflow.multiturn import MultiTurn, chat_render, plain_render
 from rlflow.runtime.flow import DockFlow, MemoryFlow, rollout_share, score_share, train_batch
 from rlflow.runtime.graph import LOSS_MASK, ROUTES, ROWS, VERSIONS, Graph, graph_for
 from rlflow.runtime.config import LoopConfig, check_features, share_problems
 from rlflow.runtime.placement import Placement, Seats, seats
-from rlflow.runtime.pools import ENGINE_LOADS, FIGURES
+from rlflow.runtime.report import Figures, RolloutReport, row_counts
 from rlflow.runtime.state import RunState
 from rlflow.runtime.weights import Weights
 
@@ -65,14 +71,14 @@ class StepContext:
 
 @dataclass
 class StepOut:
-    """This rank's figures of one step, before the loop reduces them over the ranks."""
-    counts: dict[str, float]  # prompt_tokens, response_tokens, reward_sum, reward_sq, scored (this rank's rows)
-    times: dict[str, float]  # per stage, and the weight transition's figures
+    """This rank's figures of one step, before the loop combines them over the ranks (``report.combine``)."""
+    figures: Figures  # counts (this rank's rows, the rollout's, the staleness histogram) and times (per stage,
+    # the weight transition's and the engine's loads)
     update: dict[str, float]  # the update's metrics (global already)
     lr: float
     bad_rewards: int  # this rank's non-finite rewards
-    rows: RolloutBatch  # the rows this rank scored, and their rewards (NaN: unscored), for the samples sink
-    rewards: torch.Tensor
+    rows: RolloutBatch  # the rows this rank scored (separate pools: trained), and their rewards (NaN: unscored),
+    rewards: torch.Tensor  # for the samples sink
 
 
 def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device: torch.device | str = "cpu",
@@ -144,34 +150,67 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
 
 def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunState, StepOut]:
     """One RL step of ``state`` on the step's ``prompts`` (every rank the same ones); returns the next state
-    (``state`` is donated: its tensors are updated in place) and this rank's figures. On the train pool of
-    separate pools (``ctx.pool``) the step trains on rows the rollout pool produced (``train_step``)."""
+    (``state`` is donated: its tensors are updated in place) and this rank's figures.
+
+    The schedule, by placement: colocated, this rank runs the step's rollout side (the weights into the
+    rollout layout, generation, ``score_and_put``) and then its train side (``train_side``); on a train rank of
+    separate pools (``ctx.pool``), the train side alone, on the rows the rollout pool produced with weights at
+    most ``max_staleness`` versions old (its rollout side is ``runtime/producer.py``), then the new version
+    pushed. Either way the rollout side's figures arrive as one ``RolloutReport``."""
+    conf, index, flow = ctx.config, state.steps_done, ctx.flow
+    G, pool = conf.grpo.group_size, ctx.pool
+    if pool is None:
+        rollout_clock = Clock()
+        flow.begin(prompts, G)
+        ctx.engine.load(ctx.weights.to_rollout(state))
+        rollout = generate(prompts, index, ctx)
+        ctx.weights.to_train(state, ctx.engine.release(), ctx.device)
+        rollout_clock.lap("rollout_time_s")
+        report, rows, rewards = score_and_put(rollout, index, ctx, rollout_clock)
+        report.figures.times.update({**ctx.weights.figures(), **ctx.engine.figures()})
+        clock = Clock()
+        state, upd, lr, _, _, stale = train_side(state, ctx, clock)
+    else:
+        clock = Clock()
+        if pool.version is None:  # the first version: the weights the run starts from
+            pool.push(state.policy, index)
+        flow.begin(prompts, G, slot=index % (conf.max_staleness + 1))
+        state, upd, lr, rows, c, stale = train_side(state, ctx, clock)
+        if state.steps_done < conf.steps:  # the last version trains nothing more
+            pool.push(state.policy, state.steps_done)
+        clock.lap("push_time_s")
+        rewards = c["rewards"]  # the update reads them too (every graph's)
+        report = pool.figures(index)  # the rollout ranks' (the lead's; None on the other train ranks)
+        if report is not None:
+            report.figures.times["staleness"] = float(index - report.version)
+    own = Figures({"nonfinite_params": _nonfinite(state), **stale}, clock.laps)
+    figures = own if report is None else report.figures + own
+    return state, StepOut(figures=figures, update=upd, lr=lr, bad_rewards=0 if report is None else report.bad_rewards,
+                          rows=rows, rewards=rewards)
+
+
+def train_side(state: RunState, ctx: StepContext, clock: "Clock"):
+    """The train group's part of step ``state.steps_done``: its rows from the dock, the stages that read them
+    (``train_on``), the dock's rows released. Separate pools' rows are checked against the staleness bound
+    before they are trained on. Returns (the state, the update's metrics, the learning rate, the rows, their
+    dock columns, this rank's staleness histogram: separate pools' ``stale_tokens``, else {})."""
+    conf, where, index = ctx.config, ctx.seats, state.steps_done
+    group = ctx.graph["update"].runs_on
+    mesh = where.mesh(group)
+    batch, c = ctx.flow.get(group, ctx.dock_columns, mesh, where.rank)
+    stale = {}
     if ctx.pool is not None:
-        return train_step(state, prompts, ctx)
-    G, index, flow = ctx.config.grpo.group_size, state.steps_done, ctx.flow
-    clock = _Clock()
-    flow.begin(prompts, G)
-
-    # rollout: the engine generates with the policy's weights in the rollout layout
-    ctx.engine.load(ctx.weights.to_rollout(state))
-    rollout = generate(prompts, index, ctx)
-    ctx.weights.to_train(state, ctx.engine.release(), ctx.device)
-    clock.lap("rollout_time_s")
-
-    rows, rewards, scored, bad = score_and_put(rollout, index, ctx)
-    clock.lap("score_time_s")
-
-    batch, c = flow.get(ctx.graph["update"].runs_on, ctx.dock_columns, ctx.seats.mesh(ctx.graph["update"].runs_on),
-                        ctx.seats.rank)
+        clock.lap("train_wait_s")
+        # each data-parallel part's rows counted once (the tp and pp ranks of a part take the same rows)
+        first = mesh is None or all(v == 0 for a, v in mesh.coords(where.rank).items() if a not in ("dp", "ep"))
+        stale = stale_tokens(batch, index, conf.max_staleness, count=first)
     state, upd, lr = train_on(state, batch, c, ctx, clock)
-    flow.end()  # before the loop's closing collective: no rank puts the next step's rows before the clear
+    # before the loop's closing collective: no rank puts the next step's rows before the clear (separate pools:
+    # the slot is free for step index + max_staleness + 1, whose weights the push after this allows)
+    ctx.flow.end()
     clock.lap("update_time_s")
     state.steps_done += 1
-    turns, turn_times = ({}, {}) if ctx.multiturn is None else ctx.multiturn.figures()
-    counts = {**row_counts(rows, rewards, scored), **turns, "nonfinite_params": _nonfinite(state)}
-    times = {**clock.laps, **ctx.weights.figures(), **ctx.engine.figures(), **turn_times}
-    return state, StepOut(counts=counts, times=times, update=upd, lr=lr, bad_rewards=int(len(bad)), rows=rows,
-                          rewards=rewards.masked_fill(~scored, float("nan")))
+    return state, upd, lr, batch, c, stale
 
 
 def generate(prompts: PromptBatch, index: int, ctx: StepContext, *, version: int | None = None,
@@ -194,10 +233,11 @@ def generate(prompts: PromptBatch, index: int, ctx: StepContext, *, version: int
     return rows
 
 
-def score_and_put(rollout: RolloutBatch, index: int, ctx: StepContext):
+def score_and_put(rollout: RolloutBatch, index: int, ctx: StepContext, clock: "Clock"):
     """Score and advantages: each rank its share of the rows its rollout group holds, then into the dock
-    (``flow.put_rows``). Returns (the rows this rank scored, their rewards, which were scored, the positions of
-    non-finite rewards)."""
+    (``flow.put_rows``). ``clock``: the rollout side's, its laps so far the rollout's. Returns (the step's
+    ``RolloutReport``: its times are the clock's laps, the scoring's the last; the rows this rank scored; their
+    rewards, NaN where unscored)."""
     algo, where, flow = ctx.config.grpo, ctx.seats, ctx.flow
     rows = score_share(rollout, where.mesh(ctx.graph["rollout"].runs_on), where.rank, algo.group_size)
     rewards, scored = stages.score_rows(rows, ctx.tokenizer, ctx.reward_fn)
@@ -211,14 +251,11 @@ def score_and_put(rollout: RolloutBatch, index: int, ctx: StepContext):
         flow.put_rows(rows, rewards=rewards.to(ctx.device), advantages=adv)
     else:  # GAE needs the critic's values: it runs in the train layout
         flow.put_rows(rows, rewards=rewards.to(ctx.device), scored=scored.to(torch.uint8).to(ctx.device))
-    return rows, rewards, scored, bad
-
-
-def row_counts(rows: RolloutBatch, rewards: torch.Tensor, scored: torch.Tensor) -> dict[str, float]:
-    """The counts of this rank's scored rows that the loop sums over the ranks."""
-    return {"prompt_tokens": float(rows.prompt_mask_BTp.sum()),
-            "response_tokens": float(rows.response_mask_BTr.sum()), "reward_sum": float(rewards.sum()),
-            "reward_sq": float((rewards ** 2).sum()), "scored": float(scored.sum())}
+    clock.lap("score_time_s")
+    own = Figures() if ctx.multiturn is None else Figures(*ctx.multiturn.figures())  # the episodes' counts, times
+    report = RolloutReport(index, Figures(row_counts(rows, rewards, scored), dict(clock.laps)) + own,
+                           bad_rewards=int(len(bad)), rows=rows.size)
+    return report, rows, rewards.masked_fill(~scored, float("nan"))
 
 
 def _nonfinite(state: RunState) -> float:
@@ -226,7 +263,7 @@ def _nonfinite(state: RunState) -> float:
     return float(len(optim.nonfinite(critics.with_policy(state.policy, state.critic))))
 
 
-def train_on(state: RunState, batch: RolloutBatch, c: dict, ctx: StepContext, clock: "_Clock"):
+def train_on(state: RunState, batch: RolloutBatch, c: dict, ctx: StepContext, clock: "Clock"):
     """The train group's stages on its rows ``batch`` and dock columns ``c``: the log-probs (and values) the
     update reads, then the update(s). Returns (the state, the update's metrics, the learning rate)."""
     conf, algo, where, index = ctx.config, ctx.config.grpo, ctx.seats, state.steps_done
@@ -265,47 +302,6 @@ def train_on(state: RunState, batch: RolloutBatch, c: dict, ctx: StepContext, cl
     return state, upd, lr
 
 
-def train_step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunState, StepOut]:
-    """The train pool's step of separate pools: the rows of step ``state.steps_done`` (generated by the rollout
-    pool with weights at most ``max_staleness`` versions old) from their dock slot, the update, the slot
-    released and the new version pushed. ``prompts``: the step's (taken so that the prompt stream's position
-    stays the checkpoint's; the rollout pool reads the same stream)."""
-    conf, where, flow, pool = ctx.config, ctx.seats, ctx.flow, ctx.pool
-    index, clock = state.steps_done, _Clock()
-    if pool.version is None:  # the first version: the weights the run starts from
-        pool.push(state.policy, index)
-    flow.begin(prompts, conf.grpo.group_size, slot=index % (conf.max_staleness + 1))
-    train_group = ctx.graph["update"].runs_on
-    mesh = where.mesh(train_group)
-    batch, c = flow.get(train_group, ctx.dock_columns, mesh, where.rank)
-    clock.lap("train_wait_s")
-    # each data-parallel part's rows counted once (the tp and pp ranks of a part take the same rows), and
-    # checked before they are trained on
-    first = mesh is None or all(v == 0 for a, v in mesh.coords(where.rank).items() if a not in ("dp", "ep"))
-    stale = stale_tokens(batch, index, conf.max_staleness, count=first)
-    state, upd, lr = train_on(state, batch, c, ctx, clock)
-    flow.end()  # the slot is free for step index + max_staleness + 1, whose weights the push below allows
-    clock.lap("update_time_s")
-    state.steps_done += 1
-    if state.steps_done < conf.steps:  # the last version trains nothing more
-        pool.push(state.policy, state.steps_done)
-    clock.lap("push_time_s")
-    got = pool.figures(index)
-    names = ("prompt_tokens", "response_tokens", "reward_sum", "reward_sq", "scored")
-    extra = pool.names[len(FIGURES):]  # the rollout's own (multi-turn: its counts and times)
-    timed = TIMES + ENGINE_LOADS  # per-step times and the engine's load figures go with the times, as colocated
-    counts = {n: got.get(n, 0.0) for n in names + tuple(n for n in extra if n not in timed)}
-    counts["nonfinite_params"] = _nonfinite(state)
-    counts.update(stale)
-    times = {**clock.laps, **{n: got.get(n, 0.0) for n in extra if n in timed},
-             "rollout_time_s": got.get("rollout_time_s", 0.0),
-             "score_time_s": got.get("score_time_s", 0.0), "rollout_wait_s": got.get("wait_s", 0.0),
-             "staleness": float(index - got["version"]) if got else 0.0}
-    rewards = c["rewards"]  # the update reads them too (every graph's)
-    return state, StepOut(counts=counts, times=times, update=upd, lr=lr, bad_rewards=int(got.get("bad_rewards", 0)),
-                          rows=batch, rewards=rewards)
-
-
 def stale_tokens(batch: RolloutBatch, index: int, max_staleness: int, count: bool = True) -> dict[str, float]:
     """The histogram of this rank's sampled tokens of step ``index`` by staleness (updates between the version
     that sampled a token and the one it is trained with: ``stale_tokens/s``, s = 0..max_staleness; summed over
@@ -335,7 +331,7 @@ def dock_columns(graph: Graph, routing_replay: str, multiturn: bool = False, poo
             + ([VERSIONS] if pools else []))
 
 
-class _Clock:
+class Clock:
     """Wall time per stage: each ``lap`` records the seconds since the previous one."""
 
     def __init__(self):
@@ -347,4 +343,4 @@ class _Clock:
         self.laps[name], self._t = now - self._t, now
 
 
-__all__ = ["StepContext", "StepOut", "context", "step"]
+__all__ = ["StepContext", "StepOut", "context", "score_and_put", "step", "train_side"]
