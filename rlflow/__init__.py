@@ -41,7 +41,9 @@ Layouts and plans (``rlflow.sharding``, ``rlflow.models.sharding``)
     Plan, plan, allgather_swap, swap_back  transition plans between two layouts
 The loop (``rlflow.runtime``, ``rlflow.metrics``)
     init_state, step_context, train    a run's state, the fixed part of its steps, the whole loop
-    LoopConfig, Placement              the loop's sizes and configs; the layouts of a world of ranks
+    LoopConfig                         the loop's sizes and configs
+    Colocated, Disaggregated, spawn    where the stages run on a world of ranks (one set of devices taking
+                                       turns, or separate pools); the ranks as local processes
     make_sinks                         where per-step metrics go: JSONL, TensorBoard, W&B
 
 Every name is resolved on first use (PEP 562 module ``__getattr__``), so ``import rlflow`` imports neither
@@ -133,7 +135,9 @@ _EXPORTS = {
     "step_context": ("rlflow.runtime.step", "context"),
     "train": ("rlflow.runtime.loop", "train"),
     "LoopConfig": ("rlflow.runtime.config", "LoopConfig"),
-    "Placement": ("rlflow.runtime.placement", "Placement"),
+    "Colocated": ("rlflow.runtime.placement", "Colocated"),
+    "Disaggregated": ("rlflow.runtime.placement", "Disaggregated"),
+    "spawn": ("rlflow.runtime.launch", "spawn"),
     "make_sinks": ("rlflow.metrics", "make_sinks"),  # TensorBoard / W&B imported only when a sink needs them
 }
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from rlflow.batch import PromptBatch, RolloutBatch, extend, pad
+from rlflow.decoding import Responses, bucketed, compiled_step, decode_step, prefill, right_align, seat
 from rlflow.models import decoder as model
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import LOCAL, Exec
-from rlflow.ops import counter_keys, counter_noise, sample
+from rlflow.ops import counter_keys, counter_noise
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,116 +40,6 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.temperature must be finite and >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
-
-
-def right_align(ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Move each row's real tokens to the front (left-padded -> right-padded), keeping their order; returns
-    the ids, the mask and the order (right-aligned column j holds the left-padded column order[:, j])."""
-    order = torch.argsort((~mask_BT).to(torch.int8), dim=1, stable=True)
-    return ids_BT.gather(1, order), mask_BT.gather(1, order), order
-
-
-def _decode_step(params, cfg, scfg, tok_S, valid_S, noise_SV, cache, out, ex=LOCAL):
-    """One decode token for every slot: feeds ``tok_S`` (writing its KV and advancing the lengths of
-    ``valid_S``'s slots; None: all), samples the next token and records it (``_record``). Returns
-    (tokens_S, done_S). With ``out.routes``, the fed tokens' experts are kept at their response columns."""
-    routing = None if out.routes is None else model.Routing(record=True)
-    h, _, cache = model.forward(params, cfg, tok_S[:, None], cache.lengths_B[:, None].clone(),
-                                valid_BT=None if valid_S is None else valid_S[:, None], cache=cache, with_aux=False,
-                                ex=ex, routing=routing)
-    if routing is not None:  # the fed token is the slot's response token n_gen - 1
-        active = out.slot_row >= 0
-        r = torch.where(active, out.slot_row, out.ids.shape[0] - 1)
-        out.routes[r, (out.n_gen - 1).clamp_min(0)] = routing.chosen[:, 0]
-    tok, lp = sample(model.logits(params, cfg, h[:, -1], ex), temperature=scfg.temperature, top_k=scfg.top_k,
-                     top_p=scfg.top_p, noise_BV=noise_SV)
-    return tok, _record(scfg, out, tok, lp, out.slot_row >= 0)
-
-
-@dataclass
-class _Out:
-    """The responses being written: ids / log-probs / mask [B + 1, Tn] (row B: a spare that free slots
-    write to), the output row each slot holds (-1: free) and the tokens each has generated; with routing
-    recorded, each response token's experts [B + 1, Tn, M, K] (-1: none) and each prompt's [P, Tp, M, K]
-    in the prompts' left-padded columns."""
-    ids: torch.Tensor
-    lp: torch.Tensor
-    mask: torch.Tensor
-    slot_row: torch.Tensor
-    n_gen: torch.Tensor
-    routes: torch.Tensor | None = None
-    prompt_routes: torch.Tensor | None = None
-
-    @classmethod
-    def allocate(cls, rows: int, slots: int, Tn: int, pad_id: int, dev) -> "_Out":
-        return cls(ids=torch.full((rows + 1, Tn), pad_id, dtype=torch.long, device=dev),
-                   lp=torch.zeros((rows + 1, Tn), dtype=torch.float32, device=dev),
-                   mask=torch.zeros((rows + 1, Tn), dtype=torch.bool, device=dev),
-                   slot_row=torch.full((slots,), -1, dtype=torch.long, device=dev),
-                   n_gen=torch.zeros(slots, dtype=torch.long, device=dev))
-
-
-def _record(scfg, out: _Out, tok_S, lp_S, where_S):
-    """Write the slots' new tokens (where ``where_S``) at their rows' next column; returns which slots
-    finished (EOS or ``max_new_tokens``)."""
-    spare, Tn = out.ids.shape[0] - 1, out.ids.shape[1]
-    r, t = torch.where(where_S, out.slot_row, spare), out.n_gen.clamp_max(Tn - 1)
-    out.ids[r, t] = tok_S
-    out.lp[r, t] = lp_S
-    out.mask[r, t] = where_S
-    out.n_gen += where_S.long()
-    return where_S & ((tok_S == scfg.eos_id) | (out.n_gen >= Tn))
-
-
-def _prefill(params, cfg, ids_BT, mask_BT, *, dtype, ex, routing=None):
-    """Right-aligned contexts [n, T] (``mask_BT``: each row's real tokens first) prefilled into a cache of their
-    own; returns (the logits after each context's last token [n, V], that cache)."""
-    n, T = ids_BT.shape
-    dev = ids_BT.device
-    tmp = model.KVCache.allocate(cfg, n, T, dtype=dtype, device=dev, ex=ex)
-    h, _, _ = model.forward(params, cfg, ids_BT, torch.arange(T, device=dev).expand(n, T), valid_BT=mask_BT,
-                            cache=tmp, with_aux=False, ex=ex, routing=routing)
-    return model.logits(params, cfg, h[torch.arange(n, device=dev), mask_BT.sum(-1) - 1], ex), tmp
-
-
-def _seat(scfg, out: _Out, cache, tmp, sl, src, rows, keys, last, tok_S, vocab: int):
-    """Rows ``rows`` take slots ``sl``: the prefilled contexts ``tmp[src]`` copied into the slots' cache, their
-    first tokens sampled from ``last`` (the noise of ``keys`` at counter 0) and recorded. Returns (tok_S, done_S)."""
-    dev = tok_S.device
-    cache.copy_rows(sl, tmp, src, tmp.max_len)
-    cache.bound = max(cache.bound, tmp.max_len)
-    nz = None if scfg.temperature == 0 else counter_noise(keys, torch.zeros_like(keys), vocab)
-    t, lp = sample(last, temperature=scfg.temperature, top_k=scfg.top_k, top_p=scfg.top_p, noise_BV=nz)
-    out.slot_row[sl], out.n_gen[sl], out.mask[rows] = rows, 0, False
-    new = torch.zeros(len(tok_S), dtype=torch.bool, device=dev)
-    new[sl] = True
-    tok_S = tok_S.index_put((sl,), t)
-    return tok_S, _record(scfg, out, tok_S, torch.zeros(len(tok_S), device=dev).index_put((sl,), lp), new)
-
-
-_COMPILED: dict[str, object] = {}
-
-
-def _bucketed(n: int) -> int:
-    """The compiled decode step's cache length for ``n`` columns: rounded up to a quarter of n's power of
-    two (16 at least), so batches of nearby prompt lengths share one graph (four per doubling of the
-    length) for at most 25% more attention columns."""
-    step = max(16, (1 << (n.bit_length() - 1)) // 4)
-    return -(-n // step) * step
-
-
-def _compiled_step(device: torch.device):
-    """``_decode_step`` (forward + sampling) through torch.compile with static shapes (one graph per
-    batch, cache length, model and sampling config), and CUDA graphs on CUDA ("reduce-overhead").
-    Compiling takes tens of seconds on a CPU; the CUDA path has not been run here (no GPU was available)."""
-    if device.type not in ("cpu", "cuda"):  # NPU: torch_npu compiles through its own backend (torchair), not wired
-        raise ValueError(f"generate: compile_decode on {device.type} is not built (its compiler options are "
-                         "inductor's for cpu and cuda); decode eagerly there")
-    if device.type not in _COMPILED:
-        # CPU: the graph's wrapper in C++ (one call per step instead of ~60 Python-dispatched kernels)
-        how = dict(mode="reduce-overhead") if device.type == "cuda" else dict(options={"cpp_wrapper": True})
-        _COMPILED[device.type] = torch.compile(_decode_step, dynamic=False, **how)
-    return _COMPILED[device.type]
 
 
 def generate(params: model.Params, cfg: ModelConfig, prompts: PromptBatch, scfg: SamplingConfig, *,
@@ -213,7 +104,7 @@ def _versions(swaps, B: int, Tn: int, dev) -> torch.Tensor:
     return out
 
 
-def _reprefill(params, cfg, cache, out: _Out, ids_r, mask_r, G: int, *, dtype, ex) -> None:
+def _reprefill(params, cfg, cache, out: Responses, ids_r, mask_r, G: int, *, dtype, ex) -> None:
     """The rows in flight get their KV computed again under ``params``: each slot's context (its prompt, then
     every response token but the last sampled one, which the next decode step feeds) prefilled and copied in."""
     sl = (out.slot_row >= 0).nonzero()[:, 0]
@@ -227,7 +118,7 @@ def _reprefill(params, cfg, cache, out: _Out, ids_r, mask_r, G: int, *, dtype, e
     from_response = out.ids[rows].gather(1, (col - prompt_len).clamp(0, out.ids.shape[1] - 1))
     prompt = torch.nn.functional.pad(prompt_ids, (0, out.ids.shape[1]))[:, :T]
     ids = torch.where(col < prompt_len, prompt, from_response)
-    _, tmp = _prefill(params, cfg, ids, col < length, dtype=dtype, ex=ex)
+    _, tmp = prefill(params, cfg, ids, col < length, dtype=dtype, ex=ex)
     cache.copy_rows(sl, tmp, torch.arange(len(sl), device=sl.device), tmp.max_len)
     cache.bound = max(cache.bound, tmp.max_len)
 
@@ -254,9 +145,9 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
     params = model.fuse_for_inference(params, cfg, ex)
     ids_r, mask_r, order_r = right_align(prompts.prompt_ids_BTp, prompts.prompt_mask_BTp)
 
-    max_len = _bucketed(Tp + Tn) if compile_decode else Tp + Tn  # compiled: one graph per cache length
+    max_len = bucketed(Tp + Tn) if compile_decode else Tp + Tn  # compiled: one graph per cache length
     cache = model.KVCache.allocate(cfg, slots, max_len, dtype=dtype, device=dev, ex=ex)
-    out = _Out.allocate(B, slots, Tn, scfg.pad_id, dev)
+    out = Responses.allocate(B, slots, Tn, scfg.pad_id, dev)
     if record_routes:
         M, K = model.n_moe_layers(cfg), cfg.num_experts_per_tok
         out.routes = torch.full((B + 1, Tn, M, K), -1, dtype=torch.int16, device=dev)
@@ -273,12 +164,12 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
         sl, rows = free_slots[:n], torch.arange(admitted, admitted + n, device=dev)
         p0, p1 = admitted // G, (admitted + n - 1) // G + 1  # prompts these rows sample from
         routing = model.Routing(record=True) if record_routes else None
-        last, tmp = _prefill(params, cfg, ids_r[p0:p1], mask_r[p0:p1], dtype=dtype, ex=ex, routing=routing)
+        last, tmp = prefill(params, cfg, ids_r[p0:p1], mask_r[p0:p1], dtype=dtype, ex=ex, routing=routing)
         if routing is not None:
             where = order_r[p0:p1, :, None, None].expand_as(routing.chosen)
             out.prompt_routes[p0:p1] = out.prompt_routes[p0:p1].scatter(1, where, routing.chosen)
         src = rows // G - p0  # prefix sharing: each prompt's KV goes to all its sampled rows
-        tok_S, done = _seat(scfg, out, cache, tmp, sl, src, rows, keys_B[rows], last[src], tok_S, cfg.vocab_size)
+        tok_S, done = seat(scfg, out, cache, tmp, sl, src, rows, keys_B[rows], last[src], tok_S, cfg.vocab_size)
         admitted += n
         return done
 
@@ -292,7 +183,7 @@ def _generate(params, cfg, prompts, scfg, group_size, seed, max_batch, compile_d
         # graph whose inputs it mutates unless their addresses are static; the cache is, for this call
         for t in (*cache.buffers(), out.ids, out.lp, out.mask, out.n_gen, *([] if out.routes is None else [out.routes])):
             torch._dynamo.mark_static_address(t, guard=False)
-    step = _compiled_step(dev) if compile_decode else _decode_step
+    step = compiled_step(dev) if compile_decode else decode_step
     done = admit(torch.arange(slots, device=dev))
     masked = compile_decode  # one static graph: every slot, masked, attention over the whole cache
     # ``ex.any_rank`` is the flag itself in one process; with expert parallelism every rank makes the same
@@ -356,7 +247,7 @@ def _serve(params, cfg, scfg, requests, slots, max_len, seed, ex):
     params = model.fuse_for_inference(params, cfg, ex)
     Tn, V = scfg.max_new_tokens, cfg.vocab_size
     cache = model.KVCache.allocate(cfg, slots, max_len, dtype=dtype, device=dev, ex=ex)
-    out = _Out.allocate(slots, slots, Tn, scfg.pad_id, dev)  # row s: slot s's response
+    out = Responses.allocate(slots, slots, Tn, scfg.pad_id, dev)  # row s: slot s's response
     keys_S = torch.zeros(slots, dtype=torch.long, device=dev)
     tok_S = torch.zeros(slots, dtype=torch.long, device=dev)
     owner: list = [None] * slots  # the request key each slot serves (None: free)
@@ -372,14 +263,14 @@ def _serve(params, cfg, scfg, requests, slots, max_len, seed, ex):
             raise ValueError(f"serve: a context of {ids.shape[1]} tokens and {Tn} new ones exceed the cache's "
                              f"{max_len} positions")
         ids_r, mask_r, _ = right_align(ids.to(dev), mask.to(dev))
-        last, tmp = _prefill(params, cfg, ids_r, mask_r, dtype=dtype, ex=ex)
+        last, tmp = prefill(params, cfg, ids_r, mask_r, dtype=dtype, ex=ex)
         sl = torch.tensor(free[:n], dtype=torch.long, device=dev)
         keys = counter_keys(seed, torch.tensor([i for _, _, i in reqs], dtype=torch.long, device=dev))
         keys_S[sl] = keys
         for s, (key, _, _) in zip(free[:n], reqs):
             owner[s] = key
         del free[:n]
-        tok_S, done = _seat(scfg, out, cache, tmp, sl, torch.arange(n, device=dev), sl, keys, last, tok_S, V)
+        tok_S, done = seat(scfg, out, cache, tmp, sl, torch.arange(n, device=dev), sl, keys, last, tok_S, V)
         return done
 
     done = torch.zeros(slots, dtype=torch.bool, device=dev)
@@ -405,4 +296,4 @@ def _serve(params, cfg, scfg, requests, slots, max_len, seed, ex):
         cache.bound = int(cache.lengths_B.max())
         valid = None if not free else out.slot_row >= 0
         nz = None if greedy else counter_noise(keys_S, out.n_gen, V)
-        tok_S, done = _decode_step(params, cfg, scfg, tok_S, valid, nz, cache, out, ex)
+        tok_S, done = decode_step(params, cfg, scfg, tok_S, valid, nz, cache, out, ex)

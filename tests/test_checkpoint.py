@@ -159,7 +159,7 @@ def test_a_sharded_run_writes_each_ranks_own_shards_and_loads_them_in_any_layout
         assert ck.opt_state.step == 10 and all(float(v.abs().sum()) > 0 for v in ck.opt_state.v.values())
         own.append(ck.opt_state)
     assert split > 0  # tp=2 did split some parameters
-    from rlflow.sharding.execute import full_from_shards
+    from rlflow.sharding.reference import full_from_shards
     moments = {f: full_from_shards([getattr(s, f) for s in own], lay) for f in ("m", "v")}  # replicas agree
     cfg = get_config("qwen3-moe-tiny")
     for spec in ("dp=2", "ep=2", "pp=2", None):
@@ -226,7 +226,7 @@ def test_a_bfloat16_checkpoint_reshards_its_float32_masters_and_keeps_its_router
     from rlflow.models.sharding import layout
     from rlflow.parallel.context import shard_params
     from rlflow.sharding import Layout, Mesh
-    from rlflow.sharding.execute import full_from_shards
+    from rlflow.sharding.reference import full_from_shards
 
     out = tmp_path / "ds"
     flags = ["--preset", "deepseek-tiny", "--dtype", "bfloat16", "--prompts-per-step", "4", "--group-size", "4"]

@@ -213,7 +213,8 @@ def test_in_bfloat16_the_router_stays_float32_and_chooses_what_transformers_choo
     from rlflow.models.sharding import layout
     from rlflow.ops.moe import route_grouped
     from rlflow.sharding import Mesh
-    from rlflow.sharding.execute import shard, simulate
+    from rlflow.sharding.execute import simulate
+    from rlflow.sharding.reference import shard
     from rlflow.sharding.plan import allgather_swap
 
     m = hf_model(n_group=1, topk_group=1)

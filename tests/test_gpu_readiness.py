@@ -150,7 +150,7 @@ def _separate_host_worker(rank: int, world: int, train: str, rollout: str, gae: 
     from rlflow.parallel.context import shard_params
     from rlflow.rewards import per_sample
     from rlflow.runtime import loop, weights as wmod
-    from rlflow.runtime.placement import Placement
+    from rlflow.runtime.placement import Colocated
     from rlflow.runtime.state import init
     from rlflow.runtime.step import context
     from rlflow.sharding import dist as sdist, execute as ex
@@ -257,7 +257,7 @@ def _separate_host_worker(rank: int, world: int, train: str, rollout: str, gae: 
 
     mesh = Mesh.parse(train, world)
     clay = layout(CFG, mesh, dtype=torch.float32, head="value")
-    where = Placement(layout(CFG, mesh, dtype=torch.float32), layout(CFG, Mesh.parse(rollout, world),
+    where = Colocated(layout(CFG, mesh, dtype=torch.float32), layout(CFG, Mesh.parse(rollout, world),
                                                                     dtype=torch.float32),
                       critic=clay if gae else None)
     c = full_critic(gae)
@@ -521,7 +521,7 @@ def test_compile_decode_is_refused_where_its_options_are_not_the_devices(monkeyp
     from helpers import recipe_module
 
     from rlflow import device
-    from rlflow.rollout import _compiled_step
+    from rlflow.decoding import compiled_step
 
     monkeypatch.setattr(device, "kind", lambda: "npu")
     with pytest.raises(SystemExit):
@@ -530,7 +530,7 @@ def test_compile_decode_is_refused_where_its_options_are_not_the_devices(monkeyp
     monkeypatch.setattr(device, "kind", lambda: "cpu")
     recipe_module().parse_args(["--compile-decode"])  # a CPU compiles it
     with pytest.raises(ValueError, match="compile_decode on meta is not built"):
-        _compiled_step(torch.device("meta"))
+        compiled_step(torch.device("meta"))
 
 
 # ---- Ray: an actor sees its node's GPUs and picks its own ----

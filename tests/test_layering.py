@@ -187,3 +187,24 @@ def test_the_cycle_check_sees_a_planted_cycle(tmp_path, monkeypatch):
         assert "rlflow.a (line 2) -> rlflow.sub.b (line 1) -> rlflow.sub.c (line 2) -> rlflow.a" in str(e), str(e)
     else:
         raise AssertionError("a planted import cycle passed the check")
+
+
+MAX_LINES = 400  # a module past this has, so far each time, held several concerns (issue 41)
+
+
+def _long_modules(root: pathlib.Path) -> list[str]:
+    return [f"{p.relative_to(root)}: {n} lines" for p in sorted(root.rglob("*.py"))
+            if "backends" not in p.relative_to(root).parts and (n := len(p.read_text().splitlines())) > MAX_LINES]
+
+
+def test_no_module_outside_the_kernels_passes_400_lines():
+    """One concern per module: none over ``MAX_LINES`` except the device kernels' bindings (ops/backends)."""
+    assert not _long_modules(ROOT), "\n".join(_long_modules(ROOT))
+
+
+def test_the_length_check_sees_a_planted_long_module(tmp_path):
+    (tmp_path / "ops" / "backends").mkdir(parents=True)
+    (tmp_path / "ops" / "backends" / "cpu.py").write_text("x = 1\n" * (MAX_LINES + 50))
+    (tmp_path / "short.py").write_text("x = 1\n" * MAX_LINES)
+    (tmp_path / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    assert _long_modules(tmp_path) == [f"long.py: {MAX_LINES + 1} lines"]

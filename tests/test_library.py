@@ -3,6 +3,7 @@ second block runs, and its reference table names every public name with the obje
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import pathlib
@@ -54,6 +55,17 @@ def test_the_docs_second_block_runs_after_the_loop(capsys):
     out = capsys.readouterr().out
     assert len(ns["steps"]) == 2 and "kl" in ns["metrics"]
     assert "plan allgather_swap: mesh(pp=1,dp=1,ep=1,tp=2) -> mesh(pp=1,dp=2,ep=1,tp=1) on 2 ranks" in out
+
+
+def test_the_docs_pools_block_trains_in_two_pools_within_the_staleness_bound(tmp_path):
+    """The separate pools' block, saved as a file and run as the doc says: rank 0 generates, rank 1 trains every
+    step, each on rows sampled at most K updates before (the first with the initial weights)."""
+    (tmp_path / "pools.py").write_text(_blocks()[2])
+    res = subprocess.run([sys.executable, "pools.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = ast.literal_eval(res.stdout.strip().splitlines()[-1])
+    assert [s for s, _ in steps] == [0, 1, 2, 3], steps
+    assert steps[0][1] == 0 and all(0 <= lag <= 1 for _, lag in steps), steps
 
 
 def _resolve(path: str):

@@ -170,7 +170,7 @@ def worker(rank: int, world: int, cases: list, batch: TrainBatch) -> dict:
 
 def _check(world: int):
     from rlflow.models import sharding as msh
-    from rlflow.sharding.execute import full_from_shards, shard_tensor
+    from rlflow.sharding.reference import full_from_shards, shard_tensor
     from rlflow.sharding.mesh import Mesh
 
     batch = make_batch()

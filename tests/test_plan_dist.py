@@ -69,7 +69,7 @@ def _memory_check(rank: int, world: int, fails: list) -> int:
     buffers) after every step, and their peak across ops, equal the ledger's."""
     from rlflow.models.sharding import layout
     from rlflow.sharding.dist import execute
-    from rlflow.sharding.execute import shard
+    from rlflow.sharding.reference import shard
     from rlflow.sharding.memory import ROLLOUT, TMP, ledger
     from rlflow.sharding.plan import COLLECTIVES, allgather_swap
 
@@ -144,7 +144,8 @@ def worker(rank: int, world: int, drawn: list, oracle: list) -> dict:
 
     from rlflow.sharding.dist import create_groups, execute, mesh_group
     from rlflow.optim import AdamWState
-    from rlflow.sharding.execute import TrainState, shard, simulate
+    from rlflow.sharding.execute import TrainState, simulate
+    from rlflow.sharding.reference import shard
     from rlflow.sharding.plan import allgather_swap, plan, swap_back
 
     logging.disable(logging.WARNING)  # DTensor's advice on sequential all-gathers, gloo's lack of alltoall

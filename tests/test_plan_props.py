@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from test_plan_cases import cases, meshes, specs
 
 from rlflow.optim import AdamWState
-from rlflow.sharding.execute import TrainState, shard, simulate
+from rlflow.sharding.execute import TrainState, simulate
+from rlflow.sharding.reference import shard
 from rlflow.sharding.layout import Layout, ParamLayout
 from rlflow.sharding.memory import CATEGORIES, StateBytes, ledger
 from rlflow.sharding.plan import allgather_swap, plan, swap_back

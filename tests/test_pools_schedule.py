@@ -211,9 +211,7 @@ def run_schedule(s: dict, monkeypatch) -> dict:
     def rollout_rank(r):
         reduce.rank.r = r
         try:
-            shape = (4, 4 // R) if rollout_tp else (4, 4)
-            side = RolloutSide(Link(pools, r, Group(hub, r), store), r, R, plan,
-                               ({"w": torch.empty(shape)}, {"w": torch.empty(shape)}), partial=s["partial"])
+            side = RolloutSide(Link(pools, r, Group(hub, r), store), r, R, plan, partial=s["partial"])
             loaded = {}
 
             def half(j, version):  # half the generation, with weights that must stay the version's
@@ -337,8 +335,7 @@ def test_step_j_is_generated_only_with_version_j_minus_k_or_newer_driven_by_hand
     lands. (A rule loosened to k + 1 passed the drawn schedules above unless their timing hit it.)"""
     pools, hub, store = Pools(1, 2), Hub(), Store()
     plan = push_plan(*_layouts(1, 1, False))
-    rollout = RolloutSide(Link(pools, 0, Group(hub, 0), store), 0, 1, plan,
-                          ({"w": torch.empty(4, 4)}, {"w": torch.empty(4, 4)}), partial=partial)
+    rollout = RolloutSide(Link(pools, 0, Group(hub, 0), store), 0, 1, plan, partial=partial)
     train = TrainSide(Link(pools, 1, Group(hub, 1), store), 0, plan)
     v = 3
     train.push({"w": torch.full((4, 4), float(v))}, v)

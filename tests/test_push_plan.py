@@ -16,7 +16,8 @@ from test_plan_cases import meshes, specs
 from test_plan_props import assert_same
 
 from rlflow.sharding import geometry as geo
-from rlflow.sharding.execute import push_pieces, shard, simulate_push
+from rlflow.sharding.reference import shard
+from rlflow.sharding.push import push_pieces, simulate_push
 from rlflow.sharding.layout import Layout, ParamLayout
 from rlflow.sharding.mesh import Mesh
 from rlflow.sharding.plan import push_plan

@@ -82,7 +82,8 @@ def _device_bytes(shards: dict, state) -> int:
 def worker(rank: int, world: int) -> dict:
     from rlflow.sharding.dist import execute
     from rlflow.optim import AdamWState
-    from rlflow.sharding.execute import TrainState, shard
+    from rlflow.sharding.execute import TrainState
+    from rlflow.sharding.reference import shard
 
     out, fails = [], []
     for k, (src, dst, bucket) in enumerate(_pairs(world)):

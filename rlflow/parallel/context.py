@@ -5,7 +5,7 @@ Legend: B batch, T tokens, D model dim, H / K query / key-value heads, Hl / Kl t
 N tokens, E experts, V vocab.
 
 A rank holds ``shard_params(full, layout, rank)``: its shard of every parameter of its pp stage, cut by
-the layout's specs (``rlflow.sharding.execute.shard_tensor``). ``context(layout, cfg)`` checks that the
+the layout's specs (``rlflow.sharding.reference.shard_tensor``). ``context(layout, cfg)`` checks that the
 layout is one the model executes (the ``executes`` column of ``models/sharding.py``), makes the process
 groups, and records where the rank sits.
 
@@ -45,7 +45,7 @@ from rlflow.models.sharding import executable_specs
 from rlflow.parallel import ep, pp, tp
 from rlflow.parallel.collectives import all_gather, copy_to, copy_to_many, reduce_from
 from rlflow.sharding.dist import all_reduce, create_groups, mesh_group
-from rlflow.sharding.execute import shard_tensor
+from rlflow.sharding.reference import shard_tensor
 from rlflow.sharding.layout import Layout
 
 

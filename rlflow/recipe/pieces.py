@@ -27,7 +27,7 @@ from rlflow.recipe.flags import Recipe
 from rlflow.runtime.config import LoopConfig
 from rlflow.runtime.graph import graph_for
 from rlflow.runtime.launch import ray_init
-from rlflow.runtime.placement import Placement
+from rlflow.runtime.placement import Colocated, Disaggregated, Placement
 from rlflow.sharding import Mesh
 from rlflow.tokenizer import CharTokenizer, ChatTemplate, HFTokenizer, find_chat_template
 
@@ -238,14 +238,15 @@ def layouts(r: Recipe, cfg, dtype) -> dict:
     return lays
 
 
-def placement(r: Recipe, cfg, dtype, pool: str | None = None) -> Placement:
-    """The layouts of a --world > 1 run (ValueError naming what the model cannot run); with --rollout-ranks those
-    of ``pool`` (its layout as both: the pool's world runs one of the stages)."""
+def placement(r: Recipe, cfg, dtype) -> Placement | None:
+    """Where the stages of a --world > 1 run go (ValueError naming what the model cannot run): colocated, or with
+    --rollout-ranks the separate pools; None: one process."""
+    if r.world == 1:
+        return None
     lays = layouts(r, cfg, dtype)
-    if pool is None:
-        return Placement(lays["train_layout"], lays["rollout_layout"], critic=lays["critic"])
-    own = lays[f"{pool}_layout"]
-    return Placement(own, own, critic=lays["critic"] if pool == "train" else None)
+    if r.rollout_ranks:
+        return Disaggregated(lays["rollout_layout"], lays["train_layout"], critic=lays["critic"])
+    return Colocated(lays["train_layout"], lays["rollout_layout"], critic=lays["critic"])
 
 
 def make_dock(r: Recipe, capacity: int, local_rank: int | None = None):

@@ -10,24 +10,21 @@ import os
 import signal
 import threading
 import time
-from collections import Counter
 
 import torch
 
-from rlflow import engines, metrics
+from rlflow import metrics
 from rlflow.algos.corrections import LogprobMismatchError
 from rlflow.data import PromptTooLong
 from rlflow.dock.proc_backend import DockLost
 from rlflow.models import hf
 from rlflow.recipe.evals import eval_examples, eval_line, evaluation
 from rlflow.recipe.flags import Recipe
-from rlflow.parallel.context import shard_params
-from rlflow.recipe.pieces import RunSpec, build, concrete, layouts, placement
+from rlflow.recipe.output import Report, introduce, plot_rewards
+from rlflow.recipe.pieces import RunSpec, build, concrete, placement
 from rlflow.rewards import RewardError
-from rlflow.runtime import checkpoint, hooks, loop, pools, producer, state as run_state, step
-from rlflow.sharding.plan import push_plan
-from rlflow.runtime.placement import Placement
-from rlflow.runtime.weights import same_layout
+from rlflow.runtime import checkpoint, hooks, loop, pools, state as run_state, step
+from rlflow.runtime.placement import Disaggregated, Placement
 from rlflow.startup import stop_at_once
 
 
@@ -151,32 +148,30 @@ def run(rank: int, world: int, r: Recipe, dock=None) -> list[dict]:
 def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Interrupt) -> list[dict]:
     """``run`` with ``spec`` and the interrupt's handlers (restored on every way out). With separate pools a
     rollout rank runs the producer; a train rank the steps below, in its pool's world."""
-    link = pools.joined()
-    if link is not None:
+    cfg, dev = spec.cfg, spec.device
+    dtype = next(iter(spec.params.values())).dtype
+    whole = placement(r, cfg, dtype)
+    link, where = pools.joined(), whole
+    if isinstance(whole, Disaggregated):
         rank, world = link.pools.local(link.rank)
+        where = whole.own(link.pools.pool(link.rank))
         if link.pools.pool(link.rank) == "rollout":
             interrupt.restore()
-            return _produce(rank, world, r, dock, spec, link)
+            spec = dataclasses.replace(spec, params={})  # the weights arrive by the push: none of these stays alive
+            return _produce(r, dock, spec, whole)
     with interrupt:
-        cfg, dev = spec.cfg, spec.device
-        dtype = next(iter(spec.params.values())).dtype
-        where = None if world == 1 else placement(r, cfg, dtype, pool=None if link is None else "train")
-        side = None
-        if link is not None:
-            lays = layouts(r, cfg, dtype)
-            side = pools.TrainSide(link, rank, push_plan(lays["train_layout"], lays["rollout_layout"]))
         lead = rank == 0
         say = print if lead else (lambda *a, **k: None)
         introduce(r, spec, where, dock, r.world, say)
-        if side is not None:
+        if isinstance(whole, Disaggregated):
             k = link.pools.rollout
             say(f"separate pools: ranks 0..{k - 1} generate and score, ranks {k}..{link.pools.world - 1} train; "
-                f"--max-staleness {r.max_staleness}; {side.plan.describe()}")
+                f"--max-staleness {r.max_staleness}; {whole.push_plan().describe()}")
         ck = resume_point(r, cfg, dev, dtype, say, rank, where)
         if ck is not None and ck.steps_done >= r.steps:
             say(f"nothing to do: {ck.steps_done} of {r.steps} steps are done")
-            if side is not None:  # the rollout pool waits for a first version: it is told to stop
-                side.stop()
+            if link is not None:  # the rollout pool waits for a first version: it is told to stop
+                pools.TrainSide(link, rank, whole.push_plan()).stop()
             return []
         try:
             state = run_state.start(spec.params, spec.source, cfg, kl=bool(r.kl_coef),
@@ -186,16 +181,16 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
             raise SystemExit(f"error: --resume {ck.path}: {e}") from None
         # the state holds what the run needs: neither the whole initial weights nor the checkpoint stay alive
         spec, ck = dataclasses.replace(spec, params={}), None
-        ctx = step.context(cfg, spec.tokenizer, spec.reward_fn, spec.config, device=dev, dock=dock, placement=where,
-                           pool="colocated" if side is None else "train", link=side, template=spec.template)
+        ctx = step.context(cfg, spec.tokenizer, spec.reward_fn, spec.config, device=dev, dock=dock, placement=whole,
+                           template=spec.template)
         if lead and r.out:
             with open(os.path.join(r.out, "args.json"), "w") as f:
                 json.dump(dataclasses.asdict(r), f, indent=2)
         run_hooks = make_hooks(r, spec, where, dock, rank, world, state.steps_done, interrupt)
         try:
             state, history = loop.train(state, ctx, hooks=run_hooks, should_stop=interrupt)
-            if side is not None:  # the rollout pool stops; what it produced past the last step trained is dropped
-                dropped = side.stop()
+            if ctx.pool is not None:  # the rollout pool stops; what it produced past the last step trained is dropped
+                dropped = ctx.pool.stop()
                 say(f"separate pools: {dropped} rows produced after the last step trained were dropped")
         except (loop.NonFiniteError, LogprobMismatchError) as e:  # the run's verdict, not a crash: no traceback;
             raise SystemExit(f"error: {e}" if lead else 1) from None  # every rank reaches it, the lead says it
@@ -238,24 +233,17 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
         return history
 
 
-def _produce(rank: int, world: int, r: Recipe, dock, spec: RunSpec, link) -> list[dict]:
-    """A rollout rank of separate pools (rank ``rank`` of the rollout pool's ``world``): generate and score
-    until the train pool says stop (``runtime.producer``). The train pool decides when the run stops (a signal
-    reaches it too), so this rank ignores SIGINT and SIGTERM."""
+def _produce(r: Recipe, dock, spec: RunSpec, whole: Disaggregated) -> list[dict]:
+    """A rollout rank of separate pools: generate and score until the train pool says stop (``loop.train`` runs
+    ``runtime.producer`` on this rank). The train pool decides when the run stops (a signal reaches it too), so
+    this rank ignores SIGINT and SIGTERM."""
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_IGN)
-    cfg, dtype = spec.cfg, next(iter(spec.params.values())).dtype
-    lays = layouts(r, cfg, dtype)
-    where = None if world == 1 else placement(r, cfg, dtype, pool="rollout")
-    ctx = step.context(cfg, spec.tokenizer, spec.reward_fn, spec.config, device=spec.device, dock=dock,
-                       placement=where, pool="rollout", template=spec.template)
-    mine = spec.params if world == 1 else shard_params(spec.params, lays["rollout_layout"], rank)
-    buffers = (mine, {n: t.clone() for n, t in mine.items()})  # the engine's copy, and the one the next version fills
-    side = pools.RolloutSide(link, rank, world, push_plan(lays["train_layout"], lays["rollout_layout"]), buffers,
-                             partial=spec.config.partial_rollout)
-    source, spec, mine = spec.source, None, None
+    ctx = step.context(spec.cfg, spec.tokenizer, spec.reward_fn, spec.config, device=spec.device, dock=dock,
+                       placement=whole, template=spec.template)
+    state = run_state.init({}, spec.source)  # the prompt stream: the train pool holds the weights and pushes them
     try:
-        producer.produce(source, ctx, side)
+        loop.train(state, ctx)
     except DockLost as e:  # as on the train ranks: one line
         raise SystemExit(f"error: {e}") from None
     except RewardError as e:
@@ -269,22 +257,6 @@ def out_of_memory(e: BaseException) -> bool:
     """``e`` says an allocation failed: torch's OutOfMemoryError (an accelerator's), the CPU allocator's
     RuntimeError, Python's MemoryError."""
     return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)
-
-
-def introduce(r: Recipe, spec: RunSpec, where: Placement | None, dock, world: int, say) -> None:
-    """The run's first lines: the model, the sizes, the layouts and the dock, the TPS definition."""
-    cfg, lcfg = spec.cfg, spec.config
-    n = sum(p.numel() for p in spec.params.values())
-    moe = f"{cfg.num_experts} experts top-{cfg.num_experts_per_tok}" if cfg.num_experts else "dense"
-    say(f"model: {r.model or r.preset} ({cfg.model_type}, {n / 1e6:.2f}M params, {moe}) on {spec.device} x {world}; "
-        f"task: {r.dataset or r.task}")
-    say(f"sizes: {r.prompts_per_step} prompts x {r.group_size} samples = {lcfg.global_batch} per step, "
-        f"mini-batch {lcfg.mini_batch_size}, micro-batch {lcfg.micro_batch_size}")
-    if where is not None:
-        say(f"layouts: train {where.train.mesh}, rollout {where.rollout.mesh} on {world} ranks; transfer dock "
-            f"{type(dock.transport).__name__.removesuffix('Transport').lower()} with {len(dock.warehouses)} "
-            "warehouses")
-    say(loop.TPS_DEFINITION)
 
 
 def make_hooks(r: Recipe, spec: RunSpec, where: Placement | None, dock, rank: int, world: int, done: int,
@@ -324,94 +296,6 @@ def make_hooks(r: Recipe, spec: RunSpec, where: Placement | None, dock, rank: in
     return out
 
 
-class Report(hooks.Hook):
-    """The run's closing lines once its ``last`` step is done: reward first and last, TPS, the weight
-    transition's and the dock's figures; the wall time from the first hook's start (the first evaluation
-    included) to the end of the steps (the final checkpoint not)."""
-
-    def __init__(self, last: int, where: Placement | None, dock, world: int, say):
-        self.last, self.where, self.dock, self.world, self.say = last, where, dock, world, say
-        self.history: list[dict] = []
-
-    def start(self, state) -> None:
-        self.t0 = time.perf_counter()
-
-    def after_step(self, state, metrics: dict, out) -> None:
-        self.history.append(metrics)
-
-    def end(self, state) -> None:
-        if state.steps_done >= self.last and self.history:
-            report(self.history, self.where, self.dock, self.world, time.perf_counter() - self.t0, self.say)
-
-
-def report(history: list[dict], where: Placement | None, dock, world: int, wall: float, say) -> None:
-    """The run's closing lines: reward first and last, TPS, the weight transition's, the engine's weight push
-    and the dock's figures."""
-    first = sum(m["reward_mean"] for m in history[:10]) / len(history[:10])
-    last = sum(m["reward_mean"] for m in history[-10:]) / len(history[-10:])
-    tps = sum(m["prompt_tokens"] + m["response_tokens"] for m in history) / sum(m["step_time_s"] for m in history)
-    say(f"done: {len(history)} steps in {wall:.1f}s; mean reward first 10 steps {first:.3f} -> last 10 "
-        f"{last:.3f} (+{last - first:.3f}); mean TPS {tps / world:.0f}")
-    mean = lambda k: sum(m.get(k, 0.0) for m in history) / len(history)  # noqa: E731
-    if where is not None and not same_layout(where.train, where.rollout):
-        say(f"weights train -> rollout layout (allgather-swap): {mean('transition_out_s') * 1e3:.1f} ms per step, "
-            f"{mean('transition_recv_bytes') / 2**20:.2f} MiB received by rank 0; back (swap-in): "
-            f"{mean('transition_back_s') * 1e3:.1f} ms")
-    if "engine_load_bytes" in history[0]:
-        say(f"weights into the rollout engine (in place): {mean('engine_load_s') * 1e3:.1f} ms per step, "
-            f"{mean('engine_load_bytes') / 2**20:.2f} MiB per rank")
-    if "staleness" in history[0]:  # separate pools
-        seen = Counter(int(m["staleness"]) for m in history)
-        wall_steps = sum(m["step_time_s"] for m in history)
-        rollout_busy = sum(m["rollout_time_s"] + m["score_time_s"] for m in history) / wall_steps
-        say(f"separate pools: staleness (updates between a step's sampling weights and its update) "
-            f"{', '.join(f'{k}: {n} steps' for k, n in sorted(seen.items()))}; rollout pool busy {rollout_busy:.0%} "
-            f"(waited {sum(m['rollout_wait_s'] for m in history):.1f}s for weights), train pool busy "
-            f"{1 - sum(m['train_wait_s'] for m in history) / wall_steps:.0%} (waited "
-            f"{sum(m['train_wait_s'] for m in history):.1f}s for rows)")
-        tokens = {k.split("/")[1]: sum(m[k] for m in history) for k in history[0] if k.startswith("stale_tokens/")}
-        say(f"separate pools: sampled tokens by staleness (updates between the version that sampled a token and its "
-            f"update) "
-            f"{', '.join(f'{k}: {n / max(sum(tokens.values()), 1):.1%}' for k, n in tokens.items())}")
-    if dock is not None:
-        say(f"transfer dock: {len(dock.warehouses)} warehouses, busiest dock process moved "
-            f"{sum(m.get('dock_busiest_bytes', 0.0) for m in history) / 2**20:.1f} MiB in all "
-            f"({mean('dock_busiest_bytes') / 2**10:.1f} KiB per step)")
-
-
 def sink_spec(r: Recipe) -> str:
     """--log-to less jsonl when there is no --out (nothing is written then, as the default run does)."""
     return ",".join(n for n in metrics.sink_names(r.log_to) if r.out or n != "jsonl")
-
-
-def plot_rewards(history: list[dict], path: str) -> bool:
-    """The reward curve into ``path``; False, nothing written, where matplotlib is not installed (a bare
-    accelerator machine may lack it, and the run's weights and metrics matter more than its picture)."""
-    try:
-        import matplotlib
-    except ModuleNotFoundError as e:
-        if e.name != "matplotlib":  # installed but broken (a missing dependency of its own): say so
-            raise
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    evals = [m for m in history if "eval/reward_mean" in m]
-    history = [m for m in history if "reward_mean" in m]
-    steps = [m["step"] for m in history]
-    r = [m["reward_mean"] for m in history]
-    k = 10
-    smooth = [sum(r[max(0, i - k + 1):i + 1]) / len(r[max(0, i - k + 1):i + 1]) for i in range(len(r))]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, r, alpha=0.35, label="reward (step mean)")
-    ax.plot(steps, smooth, label=f"reward ({k}-step moving mean)")
-    if evals:
-        ax.plot([m["step"] for m in evals], [m["eval/reward_mean"] for m in evals], "o-", label="eval reward (mean)")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("mean reward")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True

@@ -293,7 +293,7 @@ def load(path: str, *, dtype: torch.dtype | None = None, device: torch.device | 
     train layout is ``layout`` (a ``sharding.Layout``; None: one process) and whose critic's is
     ``critic_layout``. A one-process checkpoint gives whole tensors (``sharded`` None: the caller cuts its
     shards); a sharded one gives the rank's shards of ``layout`` (whole tensors when ``layout`` is None),
-    from the rank's own file in the layout that wrote it, else resharded (``sharding.execute.reshard``) with
+    from the rank's own file in the layout that wrote it, else resharded (``sharding.reference.reshard``) with
     the RNG state of writer rank ``rank % W``."""
     sharded = (read_manifest(path) if verified else verify(path)).get("sharded")
     st = torch.load(os.path.join(path, STATE), map_location=device, weights_only=False)
@@ -314,7 +314,7 @@ def load(path: str, *, dtype: torch.dtype | None = None, device: torch.device | 
         return _loaded(path, st, cfg, params, opt_state, critic, args, mine["torch_rng"], sharded, dtype)
     from rlflow.models.sharding import layout as layout_of
     from rlflow.sharding import Mesh
-    from rlflow.sharding.execute import reshard
+    from rlflow.sharding.reference import reshard
     mesh = Mesh.parse(sharded["train_layout"].removeprefix("mesh(").removesuffix(")"))
     if mesh.size != W:
         raise CheckpointError(f"{path}: its manifest says {W} ranks and train layout {mesh}")

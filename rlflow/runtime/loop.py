@@ -12,13 +12,15 @@ import time
 from typing import Callable, Sequence
 
 from rlflow.batch import PromptBatch
-from rlflow.data import check_positions, prompt_batch
+from rlflow.data import check_positions
 from rlflow.runtime.config import LoopConfig  # noqa: F401  (re-exported: the loop's configuration)
 from rlflow.runtime.flow import DockFlow
 from rlflow.runtime.hooks import Hook
+from rlflow.runtime.pools import RolloutSide
+from rlflow.runtime.producer import produce
 from rlflow.runtime.report import Figures, combine
 from rlflow.runtime.state import RunState
-from rlflow.runtime.step import StepContext, StepOut, step
+from rlflow.runtime.step import StepContext, StepOut, prompts_at, step
 
 TPS_DEFINITION = ("TPS = (prompt tokens + response tokens of all samples in the step) / "
                   "(devices x step wall time)   [MindSpeed RL, Eq. 5]")
@@ -41,8 +43,19 @@ def train(state: RunState, ctx: StepContext, *, hooks: Sequence[Hook] = (),
     """Step ``state`` until it has done ``ctx.config.steps`` steps; returns (the state, each step's metrics).
     ``should_stop()`` is asked after each step on every rank (any rank asking stops all, after that step).
     A resumed state (``steps_done > 0``) continues as the uninterrupted run would: seeds, sample indices,
-    the metrics' ``step`` and the LR schedule follow ``steps_done``."""
+    the metrics' ``step`` and the LR schedule follow ``steps_done``.
+
+    On a rank of separate pools' rollout pool (``ctx.pool`` a ``pools.RolloutSide``) the steps are produced
+    (``runtime/producer.py``: generated, scored and put into the dock from ``state.source``) until the train pool
+    stops; that pool holds the run's state, metrics and hooks: here the state comes back as it was, with no
+    metrics, and the hooks are only closed."""
     conf = ctx.config
+    if isinstance(ctx.pool, RolloutSide):
+        try:
+            produce(state.source, ctx, ctx.pool)
+        finally:
+            _close(hooks)
+        return state, []
     try:
         _check(state, conf)
         state, history = _steps(state, ctx, hooks, should_stop)
@@ -119,13 +132,6 @@ def take_prompts(state: RunState, ctx: StepContext) -> PromptBatch:
     return prompts
 
 
-def prompts_at(source, index: int, ctx: StepContext) -> PromptBatch:
-    """Step ``index``'s prompts, the next ``prompts_per_step`` of ``source``, on the rank's device."""
-    conf = ctx.config
-    return prompt_batch(source.take(conf.prompts_per_step), ctx.tokenizer, first_index=index * conf.prompts_per_step,
-                        max_prompt_len=conf.max_prompt_len).to(ctx.device)
-
-
 def reduce(out: StepOut, ctx: StepContext, wall: float, stop: bool, *, index: int) -> tuple[dict, bool]:
     """Step ``index``'s global metrics from every rank's ``out`` (one gather: their figures combined by
     ``report.combine``, counts summed and times the slowest rank's; whether any rank asks to stop), and that stop."""
@@ -157,4 +163,4 @@ def reduce(out: StepOut, ctx: StepContext, wall: float, stop: bool, *, index: in
     return m, stop
 
 
-__all__ = ["LoopConfig", "NonFiniteError", "STAGE_TIMES", "TPS_DEFINITION", "prompts_at", "reduce", "take_prompts", "tps", "train"]
+__all__ = ["LoopConfig", "NonFiniteError", "STAGE_TIMES", "TPS_DEFINITION", "reduce", "take_prompts", "tps", "train"]

@@ -1,11 +1,16 @@
-"""Where the stages of an RL step run: the worker groups' layouts (``Placement``) and one rank's seats in
-them (``Seats``).
+"""Where the stages of an RL step run: a ``Placement``, one value of two kinds, and one rank's seats in it
+(``Seats``).
 
-Colocated (as MindSpeed-RL and TRL do it): the train and rollout layouts span the same ranks and the
-stages take turns on every device; the policy's weights move between the two layouts every step
-(``runtime/weights.py``). Separate device pools (``runtime/pools.py``) give each pool a world of its own,
-whose placement is its one layout as both: the step reads its meshes and contexts from ``Seats`` there
-unchanged.
+- ``Colocated(train, rollout, critic)`` (as MindSpeed-RL and TRL do it): the train and rollout layouts span
+  the same ranks and the stages take turns on every device; the policy's weights move between the two
+  layouts every step (``runtime/weights.py``).
+- ``Disaggregated(rollout, train, critic)``: separate device pools (``runtime/pools.py``), the rollout pool
+  the rollout layout's ranks, the train pool the train layout's, each a world of its own; each pool's
+  steps run in its ``own`` placement, its one layout as both, so the step reads its meshes and contexts
+  from ``Seats`` there unchanged. Launched with ``launch.spawn(..., pools=placement.pools)``; the
+  staleness bound and partial rollout are the loop's settings (``LoopConfig``).
+
+The placement is built once (by the driver, or a library user's code) and handed to ``step.context``.
 
 Where a stage runs (``runtime/graph.py``'s ``runs_on``):
 
@@ -25,12 +30,14 @@ from rlflow.models.config import ModelConfig
 from rlflow.models.execution import LOCAL, Exec
 from rlflow.parallel import dp
 from rlflow.parallel.context import context
+from rlflow.runtime.pools import Pools
 from rlflow.sharding.dist import all_reduce, create_groups
 from rlflow.sharding.layout import Layout
 from rlflow.sharding.mesh import Mesh
+from rlflow.sharding.plan import PushPlan, push_plan
 
 @dataclass(frozen=True)
-class Placement:
+class Colocated:
     """The layouts of a world of more than one rank: the rollout in ``rollout``, the old and reference
     log-probs and the update in ``train``, both over the same ranks (colocated); scoring and advantages
     on every rank. ``critic``: PPO's critic on the train layout's mesh (``models.sharding.layout(...,
@@ -42,15 +49,9 @@ class Placement:
 
     def __post_init__(self):
         if self.train.mesh.size != self.rollout.mesh.size:
-            raise ValueError(f"Placement: the train layout's {self.train.mesh} and the rollout layout's "
-                             f"{self.rollout.mesh} must span the same ranks (separate device pools are a world "
-                             "each, with a placement of its own: runtime/pools.py)")
-        if self.critic is not None and self.critic.mesh != self.train.mesh:
-            raise ValueError(f"Placement: the critic's layout ({self.critic.mesh}) must be on the train layout's mesh "
-                             f"({self.train.mesh}): it reads the update's rows")
-        if self.rollout.mesh.pp > 1:
-            raise ValueError(f"Placement: rollout layout {self.rollout.mesh}: generation runs every layer on each "
-                             "rank (no pp)")
+            raise ValueError(f"Colocated: the train layout's {self.train.mesh} and the rollout layout's "
+                             f"{self.rollout.mesh} must span the same ranks (separate device pools: Disaggregated)")
+        _check(self)
 
     @property
     def world(self) -> int:
@@ -58,12 +59,61 @@ class Placement:
 
 
 @dataclass(frozen=True)
-class Seats:
-    """One rank's place in a placement: its rank, the meshes of the worker groups, the execution contexts
-    of the train and rollout layouts, and the sums over the ranks the step's statistics span. One
-    process (``placement`` None): every mesh trivial, the plain execution, sums of one."""
+class Disaggregated:
+    """Separate device pools: global ranks 0..R-1 (R: the rollout layout's ranks) generate and score in
+    ``rollout``; the next N (the train layout's) compute the log-probs and the updates in ``train``, with
+    PPO's ``critic`` on the train layout's mesh. Rows cross through the dock, weights through the push
+    (``push_plan``)."""
 
-    placement: Placement | None
+    rollout: Layout
+    train: Layout
+    critic: Layout | None = None
+
+    def __post_init__(self):
+        _check(self)
+
+    @property
+    def world(self) -> int:
+        return self.rollout.mesh.size + self.train.mesh.size
+
+    @property
+    def pools(self) -> Pools:
+        """The split of the world the launcher makes (``runtime.pools.Pools``)."""
+        return Pools(self.rollout.mesh.size, self.world)
+
+    def own(self, pool: str) -> Colocated | None:
+        """The placement the ranks of ``pool`` ("rollout" or "train") run their steps in, in the pool's world:
+        its layout as both (None: a pool of one rank, one process)."""
+        layout = {"rollout": self.rollout, "train": self.train}[pool]
+        if layout.mesh.size == 1:
+            return None
+        return Colocated(layout, layout, critic=self.critic if pool == "train" else None)
+
+    def push_plan(self) -> PushPlan:
+        """The plan of the weight push, the train layout's shards into the rollout layout's."""
+        return push_plan(self.train, self.rollout)
+
+
+Placement = Colocated | Disaggregated
+
+
+def _check(p: Colocated | Disaggregated) -> None:
+    name = type(p).__name__
+    if p.critic is not None and p.critic.mesh != p.train.mesh:
+        raise ValueError(f"{name}: the critic's layout ({p.critic.mesh}) must be on the train layout's mesh "
+                         f"({p.train.mesh}): it reads the update's rows")
+    if p.rollout.mesh.pp > 1:
+        raise ValueError(f"{name}: rollout layout {p.rollout.mesh}: generation runs every layer on each rank (no pp)")
+
+
+@dataclass(frozen=True)
+class Seats:
+    """One rank's place in a colocated placement (separate pools: its pool's own): its rank, the meshes of the
+    worker groups, the execution contexts of the train and rollout layouts, and the sums over the ranks the
+    step's statistics span. One process (``placement`` None): every mesh trivial, the plain execution, sums
+    of one."""
+
+    placement: Colocated | None
     rank: int
     rollout_ex: Exec
     train_ex: Exec
@@ -100,7 +150,7 @@ class Seats:
         return out
 
 
-def seats(placement: Placement | None, cfg: ModelConfig) -> Seats:
+def seats(placement: Colocated | None, cfg: ModelConfig) -> Seats:
     """This rank's seats (torch.distributed initialised when ``placement`` spans several ranks): the
     process groups of both layouts are made here, in the same order on every rank."""
     if placement is None:
@@ -110,4 +160,4 @@ def seats(placement: Placement | None, cfg: ModelConfig) -> Seats:
     return Seats(placement, dist.get_rank(), rollout_ex=context(placement.rollout, cfg), train_ex=train_ex)
 
 
-__all__ = ["Placement", "Seats", "seats"]
+__all__ = ["Colocated", "Disaggregated", "Placement", "Seats", "seats"]

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from rlflow.runtime.report import RolloutReport, combine_reports
-from rlflow.sharding.execute import push_pieces, push_place, push_slots
+from rlflow.sharding.push import push_pieces, push_place, push_slots
 from rlflow.sharding.plan import PushPlan
 
 _FINAL = b"final"  # a rollout rank's last report
@@ -187,15 +187,19 @@ class TrainSide:
 
 class RolloutSide:
     """The rollout pool's end of the link (rank ``rank`` of the rollout pool, ``pool``: its size): the
-    versions arrive on a receiver thread into ``buffers`` (two copies of this rank's rollout shards)."""
+    versions arrive on a receiver thread into two copies of this rank's rollout shards on ``device`` (the
+    engine's and the one the next version fills), allocated here: every version arrives whole."""
 
-    def __init__(self, link: Link, rank: int, pool: int, plan: PushPlan, buffers: tuple[dict, dict],
+    def __init__(self, link: Link, rank: int, pool: int, plan: PushPlan, *, device: torch.device | str = "cpu",
                  partial: bool = False):
         self.link, self.rank, self.pool, self.plan = link, rank, pool, plan
         self.partial = partial  # partial rollout: each rank swaps a newer version in as it lands (``newer``)
         self._cond = threading.Condition()
         self._reports = 0
-        self._free = list(buffers)  # copies the receiver may fill
+        lay = plan.dst
+        held = [n for n in lay.names if lay.holds(n, rank)]
+        self._free = [{n: torch.empty(lay[n].local_shape(lay.mesh), dtype=lay[n].dtype, device=device) for n in held}
+                      for _ in range(2)]  # copies the receiver may fill
         self.pending: tuple[int, dict] | None = None  # a version received, not yet in use
         self.current: tuple[int, dict] | None = None  # the version the engine generates with
         self.stopped, self.error = False, None

@@ -19,9 +19,8 @@ the train pool starts at (the first version's number, so a resumed run continues
 
 from __future__ import annotations
 
-from rlflow.runtime.loop import prompts_at
 from rlflow.runtime.pools import RolloutSide
-from rlflow.runtime.step import Clock, StepContext, generate, score_and_put
+from rlflow.runtime.step import Clock, StepContext, generate, prompts_at, score_and_put
 
 
 def produce(source, ctx: StepContext, side: RolloutSide) -> None:

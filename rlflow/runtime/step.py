@@ -35,14 +35,17 @@ import torch
 from rlflow import engines, optim
 from rlflow.algos import corrections, critic as critics, estimators, stages
 from rlflow.batch import PromptBatch, RolloutBatch
+from rlflow.data import prompt_batch
 from rlflow.envs.tools import load_tools
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import n_moe_layers
 from rlflow.multiturn import MultiTurn, chat_render, plain_render
+from rlflow.parallel.context import shard_params
 from rlflow.runtime.flow import DockFlow, MemoryFlow, rollout_share, score_share, train_batch
 from rlflow.runtime.graph import LOSS_MASK, ROUTES, ROWS, VERSIONS, Graph, graph_for
 from rlflow.runtime.config import LoopConfig, check_features, share_problems
-from rlflow.runtime.placement import Placement, Seats, seats
+from rlflow.runtime import pools
+from rlflow.runtime.placement import Disaggregated, Placement, Seats, seats
 from rlflow.runtime.report import Figures, RolloutReport, row_counts
 from rlflow.runtime.state import RunState
 from rlflow.runtime.weights import Weights
@@ -65,8 +68,18 @@ class StepContext:
     engine: engines.RolloutEngine | None  # engines.build (None on the train pool's ranks)
     update_config: stages.UpdateConfig  # the policy's mini- / micro-batches per data rank, in the train layout
     critic_update_config: stages.UpdateConfig  # the same in the critic's layout
-    pool: object = None  # separate pools, on a train rank: its end of the link (``runtime.pools.TrainSide``)
+    # separate pools: this rank's end of the link (``runtime.pools``: a train rank's TrainSide, a rollout rank's
+    # RolloutSide)
+    pool: pools.TrainSide | pools.RolloutSide | None = None
     multiturn: MultiTurn | None = None  # multi-turn rollouts (``LoopConfig.multiturn``), on a rollout rank
+
+    def shards(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of whole tensors ``full`` (the initial weights) for its state: its shards of the
+        layout it trains in (one process: all of them); none on a rollout pool's rank (the push brings them)."""
+        if isinstance(self.pool, pools.RolloutSide):
+            return {}
+        where = self.seats
+        return dict(full) if where.placement is None else shard_params(full, where.placement.train, where.rank)
 
 
 @dataclass
@@ -82,21 +95,29 @@ class StepOut:
 
 
 def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device: torch.device | str = "cpu",
-            dock=None, placement: Placement | None = None, pool: str = "colocated", link=None,
-            template=None) -> StepContext:
+            dock=None, placement: Placement | None = None, template=None) -> StepContext:
     """The fixed part of a run's steps on this rank. ``dock``: the transfer dock the rows cross from the
     rollout group to the train group through (``rlflow.dock.Dock``, its consumers ``graph_for(...).consumers``);
-    None hands them over in memory (one process only). ``placement``: the layouts of a world of several ranks
-    (torch.distributed initialised); None: one process, unsharded. Sizes in ``conf`` are global.
+    None hands them over in memory (one process only). ``placement``: where the stages run on a world of
+    several ranks (torch.distributed initialised; ``runtime.placement``); None: one process, unsharded. Sizes
+    in ``conf`` are global.
 
-    Separate device pools (``runtime.pools``): ``pool`` "rollout" or "train" is the pool this rank is in, whose
-    world and ``placement`` (its layout as both) are the pool's; ``link``: the ``pools.TrainSide`` of a train
-    rank (the rollout ranks' loop is ``runtime.producer``).
+    ``Disaggregated`` (separate device pools, ``runtime.pools``): this process is a rank its launcher put in
+    one of the pools (``launch.spawn(..., pools=placement.pools)``); the context is that pool's (its own
+    placement, its world) with this rank's end of the link (``pool``): a train rank steps, a rollout rank
+    produces (``loop.train`` runs ``runtime.producer`` there).
 
     ``template``: the chat template (``tokenizer.ChatTemplate``) multi-turn rollouts render the environments'
     observations with (``conf.multiturn``); None: their text as it is."""
-    if pool not in ("colocated", "rollout", "train") or (pool == "train") != (link is not None):
-        raise ValueError(f"step.context: pool={pool!r} with link={link!r}: a train pool's rank needs its link")
+    pool, side = "colocated", None
+    if isinstance(placement, Disaggregated):
+        link = pools.joined()
+        if link is None or link.pools != placement.pools:
+            raise ValueError(f"step.context: a Disaggregated placement of {placement.world} ranks runs on the ranks its "
+                             f"launcher split into its pools (launch.spawn(..., pools=placement.pools)); this process "
+                             f"is {'no rank of separate pools' if link is None else f'a rank of {link.pools}'}")
+        pool, both = link.pools.pool(link.rank), placement
+        placement = both.own(pool)
     if pool != "colocated" and dock is None:
         raise ValueError("step.context: separate pools exchange their rows through a dock")
     if pool == "colocated" and (conf.max_staleness or conf.partial_rollout):
@@ -106,7 +127,7 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
     check_features(cfg, 1 if placement is None else placement.train.mesh.pp, routing_replay=conf.routing_replay,
                    check_logprobs=conf.check_logprobs, adv_estimator=conf.grpo.adv_estimator)
     if conf.critic is not None and placement is not None and placement.critic is None:
-        raise ValueError("step.context: a critic over several ranks needs its layout: Placement(critic=...)")
+        raise ValueError("step.context: a critic over several ranks needs its layout: the placement's critic=")
     if placement is not None and dock is None:
         raise ValueError("step.context: a placement over several ranks needs a dock (the stages' rows go through it)")
     where = seats(placement, cfg)
@@ -140,12 +161,16 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
         multiturn = MultiTurn(conf.multiturn, render=render, decode=tokenizer.decode, reward_fn=reward_fn,
                               max_new_tokens=conf.sampling.max_new_tokens, vocab_size=cfg.vocab_size,
                               max_positions=cfg.max_position_embeddings, eos_id=conf.sampling.eos_id, tools=tools)
+    if pool != "colocated":  # last: the rollout side's receiver thread starts with it
+        rank, size = link.pools.local(link.rank)
+        side = pools.TrainSide(link, rank, both.push_plan()) if pool == "train" else pools.RolloutSide(
+            link, rank, size, both.push_plan(), device=device, partial=conf.partial_rollout)
     return StepContext(cfg=cfg, tokenizer=tokenizer, reward_fn=reward_fn, config=conf, device=torch.device(device),
                        seats=where, graph=graph, flow=flow, engine=engine, update_config=ucfg,
                        dock_columns=dock_columns(graph, conf.routing_replay, multiturn=conf.multiturn is not None,
                                                  pools=pool != "colocated"),
                        weights=Weights(where.train, None if placement is None else placement.rollout, where.rank),
-                       critic_update_config=critic_ucfg, pool=link, multiturn=multiturn)
+                       critic_update_config=critic_ucfg, pool=side, multiturn=multiturn)
 
 
 def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunState, StepOut]:
@@ -159,6 +184,9 @@ def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunSt
     pushed. Either way the rollout side's figures arrive as one ``RolloutReport``."""
     conf, index, flow = ctx.config, state.steps_done, ctx.flow
     G, pool = conf.grpo.group_size, ctx.pool
+    if isinstance(pool, pools.RolloutSide):
+        raise ValueError("step: this rank is in the rollout pool of separate pools: it produces (loop.train runs "
+                         "runtime.producer), the train pool steps")
     if pool is None:
         rollout_clock = Clock()
         flow.begin(prompts, G)
@@ -231,6 +259,13 @@ def generate(prompts: PromptBatch, index: int, ctx: StepContext, *, version: int
     if version is not None and rows.versions_BTr is None:  # one version sampled the whole step
         rows = rows.replace(versions_BTr=torch.full_like(rows.response_ids_BTr, version))
     return rows
+
+
+def prompts_at(source, index: int, ctx: StepContext) -> PromptBatch:
+    """Step ``index``'s prompts, the next ``prompts_per_step`` of ``source``, on the rank's device."""
+    conf = ctx.config
+    return prompt_batch(source.take(conf.prompts_per_step), ctx.tokenizer, first_index=index * conf.prompts_per_step,
+                        max_prompt_len=conf.max_prompt_len).to(ctx.device)
 
 
 def score_and_put(rollout: RolloutBatch, index: int, ctx: StepContext, clock: "Clock"):
@@ -343,4 +378,4 @@ class Clock:
         self.laps[name], self._t = now - self._t, now
 
 
-__all__ = ["StepContext", "StepOut", "context", "score_and_put", "step", "train_side"]
+__all__ = ["StepContext", "StepOut", "context", "prompts_at", "score_and_put", "step", "train_side"]

@@ -7,7 +7,9 @@
     strategy.py   per-parameter choice: slice / all_gather / broadcast / p2p, with the cost model
     plan.py       plan(src, dst), allgather_swap, swap_back
     memory.py     per-rank ledger: train weights, grads, optimizer state, rollout weights, buffers
-    execute.py    simulated executor (the reference), reference slicing, TrainState
+    execute.py    simulated executor (the reference), per-rank packing, TrainState, HostArena
+    reference.py  reference slicing: shard, full_from_shards, reshard from another layout
+    push.py       the weight push between separate pools (PushPlan's pieces and slots)
     dist.py       torch.distributed executor, process groups
     cli.py        ``python -m rlflow.sharding.cli``: plan a named model's transition from mesh specs, print it
 """
@@ -21,7 +23,7 @@ _EXPORTS = {
     "Mesh": "mesh", "AXES": "mesh", "P": "spec", "Layout": "layout", "ParamLayout": "layout",
     "Logical": "layout", "Plan": "plan", "Bucket": "plan", "Step": "plan",
     "allgather_swap": "plan", "swap_back": "plan", "ledger": "memory", "Ledger": "memory",
-    "StateBytes": "memory", "report": "memory", "simulate": "execute", "shard": "execute",
+    "StateBytes": "memory", "report": "memory", "simulate": "execute", "shard": "reference",
     "TrainState": "execute",
 }
 __all__ = sorted(_EXPORTS)

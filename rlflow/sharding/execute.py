@@ -18,13 +18,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from rlflow.optim import AdamWState, map_state
 from rlflow.sharding import geometry as geo
 from rlflow.sharding.layout import Layout
-from rlflow.sharding.plan import COLLECTIVES, Bucket, Plan, PushPlan
+from rlflow.sharding.plan import COLLECTIVES, Bucket, Plan
 
 ALIGN = 16
 Segs = list  # list[tuple[str, geo.Box]]
@@ -83,32 +82,6 @@ class TrainState:
     arena: HostArena | None = None
 
 
-# ---- reference slicing ----
-def shard_tensor(full: torch.Tensor, layout: Layout, name: str, rank: int) -> torch.Tensor | None:
-    """Rank ``rank``'s stored-shape shard of ``full`` under ``layout`` (None if it holds none)."""
-    p = layout[name]
-    box = geo.blocks(*geo.placement(layout, name)).box_of(rank)
-    if box is None:
-        return None
-    v = full.reshape(p.view)[tuple(slice(lo, hi) for lo, hi in box)].contiguous()
-    if v.untyped_storage().nbytes() > v.numel() * v.element_size():  # a slice along the first axis is a view:
-        v = v.clone()  # kept, it would hold the whole tensor on every rank
-    return v.reshape(p.local_shape(layout.mesh))
-
-
-def shard(full: dict[str, torch.Tensor], layout: Layout) -> list[dict[str, torch.Tensor]]:
-    """Every rank's shards of the full tensors ``full``."""
-    out = []
-    for r in range(layout.mesh.size):
-        d = {}
-        for n in layout.names:
-            t = shard_tensor(full[n], layout, n, r)
-            if t is not None:
-                d[n] = t
-        out.append(d)
-    return out
-
-
 # ---- segments ----
 def _itemsize(layout: Layout, name: str) -> int:
     return layout[name].itemsize
@@ -135,7 +108,7 @@ def pack_moves(plan: Plan, segs: tuple, rank: int) -> tuple[tuple, int]:
     moves = []
     for (name, box), off in zip(segs, offs):
         lo = geo.blocks(*geo.placement(layout, name)).box_of(rank)
-        moves.append((name, layout[name].local_view(layout.mesh), _rel(box, lo), off,
+        moves.append((name, layout[name].local_view(layout.mesh), geo.rel(box, lo), off,
                       geo.box_numel(box) * _itemsize(layout, name)))
     return tuple(moves), total
 
@@ -157,7 +130,7 @@ def _local_moves(plan: Plan, segs: tuple, rank: int) -> tuple:
     for name, box in segs:
         slo = geo.blocks(*geo.placement(plan.src, name)).box_of(rank)
         dlo = geo.blocks(*geo.placement(plan.dst, name)).box_of(rank)
-        moves.append((name, plan.src[name].local_view(plan.src.mesh), _rel(box, slo), _rel(box, dlo)))
+        moves.append((name, plan.src[name].local_view(plan.src.mesh), geo.rel(box, slo), geo.rel(box, dlo)))
     return tuple(moves)
 
 
@@ -165,11 +138,6 @@ def copy_local(plan: Plan, segs: Segs, shards: dict, out: dict, rank: int) -> No
     """Copy pieces this rank holds in both layouts straight from its source shard to its destination."""
     for name, view, sidx, didx in _local_moves(plan, tuple(segs), rank):
         out[name][didx] = shards[name].reshape(view)[sidx]
-
-
-def _rel(box: geo.Box, origin: geo.Box) -> tuple[slice, ...]:
-    """Index of ``box`` inside a tensor that holds the box ``origin``."""
-    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))
 
 
 @functools.lru_cache(maxsize=16384)
@@ -185,7 +153,7 @@ def unpack_moves(plan: Plan, segs: tuple, rank: int) -> tuple:
         if inter is None:
             continue
         n = geo.box_numel(box) * layout_dst[name].itemsize
-        moves.append((name, off, n, tuple(hi - lo for lo, hi in box), _rel(inter, box), _rel(inter, dbox)))
+        moves.append((name, off, n, tuple(hi - lo for lo, hi in box), geo.rel(inter, box), geo.rel(inter, dbox)))
     return tuple(moves)
 
 
@@ -360,118 +328,3 @@ def _sim_collective(plan: Plan, b: Bucket, shards, tmp, device) -> None:
             send, _, _ = p2p_segs(plan, b, r)
             for peer, segs in sorted(send.items()):
                 tmp[peer].setdefault(b.index, []).append((segs, pack(plan, segs, shards[r], r, device)))
-
-
-def full_from_shards(shards: list[dict], layout: Layout) -> dict[str, torch.Tensor]:
-    """Reassemble full tensors from every rank's shards (checks that replicas agree bitwise)."""
-    out = {}
-    for p in layout.params:
-        full = torch.empty(p.view, dtype=p.dtype)
-        seen = torch.zeros(p.view, dtype=torch.bool)
-        bl = geo.blocks(*geo.placement(layout, p.name))
-        for row, r in enumerate(bl.ranks.tolist()):
-            sl = tuple(slice(lo, hi) for lo, hi in bl.box(row))
-            piece = shards[r][p.name].reshape(p.local_view(layout.mesh)).cpu()
-            if seen[sl].any() and not np.array_equal(_bytes(full[sl]), _bytes(piece)):
-                raise AssertionError(f"replicas of {p.name} disagree on rank {r}")
-            full[sl] = piece
-            seen[sl] = True
-        out[p.name] = full.reshape(p.shape)
-    return out
-
-
-def reshard(shards: list[dict], src: Layout, dst: Layout | None, rank: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s stored-shape shards under ``dst`` (None: whole tensors) of what the ranks of ``src``
-    hold (``shards[r]``: rank r's dict under ``src``, e.g. memory-mapped files; a name none of them holds is
-    left out). Each source block is read only where it overlaps the rank's own block (a replicated block
-    from its first holder), so a rank reads about what it keeps."""
-    out = {}
-    for n in src.names:
-        p, bl = src[n], geo.blocks(*geo.placement(src, n))
-        if n not in shards[int(bl.ranks[0])] or (dst is not None and not dst.holds(n, rank)):
-            continue
-        box = tuple((0, v) for v in p.view) if dst is None else geo.blocks(*geo.placement(dst, n)).box_of(rank)
-        local, seen = None, set()
-        for row, r in enumerate(bl.ranks.tolist()):
-            sbox = bl.box(row)
-            part = geo.intersect(sbox, box)
-            if part is None or sbox in seen:
-                continue
-            seen.add(sbox)
-            piece = shards[r][n].reshape(p.local_view(src.mesh))
-            if local is None:
-                local = torch.empty(tuple(hi - lo for lo, hi in box), dtype=piece.dtype)
-            local[_rel(part, box)] = piece[_rel(part, sbox)]
-        out[n] = local.reshape(p.shape if dst is None else dst[n].local_shape(dst.mesh))
-    return out
-
-
-# ---- the push between separate device pools (plan.PushPlan); the same code runs simulated and distributed ----
-def push_pieces(plan: PushPlan, rank: int, shards: dict) -> list[tuple[int, torch.Tensor]]:
-    """(rollout rank, piece) of everything train rank ``rank`` sends, in the plan's order: its shards' parts,
-    each a contiguous copy in the rollout layout's dtype (the update may change the shards while they travel)."""
-    out = []
-    for name, t in plan.pieces:
-        ks = t.by_send.get(rank)
-        if not ks:
-            continue
-        p, dt = plan.src[name], plan.dst[name].dtype
-        own = geo.blocks(*geo.placement(plan.src, name)).box_of(rank)
-        v = shards[name].reshape(p.local_view(plan.src.mesh))
-        for k in ks:
-            out.append((int(t.recv[k]), v[_rel(t.boxes[k], own)].to(dt, copy=True).contiguous()))
-    return out
-
-
-def push_slots(plan: PushPlan, rank: int, shards: dict) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
-    """(train rank, receive buffer, where it is copied to: None when the buffer is that place itself) of
-    everything rollout rank ``rank`` receives into its shards ``shards`` (the rollout layout's), in the order
-    each train rank sends it (``push_pieces``)."""
-    out = []
-    for name, t in plan.pieces:
-        ks = t.by_recv.get(rank)
-        if not ks:
-            continue
-        q = plan.dst[name]
-        own = geo.blocks(*geo.placement(plan.dst, name)).box_of(rank)
-        v = shards[name].reshape(q.local_view(plan.dst.mesh))
-        for k in ks:
-            place = v[_rel(t.boxes[k], own)]
-            if t.boxes[k] == own and v.is_contiguous():
-                out.append((int(t.send[k]), v, None))
-            else:
-                out.append((int(t.send[k]), torch.empty(place.shape, dtype=q.dtype, device=v.device), place))
-    return out
-
-
-def push_place(slots: list) -> None:
-    """The received buffers of ``push_slots`` into their places."""
-    for _, buf, place in slots:
-        if place is not None:
-            place.copy_(buf)
-
-
-def simulate_push(plan: PushPlan, train_shards: list[dict], rollout_shards: list[dict]) -> None:
-    """Every train rank's pieces delivered to the rollout ranks' shards (in place), as the distributed push
-    does: per (sender, receiver) pair in the order sent."""
-    queues: dict[tuple[int, int], list] = {}
-    for s, shards in enumerate(train_shards):
-        for d, piece in push_pieces(plan, s, shards):
-            queues.setdefault((s, d), []).append(piece)
-    for d, shards in enumerate(rollout_shards):
-        slots = push_slots(plan, d, shards)
-        for s, buf, _ in slots:
-            piece = queues[(s, d)].pop(0)
-            if piece.shape != buf.shape or piece.dtype != buf.dtype:
-                raise AssertionError(f"push: rank {s} -> {d}: sent {piece.dtype} {tuple(piece.shape)}, "
-                                     f"expected {buf.dtype} {tuple(buf.shape)}")
-            buf.copy_(piece)
-        push_place(slots)
-    left = {k: len(v) for k, v in queues.items() if v}
-    if left:
-        raise AssertionError(f"push: pieces sent but never received: {left}")
-
-
-def _bytes(t: torch.Tensor) -> np.ndarray:
-    t = t.contiguous()
-    return (t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)).numpy()

