@@ -266,6 +266,33 @@ def test_a_colocated_context_refuses_the_pools_settings(setting):
     context(CFG, TOK, per_sample(reward), lcfg())  # the same without them builds
 
 
+def test_a_disaggregated_placement_outside_its_launched_pools_is_refused_by_name():
+    """``step.context`` with separate pools in a process its launcher did not put in them (no link), or in pools
+    of another split, says so instead of waiting for a push that never comes."""
+    from rlflow.dock.client import Dock
+    from rlflow.models.sharding import layout
+    from rlflow.rewards import per_sample
+    from rlflow.runtime import pools
+    from rlflow.runtime.graph import GRPO
+    from rlflow.runtime.placement import Disaggregated
+    from rlflow.runtime.step import context
+    from rlflow.sharding.mesh import Mesh
+    from tests.test_runtime import CFG, TOK, lcfg, reward
+
+    lay = layout(CFG, Mesh(), dtype=torch.float32)
+    where = Disaggregated(lay, lay)
+    dock = Dock.local(GRPO.schema, GRPO.consumers, capacity=64, group_size=4)
+    try:
+        with pytest.raises(ValueError, match="Disaggregated placement of 2 ranks .* no rank of separate pools"):
+            context(CFG, TOK, per_sample(reward), lcfg(), dock=dock, placement=where)
+        pools._JOINED[0] = Link(Pools(1, 3), 0, None, None)
+        with pytest.raises(ValueError, match=r"a rank of Pools\(rollout=1, world=3\)"):
+            context(CFG, TOK, per_sample(reward), lcfg(), dock=dock, placement=where)
+    finally:
+        pools.leave()
+        dock.close()
+
+
 @pytest.mark.slow
 def test_a_dock_process_killed_under_separate_pools_is_one_line():
     """kill -9 of a dock process mid-run: the rank that reaches it says DockLost in one line; the others, whose
