@@ -110,13 +110,20 @@ def bucketed(n: int) -> int:
     return -(-n // step) * step
 
 
+def compile_problem(device_type: str) -> str | None:
+    """Why the decode step cannot be compiled on a device of ``device_type`` (None: it can)."""
+    if device_type in ("cpu", "cuda"):
+        return None  # NPU: torch_npu compiles through its own backend (torchair), not wired
+    return (f"on {device_type} is not built (the compiled decode step takes inductor's cpu and cuda options); "
+            "decode eagerly there")
+
+
 def compiled_step(device: torch.device):
     """``decode_step`` (forward + sampling) through torch.compile with static shapes (one graph per
     batch, cache length, model and sampling config), and CUDA graphs on CUDA ("reduce-overhead").
     Compiling takes tens of seconds on a CPU; the CUDA path has not been run here (no GPU was available)."""
-    if device.type not in ("cpu", "cuda"):  # NPU: torch_npu compiles through its own backend (torchair), not wired
-        raise ValueError(f"generate: compile_decode on {device.type} is not built (its compiler options are "
-                         "inductor's for cpu and cuda); decode eagerly there")
+    if (why := compile_problem(device.type)) is not None:
+        raise ValueError(f"generate: compile_decode {why}")
     if device.type not in _COMPILED:
         # CPU: the graph's wrapper in C++ (one call per step instead of ~60 Python-dispatched kernels)
         how = dict(mode="reduce-overhead") if device.type == "cuda" else dict(options={"cpp_wrapper": True})

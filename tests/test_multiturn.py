@@ -502,7 +502,7 @@ def test_the_recipe_with_a_chat_checkpoint_its_tools_and_an_environment(tmp_path
 
 def test_the_loss_normaliser_of_dr_grpo_is_the_episodes_sampled_budget():
     from rlflow.runtime.config import LoopConfig
-    from rlflow.runtime.step import sampled_budget
+    from rlflow.runtime.work import sampled_budget
     conf = LoopConfig(steps=1, prompts_per_step=1, grpo=grpo.GRPOConfig(group_size=2), mini_batch_size=2,
                       micro_batch_size=2, optim=optim.AdamWConfig(lr=1e-3),
                       sampling=SamplingConfig(max_new_tokens=5, eos_id=TOK.eos_id))

@@ -196,16 +196,17 @@ def test_pools_under_torchrun_and_slurm_train_as_the_local_launch_does(tmp_path)
 @pytest.mark.parametrize("flags, named", [
     (["--rollout-ranks", "2"], "--rollout-ranks 2: leaves no rank of --world 2 to train"),
     (["--rollout-ranks", "-1"], "--rollout-ranks -1: must be >= 0"),
-    (["--max-staleness", "1"], "--max-staleness 1: needs --rollout-ranks"),
-    (["--rollout-ranks", "1", "--max-staleness", "-1"], "--max-staleness -1: must be >= 0"),
+    (["--max-staleness", "1"], "--max-staleness 1: needs separate pools (colocated steps are synchronous); "
+                               "--rollout-ranks K makes them"),
+    (["--rollout-ranks", "1", "--max-staleness", "-1"], "--max-staleness -1: must be an integer >= 0"),
     (["--rollout-ranks", "1", "--steps", "20", "--max-staleness", "1000000000"],
      "--max-staleness 1000000000: must be <= --steps 20"),
     (["--rollout-ranks", "1", "--dock-backend", "local"], "--dock-backend local: "),
     (["--rollout-ranks", "1", "--rollout-engine", "vllm", "--partial-rollout"], "--partial-rollout: swaps weights"),
     (["--world", "3", "--rollout-ranks", "1", "--train-layout", "tp=3"], "--train-layout tp=3"),
-    (["--partial-rollout"], "--partial-rollout: needs --rollout-ranks"),
+    (["--partial-rollout"], "--partial-rollout: needs separate pools"),
     (["--world", "3", "--rollout-ranks", "2", "--rollout-layout", "tp=2", "--partial-rollout"],
-     "--partial-rollout: --rollout-layout mesh(pp=1,dp=1,ep=1,tp=2): its ranks decode in lockstep"),
+     "--partial-rollout: rollout layout mesh(pp=1,dp=1,ep=1,tp=2): its ranks decode in lockstep"),
     (["--rollout-ranks", "1", "--partial-rollout", "--env", "max_digit_feedback"],
      "--partial-rollout=True: swapping weights mid-generation is built for single-turn rows"),
 ])
@@ -264,6 +265,27 @@ def test_a_colocated_context_refuses_the_pools_settings(setting):
     with pytest.raises(ValueError, match=f"{next(iter(setting))}={next(iter(setting.values()))}"):
         context(CFG, TOK, per_sample(reward), conf)
     context(CFG, TOK, per_sample(reward), lcfg())  # the same without them builds
+
+
+def test_the_library_refuses_what_a_placement_cannot_run_as_the_recipe_does():
+    """One rule, one place (``config.placement_problems``): ``step.context`` refuses multi-turn episodes and partial
+    rollout on a rollout layout that decodes in lockstep (the recipe names the same rule's flag: test_recipe,
+    the list above), before any rank's groups are made."""
+    import dataclasses
+
+    from rlflow.models.sharding import layout
+    from rlflow.rewards import per_sample
+    from rlflow.runtime.placement import Colocated
+    from rlflow.runtime.step import context
+    from rlflow.sharding.mesh import Mesh
+    from tests.test_runtime import CFG, TOK, lcfg, reward
+
+    tp2 = layout(CFG, Mesh(tp=2), dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"multiturn=.*rollout layout mesh\(pp=1,dp=1,ep=1,tp=2\): multi-turn"):
+        context(CFG, TOK, per_sample(reward), lcfg(mt=True), placement=Colocated(tp2, tp2))
+    with pytest.raises(ValueError, match="partial_rollout=True: needs separate pools"):
+        context(CFG, TOK, per_sample(reward), dataclasses.replace(lcfg(), partial_rollout=True),
+                placement=Colocated(tp2, tp2))
 
 
 def test_a_disaggregated_placement_outside_its_launched_pools_is_refused_by_name():

@@ -103,3 +103,29 @@ def test_sinks_log_every_step_and_samples_every_n():
         h.after_step(None, {"step": step}, SimpleNamespace(rows=rows, rewards=torch.tensor([1.0])))
     h.close()
     assert logged == [0, 1, 2, 3, "closed"] and samples == [0, 2]
+
+
+def test_a_stage_added_to_the_graph_runs_in_the_step_with_nothing_else_changed():
+    """A new stage is a function and a graph entry: here a bonus of 1 added to every reward between the scoring
+    and the advantages (placement-independent: it runs on whatever ranks score). The step runs it: every reward is
+    1 higher, and the advantages (a group's rewards shifted together) and so the update are the same."""
+    import dataclasses
+
+    from rlflow.runtime.graph import Graph, Stage
+
+    def bonus(work):
+        work.cols["rewards"] = work.cols["rewards"] + 1.0
+
+    i = [s.name for s in GRPO.stages].index("score") + 1
+    with_bonus = Graph(GRPO.columns, GRPO.stages[:i] + (Stage("bonus", ("rewards",), ("rewards",), "every", fn=bonus),)
+                       + GRPO.stages[i:])
+    tok = CharTokenizer()
+    cfg = get_config("qwen3-moe-tiny").replace(eos_token_id=tok.eos_id)
+    reward = lambda resp, ans: [float(r == a) for r, a in zip(resp, ans)]  # noqa: E731
+    runs = []
+    for graph in (GRPO, with_bonus):
+        ctx = dataclasses.replace(context(cfg, tok, reward, _lcfg(steps=2)), graph=graph)
+        runs.append(loop.train(init(decoder.init_params(cfg, seed=0), PromptSource(task="max_digit")), ctx)[1])
+    for plain, bonused in zip(*runs):
+        assert bonused["reward_mean"] == pytest.approx(plain["reward_mean"] + 1.0, abs=1e-6)
+        assert bonused["loss"] == plain["loss"] and bonused["grad_norm"] == plain["grad_norm"]

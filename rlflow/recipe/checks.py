@@ -12,6 +12,7 @@ import os
 import re
 
 from rlflow import device, engines, metrics
+from rlflow.decoding import compile_problem
 from rlflow.envs import load_env
 from rlflow.envs.tools import load_tools
 from rlflow.models import hf
@@ -20,7 +21,7 @@ from rlflow.recipe.data_checks import data_problems, eval_problems
 from rlflow.recipe.flags import Recipe
 from rlflow.recipe.pieces import (critic_config, grpo_config, has_chat_template, loop_config, mesh_of, optim_config,
                                   sampling_config)
-from rlflow.runtime.config import share_problems
+from rlflow.runtime.config import placement_problems, share_problems
 
 
 
@@ -43,22 +44,30 @@ def pool_problems(r: Recipe) -> list[tuple[str, str]]:
     """(field, why) for --rollout-ranks and --max-staleness: what separate pools cannot run (yet)."""
     if r.rollout_ranks < 0:
         return [("rollout_ranks", "must be >= 0 (0: colocated)")]
-    if r.max_staleness < 0:
-        return [("max_staleness", "must be >= 0")]
     if r.max_staleness > r.steps:  # the dock holds max_staleness + 1 steps' rows: bound it by the run
         return [("max_staleness", f"must be <= --steps {r.steps} (the rollout pool can be no more steps ahead "
                                   f"than the run has; the dock holds --max-staleness + 1 steps' rows)")]
     if not r.rollout_ranks:
-        return [(name, "needs --rollout-ranks (colocated steps are synchronous)")
-                for name in ("max_staleness", "partial_rollout") if getattr(r, name)]
+        return []
     if r.rollout_ranks >= r.world:
         return [("rollout_ranks", f"leaves no rank of --world {r.world} to train")]
-    out = [("dock_backend", "separate pools need a dock of processes (procs) or actors (ray)")] \
+    return [("dock_backend", "separate pools need a dock of processes (procs) or actors (ray)")] \
         if r.dock_backend not in (None, "procs", "ray") else []
-    if r.partial_rollout and (mesh := lockstep_rollout(r)) is not None:
-        out.append(("partial_rollout", f"--rollout-layout {mesh}: its ranks decode in lockstep and would have to "
-                                       "swap weights at the same step (not built): use dp only"))
-    return out
+
+
+def placement_checks(r: Recipe) -> list[tuple[str, str]]:
+    """(field, why) of the library's rules for the placement the flags make (``config.placement_problems``), on
+    the flags: --env for the multi-turn settings. Nothing when the configs or the rollout layout do not build:
+    that is their own problem, said by their flags."""
+    try:
+        conf = loop_config(r, eos_id=0, pad_id=0)
+        mesh = mesh_of(r, r.rollout_layout, "rollout_layout") if r.world > 1 else None
+    except ValueError:
+        return []
+    pools = bool(r.rollout_ranks)
+    return [("env" if name == "multiturn" else name,
+             why if pools or name not in ("max_staleness", "partial_rollout") else f"{why}; --rollout-ranks K makes them")
+            for name, why in placement_problems(conf, mesh, pools=pools)]
 
 
 def lockstep_rollout(r: Recipe):
@@ -100,9 +109,6 @@ def env_problems(r: Recipe) -> list[tuple[str, str]]:
                 "otherwise and every episode would fail at its start (--no-chat-template, or another --env)"),
                ("eval_dataset", bool(r.eval_dataset), "with --env is not built yet (evaluation generates one turn)")]
     out = [(name, why) for name, bad, why in refused if bad]
-    if r.world > 1 and not r.rollout_ranks and (mesh := lockstep_rollout(r)) is not None:
-        out.append(("rollout_layout", f"{mesh}: with --env each rank drives its own episodes; a layout with tp or "
-                                      "ep > 1 generates in lockstep across ranks: use dp only"))
     budget = r.max_total_tokens or _positions(r)
     if r.max_turns is not None and budget is not None and r.max_turns > budget:
         out.append(("max_turns", f"is more turns than an episode's {budget} tokens can hold (--max-total-tokens, "
@@ -127,9 +133,8 @@ def problems(r: Recipe) -> list[tuple[str | None, str]]:
     out = []
     if r.world < 1:
         out.append(("world", "must be >= 1"))
-    if r.compile_decode and device.kind() not in ("cpu", "cuda"):
-        out.append(("compile_decode", f"on {device.kind()} is not built (the compiled decode step takes inductor's "
-                                      "cpu and cuda options); decode eagerly there"))
+    if r.compile_decode and (why := compile_problem(device.kind())) is not None:
+        out.append(("compile_decode", why))
     for name in ("mini_batch_size", "micro_batch_size", "max_prompt_len", "dock"):
         if getattr(r, name) is not None and getattr(r, name) < 1:
             out.append((name, "must be >= 1 (leave it out for the default)"))
@@ -168,13 +173,12 @@ def problems(r: Recipe) -> list[tuple[str | None, str]]:
     if r.world > 1 and not out:
         for name, spec in (("train_layout", r.train_layout), ("rollout_layout", r.rollout_layout)):
             try:
-                mesh = mesh_of(r, spec, name)
+                mesh_of(r, spec, name)
             except ValueError as e:  # the default layout's problem is --world's
                 out.append((name, str(e)) if spec else
                            ("world", f"the default --{name.replace('_', '-')}: {e}; pass --{name.replace('_', '-')}"))
-                continue
-            if name == "rollout_layout" and mesh.pp > 1:
-                out.append((name, f"{mesh}: generation runs every layer on each rank (no pp); use tp, ep or dp"))
+    if not out:
+        out += placement_checks(r)
     if r.world > 1 and not out and not r.eval_only:  # each rank's share of the step, checked before any starts
         out += share_problems(loop_config(r, eos_id=0, pad_id=0), r.rollout_ranks or r.world,
                               mesh_of(r, r.train_layout, "train_layout"))

@@ -9,6 +9,7 @@ from rlflow import engines, optim
 from rlflow.algos import critic as critics, grpo
 from rlflow.models.config import ModelConfig
 from rlflow.multiturn import MultiTurnConfig, check_budget
+from rlflow.runtime.placement import rollout_problem
 from rlflow.rollout import SamplingConfig
 
 ROUTING_REPLAY = ("off", "measure", "on")
@@ -137,6 +138,25 @@ def share_problems(conf: "LoopConfig", world: int, train_mesh) -> list[tuple[str
     return out
 
 
+def placement_problems(conf: "LoopConfig", rollout_mesh, *, pools: bool) -> list[tuple[str, str]]:
+    """(field, why) for the loop's settings a placement cannot run with: ``rollout_mesh`` its rollout layout's mesh
+    (None: one process), ``pools`` separate device pools. ``step.context`` raises the first; the recipe names
+    each field's flag before any rank starts."""
+    out = [] if pools else [(name, "needs separate pools (colocated steps are synchronous)")
+                            for name in ("max_staleness", "partial_rollout") if getattr(conf, name)]
+    if rollout_mesh is not None and (why := rollout_problem(rollout_mesh)) is not None:
+        out.append(("rollout_layout", why))
+    lockstep = rollout_mesh is not None and (rollout_mesh.tp > 1 or rollout_mesh.ep > 1)
+    if lockstep and conf.multiturn is not None:
+        out.append(("multiturn", f"rollout layout {rollout_mesh}: multi-turn rollouts drive each rank's engine on its "
+                                 "own episodes, and a layout with tp or ep > 1 generates in lockstep across ranks: "
+                                 "use dp only"))
+    if lockstep and pools and conf.partial_rollout:
+        out.append(("partial_rollout", f"rollout layout {rollout_mesh}: its ranks decode in lockstep and would have "
+                                       "to swap weights at the same step (not built): use dp only"))
+    return out
+
+
 def check_features(cfg: ModelConfig, train_pp: int, *, routing_replay: str, check_logprobs: float | None,
                    adv_estimator: str = "grpo") -> None:
     """``ValueError`` for a ``LoopConfig`` feature the model or the train layout (``train_pp`` stages) cannot run
@@ -155,4 +175,4 @@ def check_features(cfg: ModelConfig, train_pp: int, *, routing_replay: str, chec
                          "the last stage); use a train layout without pp")
 
 
-__all__ = ["LoopConfig", "ROUTING_REPLAY", "check_features", "validate_sizes"]
+__all__ = ["LoopConfig", "ROUTING_REPLAY", "check_features", "placement_problems", "share_problems", "validate_sizes"]

@@ -1,7 +1,7 @@
 """The RL iteration as data: each stage declared once, with the dock columns it reads and writes and
 where it runs; each column once, with its dtype and the batch field it fills. Two iterations: ``GRPO``
-(the outcome estimators) and ``PPO`` (a critic and GAE); ``graph_for`` picks one. The step
-(``runtime/step.py``) calls the stages' functions in this order.
+(the outcome estimators) and ``PPO`` (a critic and GAE); ``graph_for`` picks one. Each stage carries its
+function (``runtime/work.py``); the step (``runtime/step.py``) runs them in this order, each on its group.
 
 Everything that names stages or columns reads this declaration: the dock's schema and consumers
 (``GRPO.schema``, ``GRPO.consumers``), the sample flow's column <-> batch-field mapping (``FIELDS``,
@@ -23,12 +23,14 @@ has one consumer per worker group that takes (``consumers``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from rlflow.dock.cost import Stage as FlowStage
 from rlflow.dock.schema import Column, Schema
+from rlflow.runtime import work
 
 RUNS_ON = ("rollout", "every", "train")
 VIA = ("memory", "dock")
@@ -36,11 +38,15 @@ VIA = ("memory", "dock")
 
 @dataclass(frozen=True)
 class Stage:
+    """A stage: the columns it reads and writes, the worker group it runs on and how its rows reach it, and its
+    function (``runtime/work.py``: ``fn(work)``; None for the stages the schedule itself runs: the prompts and the
+    rollout, whose weights and engine depend on the placement)."""
     name: str
     reads: tuple[str, ...]
     writes: tuple[str, ...]
     runs_on: str
     via: str = "memory"
+    fn: Callable[[work.Work], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.runs_on not in RUNS_ON:
@@ -134,29 +140,31 @@ _HEAD = (  # the stages every iteration starts with (every rank reads the same p
     Stage("rollout", PROMPT, ("response_ids", "sample_logprobs"), "rollout"),
 )
 _LOGPROBS = (
-    Stage("ref_logprob", ROWS, ("ref_logprobs",), "train", via="dock"),
-    Stage("old_logprob", ROWS, ("old_logprobs",), "train", via="dock"),
+    Stage("ref_logprob", ROWS, ("ref_logprobs",), "train", via="dock", fn=work.ref_logprob),
+    Stage("old_logprob", ROWS, ("old_logprobs",), "train", via="dock", fn=work.old_logprob),
 )
 
 # GRPO and the other outcome estimators (RLOO, REINFORCE++): one advantage per sample, from the rewards
 GRPO = Graph(
     columns=tuple(c for c in COLUMNS if c[0].name not in _CRITIC),
-    stages=_HEAD + (Stage("score", ROWS, ("rewards",), "every"),
-                    Stage("advantage", ("rewards", "group"), ("advantages",), "every"),)
+    stages=_HEAD + (Stage("score", ROWS, ("rewards",), "every", fn=work.score),
+                    Stage("advantage", ("rewards", "group"), ("advantages",), "every", fn=work.advantage),)
     + _LOGPROBS + (Stage("update", ROWS + ("rewards", "advantages", "old_logprobs", "ref_logprobs"), (), "train",
-                         via="dock"),),
+                         via="dock", fn=work.update),),
 )
 
 # PPO with a critic: the critic's values in the train layout, GAE there (it needs them), then the policy's
 # and the critic's updates
 PPO = Graph(
     columns=tuple(c for c in COLUMNS if c[0].name != "advantages"),
-    stages=_HEAD + (Stage("score", ROWS, ("rewards", "scored"), "every"),) + _LOGPROBS + (
-        Stage("values", ROWS, ("values",), "train", via="dock"),
-        Stage("gae", ("rewards", "scored", "values"), ("token_advantages", "returns"), "train", via="dock"),
+    stages=_HEAD + (Stage("score", ROWS, ("rewards", "scored"), "every", fn=work.score),) + _LOGPROBS + (
+        Stage("values", ROWS, ("values",), "train", via="dock", fn=work.values),
+        Stage("gae", ("rewards", "scored", "values"), ("token_advantages", "returns"), "train", via="dock",
+              fn=work.gae),
         Stage("update", ROWS + ("rewards", "token_advantages", "old_logprobs", "ref_logprobs"), (), "train",
-              via="dock"),
-        Stage("critic_update", ROWS + ("scored", "values", "returns"), (), "train", via="dock"),
+              via="dock", fn=work.update),
+        Stage("critic_update", ROWS + ("scored", "values", "returns"), (), "train", via="dock",
+              fn=work.critic_update),
     ),
 )
 

@@ -102,8 +102,13 @@ def _check(p: Colocated | Disaggregated) -> None:
     if p.critic is not None and p.critic.mesh != p.train.mesh:
         raise ValueError(f"{name}: the critic's layout ({p.critic.mesh}) must be on the train layout's mesh "
                          f"({p.train.mesh}): it reads the update's rows")
-    if p.rollout.mesh.pp > 1:
-        raise ValueError(f"{name}: rollout layout {p.rollout.mesh}: generation runs every layer on each rank (no pp)")
+    if (why := rollout_problem(p.rollout.mesh)) is not None:
+        raise ValueError(f"{name}: rollout layout {why}")
+
+
+def rollout_problem(mesh: Mesh) -> str | None:
+    """Why a rollout layout's mesh cannot generate (None: it can)."""
+    return f"{mesh}: generation runs every layer on each rank (no pp)" if mesh.pp > 1 else None
 
 
 @dataclass(frozen=True)
@@ -160,4 +165,4 @@ def seats(placement: Colocated | None, cfg: ModelConfig) -> Seats:
     return Seats(placement, dist.get_rank(), rollout_ex=context(placement.rollout, cfg), train_ex=train_ex)
 
 
-__all__ = ["Colocated", "Disaggregated", "Placement", "Seats", "seats"]
+__all__ = ["Colocated", "Disaggregated", "Placement", "Seats", "rollout_problem", "seats"]

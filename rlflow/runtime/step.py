@@ -1,4 +1,4 @@
-"""One RL step: ``step(state, prompts, ctx) -> (state, StepOut)``, the stage calls and nothing else.
+"""One RL step: ``step(state, prompts, ctx) -> (state, StepOut)``: the schedule that runs the graph's stages.
 
     rollout       the policy's weights into the engine's layout (allgather-swap), generation, the train
                   state back
@@ -16,7 +16,10 @@ the rollout side on the rollout pool's ranks (``runtime/producer.py``) and the t
 pool's, each step's rows through a dock slot and the rollout side's figures as one ``RolloutReport``
 (``runtime/report.py``) through the link.
 
-Where each stage runs and which dock columns it reads is ``runtime/graph.py``; ``StepContext`` holds
+The graph (``runtime/graph.py``) declares each stage with its columns, where it runs and its function
+(``runtime/work.py``); the schedule runs the rollout itself (the weights and the engine are the placement's)
+and every other stage from the graph, in its order, on its side (``run_stages``, ``train_on``): a stage a
+graph does not have (PPO's values, GAE and critic update in GRPO's) does not run. ``StepContext`` holds
 what is fixed for a run (the model config, the reward, the sizes, this rank's seats, the sample flow,
 the weight transition, the engine). The step returns this rank's raw figures (``StepOut``); the loop
 combines them over the ranks once (``loop.reduce``).
@@ -33,7 +36,7 @@ from typing import Callable
 import torch
 
 from rlflow import engines, optim
-from rlflow.algos import corrections, critic as critics, estimators, stages
+from rlflow.algos import critic as critics, stages
 from rlflow.batch import PromptBatch, RolloutBatch
 from rlflow.data import prompt_batch
 from rlflow.envs.tools import load_tools
@@ -43,12 +46,13 @@ from rlflow.multiturn import MultiTurn, chat_render, plain_render
 from rlflow.parallel.context import shard_params
 from rlflow.runtime.flow import DockFlow, MemoryFlow, rollout_share, score_share, train_batch
 from rlflow.runtime.graph import LOSS_MASK, ROUTES, ROWS, VERSIONS, Graph, graph_for
-from rlflow.runtime.config import LoopConfig, check_features, share_problems
+from rlflow.runtime.config import LoopConfig, check_features, placement_problems, share_problems
 from rlflow.runtime import pools
 from rlflow.runtime.placement import Disaggregated, Placement, Seats, seats
 from rlflow.runtime.report import Figures, RolloutReport, row_counts
 from rlflow.runtime.state import RunState
 from rlflow.runtime.weights import Weights
+from rlflow.runtime.work import Work, learning_rate
 
 log = logging.getLogger("rlflow")
 
@@ -120,9 +124,9 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
         placement = both.own(pool)
     if pool != "colocated" and dock is None:
         raise ValueError("step.context: separate pools exchange their rows through a dock")
-    if pool == "colocated" and (conf.max_staleness or conf.partial_rollout):
-        raise ValueError(f"step.context: max_staleness={conf.max_staleness}, partial_rollout={conf.partial_rollout}: "
-                         "colocated steps are synchronous (these are separate pools' settings)")
+    rollout_mesh = both.rollout.mesh if pool != "colocated" else None if placement is None else placement.rollout.mesh
+    for name, why in placement_problems(conf, rollout_mesh, pools=pool != "colocated")[:1]:
+        raise ValueError(f"step.context: {name}={getattr(conf, name)!r}: {why}")
     graph = graph_for(conf.grpo.adv_estimator)
     check_features(cfg, 1 if placement is None else placement.train.mesh.pp, routing_replay=conf.routing_replay,
                    check_logprobs=conf.check_logprobs, adv_estimator=conf.grpo.adv_estimator)
@@ -153,9 +157,6 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
     critic_ucfg = ucfg if placement is None else dataclasses.replace(ucfg, layout=placement.critic)
     multiturn = None
     if conf.multiturn is not None and pool != "train":
-        if where.rollout_ex.collective_forward:
-            raise ValueError("step.context: multi-turn rollouts drive each rank's engine on its own episodes; a "
-                             "rollout layout with tp or ep > 1 generates in lockstep across ranks: use dp only")
         tools = None if conf.multiturn.tools is None else load_tools(conf.multiturn.tools)
         render = plain_render(tokenizer.encode) if template is None else chat_render(template, tokenizer.encode)
         multiturn = MultiTurn(conf.multiturn, render=render, decode=tokenizer.decode, reward_fn=reward_fn,
@@ -273,19 +274,18 @@ def score_and_put(rollout: RolloutBatch, index: int, ctx: StepContext, clock: "C
     (``flow.put_rows``). ``clock``: the rollout side's, its laps so far the rollout's. Returns (the step's
     ``RolloutReport``: its times are the clock's laps, the scoring's the last; the rows this rank scored; their
     rewards, NaN where unscored)."""
-    algo, where, flow = ctx.config.grpo, ctx.seats, ctx.flow
-    rows = score_share(rollout, where.mesh(ctx.graph["rollout"].runs_on), where.rank, algo.group_size)
-    rewards, scored = stages.score_rows(rows, ctx.tokenizer, ctx.reward_fn)
+    where = ctx.seats
+    rows = score_share(rollout, where.mesh(ctx.graph["rollout"].runs_on), where.rank, ctx.config.grpo.group_size)
+    w = run_stages(Work(ctx, rows, {}, index=index), ctx.graph, "every")
+    rewards, scored = w.cols["rewards"], w.cols["scored"]
     bad = (~torch.isfinite(rewards)).nonzero()[:, 0]
     if len(bad):  # their groups' advantages, hence the gradient, are non-finite: the update is skipped
         log.warning("step %d: non-finite rewards %s at sample indices %s; the update is skipped", index,
                     rewards[bad][:8].tolist(), rows.index_B[bad.to(rows.index_B.device)][:8].tolist())
-    if ctx.config.critic is None:
-        adv = estimators.advantages(algo.adv_estimator, rewards.to(ctx.device), rows.group_B,
-                                    scale=algo.scale_rewards, total=where.world_sum, scored_B=scored)
-        flow.put_rows(rows, rewards=rewards.to(ctx.device), advantages=adv)
-    else:  # GAE needs the critic's values: it runs in the train layout
-        flow.put_rows(rows, rewards=rewards.to(ctx.device), scored=scored.to(torch.uint8).to(ctx.device))
+    # what the rollout side's stages wrote, in their columns' dtypes (``scored``: a bool mask here, uint8 there)
+    dtypes = {c.name: c.dtype for c, _ in ctx.graph.columns}
+    written = dict.fromkeys(c for st in ctx.graph.stages if st.runs_on == "every" for c in st.writes)
+    ctx.flow.put_rows(rows, **{c: w.cols[c].to(device=ctx.device, dtype=dtypes[c]) for c in written})
     clock.lap("score_time_s")
     own = Figures() if ctx.multiturn is None else Figures(*ctx.multiturn.figures())  # the episodes' counts, times
     report = RolloutReport(index, Figures(row_counts(rows, rewards, scored), dict(clock.laps)) + own,
@@ -299,42 +299,27 @@ def _nonfinite(state: RunState) -> float:
 
 
 def train_on(state: RunState, batch: RolloutBatch, c: dict, ctx: StepContext, clock: "Clock"):
-    """The train group's stages on its rows ``batch`` and dock columns ``c``: the log-probs (and values) the
-    update reads, then the update(s). Returns (the state, the update's metrics, the learning rate)."""
-    conf, algo, where, index = ctx.config, ctx.config.grpo, ctx.seats, state.steps_done
-    mb, ex = ctx.update_config.micro_batch_size, where.train_ex
-    replay = conf.routing_replay == "on"
-    # with one optimizer step per batch the policy that sampled is the one updated: the update detaches its
-    # own log-probs as the ratio's denominator (exact) instead of a forward here
-    single_update = algo.epochs == 1 and conf.mini_batch_size == conf.global_batch
-    if not single_update or conf.check_logprobs is not None:
-        old = stages.batched_logprobs(state.policy, ctx.cfg, batch, micro_batch_size=mb, temperature=algo.temperature,
-                                      ex=ex, replay=replay)
-        if not single_update:
-            c["old_logprobs"] = old
-        if conf.check_logprobs is not None:
-            corrections.check_logprobs(batch.sample_logprobs_BTr, old, batch.loss_mask, batch.index_B,
-                                       conf.check_logprobs, step=index, total=where.world_sum, gather=where.gather)
-    if state.ref is not None:
-        c["ref_logprobs"] = stages.batched_logprobs(state.ref, ctx.cfg, batch, micro_batch_size=mb,
-                                                    temperature=algo.temperature, ex=ex, replay=False)
-    if state.critic is not None:
-        c["values"] = critics.batched_values(state.critic.params, ctx.cfg, batch, micro_batch_size=mb, ex=ex)
-        c["token_advantages"], c["returns"] = estimators.gae(
-            c["rewards"], c["values"], batch.loss_mask, gamma=algo.gae_gamma, lam=algo.gae_lambda,
-            total=where.train_sum, scored_B=c["scored"])
-    train = train_batch(batch, c)
-    clock.lap("logprob_time_s")
+    """The train group's stages on its rows ``batch`` and dock columns ``c``, in the graph's order: those that
+    write the columns the updates read (log-probs, values, GAE), then the updates (the stages that write
+    nothing), on the ``TrainBatch`` the first ones made. Returns (the state, the updates' metrics, the learning
+    rate)."""
+    w = Work(ctx, batch, c, state=state, index=state.steps_done, lr=learning_rate(ctx.config, state.steps_done))
+    for st in ctx.graph.stages:
+        if st.runs_on != "train" or st.fn is None:
+            continue
+        if not st.writes and w.train is None:  # the first update: what the stages before wrote is complete
+            w.train = train_batch(batch, c)
+            clock.lap("logprob_time_s")
+        st.fn(w)
+    return w.state, w.metrics, w.lr
 
-    lr = optim.lr_at(index, conf.steps, conf.optim.lr, conf.warmup_lr_steps, conf.lr_schedule, conf.min_lr_ratio)
-    state.policy, state.opt_state, upd = stages.update(
-        state.policy, state.opt_state, train, ctx.cfg, algo, ctx.update_config, conf.optim, seed=conf.seed + index,
-        lr=lr, old_is_current=single_update, max_len=sampled_budget(conf), ex=ex)
-    if state.critic is not None:
-        state.critic, vf = critics.update(state.critic, train, ctx.cfg, conf.critic, ctx.critic_update_config,
-                                          epochs=algo.epochs, seed=conf.seed + index, ex=ex)
-        upd.update(vf)
-    return state, upd, lr
+
+def run_stages(w: Work, graph: Graph, runs_on: str) -> Work:
+    """The stages of ``graph`` that run on ``runs_on`` and carry a function, in its order, on ``w``."""
+    for st in graph.stages:
+        if st.runs_on == runs_on and st.fn is not None:
+            st.fn(w)
+    return w
 
 
 def stale_tokens(batch: RolloutBatch, index: int, max_staleness: int, count: bool = True) -> dict[str, float]:
@@ -347,12 +332,6 @@ def stale_tokens(batch: RolloutBatch, index: int, max_staleness: int, count: boo
                            f"versions old; the bound is {max_staleness}")
     counts = torch.bincount(stale, minlength=max_staleness + 1).tolist()
     return {f"stale_tokens/{s}": float(n) if count else 0.0 for s, n in enumerate(counts)}
-
-
-def sampled_budget(conf: LoopConfig) -> int:
-    """The most tokens a row's response can have sampled (``seq-mean-token-sum-norm``'s constant): a turn's
-    budget, times the turns of a multi-turn episode."""
-    return conf.sampling.max_new_tokens * (1 if conf.multiturn is None else conf.multiturn.max_turns)
 
 
 def dock_columns(graph: Graph, routing_replay: str, multiturn: bool = False, pools: bool = False) -> list[str]:
