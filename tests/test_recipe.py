@@ -176,7 +176,7 @@ def test_under_torchrun_what_a_rank_cannot_run_is_refused_by_flag(flags, named, 
     (["--world", "2", "--rollout-layout", "pp=2"], "--rollout-layout pp=2: mesh(pp=2,dp=1,ep=1,tp=1): generation "
                                                    "runs every layer on each rank (no pp)"),
     (["--world", "2", "--env", "max_digit_feedback", "--rollout-layout", "tp=2"],
-     "--env max_digit_feedback: rollout layout mesh(pp=1,dp=1,ep=1,tp=2): multi-turn rollouts drive each rank's engine"),
+     "--rollout-layout tp=2: rollout layout mesh(pp=1,dp=1,ep=1,tp=2): multi-turn rollouts drive each rank's engine"),
     (["--dual-clip", "0.5"], "--dual-clip must be > 1, got 0.5"),
     (["--rollout-is-cap", "1"], "--rollout-is-cap must be > 1"),
     (["--adv-estimator", "ppo"], "--adv-estimator"),

@@ -274,9 +274,13 @@ def test_the_graph_declares_every_stage_and_column_once():
         written = {c for s in g.stages for c in s.writes}
         assert {c for s in g.stages for c in s.reads} <= written  # every column read is produced by a stage
     with pytest.raises(ValueError, match="names columns \\['nope'\\]"):
-        Graph(columns=GRPO.columns, stages=(Stage("x", ("nope",), (), "every"),))
+        Graph(columns=GRPO.columns, stages=(Stage("x", ("nope",), (), "every", fn=print),))
     with pytest.raises(ValueError, match="via must be one of"):
-        Stage("x", (), (), "every", via="mail")
+        Stage("x", (), (), "every", via="mail", fn=print)
+    with pytest.raises(ValueError, match="Stage 'x' on 'train': needs its function"):  # it would never run
+        Stage("x", (), (), "train")
+    with pytest.raises(ValueError, match="Stage 'x' on 'rollout': the rollout group's stages are the schedule's"):
+        Stage("x", (), (), "rollout", fn=print)
 
 
 def _listening(rank: int, world: int) -> tuple[str, list[str]]:

@@ -57,7 +57,7 @@ def pool_problems(r: Recipe) -> list[tuple[str, str]]:
 
 def placement_checks(r: Recipe) -> list[tuple[str, str]]:
     """(field, why) of the library's rules for the placement the flags make (``config.placement_problems``), on
-    the flags: --env for the multi-turn settings. Nothing when the configs or the rollout layout do not build:
+    the flags (the multi-turn rule's: --rollout-layout, the value it cannot run with). Nothing when the configs or the rollout layout do not build:
     that is their own problem, said by their flags."""
     try:
         conf = loop_config(r, eos_id=0, pad_id=0)
@@ -65,7 +65,7 @@ def placement_checks(r: Recipe) -> list[tuple[str, str]]:
     except ValueError:
         return []
     pools = bool(r.rollout_ranks)
-    return [("env" if name == "multiturn" else name,
+    return [("rollout_layout" if name == "multiturn" else name,
              why if pools or name not in ("max_staleness", "partial_rollout") else f"{why}; --rollout-ranks K makes them")
             for name, why in placement_problems(conf, mesh, pools=pools)]
 

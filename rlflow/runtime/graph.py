@@ -53,6 +53,10 @@ class Stage:
             raise ValueError(f"Stage {self.name!r}: runs_on must be one of {RUNS_ON}, got {self.runs_on!r}")
         if self.via not in VIA:
             raise ValueError(f"Stage {self.name!r}: via must be one of {VIA}, got {self.via!r}")
+        if (self.fn is None) != (self.runs_on == "rollout"):  # the schedule runs the rollout group's stages
+            raise ValueError(f"Stage {self.name!r} on {self.runs_on!r}: " + (
+                "the rollout group's stages are the schedule's (the engine generates): put a function on 'every' "
+                "or 'train'" if self.fn is not None else "needs its function (fn=, runtime/work.py)"))
 
 
 @dataclass(frozen=True)
