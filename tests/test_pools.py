@@ -223,8 +223,8 @@ def test_pools_number_their_ranks_rollout_first():
     assert [p.pool(r) for r in range(5)] == ["rollout"] * 2 + ["train"] * 3
     assert [p.local(r) for r in range(5)] == [(0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]
     assert p.train_lead == 2
-    for bad in ((0, 2), (2, 2)):
-        with pytest.raises(ValueError, match="each pool needs a rank"):
+    for bad, why in (((0, 2), "rollout=0: must be >= 1"), ((2, 2), "rollout=2: leaves no rank of a world of 2")):
+        with pytest.raises(ValueError, match=why):
             Pools(*bad)
 
 

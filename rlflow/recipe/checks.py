@@ -22,6 +22,7 @@ from rlflow.recipe.flags import Recipe
 from rlflow.recipe.pieces import (critic_config, grpo_config, has_chat_template, loop_config, mesh_of, optim_config,
                                   sampling_config)
 from rlflow.runtime.config import placement_problems, share_problems
+from rlflow.runtime.pools import split_problem
 
 
 
@@ -49,8 +50,8 @@ def pool_problems(r: Recipe) -> list[tuple[str, str]]:
                                   f"than the run has; the dock holds --max-staleness + 1 steps' rows)")]
     if not r.rollout_ranks:
         return []
-    if r.rollout_ranks >= r.world:
-        return [("rollout_ranks", f"leaves no rank of --world {r.world} to train")]
+    if (why := split_problem(r.rollout_ranks, r.world)) is not None:  # the library's rule, on the flags
+        return [("rollout_ranks", why.replace("a world of", "--world"))]
     return [("dock_backend", "separate pools need a dock of processes (procs) or actors (ray)")] \
         if r.dock_backend not in (None, "procs", "ray") else []
 

@@ -38,6 +38,13 @@ _FINAL = b"final"  # a rollout rank's last report
 _HEADER, _PIECE = 0, 1  # tags on the push group
 
 
+def split_problem(rollout: int, world: int) -> str | None:
+    """Why ``rollout`` rollout ranks do not split a world of ``world`` into two pools (None: they do)."""
+    if rollout < 1:
+        return "must be >= 1 (each pool needs a rank at least)"
+    return f"leaves no rank of a world of {world} to train" if rollout >= world else None
+
+
 @dataclass(frozen=True)
 class Pools:
     """``rollout`` ranks generate (global ranks 0..rollout-1), the rest of ``world`` train."""
@@ -45,9 +52,8 @@ class Pools:
     world: int
 
     def __post_init__(self):
-        if not 0 < self.rollout < self.world:
-            raise ValueError(f"Pools: {self.rollout} rollout ranks of a world of {self.world}: each pool needs a "
-                             "rank at least")
+        if (why := split_problem(self.rollout, self.world)) is not None:
+            raise ValueError(f"Pools: rollout={self.rollout}: {why}")
 
     @property
     def train(self) -> int:
