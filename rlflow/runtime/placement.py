@@ -10,7 +10,8 @@
   from ``Seats`` there unchanged. Launched with ``launch.spawn(..., pools=placement.pools)``; the
   staleness bound and partial rollout are the loop's settings (``LoopConfig``).
 
-The placement is built once (by the driver, or a library user's code) and handed to ``step.context``.
+The placement is one value built once (by a library user's code; by the recipe on each rank from the same
+flags) and handed to ``step.context``; the launcher reads its ``pools``.
 
 Where a stage runs (``runtime/graph.py``'s ``runs_on``):
 
