@@ -105,6 +105,21 @@ def test_pools_at_staleness_2_train_no_step_older_than_2(tmp_path, partial):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("flags", [["--rollout-ranks", "2", "--adv-estimator", "gae"],
+                                   ["--rollout-ranks", "1", "--train-layout", "pp=2"]], ids=["ppo-2-rollout", "train-pp"])
+def test_pools_run_ppo_on_a_rollout_pool_of_two_and_a_pp_train_pool(tmp_path, flags):
+    """Two layouts each pool runs its side of: PPO with two rollout ranks (the critic is the train pool's; the
+    rollout ranks were refused for lacking its layout) and a pp=2 train pool (its own placement never generates;
+    the rollout pool's no-pp rule refused it). Both ended in rc 1 before."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py"), "--world", "3", *flags, "--steps", "2",
+           "--prompts-per-step", "4", "--group-size", "4", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [m["step"] for m in _metrics(out)] == [0, 1]
+
+
+@pytest.mark.slow
 def test_pools_at_staleness_1_learn_the_default_task():
     """The recipe's default workload with 1 rollout rank and 1 train rank, one version off-policy: after the
     default learning test's 150 steps (its samples) the mean reward of the last 10 steps is 0.25 above the
@@ -288,6 +303,21 @@ def test_the_library_refuses_what_a_placement_cannot_run_as_the_recipe_does():
                 placement=Colocated(tp2, tp2))
 
 
+def test_train_shards_of_another_dtype_than_the_train_layout_are_refused_before_the_first_push():
+    """The push casts into the rollout layout's dtype and the rollout side's buffers are that layout's: float32
+    weights under bfloat16 layouts (``rlflow.layout``'s default) would generate in bfloat16 without a word."""
+    from rlflow.models import decoder
+    from rlflow.models.sharding import layout
+    from rlflow.sharding.mesh import Mesh
+    from rlflow.sharding.plan import push_plan
+    from tests.test_runtime import CFG
+
+    lay = layout(CFG, Mesh(), dtype=torch.bfloat16)
+    side = TrainSide(Link(Pools(1, 2), 1, None, None), 0, push_plan(lay, lay))
+    with pytest.raises(ValueError, match="train shards' .* is torch.float32, the train layout's torch.bfloat16"):
+        side.push(decoder.init_params(CFG, seed=0), 0)
+
+
 def test_a_disaggregated_placement_outside_its_launched_pools_is_refused_by_name():
     """``step.context`` with separate pools in a process its launcher did not put in them (no link), or in pools
     of another split, says so instead of waiting for a push that never comes."""
@@ -302,7 +332,7 @@ def test_a_disaggregated_placement_outside_its_launched_pools_is_refused_by_name
     from tests.test_runtime import CFG, TOK, lcfg, reward
 
     lay = layout(CFG, Mesh(), dtype=torch.float32)
-    where = Disaggregated(lay, lay)
+    where = Disaggregated(rollout=lay, train=lay)
     dock = Dock.local(GRPO.schema, GRPO.consumers, capacity=64, group_size=4)
     try:
         with pytest.raises(ValueError, match="Disaggregated placement of 2 ranks .* no rank of separate pools"):

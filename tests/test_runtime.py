@@ -203,21 +203,23 @@ def test_a_layout_pair_the_runtime_cannot_run_is_refused_by_name():
     with pytest.raises(ValueError, match="same ranks"):
         Colocated(lay("tp=2"), layout(CFG, Mesh(dp=4), dtype=torch.float32))
     with pytest.raises(ValueError, match="Disaggregated: rollout layout .*no pp"):
-        Disaggregated(lay("pp=2"), lay("tp=2"))
+        Disaggregated(rollout=lay("pp=2"), train=lay("tp=2"))
     with pytest.raises(ValueError, match="Disaggregated: the critic's layout"):
-        Disaggregated(lay("dp=2"), lay("tp=2"), critic=layout(CFG, Mesh(dp=4), dtype=torch.float32, head="value"))
+        Disaggregated(rollout=lay("dp=2"), train=lay("tp=2"),
+                      critic=layout(CFG, Mesh(dp=4), dtype=torch.float32, head="value"))
 
 
 def test_a_disaggregated_placement_is_its_pools_split_and_each_pools_own_layout():
     from rlflow.models.sharding import layout
     lay = lambda s, n: layout(CFG, Mesh.parse(s, n), dtype=torch.float32)  # noqa: E731
-    where = Disaggregated(lay("dp=2", 2), lay("dp=3", 3))
+    where = Disaggregated(rollout=lay("dp=2", 2), train=lay("dp=3", 3))
     assert where.world == 5 and (where.pools.rollout, where.pools.world) == (2, 5)
     assert [where.pools.pool(g) for g in range(5)] == ["rollout"] * 2 + ["train"] * 3
     own = where.own("rollout"), where.own("train")
     assert (own[0].train, own[0].rollout, own[1].train, own[1].rollout) == (where.rollout,) * 2 + (where.train,) * 2
     assert where.push_plan().src is where.train and where.push_plan().dst is where.rollout
-    assert Disaggregated(lay("dp=1", 1), lay("dp=3", 3)).own("rollout") is None  # a pool of one rank: one process
+    assert Disaggregated(rollout=lay("dp=1", 1), train=lay("dp=3", 3)).own("rollout") is None  # one rank: one process
+    assert Disaggregated(rollout=lay("dp=1", 1), train=lay("pp=2", 2)).own("train").train.mesh.pp == 2  # trains only
 
 
 # ---- sample routing plans ----

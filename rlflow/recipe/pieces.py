@@ -245,7 +245,7 @@ def placement(r: Recipe, cfg, dtype) -> Placement | None:
         return None
     lays = layouts(r, cfg, dtype)
     if r.rollout_ranks:
-        return Disaggregated(lays["rollout_layout"], lays["train_layout"], critic=lays["critic"])
+        return Disaggregated(rollout=lays["rollout_layout"], train=lays["train_layout"], critic=lays["critic"])
     return Colocated(lays["train_layout"], lays["rollout_layout"], critic=lays["critic"])
 
 

@@ -153,6 +153,9 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
     whole = placement(r, cfg, dtype)
     link, where = pools.joined(), whole
     if isinstance(whole, Disaggregated):
+        if link is None:
+            raise SystemExit("error: --rollout-ranks: this process is no rank of separate pools (the launcher splits "
+                             "the world into them: launch.spawn(..., pools=...))")
         rank, world = link.pools.local(link.rank)
         where = whole.own(link.pools.pool(link.rank))
         if link.pools.pool(link.rank) == "rollout":

@@ -16,7 +16,7 @@ from rlflow.data import check_positions
 from rlflow.runtime.config import LoopConfig  # noqa: F401  (re-exported: the loop's configuration)
 from rlflow.runtime.flow import DockFlow
 from rlflow.runtime.hooks import Hook
-from rlflow.runtime.pools import RolloutSide
+from rlflow.runtime.pools import RolloutSide, TrainSide
 from rlflow.runtime.producer import produce
 from rlflow.runtime.report import Figures, combine
 from rlflow.runtime.state import RunState
@@ -48,7 +48,8 @@ def train(state: RunState, ctx: StepContext, *, hooks: Sequence[Hook] = (),
     On a rank of separate pools' rollout pool (``ctx.pool`` a ``pools.RolloutSide``) the steps are produced
     (``runtime/producer.py``: generated, scored and put into the dock from ``state.source``) until the train pool
     stops; that pool holds the run's state, metrics and hooks: here the state comes back as it was, with no
-    metrics, and the hooks are only closed."""
+    metrics, and the hooks are only closed. A train pool's rank tells the rollout pool to stop once its steps are
+    over (``pools.TrainSide.stop``)."""
     conf = ctx.config
     if isinstance(ctx.pool, RolloutSide):
         try:
@@ -59,6 +60,8 @@ def train(state: RunState, ctx: StepContext, *, hooks: Sequence[Hook] = (),
     try:
         _check(state, conf)
         state, history = _steps(state, ctx, hooks, should_stop)
+        if isinstance(ctx.pool, TrainSide):  # separate pools: the rollout pool stops with the train pool's last step
+            ctx.pool.stop()
         for h in hooks:
             h.end(state)
     finally:

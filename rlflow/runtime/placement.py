@@ -59,7 +59,7 @@ class Colocated:
         return self.train.mesh.size
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Disaggregated:
     """Separate device pools: global ranks 0..R-1 (R: the rollout layout's ranks) generate and score in
     ``rollout``; the next N (the train layout's) compute the log-probs and the updates in ``train``, with
@@ -84,7 +84,7 @@ class Disaggregated:
 
     def own(self, pool: str) -> Colocated | None:
         """The placement the ranks of ``pool`` ("rollout" or "train") run their steps in, in the pool's world:
-        its layout as both (None: a pool of one rank, one process)."""
+        its layout as both (None: a pool of one rank, one process). Only the train pool's carries the critic."""
         layout = {"rollout": self.rollout, "train": self.train}[pool]
         if layout.mesh.size == 1:
             return None
@@ -103,13 +103,14 @@ def _check(p: Colocated | Disaggregated) -> None:
     if p.critic is not None and p.critic.mesh != p.train.mesh:
         raise ValueError(f"{name}: the critic's layout ({p.critic.mesh}) must be on the train layout's mesh "
                          f"({p.train.mesh}): it reads the update's rows")
-    if (why := rollout_problem(p.rollout.mesh)) is not None:
+    # a pool's own placement (its one layout as both) runs one side only: the train pool's never generates
+    if p.rollout is not p.train and (why := rollout_problem(p.rollout.mesh)) is not None:
         raise ValueError(f"{name}: rollout layout {why}")
 
 
 def rollout_problem(mesh: Mesh) -> str | None:
     """Why a rollout layout's mesh cannot generate (None: it can)."""
-    return f"{mesh}: generation runs every layer on each rank (no pp)" if mesh.pp > 1 else None
+    return f"{mesh}: generation runs every layer on each rank (no pp); use tp, ep or dp" if mesh.pp > 1 else None
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,10 @@ class TrainSide:
 
     def push(self, policy: dict, version: int) -> None:
         """``policy`` (this rank's train shards) as version ``version``; returns once it is posted."""
+        if self.version is None and (off := [n for n, t in policy.items()
+                                                   if n in self.plan.src.names and t.dtype != self.plan.src[n].dtype]):
+            raise ValueError(f"separate pools: the train shards' {off[0]} is {policy[off[0]].dtype}, the train "
+                             f"layout's {self.plan.src[off[0]].dtype}: make the layouts with the weights' dtype")
         _wait(self._flight[0])  # at most one push in flight
         pg, k = self.link.push, self.link.pools.rollout
         works = []
@@ -338,6 +342,9 @@ class RolloutSide:
                     self._cond.notify_all()
                     continue
                 break
+        if not self.stopped:  # the link broke before the train pool said stop (it ended without TrainSide.stop)
+            raise RuntimeError(f"separate pools: the train pool ended without telling rollout rank {self.rank} to "
+                               f"stop (TrainSide.stop): {self.error}") from self.error
         self._set(_FINAL)
         self._thread.join(timeout=60)
 

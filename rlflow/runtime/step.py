@@ -5,8 +5,8 @@
     score         the reward of each response (every rank its share of the rows it holds)
     advantage     outcome advantages from the rewards (GRPO, RLOO, REINFORCE++), on the same ranks
     -- the rows cross to the train group through the dock --
-    old / ref     the trainer's log-probs of the sampled tokens (when the update needs them) and the
-                  reference policy's (KL)
+    ref / old     the reference policy's log-probs of the sampled tokens (KL) and the trainer's (when the
+                  update needs them)
     values, gae   PPO: the critic's values and GAE's per-token advantages
     update        the policy's optimizer steps (and the critic's)
 
@@ -83,6 +83,11 @@ class StepContext:
         if isinstance(self.pool, pools.RolloutSide):
             return {}
         where = self.seats
+        lay = self.pool.plan.src if isinstance(self.pool, pools.TrainSide) else \
+            None if where.placement is None else where.placement.train
+        if lay is not None and (off := [n for n in lay.names if n in full and full[n].dtype != lay[n].dtype]):
+            raise ValueError(f"StepContext.shards: {off[0]} is {full[off[0]].dtype}, its layout's "
+                             f"{lay[off[0]].dtype} (and {len(off) - 1} more): make the layouts with the weights' dtype")
         return dict(full) if where.placement is None else shard_params(full, where.placement.train, where.rank)
 
 
@@ -126,11 +131,12 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
         raise ValueError("step.context: separate pools exchange their rows through a dock")
     rollout_mesh = both.rollout.mesh if pool != "colocated" else None if placement is None else placement.rollout.mesh
     for name, why in placement_problems(conf, rollout_mesh, pools=pool != "colocated")[:1]:
-        raise ValueError(f"step.context: {name}={getattr(conf, name)!r}: {why}")
+        raise ValueError(f"step.context: {name}={getattr(conf, name)!r}: {why}" if hasattr(conf, name) else
+                         f"step.context: rollout layout {why}")
     graph = graph_for(conf.grpo.adv_estimator)
     check_features(cfg, 1 if placement is None else placement.train.mesh.pp, routing_replay=conf.routing_replay,
                    check_logprobs=conf.check_logprobs, adv_estimator=conf.grpo.adv_estimator)
-    if conf.critic is not None and placement is not None and placement.critic is None:
+    if conf.critic is not None and placement is not None and placement.critic is None and pool != "rollout":
         raise ValueError("step.context: a critic over several ranks needs its layout: the placement's critic=")
     if placement is not None and dock is None:
         raise ValueError("step.context: a placement over several ranks needs a dock (the stages' rows go through it)")
