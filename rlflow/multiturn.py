@@ -7,11 +7,11 @@ response holds the whole episode; ``loss_mask_BTr`` marks the model's sampled to
 log-probs and the losses are over (observations are context), and ``sample_logprobs_BTr`` holds theirs.
 
 The driver overlaps the engine and the environments (sync ``step`` in threads, ``async def step`` on an event
-loop: ``rlflow/envs/calls.py``), so a slow environment delays its own episode, not the batch. An engine that serves requests as they come
-(``engine.serve``, the built-in one: continuous batching across turns) gets each episode's next turn the moment
-its environment answers, into the running batch; any other engine is driven call by call (``engine.generate``
-over the contexts of every episode whose environment has answered, one turn each). The engine waits only when no
-episode is ready: that time is ``rollout_idle_s``.
+loop: ``rlflow/envs/calls.py``), so a slow environment delays its own episode, not the batch. An engine that
+serves requests as they come (``engine.serve``, the built-in one: continuous batching across turns) gets each
+episode's next turn the moment its environment answers, into the running batch; any other engine is driven call
+by call (``engine.generate`` over the contexts of every episode whose environment has answered, one turn each).
+The engine waits only when no episode is ready: that time is ``rollout_idle_s``.
 
 Sampling: turn t of the episode of sample index i draws the noise of sample index ``i * max_turns + t``, so its
 tokens do not depend on which other episodes share a generation call (the built-in engine's batch
@@ -291,7 +291,8 @@ class MultiTurn:
         out = engine.generate(ctx, group_size=1, seed=seed)
         got_ids = unpad(out.response_ids_BTr.cpu(), out.response_mask_BTr.cpu())
         got_lp = unpad(out.sample_logprobs_BTr.cpu(), out.response_mask_BTr.cpu())
-        return [(b, self._calls.submit(eps[b].env.step, self.decode(self._took_turn(eps[b], t_ids.tolist(), t_lp.tolist()))))
+        return [(b, self._calls.submit(eps[b].env.step,
+                                       self.decode(self._took_turn(eps[b], t_ids.tolist(), t_lp.tolist()))))
                 for b, t_ids, t_lp in zip(batch, got_ids, got_lp)]
 
     def _answered(self, ep: _Episode, f: cf.Future, counts: dict[str, float]) -> bool:

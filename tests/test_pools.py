@@ -106,7 +106,8 @@ def test_pools_at_staleness_2_train_no_step_older_than_2(tmp_path, partial):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", [["--rollout-ranks", "2", "--adv-estimator", "gae"],
-                                   ["--rollout-ranks", "1", "--train-layout", "pp=2"]], ids=["ppo-2-rollout", "train-pp"])
+                                   ["--rollout-ranks", "1", "--train-layout", "pp=2"]],
+                         ids=["ppo-2-rollout", "train-pp"])
 def test_pools_run_ppo_on_a_rollout_pool_of_two_and_a_pp_train_pool(tmp_path, flags):
     """Two layouts each pool runs its side of: PPO with two rollout ranks (the critic is the train pool's; the
     rollout ranks were refused for lacking its layout) and a pp=2 train pool (its own placement never generates;

@@ -232,8 +232,9 @@ def run_schedule(s: dict, monkeypatch) -> dict:
                 return first, version
 
             engine = SimpleNamespace(load=loaded.update, figures=dict)
-            ctx = SimpleNamespace(config=conf, flow=Flow(slots), engine=engine, generate=generate, multiturn=None)
-            producer.produce(SimpleNamespace(take=lambda n: None), ctx, side)
+            ctx = SimpleNamespace(config=conf, flow=Flow(slots), engine=engine, generate=generate, multiturn=None,
+                                  pool=side)
+            producer.produce(SimpleNamespace(take=lambda n: None), ctx)
         except Exception as e:  # noqa: BLE001 -- the test reports it
             seen["errors"].append(f"rollout rank {r}: {e!r}")
 

@@ -220,6 +220,9 @@ def test_a_disaggregated_placement_is_its_pools_split_and_each_pools_own_layout(
     assert where.push_plan().src is where.train and where.push_plan().dst is where.rollout
     assert Disaggregated(rollout=lay("dp=1", 1), train=lay("dp=3", 3)).own("rollout") is None  # one rank: one process
     assert Disaggregated(rollout=lay("dp=1", 1), train=lay("pp=2", 2)).own("train").train.mesh.pp == 2  # trains only
+    critic = layout(CFG, Mesh(dp=3), dtype=torch.float32, head="value")  # PPO's critic: the train pool's alone
+    ppo = Disaggregated(rollout=lay("dp=2", 2), train=lay("dp=3", 3), critic=critic)
+    assert ppo.own("train").critic is critic and ppo.own("rollout").critic is None
 
 
 # ---- sample routing plans ----

@@ -21,7 +21,7 @@ from rlflow.recipe.data_checks import data_problems, eval_problems
 from rlflow.recipe.flags import Recipe
 from rlflow.recipe.pieces import (critic_config, grpo_config, has_chat_template, loop_config, mesh_of, optim_config,
                                   sampling_config)
-from rlflow.runtime.config import placement_problems, share_problems
+from rlflow.runtime.config import decodes_in_lockstep, placement_problems, share_problems
 from rlflow.runtime.pools import split_problem
 
 
@@ -58,16 +58,17 @@ def pool_problems(r: Recipe) -> list[tuple[str, str]]:
 
 def placement_checks(r: Recipe) -> list[tuple[str, str]]:
     """(field, why) of the library's rules for the placement the flags make (``config.placement_problems``), on
-    the flags (the multi-turn rule's: --rollout-layout, the value it cannot run with). Nothing when the configs or the rollout layout do not build:
-    that is their own problem, said by their flags."""
+    the flags (the multi-turn rule's: --rollout-layout, the value it cannot run with). Nothing when the configs
+    or the rollout layout do not build: that is their own problem, said by their flags."""
     try:
         conf = loop_config(r, eos_id=0, pad_id=0)
         mesh = mesh_of(r, r.rollout_layout, "rollout_layout") if r.world > 1 else None
     except ValueError:
         return []
     pools = bool(r.rollout_ranks)
+    hint = "" if pools else "; --rollout-ranks K makes them"  # the separate pools' settings, without them
     return [("rollout_layout" if name == "multiturn" else name,
-             why if pools or name not in ("max_staleness", "partial_rollout") else f"{why}; --rollout-ranks K makes them")
+             why + hint if name in ("max_staleness", "partial_rollout") else why)
             for name, why in placement_problems(conf, mesh, pools=pools)]
 
 
@@ -78,7 +79,7 @@ def lockstep_rollout(r: Recipe):
         mesh = mesh_of(r, r.rollout_layout, "rollout_layout")
     except ValueError:
         return None
-    return mesh if mesh.tp > 1 or mesh.ep > 1 else None
+    return mesh if decodes_in_lockstep(mesh) else None
 
 
 def env_problems(r: Recipe) -> list[tuple[str, str]]:

@@ -138,6 +138,11 @@ def share_problems(conf: "LoopConfig", world: int, train_mesh) -> list[tuple[str
     return out
 
 
+def decodes_in_lockstep(rollout_mesh) -> bool:
+    """A rollout layout whose ranks split the model (tp or ep > 1): they take every decode step together."""
+    return rollout_mesh.tp > 1 or rollout_mesh.ep > 1
+
+
 def placement_problems(conf: "LoopConfig", rollout_mesh, *, pools: bool) -> list[tuple[str, str]]:
     """(field, why) for the loop's settings a placement cannot run with: ``rollout_mesh`` its rollout layout's mesh
     (None: one process), ``pools`` separate device pools. ``step.context`` raises the first; the recipe names
@@ -146,7 +151,7 @@ def placement_problems(conf: "LoopConfig", rollout_mesh, *, pools: bool) -> list
                             for name in ("max_staleness", "partial_rollout") if getattr(conf, name)]
     if rollout_mesh is not None and (why := rollout_problem(rollout_mesh)) is not None:
         out.append(("rollout_layout", why))
-    lockstep = rollout_mesh is not None and (rollout_mesh.tp > 1 or rollout_mesh.ep > 1)
+    lockstep = rollout_mesh is not None and decodes_in_lockstep(rollout_mesh)
     if lockstep and conf.multiturn is not None:
         out.append(("multiturn", f"rollout layout {rollout_mesh}: multi-turn rollouts drive each rank's engine on its "
                                  "own episodes, and a layout with tp or ep > 1 generates in lockstep across ranks: "
@@ -175,4 +180,5 @@ def check_features(cfg: ModelConfig, train_pp: int, *, routing_replay: str, chec
                          "the last stage); use a train layout without pp")
 
 
-__all__ = ["LoopConfig", "ROUTING_REPLAY", "check_features", "placement_problems", "share_problems", "validate_sizes"]
+__all__ = ["LoopConfig", "ROUTING_REPLAY", "check_features", "decodes_in_lockstep", "placement_problems",
+           "share_problems", "validate_sizes"]

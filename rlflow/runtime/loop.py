@@ -53,7 +53,7 @@ def train(state: RunState, ctx: StepContext, *, hooks: Sequence[Hook] = (),
     conf = ctx.config
     if isinstance(ctx.pool, RolloutSide):
         try:
-            produce(state.source, ctx, ctx.pool)
+            produce(state.source, ctx)
         finally:
             _close(hooks)
         return state, []

@@ -140,8 +140,7 @@ class TrainSide:
 
     def push(self, policy: dict, version: int) -> None:
         """``policy`` (this rank's train shards) as version ``version``; returns once it is posted."""
-        if self.version is None and (off := [n for n, t in policy.items()
-                                                   if n in self.plan.src.names and t.dtype != self.plan.src[n].dtype]):
+        if self.version is None and (off := self.plan.src.mismatched_dtypes(policy)):
             raise ValueError(f"separate pools: the train shards' {off[0]} is {policy[off[0]].dtype}, the train "
                              f"layout's {self.plan.src[off[0]].dtype}: make the layouts with the weights' dtype")
         _wait(self._flight[0])  # at most one push in flight

@@ -19,13 +19,13 @@ the train pool starts at (the first version's number, so a resumed run continues
 
 from __future__ import annotations
 
-from rlflow.runtime.pools import RolloutSide
 from rlflow.runtime.step import Clock, StepContext, generate, prompts_at, score_and_put
 
 
-def produce(source, ctx: StepContext, side: RolloutSide) -> None:
-    """Produce steps until the train pool says stop (or the run's last step is produced)."""
-    conf = ctx.config
+def produce(source, ctx: StepContext) -> None:
+    """Produce steps until the train pool says stop (or the run's last step is produced); ``ctx.pool`` is this
+    rank's end of the link (a ``pools.RolloutSide``)."""
+    conf, side = ctx.config, ctx.pool
     k, P, G = conf.max_staleness, conf.prompts_per_step, conf.grpo.group_size
     first = side.first_version()
     if first is not None:

@@ -85,7 +85,7 @@ class StepContext:
         where = self.seats
         lay = self.pool.plan.src if isinstance(self.pool, pools.TrainSide) else \
             None if where.placement is None else where.placement.train
-        if lay is not None and (off := [n for n in lay.names if n in full and full[n].dtype != lay[n].dtype]):
+        if lay is not None and (off := lay.mismatched_dtypes(full)):
             raise ValueError(f"StepContext.shards: {off[0]} is {full[off[0]].dtype}, its layout's "
                              f"{lay[off[0]].dtype} (and {len(off) - 1} more): make the layouts with the weights' dtype")
         return dict(full) if where.placement is None else shard_params(full, where.placement.train, where.rank)
@@ -122,9 +122,9 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
     if isinstance(placement, Disaggregated):
         link = pools.joined()
         if link is None or link.pools != placement.pools:
-            raise ValueError(f"step.context: a Disaggregated placement of {placement.world} ranks runs on the ranks its "
-                             f"launcher split into its pools (launch.spawn(..., pools=placement.pools)); this process "
-                             f"is {'no rank of separate pools' if link is None else f'a rank of {link.pools}'}")
+            raise ValueError(f"step.context: a Disaggregated placement of {placement.world} ranks runs on the ranks "
+                             f"its launcher split into its pools (launch.spawn(..., pools=placement.pools)); this "
+                             f"process is {'no rank of separate pools' if link is None else f'a rank of {link.pools}'}")
         pool, both = link.pools.pool(link.rank), placement
         placement = both.own(pool)
     if pool != "colocated" and dock is None:

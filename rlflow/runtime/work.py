@@ -86,8 +86,8 @@ def old_logprob(w: Work) -> None:
 def values(w: Work) -> None:
     """PPO: the critic's values of the response tokens before its update."""
     ctx = w.ctx
-    w.cols["values"] = critics.batched_values(w.state.critic.params, ctx.cfg, w.rows,
-                                              micro_batch_size=ctx.update_config.micro_batch_size, ex=ctx.seats.train_ex)
+    w.cols["values"] = critics.batched_values(w.state.critic.params, ctx.cfg, w.rows, ex=ctx.seats.train_ex,
+                                              micro_batch_size=ctx.update_config.micro_batch_size)
 
 
 def gae(w: Work) -> None:

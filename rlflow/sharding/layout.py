@@ -134,6 +134,12 @@ class Layout:
     def holds(self, name: str, rank: int) -> bool:
         return self.mesh.coords(rank)["pp"] == self[name].stage
 
+    def mismatched_dtypes(self, tensors: dict) -> list[str]:
+        """The names of ``tensors`` this layout has whose dtype is not the layout's (its plans move, cast and
+        allocate in the layout's dtypes)."""
+        names = set(self.names)
+        return [n for n, t in tensors.items() if n in names and t.dtype != self[n].dtype]
+
     def holders(self, name: str) -> np.ndarray:
         return np.flatnonzero(self.mesh.coord_array[:, 0] == self[name].stage)
 
