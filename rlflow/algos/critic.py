@@ -25,6 +25,7 @@ from torch import Tensor
 from rlflow import optim
 from rlflow.algos import grpo, stages
 from rlflow.batch import RolloutBatch, TrainBatch
+from rlflow.models import lora
 from rlflow.models.config import ModelConfig
 from rlflow.models.shapes import LM_HEAD, VALUE_HEAD
 from rlflow.models.execution import LOCAL, Exec
@@ -55,8 +56,9 @@ class Critic:
         """A critic initialised from the policy's weights: the same decoder, the LM head dropped, a value head
         drawn from a normal of std 1 / (D + 1) (OpenRLHF's). ``params`` may be one rank's shards in a layout:
         the result is then the critic's shards in the same layout (``models.sharding.layout(..., head=
-        "value")``: the same specs, the value head replicated, drawn alike on every rank)."""
-        p = {k: v.detach().clone() for k, v in params.items() if k != LM_HEAD}
+        "value")``: the same specs, the value head replicated, drawn alike on every rank). A LoRA policy's critic
+        is its base's, every weight trained (the adapters are the policy's)."""
+        p = {k: v.detach().clone() for k, v in lora.base(params).items() if k != LM_HEAD}
         ref = next(iter(p.values()))
         g = torch.Generator().manual_seed(seed)
         D = cfg.hidden_size

@@ -15,7 +15,7 @@ from torch import Tensor
 from rlflow import optim
 from rlflow.algos import corrections, grpo
 from rlflow.batch import RolloutBatch, TrainBatch, unpad
-from rlflow.models import decoder as model
+from rlflow.models import decoder as model, lora
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import LOCAL, Exec
 from rlflow.models.logprobs import response_logprobs
@@ -143,9 +143,11 @@ def descend(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch
     number of mini-batches). ``params`` and ``opt_state`` are donated (updated in place)."""
     layout = ucfg.layout
     g = torch.Generator().manual_seed(seed)
-    names = list(params)
+    off = lora.frozen(params)  # LoRA: the base takes no gradient
+    names = [k for k in params if k not in off]
     leaves = [params[k].detach().requires_grad_(True) for k in names]
-    live = dict(zip(names, leaves))
+    live = {k: params[k] for k in params}
+    live.update(zip(names, leaves))
     # the data-parallel sum of the gradients, started during each mini-batch's last backward
     overlap = dp.OverlappedGrads(names, leaves, layout) if layout is not None else None
     n_mb = 0
@@ -287,7 +289,7 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
                                              aux_weights=aux_w, temperature=gcfg.temperature,
                                              with_entropy=bool(gcfg.entropy_coef), remat=ucfg.remat,
                                              replay=ucfg.routing_replay == "on")
-            return [got[k].float() for k in live]
+            return [got[k].float() for k in got]  # the leaves', in their order
         grads: list[Tensor | None] = [None] * len(leaves)
         for mb in mbs:
             lp, ent, aux = response_logprobs(live, cfg, mb, temperature=gcfg.temperature,

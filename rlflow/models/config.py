@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from rlflow.models.families import FAMILIES
+from rlflow.models.lora import LoraConfig
 from rlflow.ops import RopeScaling, yarn_mscale
 
 
@@ -66,6 +67,7 @@ class ModelConfig:
     model_type: str = "qwen3_moe"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    lora: LoraConfig | None = None  # low-rank adapters trained on the frozen model (``models/lora.py``); not HF's
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
@@ -120,6 +122,11 @@ class ModelConfig:
             if self.n_group > 1 and self.scoring_func != "sigmoid":
                 raise ValueError(f"ModelConfig.n_group={self.n_group}: group-limited routing is DeepSeek's "
                                  "(scoring_func='sigmoid')")
+        if self.lora is not None:  # every target names a module of this model (raises naming it otherwise); the
+            from rlflow.models import lora, shapes  # targets are those it has, in one order (a config compares equal)
+            adapted = {m.rsplit(".", 1)[1] for m in lora.modules(self, shapes.param_shapes(self))}
+            object.__setattr__(self, "lora", dataclasses.replace(self.lora, targets=tuple(
+                t for t in lora.TARGETS if t in adapted)))
 
     @property
     def mla(self) -> bool:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from rlflow.models import deepseek
+from rlflow.models import deepseek, lora
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import EXPERTS_PREPARED, LOCAL, Exec, Params, View, n_moe_layers
 from rlflow.models.shapes import keeps_float32, param_shapes
@@ -149,10 +149,6 @@ def moe_index(cfg: ModelConfig, layer: int) -> int:
     return sum(cfg.is_moe_layer(i) for i in range(layer))
 
 
-def _linear(params: Params, name: str, x: Tensor) -> Tensor:
-    return F.linear(x, params[name + ".weight"], params.get(name + ".bias"))
-
-
 # Derived keys that ``fuse_for_inference`` adds; the forward uses them when present, else builds them
 # (``EXPERTS_PREPARED``: the experts' inference form, handed to ``moe_experts`` when present).
 QKV_W, QKV_B, QK_NORM = "qkv_proj.weight", "qkv_proj.bias", "qk_norm.weight"
@@ -204,7 +200,10 @@ def qk_v_heads(view: View, cfg: ModelConfig, p: str, x_TD: Tensor, cos_Td: Tenso
     q and k per-head normed (Qwen3) and rotated by cos/sin [..., T, d]."""
     H, K, d = view.heads, view.kv_heads, cfg.head_dim
     w, bias, norm = fused_attention_weights(view, cfg, p)
-    qkv = F.linear(x_TD, w, bias).unflatten(-1, (H + 2 * K, d))
+    qkv = F.linear(x_TD, w, bias)
+    adapted = lora.fused_delta(view.params, cfg, [p + "q_proj", p + "k_proj", p + "v_proj"], [H * d, K * d, K * d],
+                               x_TD)
+    qkv = (qkv if adapted is None else qkv + adapted).unflatten(-1, (H + 2 * K, d))
     return qk_norm_rope(qkv, norm, cos_Td, sin_Td, H + K, cfg.rms_norm_eps)  # per-head norm weights [H+K, d]
 
 
@@ -227,7 +226,7 @@ def attention_block(params: Params, cfg: ModelConfig, layer: int, x_BTD: Tensor,
     else:
         k, v = k.transpose(1, 2), v.transpose(1, 2)
     o = attention(q.transpose(1, 2), k, v, mask, is_causal=True)  # [B, H, T, d]
-    return view.leave(F.linear(o.transpose(1, 2).flatten(2), view.params[p + "o_proj.weight"]))
+    return view.leave(lora.linear(view.params, cfg, p + "o_proj", o.transpose(1, 2).flatten(2)))
 
 
 def real_tokens(valid_BT: Tensor | None) -> Tensor | None:
@@ -245,8 +244,8 @@ def swiglu(params: Params, cfg: ModelConfig, layer: int, x: Tensor, ex: Exec = L
     p = f"model.layers.{layer}.{prefix}"
     view = ex.mlp_view(params, cfg, layer, prefix)
     x = view.enter(x)
-    h = F.silu(_linear(view.params, p + "gate_proj", x)) * _linear(view.params, p + "up_proj", x)
-    return view.leave(_linear(view.params, p + "down_proj", h))
+    h = F.silu(lora.linear(view.params, cfg, p + "gate_proj", x)) * lora.linear(view.params, cfg, p + "up_proj", x)
+    return view.leave(lora.linear(view.params, cfg, p + "down_proj", h))
 
 
 def mlp_block(params: Params, cfg: ModelConfig, layer: int, x_BTD: Tensor, real_N: Tensor | None,

@@ -124,14 +124,19 @@ def to_disk_names(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def save_config(path: str, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    """Write config.json (``torch_dtype``: the weights' dtype)."""
+    os.makedirs(path, exist_ok=True)
+    d = cfg.to_hf()
+    d["torch_dtype"] = str(dtype).removeprefix("torch.")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(d, f, indent=2)
+
+
 def save(path: str, cfg: ModelConfig, params: dict[str, torch.Tensor], *,
          max_shard_bytes: int = 5 * 2**30) -> list[str]:
     """Write config.json and safetensors (sharded with an index when larger than max_shard_bytes)."""
-    os.makedirs(path, exist_ok=True)
-    d = cfg.to_hf()
-    d["torch_dtype"] = str(next(iter(params.values())).dtype).removeprefix("torch.")
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(d, f, indent=2)
+    save_config(path, cfg, next(iter(params.values())).dtype)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in to_disk_names(params).items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

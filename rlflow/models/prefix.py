@@ -12,9 +12,9 @@ of the forward and backward). Tested against the plain forward in tests/test_pre
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from rlflow.models import lora
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import LOCAL, Exec
 from rlflow.models.decoder import Params, mlp_block, positions_from_valid, qk_v_heads, real_tokens
@@ -53,7 +53,7 @@ def forward(params: Params, cfg: ModelConfig, prompt_ids_PT: Tensor, prompt_vali
         x = view.enter(rmsnorm(h, params[f"model.layers.{i}.input_layernorm.weight"], eps))
         qk, v = qk_v_heads(view, cfg, a, x, cos, sin)
         o = prefix_attention(qk, v, view.heads, layout)  # [N, H, d] (H: the view's query heads)
-        h = h + view.leave(F.linear(o.flatten(1), view.params[a + "o_proj.weight"]))
+        h = h + view.leave(lora.linear(view.params, cfg, a + "o_proj", o.flatten(1)))
         y, _ = mlp_block(params, cfg, i, rmsnorm(h, params[f"model.layers.{i}.post_attention_layernorm.weight"],
                                                  eps)[None], real, False, ex)
         h = h + y[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from rlflow.models.config import ModelConfig
+from rlflow.models.lora import is_adapter
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -62,8 +63,10 @@ def keeps_float32(cfg: ModelConfig, name: str) -> bool:
     """Whether parameter ``name`` stays float32 whatever the model's dtype: DeepSeek-V3's router, its gate and
     its load-balancing bias, as transformers keeps them (``_keep_in_fp32_modules_strict``). In bfloat16 the
     bias's per-expert offsets (often below bf16's resolution at the sigmoid scores' scale) would round and
-    change which experts are chosen."""
-    return cfg.model_type == "deepseek_v3" and name.endswith((".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"))
+    change which experts are chosen. LoRA's adapters (``models/lora.py``) too, as peft keeps them: their small
+    updates would round away in bfloat16."""
+    return (cfg.model_type == "deepseek_v3" and name.endswith((".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"))
+            or is_adapter(name))
 
 
 # Shape tables shared by the model families (``models/deepseek.py`` too), in forward order.

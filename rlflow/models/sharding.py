@@ -20,6 +20,7 @@ import re
 import numpy as np
 import torch
 
+from rlflow.models import lora
 from rlflow.models.config import ModelConfig, get_config
 from rlflow.models.shapes import critic_shapes, keeps_float32, param_shapes
 from rlflow.sharding.layout import Layout, Logical
@@ -73,7 +74,7 @@ RULES: dict[str, object] = {
     "vocab": "tp", "embed": None, "heads": "tp", "kv_heads": "tp", "head_dim": None, "mlp": "tp",
     "experts": "ep", "expert_mlp": "tp", "gate_up": None, "router": None,
     "q_lora": None, "q_in": None, "kv_lora": None, "kv_a": None, "qk_head_dim": None, "kv_head_dim": None,
-    "v_head_dim": None, "value": None,
+    "v_head_dim": None, "value": None, "lora_rank": None,
 }
 
 
@@ -87,7 +88,7 @@ def _family(name_or_cfg, head: str = "lm"):
         raise TypeError(f"expected a model name or a ModelConfig, got {type(cfg).__name__}")
     if head not in HEADS:
         raise ValueError(f"head={head!r}: expected one of {HEADS}")
-    shapes = param_shapes(cfg) if head == "lm" else critic_shapes(cfg)
+    shapes = lora.with_adapters(cfg, param_shapes(cfg)) if head == "lm" else critic_shapes(cfg)
     if cfg.mla:
         sizes = {"qk_head_dim": cfg.qk_head_dim, "kv_head_dim": cfg.qk_nope_head_dim + cfg.v_head_dim,
                  "v_head_dim": cfg.v_head_dim, "gate_up": 2}
@@ -101,6 +102,12 @@ def model_shapes(name_or_cfg, head: str = "lm") -> dict[str, tuple[int, ...]]:
 
 
 def _row(name: str, table) -> tuple:
+    if lora.is_adapter(name):  # LoRA's factors follow their base: A [r, in] splits in as it, B [out, r] out
+        pattern, (out_dim, in_dim), executes = _row(lora.module_of(name) + ".weight", table)
+        a, n_out = name.endswith(lora.A), 1 if isinstance(out_dim, str) else len(out_dim)  # out's view dims
+        dims = ("lora_rank", in_dim) if a else (out_dim, "lora_rank")
+        return pattern, dims, None if executes is None else \
+            {(_N, *e[n_out:]) if a else (*e[:n_out], _N) for e in executes}
     for row in table:
         if re.search(row[0], name):
             return row

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlflow.models import lora
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import Exec, Params, View, lm_head
 from rlflow.models.decoder import QKV_W
@@ -172,6 +173,23 @@ class LayoutExec(Exec):
     def _tp_if(self, name: str, dim: int):
         return self.tp if self.tp is not None and self._split(name, dim, "tp") else None
 
+    def _adapters(self, params: Params, module: str, g, rows: tuple[int, int] | None = None) -> Params:
+        """``module``'s LoRA factors as this rank uses them in a block split over tp (group ``g``): a factor the
+        layout replicates (A of a column-parallel weight, B of a row-parallel one, both of a replicated kv
+        weight) enters through ``copy_to``, since each rank's gradient of it is a part of the whole; ``rows``:
+        the output rows this rank uses of a replicated B (the kv heads its query heads read)."""
+        out = {}
+        for f in (lora.A, lora.B):
+            n = module + f
+            if n in params:
+                t = params[n]
+                if not any("tp" in e for e in self._effective[n]):
+                    t = copy_to(t, g)
+                    if rows is not None and f == lora.B:
+                        t = t[rows[0]:rows[1]]
+                out[n] = t
+        return out
+
     # ---- attention ----
     def _kv_slice(self, cfg: ModelConfig, layer: int) -> tuple[int, int] | None:
         """[lo, hi) of the kv heads this rank's query heads use, when kv heads are replicated over a tp
@@ -211,14 +229,18 @@ class LayoutExec(Exec):
         names = ["q_proj.bias"] if cfg.attention_bias else []
         kv = self._kv_slice(cfg, layer)
         kv_names = ["k_proj.weight", "v_proj.weight"] + (["k_proj.bias", "v_proj.bias"] if cfg.attention_bias else [])
+        d = cfg.head_dim
         if kv is None:
             names += kv_names
         else:  # kv heads replicated: the ones this rank's query heads use
-            d = cfg.head_dim
             for w in kv_names:
                 loc[a + w] = copy_to(params[a + w], g)[kv[0] * d:kv[1] * d]
         for w in names:
             loc[a + w] = params[a + w]
+        if cfg.lora is not None:
+            rows = None if kv is None else (kv[0] * d, kv[1] * d)
+            for m, r in (("q_proj", None), ("k_proj", rows), ("v_proj", rows), ("o_proj", None)):
+                loc.update(self._adapters(params, a + m, g, r))
         if cfg.qk_norm:
             norms = [a + "q_norm.weight", a + "k_norm.weight"]
             loc.update(zip(norms, copy_to_many([params[w] for w in norms], g)))
@@ -226,9 +248,15 @@ class LayoutExec(Exec):
 
     # ---- MLP and experts ----
     def mlp_view(self, params: Params, cfg: ModelConfig, layer: int, prefix: str = "mlp.") -> View:
-        g = self._tp_if(f"model.layers.{layer}.{prefix}gate_proj.weight", 0)
+        p = f"model.layers.{layer}.{prefix}"
+        g = self._tp_if(p + "gate_proj.weight", 0)
         if g is None:
             return View(params)
+        if cfg.lora is not None:
+            loc = {p + m + ".weight": params[p + m + ".weight"] for m in ("gate_proj", "up_proj", "down_proj")}
+            for m in ("gate_proj", "up_proj", "down_proj"):
+                loc.update(self._adapters(params, p + m, g))
+            params = loc
         return View(params, enter=lambda x: copy_to(x, g), leave=lambda y: reduce_from(y, g))
 
     def experts(self, params: Params, cfg: ModelConfig, layer: int, x_ND: Tensor, w_NK: Tensor,

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlflow.models import logprobs
+from rlflow.models import logprobs, lora
 from rlflow.parallel import pp
 from rlflow.parallel.context import LayoutExec
 
@@ -68,6 +68,11 @@ def _tied(ctx: LayoutExec) -> bool:
     return ctx.cfg.tie_word_embeddings and ctx.pp_stages > 1 and (ctx.first or ctx.last)
 
 
+def _trains_embedding(params) -> bool:
+    """The stage's embedding (or the head borrowing it) takes a gradient: not a frozen LoRA base."""
+    return not lora.has_adapters(params)
+
+
 def _lend_embedding(params, ctx: LayoutExec) -> tuple[dict, Tensor | None]:
     """Tied embeddings on pp > 1: the first stage sends its shard of the embedding to the last stage (the
     rank with its dp, ep and tp coordinates), which computes the head with it as a leaf of its own. One copy
@@ -81,15 +86,15 @@ def _lend_embedding(params, ctx: LayoutExec) -> tuple[dict, Tensor | None]:
         dist.send(params[EMBED].detach().contiguous(), ctx.peer(ctx.pp_stages - 1))
         return params, None
     like = next(iter(params.values()))
-    w = torch.empty(ctx.layout[EMBED].local_shape(ctx.layout.mesh), dtype=like.dtype, device=like.device)
+    w = torch.empty(ctx.layout[EMBED].local_shape(ctx.layout.mesh), dtype=ctx.layout[EMBED].dtype, device=like.device)
     dist.recv(w, ctx.peer(0))
-    return {**params, EMBED: w.requires_grad_(like.requires_grad)}, w
+    return {**params, EMBED: w.requires_grad_(_trains_embedding(params))}, w
 
 
 def _return_head_grad(grads: dict[str, Tensor], ctx: LayoutExec, borrowed: Tensor | None) -> None:
     """The other half of ``_lend_embedding`` after a backward: the last stage sends the head's gradient,
     the first stage adds it to the embedding's in ``grads``."""
-    if not _tied(ctx):
+    if not _tied(ctx) or (EMBED not in grads if ctx.first else not borrowed.requires_grad):  # a frozen base
         return
     if ctx.last:
         dist.send(borrowed.grad if borrowed.grad is not None else torch.zeros_like(borrowed), ctx.peer(0))
@@ -125,7 +130,8 @@ def forward_backward(params, ctx: LayoutExec, micro_batches: list, loss_fn: Call
     micro-batch ``mb``'s scalar loss with the normalizers of the whole batch (see ``dp``).
     ``aux_weights[m]``: weight of micro-batch m's router aux loss (mean over the MoE layers, as
     ``logprobs.response_logprobs`` returns it), e.g. ``coef * b_m / B``; each stage adds its layers' part.
-    Returns (this rank's loss terms, summed; gradients of ``params``, not yet reduced over dp / ep; see
+    Returns (this rank's loss terms, summed; gradients of those ``params`` that require grad (LoRA: the
+    adapters), not yet reduced over dp / ep; see
     ``dp.all_reduce_grads`` and ``total_loss``)."""
     for t in params.values():
         t.grad = None
@@ -143,7 +149,7 @@ def forward_backward(params, ctx: LayoutExec, micro_batches: list, loss_fn: Call
         return out.h, extra
 
     total = pp.run(fwd, len(micro_batches), kind=schedule, **kw)
-    grads = {n: (t.grad if t.grad is not None else torch.zeros_like(t)) for n, t in params.items()}
+    grads = {n: (t.grad if t.grad is not None else torch.zeros_like(t)) for n, t in params.items() if t.requires_grad}
     _return_head_grad(grads, ctx, borrowed)
     return total, grads
 

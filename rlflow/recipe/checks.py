@@ -15,12 +15,12 @@ from rlflow import device, engines, metrics
 from rlflow.decoding import compile_problem
 from rlflow.envs import load_env
 from rlflow.envs.tools import load_tools
-from rlflow.models import hf
+from rlflow.models import adapters, hf
 from rlflow.models.config import get_config
 from rlflow.recipe.data_checks import data_problems, eval_problems
 from rlflow.recipe.flags import Recipe
-from rlflow.recipe.pieces import (critic_config, grpo_config, has_chat_template, loop_config, mesh_of, optim_config,
-                                  sampling_config)
+from rlflow.recipe.pieces import (critic_config, grpo_config, has_chat_template, lora_config, loop_config, mesh_of,
+                                  optim_config, sampling_config)
 from rlflow.runtime.config import decodes_in_lockstep, placement_problems, share_problems
 from rlflow.runtime.pools import split_problem
 
@@ -172,6 +172,7 @@ def problems(r: Recipe) -> list[tuple[str | None, str]]:
     out += pool_problems(r)
     out += env_problems(r)
     out += config_problems(r)
+    out += lora_problems(r)
     if r.world > 1 and not out:
         for name, spec in (("train_layout", r.train_layout), ("rollout_layout", r.rollout_layout)):
             try:
@@ -190,6 +191,42 @@ def problems(r: Recipe) -> list[tuple[str | None, str]]:
     if model:  # the data checks read the model's tokenizer and chat template
         return out + model
     return out + engine_problems(r) + log_problems(r) + data_problems(r) + eval_problems(r)
+
+
+def lora_problems(r: Recipe) -> list[tuple[str, str]]:
+    """(field, why) for the --lora-* flags and --merge (the adapters' own rules are ``LoraConfig``'s; whether the
+    targets and --lora-resume's tensors fit the model is checked against its config)."""
+    if r.lora_rank < 0:
+        return [("lora_rank", "must be >= 1 (0: every weight trains)")]
+    if not r.lora_rank and r.lora_resume is None:
+        return [(n, "needs --lora-rank") for n in ("lora_alpha", "lora_targets", "merge") if getattr(r, n)] + \
+            ([("lora_dropout", "needs --lora-rank")] if r.lora_dropout else [])
+    if r.lora_resume is not None:
+        try:
+            got = adapters.read_config(r.lora_resume)
+        except ValueError as e:
+            return [("lora_resume", str(e))]
+        if r.lora_rank and r.lora_rank != got.rank:
+            return [("lora_rank", f"--lora-resume {r.lora_resume} holds rank-{got.rank} adapters")]
+    try:
+        lc = lora_config(r)
+    except ValueError as e:  # LoraConfig's rules: "LoraConfig.<field>[=value]: why"
+        m = re.match(r"LoraConfig\.(\w+)(=\S+)?: (.*)", str(e), re.S)
+        return [("lora_" + m[1].removesuffix("s") + ("s" if m[1] == "targets" else ""), m[3]) if m else
+                ("lora_resume", str(e))]
+    if model_problems(r):
+        return []
+    cfg = hf.load_config(r.model) if r.model else get_config(r.preset)
+    try:
+        cfg = cfg.replace(lora=lc)
+    except ValueError as e:
+        return [("lora_resume" if r.lora_resume else "lora_targets", str(e).removeprefix("LoraConfig.targets: "))]
+    if r.lora_resume is not None:
+        try:
+            adapters.load(r.lora_resume, cfg, device="meta")
+        except ValueError as e:
+            return [("lora_resume", str(e))]
+    return []
 
 
 def model_problems(r: Recipe) -> list[tuple[str, str]]:

@@ -60,11 +60,26 @@ class Recipe:
     epochs: int = _f(1, "passes over each step's samples")
     max_new_tokens: int = _f(3, "response length limit")
     max_prompt_len: int | None = _f(None, "truncate prompts to their last N tokens")
-    lr: float = _f(3e-4, "AdamW learning rate")
+    lr: float | None = _f(None, "AdamW learning rate (default 3e-4; with --lora-rank 3e-3: LoRA's best is about ten "
+                                "times full fine-tuning's)")
     warmup_lr_steps: int = _f(10, "linear LR warm-up steps")
     lr_schedule: str = _f("constant", "learning rate after the warm-up: constant, or a cosine or linear decay to "
                                       "--lr x --min-lr-ratio at the last step (see docs/logging.md)")
     min_lr_ratio: float = _f(0.0, "where --lr-schedule cosine/linear ends, as a fraction of --lr")
+    lora_rank: int = _f(0, "train LoRA adapters of this rank on the frozen model instead of every weight (0: full "
+                           "fine-tuning); the reference policy of --kl-coef is the model itself; checkpoints hold the "
+                           "adapters as peft saves them (docs/lora.md)")
+    lora_alpha: float | None = _f(None, "LoRA's alpha: the adapters' output is scaled by alpha / rank (default 2 x "
+                                        "--lora-rank)")
+    lora_targets: str | None = _f(None, "the modules LoRA adapts, comma-separated peft target_modules names of "
+                                        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (default: all of them "
+                                        "the model has; MoE experts, the router and MLA projections are not adapted)")
+    lora_dropout: float = _f(0.0, "dropout on the LoRA adapters' input in the update")
+    lora_resume: str | None = _f(None, "start the adapters from a peft adapter directory (adapter_config.json, "
+                                       "adapter_model.safetensors) of --model, e.g. an earlier run's checkpoint; "
+                                       "its rank and targets are taken, the optimizer starts fresh")
+    merge: bool = _f(False, "with --lora-rank: checkpoints also hold the merged model (the adapters added into the "
+                            "weights) in transformers' format, which --model loads")
     kl_coef: float = _f(0.0, "KL(pi || pi_ref) coefficient; non-zero keeps a frozen reference copy")
     kl_estimator: str = _f("low_var_kl", "KL estimator: k1, k2, k3, low_var_kl (clamped k3)")
     adv_estimator: str = _f("grpo", "advantages: grpo (group-normalized), rloo (leave-one-out), reinforce++ "

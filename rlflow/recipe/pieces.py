@@ -16,7 +16,8 @@ from rlflow.algos.critic import CriticConfig
 from rlflow.data import TASKS, Example, eval_task, PromptSource, apply_chat_template, load_examples
 from rlflow.dock import Dock
 from rlflow.dock.proc_backend import node_dock, proc_dock
-from rlflow.models import decoder, hf
+from rlflow.models import adapters, decoder, hf, lora, shapes
+from rlflow.models.lora import LoraConfig
 from rlflow.models.config import ModelConfig, get_config
 from rlflow.models.sharding import layout
 from rlflow.envs.tools import load_tools, schema
@@ -43,15 +44,33 @@ def grpo_config(r: Recipe) -> grpo.GRPOConfig:
                            gae_lambda=1.0 if r.gae_lambda is None else r.gae_lambda)
 
 
+FULL_LR, LORA_LR = 3e-4, 3e-3  # --lr's defaults for the toy presets: every weight, LoRA's adapters
+
+
+def learning_rate(r: Recipe) -> float:
+    return r.lr if r.lr is not None else LORA_LR if r.lora_rank else FULL_LR
+
+
 def optim_config(r: Recipe) -> optim.AdamWConfig:
-    return optim.AdamWConfig(lr=r.lr, betas=(0.9, 0.99), weight_decay=r.weight_decay)
+    return optim.AdamWConfig(lr=learning_rate(r), betas=(0.9, 0.99), weight_decay=r.weight_decay)
+
+
+def lora_config(r: Recipe) -> LoraConfig | None:
+    """--lora-rank's adapters (None: every weight trains); --lora-resume's rank, alpha and targets win."""
+    if not r.lora_rank and r.lora_resume is None:
+        return None
+    if r.lora_resume is not None:
+        return adapters.read_config(r.lora_resume)
+    targets = None if r.lora_targets is None else tuple(t.strip() for t in r.lora_targets.split(",") if t.strip())
+    return LoraConfig(rank=r.lora_rank, alpha=2.0 * r.lora_rank if r.lora_alpha is None else r.lora_alpha,
+                      targets=targets, dropout=r.lora_dropout)
 
 
 def critic_config(r: Recipe, policy: optim.AdamWConfig) -> CriticConfig | None:
     """PPO's critic with --adv-estimator gae (the policy's AdamW but for --critic-lr), else None."""
     if r.adv_estimator != "gae":
         return None
-    return CriticConfig(optim=dataclasses.replace(policy, lr=r.lr if r.critic_lr is None else r.critic_lr),
+    return CriticConfig(optim=dataclasses.replace(policy, lr=learning_rate(r) if r.critic_lr is None else r.critic_lr),
                         value_clip=0.5 if r.value_clip is None else r.value_clip)
 
 
@@ -123,6 +142,11 @@ def load_model(r: Recipe):
             raise ValueError(f"--preset {r.preset}: vocab_size {cfg.vocab_size} < built-in tokenizer's {tok.vocab_size}")
         cfg = cfg.replace(eos_token_id=tok.eos_id)
         params = decoder.init_params(cfg, seed=r.seed, dtype=dtype, device=dev)
+    if (lc := lora_config(r)) is not None:  # the adapters beside the frozen weights, in forward order
+        cfg = cfg.replace(lora=lc)
+        fresh = lora.init(cfg, shapes.param_shapes(cfg), seed=r.seed, device=dev) if r.lora_resume is None else \
+            adapters.load(r.lora_resume, cfg, device=dev)
+        params = {n: fresh[n] if n in fresh else params[n] for n in lora.with_adapters(cfg, shapes.param_shapes(cfg))}
     return cfg, params, tok, dev
 
 

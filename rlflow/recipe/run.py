@@ -17,7 +17,7 @@ from rlflow import metrics
 from rlflow.algos.corrections import LogprobMismatchError
 from rlflow.data import PromptTooLong
 from rlflow.dock.proc_backend import DockLost
-from rlflow.models import hf
+from rlflow.models import adapters
 from rlflow.recipe.evals import eval_examples, eval_line, evaluation
 from rlflow.recipe.flags import Recipe
 from rlflow.recipe.output import Report, introduce, plot_rewards
@@ -44,8 +44,9 @@ def resume_point(r: Recipe, cfg, dev, dtype, say, rank: int = 0, where=None):
             say(f"resume: no checkpoint under {r.out}; starting from scratch")
             return None
     try:
-        if hf.load_config(path) != cfg:  # before any shard is cut to this run's layout
-            raise SystemExit(f"error: --resume {path}: its model config differs from this run's (--model/--preset)")
+        if checkpoint.config_of(path) != cfg:  # before any shard is cut to this run's layout
+            raise SystemExit(f"error: --resume {path}: its model config differs from this run's (--model/--preset"
+                             f"{', --lora-*' if cfg.lora is not None or adapters.is_adapter_dir(path) else ''})")
         wrote = checkpoint.read_args(path).get("dtype")
         if wrote not in (None, r.dtype):  # the optimizer's float32 masters exist only for a low-precision run
             raise SystemExit(f"error: --dtype {r.dtype}: --resume {path} was trained in {wrote}; resume it with "
@@ -232,7 +233,9 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
             path = next(h.path for h in run_hooks if isinstance(h, hooks.Checkpointer))
             shown = ["args.json", *("metrics.jsonl" if n == "jsonl" else "tensorboard/" for n in names if n != "wandb"),
                      *(["reward.png"] if plotted else [])]
-            say(f"wrote {', '.join(f'{r.out}/{n}' for n in shown)}, {path}/ (--model {path} loads it)")
+            loads = f"--model {path} loads it" if cfg.lora is None or r.merge else \
+                f"peft's adapters: --model {r.model or '(the preset)'} --lora-resume {path} continues them"
+            say(f"wrote {', '.join(f'{r.out}/{n}' for n in shown)}, {path}/ ({loads})")
         return history
 
 
@@ -292,7 +295,7 @@ def make_hooks(r: Recipe, spec: RunSpec, where: Placement | None, dock, rank: in
         def save(name: str, s, keep: int | None) -> str | None:
             return checkpoint.save_state(r.out, name, s, cfg=spec.cfg, args=dataclasses.asdict(r), tokenizer=tok,
                                          keep_last=keep, train=None if where is None else where.train, rank=rank,
-                                         world=world)
+                                         world=world, merge=r.merge)
     out.append(interrupt)
     if r.out:
         out.append(hooks.Checkpointer(save, every=r.save_every, keep_last=r.keep_last, last=r.steps))

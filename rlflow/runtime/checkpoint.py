@@ -4,6 +4,10 @@ A checkpoint is a directory ``<root>/checkpoint-<step>`` (``checkpoint-final`` a
 
     config.json, model.safetensors (or shards)   the weights in transformers' format (``hf.save``):
     tokenizer files                              ``--model CKPT`` and ``AutoModelForCausalLM`` load it
+    adapter_config.json, adapter_model.safetensors   a LoRA run's adapters as peft saves them
+                                                 (``models/adapters.py``) instead of the weights, with
+                                                 the base's config.json; its frozen base is the run's
+                                                 --model; ``merge``: the merged model's weights too
     trainer_state.pt                             the prompt stream's position, torch's RNG state, the
                                                  number of GRPO steps done; in one process also the
                                                  AdamW state (step, moments, float32 masters)
@@ -46,7 +50,7 @@ import torch.distributed as dist
 
 from rlflow import optim
 from rlflow.algos.critic import Critic, with_policy
-from rlflow.models import hf
+from rlflow.models import adapters, hf, lora
 from rlflow.models.config import ModelConfig
 from rlflow.models.shapes import keeps_float32
 from rlflow.runtime.weights import gather_to_host
@@ -120,13 +124,14 @@ def shard_file(rank: int, world: int) -> str:
 
 def write_shard(tmp: str, rank: int, world: int, *, params: dict, opt_state: optim.AdamWState,
                 critic: Critic | None = None) -> None:
-    """Rank ``rank``'s own shards (weights, AdamW state, the critic's) and RNG state into ``tmp``, fsynced."""
+    """Rank ``rank``'s own shards (weights, AdamW state, the critic's) and RNG state into ``tmp``, fsynced. A
+    LoRA run's weights are its adapters (the frozen base is the run's --model)."""
     if not os.path.isdir(tmp):
         raise CheckpointError(f"{tmp}: rank {rank} cannot see the checkpoint's directory (rank 0 made it): a sharded "
                               "run's --out must be on a filesystem every rank sees")
     path = os.path.join(tmp, shard_file(rank, world))
     try:
-        torch.save({"params": params, "opt_state": _state_dict(opt_state), "torch_rng": torch.get_rng_state(),
+        torch.save({"params": lora.trainable(params), "opt_state": _state_dict(opt_state), "torch_rng": torch.get_rng_state(),
                     "critic": None if critic is None else _critic_dict(critic)}, path)
         _fsync(path)
     except Exception as e:
@@ -157,17 +162,19 @@ def disk_full(e: BaseException, where: str) -> str | None:
 
 def save(root: str, name: str, *, steps_done: int, cfg: ModelConfig, params: dict,
          opt_state: optim.AdamWState | None, source, args: dict, tokenizer=None, keep_last: int | None = None,
-         critic: Critic | None = None, tmp: str | None = None, sharded: dict | None = None) -> str:
+         critic: Critic | None = None, tmp: str | None = None, sharded: dict | None = None, merge: bool = False) -> str:
     """Write checkpoint ``root/name`` atomically; returns its path. ``params``: the whole weights (the
     export). ``tokenizer``: saved beside the weights (its ``save(dir)``), with a ``generation_config.json``.
     ``keep_last``: then delete all but the newest ``keep_last`` numbered checkpoints. ``critic``: PPO's
     critic (whole tensors). A sharded run: ``tmp`` from ``begin``, holding every rank's ``write_shard``
-    file, ``sharded`` = {"world", "train_layout"}, and no ``opt_state`` or ``critic`` here."""
+    file, ``sharded`` = {"world", "train_layout"}, and no ``opt_state`` or ``critic`` here. ``params`` with LoRA's
+    adapters: the adapters as peft saves them and the base's config; ``merge``: the merged model's weights too
+    (``adapters.merged``; then ``params`` must hold the base too)."""
     if (sharded is None) == (opt_state is None) or (sharded is not None and (tmp is None or critic is not None)):
         raise ValueError("checkpoint.save: give opt_state (one process), or sharded= and tmp= (the ranks' files)")
     tmp = begin(root, name) if tmp is None else tmp
     try:
-        hf.save(tmp, cfg, params)
+        export(tmp, cfg, params, merge=merge, base_model=args.get("model"))
         if tokenizer is not None:
             tokenizer.save(tmp)
             with open(os.path.join(tmp, "generation_config.json"), "w") as f:
@@ -214,15 +221,30 @@ def save(root: str, name: str, *, steps_done: int, cfg: ModelConfig, params: dic
     return final
 
 
+def export(path: str, cfg: ModelConfig, params: dict, *, merge: bool = False, base_model: str | None = None) -> None:
+    """The weights of checkpoint ``path``: in transformers' format, or a LoRA run's adapters as peft saves them
+    beside the base's config.json (``merge``: and the merged model's weights, which ``--model`` loads)."""
+    if not lora.has_adapters(params):
+        hf.save(path, cfg, params)
+        return
+    adapters.save(path, cfg, params, base_model=base_model)
+    plain, base = cfg.replace(lora=None), lora.base(params)
+    if merge:
+        hf.save(path, plain, adapters.merged(params, cfg))
+    else:
+        hf.save_config(path, plain, next(iter(base.values())).dtype if base else torch.float32)
+
+
 def save_state(root: str, name: str, state, *, cfg: ModelConfig, args: dict, tokenizer=None,
-               keep_last: int | None = None, train=None, rank: int = 0, world: int = 1) -> str | None:
+               keep_last: int | None = None, train=None, rank: int = 0, world: int = 1, merge: bool = False
+               ) -> str | None:
     """Checkpoint ``root/name`` of a run's ``state`` (``runtime.state.RunState``); every rank calls it. In one
     process (``train`` None) ``save`` writes everything. With several ranks (``train``: the train layout)
     each writes its own shards (``write_shard``), the weights are gathered for the consolidated export (a
     collective) and rank 0 writes the rest; returns the path on rank 0, None elsewhere. A rank that cannot
     write its shards makes every rank raise and nothing is saved."""
     kw = dict(steps_done=state.steps_done, cfg=cfg, source=state.source, args=args, tokenizer=tokenizer,
-              keep_last=keep_last)
+              keep_last=keep_last, merge=merge)
     bad = optim.nonfinite(with_policy(state.policy, state.critic))
     refused = CheckpointError(f"{name}: not written: {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} "
                               "not finite (a checkpoint that verifies must hold weights that can be trained on)")
@@ -240,7 +262,9 @@ def save_state(root: str, name: str, state, *, cfg: ModelConfig, args: dict, tok
         write_shard(got[0], rank, world, params=state.policy, opt_state=state.opt_state, critic=state.critic)
     except Exception as e:  # noqa: BLE001 -- every rank must still reach the collectives below
         failed = e
-    full = gather_to_host(state.policy, train)  # on rank 0's host, tensor by tensor
+    # on rank 0's host, tensor by tensor; a LoRA run's adapters (the base is its --model) unless merged
+    exported = train if merge or not lora.has_adapters(train.names) else train.only(filter(lora.is_adapter, train.names))
+    full = gather_to_host(state.policy, exported)
     if float(all_reduce(torch.tensor([failed is not None], dtype=torch.float64))[0]):  # any rank's file missing
         if lead:
             shutil.rmtree(got[0], ignore_errors=True)
@@ -298,10 +322,13 @@ def load(path: str, *, dtype: torch.dtype | None = None, device: torch.device | 
     sharded = (read_manifest(path) if verified else verify(path)).get("sharded")
     st = torch.load(os.path.join(path, STATE), map_location=device, weights_only=False)
     args = read_args(path)
-    critic, cfg = None, hf.load_config(path)
+    critic, cfg = None, config_of(path)
     want = None if layout is None else {"world": layout.mesh.size, "train_layout": str(layout.mesh)}
     if sharded is None:  # whole tensors; a sharded run cuts its shards from them
-        cfg, params = hf.load(path, dtype=dtype, device=device)
+        if cfg.lora is not None:  # the adapters alone: the run's --model is the frozen base
+            params = adapters.load(path, cfg, device=device)
+        else:
+            cfg, params = hf.load(path, dtype=dtype, device=device)
         opt_state, rng = _state(st["opt_state"]), st["torch_rng"]
         if os.path.exists(os.path.join(path, CRITIC)):
             critic = _critic(torch.load(os.path.join(path, CRITIC), map_location=device, weights_only=False))
@@ -337,6 +364,12 @@ def load(path: str, *, dtype: torch.dtype | None = None, device: torch.device | 
                         opt_state=state([f["critic"]["opt_state"] for f in files], csrc, critic_layout))
     return _loaded(path, st, cfg, params, opt_state, critic, args, files[rank % W]["torch_rng"], want, dtype,
                    resharded_from=sharded)
+
+
+def config_of(path: str) -> ModelConfig:
+    """Checkpoint ``path``'s model config: its config.json, and a LoRA run's adapters (``cfg.lora``)."""
+    cfg = hf.load_config(path)
+    return cfg.replace(lora=adapters.read_config(path)) if adapters.is_adapter_dir(path) else cfg
 
 
 def _loaded(path, st, cfg, params, opt_state, critic, args, rng, sharded, dtype=None, resharded_from=None):

@@ -18,6 +18,7 @@ import torch
 from rlflow import optim
 from rlflow.algos import corrections, critic as critics, estimators, stages
 from rlflow.batch import RolloutBatch, TrainBatch
+from rlflow.runtime.state import reference
 
 
 @dataclass
@@ -64,9 +65,10 @@ def single_update(w: Work) -> bool:
 
 
 def ref_logprob(w: Work) -> None:
-    """The reference policy's log-probs (KL): none without a reference."""
-    if w.state.ref is not None:
-        w.cols["ref_logprobs"] = _logprobs(w, w.state.ref, replay=False)
+    """The reference policy's log-probs (KL): none without a reference (LoRA's is the base: the adapters off)."""
+    ref = reference(w.state)
+    if ref is not None:
+        w.cols["ref_logprobs"] = _logprobs(w, ref, replay=False)
 
 
 def old_logprob(w: Work) -> None:

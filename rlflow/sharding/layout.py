@@ -18,6 +18,8 @@ axes. A logical name without a rule is an error, never silently replicated.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import re
 from dataclasses import dataclass, field
@@ -130,6 +132,11 @@ class Layout:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.params)
+
+    def only(self, names) -> "Layout":
+        """This layout of the parameters in ``names`` alone (e.g. LoRA's adapters)."""
+        keep = set(names)
+        return dataclasses.replace(self, params=tuple(p for p in self.params if p.name in keep))
 
     def holds(self, name: str, rank: int) -> bool:
         return self.mesh.coords(rank)["pp"] == self[name].stage

@@ -1,0 +1,194 @@
+"""LoRA: low-rank adapters trained on a frozen base, as data (``ModelConfig.lora``) and one function (the
+output an adapted module adds), in peft's names, shapes and initialization.
+
+An adapted module ``m`` (e.g. ``model.layers.3.self_attn.q_proj``) has beside its ``m.weight`` [out, in]
+the factors ``m.lora_A.weight`` [r, in] and ``m.lora_B.weight`` [out, r] (peft's keys, less its
+``base_model.model.`` prefix); its output becomes ``x W^T + s dropout(x) A^T B^T`` with ``s = alpha / r``.
+A starts as peft's (kaiming-uniform, bound 1 / sqrt(in)) and B as zeros, so a fresh adapter leaves the
+base's outputs exactly as they are.
+
+The adapters are parameters like any other: ``models/sharding.py`` derives their rows from their base's
+(A splits its ``in`` like the base, B its ``out``; the rank is never split), so they follow the base in
+every layout and the transition plans move them. A run's params hold the base and the adapters; when
+they hold adapters the base is frozen (``frozen``: no gradient, no optimizer state) and the reference
+policy of KL is the base itself (``base``: the adapters left out), never a second copy.
+
+Targets are peft's ``target_modules`` names of the decoder's linear projections (``TARGETS``); the routed
+experts (stacked parameters, not modules), the router, the embedding and the head, and MLA's projections
+are not adapted and are refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION = TARGETS[:4]
+A, B = ".lora_A.weight", ".lora_B.weight"
+
+# peft names that are not a dense projection rlflow adapts, and why
+_REFUSED = {
+    "experts": "the routed experts are stacked parameters, not modules",
+    "gate": "the MoE router is not adapted (its choices would drift from the rollout's routes)",
+    "lm_head": "the head is not adapted", "embed_tokens": "the embedding is not adapted",
+}
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """``rank`` r, ``alpha`` (the scale is alpha / r, peft's), ``targets`` (peft's ``target_modules``, the
+    module names' last part; None: every one of ``TARGETS`` the model has) and ``dropout`` on the adapters'
+    input while training."""
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] | None = None
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoraConfig.rank={self.rank!r}: must be an int >= 1")
+        if not 0 < self.alpha < math.inf:
+            raise ValueError(f"LoraConfig.alpha={self.alpha!r}: must be finite and > 0")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"LoraConfig.dropout={self.dropout!r}: must be in [0, 1)")
+        if self.targets is not None:
+            if not self.targets:
+                raise ValueError("LoraConfig.targets=(): name at least one module (or None: all of them)")
+            for t in self.targets:
+                if t in _REFUSED:
+                    raise ValueError(f"LoraConfig.targets: {t!r}: {_REFUSED[t]}; adaptable: {', '.join(TARGETS)}")
+                if t not in TARGETS:
+                    raise ValueError(f"LoraConfig.targets: {t!r} is no linear projection of the decoder; adaptable: "
+                                     f"{', '.join(TARGETS)}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def is_adapter(name: str) -> bool:
+    return name.endswith((A, B))
+
+
+def module_of(name: str) -> str:
+    """The adapted module of an adapter factor's name (``...q_proj.lora_A.weight`` -> ``...q_proj``)."""
+    return name[:-len(A)]
+
+
+def modules(cfg, base_shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """The modules ``cfg.lora`` adapts, in forward order, from the base's parameter shapes. Raises naming the
+    target when one names no module of the model, or an MLA projection."""
+    lc = cfg.lora
+    wanted = lc.targets or TARGETS
+    out, hit = [], set()
+    for n in base_shapes:
+        if not (n.endswith(".weight") and ".layers." in n):
+            continue
+        m = n[:-len(".weight")]
+        last = m.rsplit(".", 1)[1]
+        if last in wanted and len(base_shapes[n]) == 2:
+            if cfg.mla and last in ATTENTION:
+                raise ValueError(f"LoraConfig.targets: {last!r} is an MLA projection of {cfg.model_type}; rlflow "
+                                 "adapts the MLP's projections of MLA models only")
+            out.append(m)
+            hit.add(last)
+    if lc.targets is not None and (missing := [t for t in lc.targets if t not in hit]):
+        raise ValueError(f"LoraConfig.targets: {missing[0]!r} names no module of this {cfg.model_type} model"
+                         + (" (its MLP layers are all routed experts)" if missing[0] in TARGETS[4:] else ""))
+    if not out:
+        raise ValueError(f"LoraConfig.targets: none of {', '.join(wanted)} is a module of this model")
+    return out
+
+
+def with_adapters(cfg, base_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """``base_shapes`` with each adapted module's A [r, in] and B [out, r] after its weight (forward order);
+    ``base_shapes`` itself when ``cfg.lora`` is None."""
+    if cfg.lora is None:
+        return base_shapes
+    r, adapted = cfg.lora.rank, set(modules(cfg, base_shapes))
+    out = {}
+    for n, s in base_shapes.items():
+        out[n] = s
+        if n.endswith(".weight") and n[:-len(".weight")] in adapted:
+            m = n[:-len(".weight")]
+            out[m + A], out[m + B] = (r, s[1]), (s[0], r)
+    return out
+
+
+def init(cfg, base_shapes: dict[str, tuple[int, ...]], *, seed: int = 0,
+         device: torch.device | str = "cpu") -> dict[str, Tensor]:
+    """Fresh adapters, float32 (as peft keeps them): A ~ U(-1/sqrt(in), 1/sqrt(in)) (peft's kaiming-uniform
+    with a = sqrt(5)), B = 0."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    out = {}
+    for n, s in with_adapters(cfg, base_shapes).items():
+        if n.endswith(A):
+            bound = 1 / math.sqrt(s[1])
+            out[n] = (torch.rand(s, generator=g) * 2 - 1).mul_(bound).to(device)
+        elif n.endswith(B):
+            out[n] = torch.zeros(s, device=device)
+    return out
+
+
+def delta(params: dict[str, Tensor], cfg, module: str, x: Tensor) -> Tensor | None:
+    """What ``module``'s adapters add to its output for input ``x`` [..., in] (None: not adapted, or the
+    adapters are not in ``params``: the base alone). Computed in the adapters' dtype, returned in x's."""
+    a = params.get(module + A)
+    if a is None:
+        return None
+    lc = cfg.lora
+    h = x.to(a.dtype)
+    if lc.dropout and torch.is_grad_enabled():
+        h = F.dropout(h, lc.dropout)
+    return (F.linear(F.linear(h, a), params[module + B]) * lc.scale).to(x.dtype)
+
+
+def linear(params: dict[str, Tensor], cfg, module: str, x: Tensor, weight: Tensor | None = None) -> Tensor:
+    """``module``'s output: its weight (``weight``, or ``params[module.weight]``) and bias, plus its adapters'."""
+    y = F.linear(x, params[module + ".weight"] if weight is None else weight, params.get(module + ".bias"))
+    d = delta(params, cfg, module, x) if cfg.lora is not None else None
+    return y if d is None else y + d
+
+
+def fused_delta(params: dict[str, Tensor], cfg, modules_: list[str], widths: list[int], x: Tensor) -> Tensor | None:
+    """The adapters' outputs of modules whose weights are stacked into one matmul (q, k, v), concatenated
+    along the output like the weights (zeros for a module without adapters); None when none is adapted."""
+    if cfg.lora is None:
+        return None
+    parts = [delta(params, cfg, m, x) for m in modules_]
+    if all(p is None for p in parts):
+        return None
+    return torch.cat([x.new_zeros((*x.shape[:-1], w)) if p is None else p for p, w in zip(parts, widths)], -1)
+
+
+def base(params: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``params`` without the adapters: the base model (LoRA's reference policy)."""
+    return {k: v for k, v in params.items() if not is_adapter(k)}
+
+
+def adapters(params: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v for k, v in params.items() if is_adapter(k)}
+
+
+def has_adapters(params) -> bool:
+    return any(map(is_adapter, params))
+
+
+def frozen(params) -> set[str]:
+    """The names a run does not train: the base when ``params`` hold adapters, else none."""
+    return {k for k in params if not is_adapter(k)} if has_adapters(params) else set()
+
+
+def trainable(params: dict[str, Tensor]) -> dict[str, Tensor]:
+    """What the optimizer steps: the adapters when there are any, else every parameter."""
+    off = frozen(params)
+    return {k: v for k, v in params.items() if k not in off}
+
+
+__all__ = ["A", "ATTENTION", "B", "LoraConfig", "TARGETS", "adapters", "base", "delta", "frozen", "fused_delta", "has_adapters",
+           "init", "is_adapter", "linear", "module_of", "modules", "trainable", "with_adapters"]
