@@ -372,3 +372,33 @@ def test_a_full_disk_during_a_checkpoint_says_so_and_leaves_nothing_half_written
     from tests.helpers import recipe_module
     with pytest.raises(SystemExit, match=r"^error: .*/run/checkpoint-final: not written: the disk under .* is full"):
         recipe_module().main(["--world", "1", "--steps", "1", "--out", str(tmp_path / "run")])
+
+
+@pytest.mark.slow
+def test_a_lora_run_resumed_equals_the_uninterrupted_one_and_its_adapters_continue_elsewhere(tmp_path):
+    """A LoRA run's checkpoints hold its adapters as peft saves them and their AdamW state (no base weights): a run
+    of 6 steps and one of 3 resumed to 6 end with the same adapters; --lora-resume starts another run (one
+    process, --merge) from them, whose merged export is the base plus the adapters."""
+    from rlflow.models import adapters
+    lora = ["--lora-rank", "4", "--kl-coef", "0.05", "--steps", "6"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert (res := _run(lora + ["--out", str(whole)])).returncode == 0, res.stderr[-3000:]
+    assert (res := _run(lora[:-1] + ["3", "--out", str(part)])).returncode == 0, res.stderr[-3000:]
+    assert (res := _run(lora + ["--out", str(part), "--resume", "auto"])).returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stdout
+    final = whole / "checkpoint-final"
+    assert not (final / "model.safetensors").exists()  # the base is --model's (here the preset's)
+    cfg = checkpoint.config_of(str(final))
+    a, b = adapters.load(str(final), cfg), adapters.load(str(part / "checkpoint-final"), cfg)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    assert max(float(a[k].abs().max()) for k in a if k.endswith(".lora_B.weight")) > 0  # trained
+    more = tmp_path / "more"
+    res = _run(["--lora-resume", str(final), "--steps", "1", "--world", "1", "--merge", "--out", str(more)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = adapters.load(str(more / "checkpoint-final"), cfg)
+    base = _weights(more / "checkpoint-final")  # the merged model, as --model loads it
+    from rlflow.models.config import get_config
+    from rlflow.models import decoder
+    start = decoder.init_params(get_config("qwen3-moe-tiny"), seed=0)  # the preset's base (--seed 0)
+    want = adapters.merged({**start, **got}, cfg)
+    assert max(float((base[k] - want[k]).abs().max()) for k in want) <= 1e-6

@@ -16,8 +16,10 @@ import torch
 
 from rlflow.algos import grpo, stages
 from rlflow.batch import TrainBatch, pad
-from rlflow.models import decoder as qm
+from rlflow.models import decoder as qm, lora
 from rlflow.models.config import get_config
+from rlflow.models.lora import LoraConfig
+from rlflow.models.shapes import param_shapes
 from rlflow.runtime.launch import spawn
 
 CFG = get_config("qwen3-moe-tiny")  # 4 heads, 2 kv heads, 8 experts (top 2), 4 layers, vocab 32
@@ -34,6 +36,12 @@ DEEPSEEK = dict(preset="deepseek-tiny")  # MLA, sigmoid group-limited routing, s
 DEEPSEEK_Q = dict(preset="deepseek-tiny", q_lora_rank=None)  # MLA with a direct q_proj
 LLAMA = dict(preset="llama-tiny")  # dense, no bias, no qk norm
 LLAMA_TIED = dict(preset="llama-tiny", tie_word_embeddings=True)  # SmolLM2's tied head
+# LoRA: the adapters' gradients alone (the base frozen, as the update runs it); A of a column-parallel weight and
+# B of a row-parallel one are replicated over tp and summed over it; attention only on the MoE model, every
+# projection of Llama; B drawn non-zero so that both factors take a gradient
+LORA = dict(lora=LoraConfig(4, 8.0))
+LORA_LLAMA = dict(preset="llama-tiny", lora=LoraConfig(4, 8.0, dropout=0.0))
+LORA_LLAMA_TIED = dict(preset="llama-tiny", tie_word_embeddings=True, lora=LoraConfig(2, 4.0))
 CASES = {
     2: [
         ("tp2", dict(tp=2), {}, 1, "1f1b", False, {}),
@@ -55,6 +63,11 @@ CASES = {
         ("llama-tied-tp2", dict(tp=2), {}, 1, "1f1b", False, LLAMA_TIED),
         # the head on the last stage borrows the first stage's embedding; its gradient goes back
         ("llama-tied-pp2", dict(pp=2), {}, 2, "1f1b", False, LLAMA_TIED),
+        ("lora-tp2", dict(tp=2), {}, 1, "1f1b", False, LORA),
+        ("lora-ep2", dict(ep=2), {}, 2, "1f1b", False, LORA),
+        ("lora-pp2", dict(pp=2), {}, 2, "1f1b", False, LORA),
+        ("lora-llama-tp2", dict(tp=2), {}, 1, "1f1b", False, LORA_LLAMA),
+        ("lora-llama-tied-pp2", dict(pp=2), {}, 2, "1f1b", False, LORA_LLAMA_TIED),
     ],
     4: [
         ("tp4-kv-replicated", dict(tp=4), {"kv_heads": None}, 1, "1f1b", False, {}),
@@ -66,6 +79,8 @@ CASES = {
         ("ep2-tp2", dict(ep=2, tp=2), {}, 1, "1f1b", False, {}),
         ("deepseek-ep2-tp2", dict(ep=2, tp=2), {}, 1, "1f1b", False, DEEPSEEK),
         ("llama-tied-pp4", dict(pp=4), {}, 4, "gpipe", False, LLAMA_TIED),
+        ("lora-tp4-kv-replicated", dict(tp=4), {"kv_heads": None}, 1, "1f1b", False, LORA),
+        ("lora-llama-pp2-tp2", dict(pp=2, tp=2), {}, 2, "1f1b", False, LORA_LLAMA),
     ],
     8: [
         ("pp2-ep2-tp2", dict(pp=2, ep=2, tp=2), {}, 2, "1f1b", False, {}),
@@ -101,7 +116,16 @@ def make_batch(seed: int = 0) -> TrainBatch:
 def params_full(cfg=CFG) -> qm.Params:
     p = qm.init_params(cfg, seed=1, std=0.2)
     g = torch.Generator().manual_seed(2)
-    return {k: (torch.randn(v.shape, generator=g) * 0.2 if k.endswith("bias") else v) for k, v in p.items()}
+    p = {k: (torch.randn(v.shape, generator=g) * 0.2 if k.endswith("bias") else v) for k, v in p.items()}
+    if cfg.lora is not None:
+        ad = lora.init(cfg, param_shapes(cfg), seed=3)
+        p.update({k: torch.randn(v.shape, generator=g) * 0.2 if k.endswith(lora.B) else v for k, v in ad.items()})
+    return p
+
+
+def trained(cfg, name: str) -> bool:
+    """Whether the update takes a gradient of ``name``: the adapters of a LoRA model, else every parameter."""
+    return cfg.lora is None or lora.is_adapter(name)
 
 
 def partition(n_data: int, n_micro: int) -> list[list[torch.Tensor]]:
@@ -120,7 +144,7 @@ def loss_fn(n_tokens: float):
 def reference(batch: TrainBatch, n_data: int, n_micro: int, cfg=CFG):
     """Loss and gradients of one process over the same row partition."""
     full = params_full(cfg)
-    leaves = {k: v.requires_grad_(True) for k, v in full.items()}
+    leaves = {k: v.requires_grad_(trained(cfg, k)) for k, v in full.items()}
     f = loss_fn(float(batch.response_mask_BTr.sum()))
     total = 0.0
     for rows_d in partition(n_data, n_micro):
@@ -131,7 +155,8 @@ def reference(batch: TrainBatch, n_data: int, n_micro: int, cfg=CFG):
             loss.backward()
             total += float(loss.detach())
     # DeepSeek's e_score_correction_bias only selects experts: no gradient reaches it
-    return total, {k: v.grad if v.grad is not None else torch.zeros_like(v) for k, v in leaves.items()}
+    return total, {k: v.grad if v.grad is not None else torch.zeros_like(v) for k, v in leaves.items()
+                   if trained(cfg, k)}
 
 
 def worker(rank: int, world: int, cases: list, batch: TrainBatch) -> dict:
@@ -149,7 +174,7 @@ def worker(rank: int, world: int, cases: list, batch: TrainBatch) -> dict:
         mesh = Mesh(**sizes)
         layout = msh.layout(cfg, mesh, rules, dtype=torch.float32)
         ctx = context.context(layout, cfg)
-        local = {n: t.to(dev).requires_grad_(True)
+        local = {n: t.to(dev).requires_grad_(trained(cfg, n))
                  for n, t in context.shard_params(params_full(cfg), layout, rank).items()}
         rows = partition(mesh.data_parallel_size, n_micro)[mesh.data_parallel_index(rank)]
         mbs = [batch.select(r.to(dev)) for r in rows]
@@ -184,7 +209,7 @@ def _check(world: int):
         if key not in refs:
             refs[key] = reference(batch, *key[:2], cfg)
         ref_loss, ref_grads = refs[key]
-        got = full_from_shards([r[name]["grads"] for r in results], layout)
+        got = full_from_shards([r[name]["grads"] for r in results], layout.only(ref_grads))
         dl = max(abs(r[name]["loss"] - ref_loss) for r in results) / max(1.0, abs(ref_loss))
         # loss and gradients relative to their size when above 1 (the DeepSeek cases' ratios, far outside the
         # clip, give a loss of ~16 and gradients of ~1e2, whose float32 rounding is ~1e-5)

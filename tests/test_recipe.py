@@ -197,6 +197,13 @@ def test_under_torchrun_what_a_rank_cannot_run_is_refused_by_flag(flags, named, 
                                      "for --eval-dataset only; train on the task with --task addition"),
     (["--eval-dataset", "task:max_digit", "--eval-split", "test"], "--eval-dataset task:max_digit: task:max_digit is "
                                                                    "one split already"),
+    # LoRA: what the model cannot adapt, a rank below 1, its flags without it, an adapter directory that is none
+    (["--lora-rank", "8", "--lora-targets", "experts"], "--lora-targets experts: 'experts': the routed experts"),
+    (["--lora-rank", "8", "--lora-targets", "gate_proj"], "'gate_proj' names no module of this qwen3_moe model"),
+    (["--lora-rank", "-1"], "--lora-rank -1: must be >= 1"),
+    (["--lora-alpha", "3"], "--lora-alpha 3.0: needs --lora-rank"),
+    (["--merge"], "--merge: needs --lora-rank"),
+    (["--lora-resume", "/nonexistent"], "--lora-resume /nonexistent: /nonexistent: no adapter_config.json"),
     # refused by the ranks once started, with a traceback each
     (["--world", "2", "--prompts-per-step", "3", "--mini-batch-size", "24", "--micro-batch-size", "24"],
      "--prompts-per-step 3: is not divisible by the 2 ranks"),
