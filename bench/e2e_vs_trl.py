@@ -120,6 +120,10 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=8, help="timed steps per system (even: each order A-B / B-A "
                     "equally often)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="both systems train LoRA adapters of this rank (alpha 2 x rank, every projection the model "
+                         "has) on the frozen model: rlflow's --lora-rank, TRL with peft's LoraConfig; the same initial "
+                         "adapters (B = 0)")
     ap.add_argument("--compile", action="store_true",
                     help="rlflow's decode step through torch.compile (the warm-up steps absorb compilation)")
     ap.add_argument("--rollout-engine", default="builtin", choices=["builtin", "vllm"],
@@ -212,7 +216,8 @@ def main(argv=None) -> dict:
     r = recipe.Recipe(preset=a.preset, model=model_dir, task=a.task, prompts_per_step=P, group_size=G,
                       max_new_tokens=T, micro_batch_size=micro, lr=a.lr, warmup_lr_steps=0, seed=a.seed, dtype=a.dtype,
                       steps=1, compile_decode=a.compile,
-                      **({"rollout_engine": a.rollout_engine} if a.rollout_engine != "builtin" else {}))
+                      **({"rollout_engine": a.rollout_engine} if a.rollout_engine != "builtin" else {}),
+                      **({"lora_rank": a.lora_rank} if a.lora_rank else {}))
     torch.manual_seed(a.seed)
     built = recipe.build(r)  # a RunSpec (a tuple in rlflow snapshots before it)
     cfg, params, tok, source, reward_fn, lcfg, dev = built if isinstance(built, tuple) else (
@@ -223,15 +228,27 @@ def main(argv=None) -> dict:
     kept = getattr(rl_device, "keep_host_memory", None)
     host_memory_kept = None if kept is None or dev.type != "cpu" else kept()
     lcfg = dataclasses.replace(lcfg, sampling=dataclasses.replace(lcfg.sampling, eos_id=-1))  # never sampled
-    n_params = sum(p.numel() for p in params.values())
+    n_params = sum(p.numel() for k, p in params.items() if ".lora_" not in k)
 
     # ---- TRL: the same initial weights, tokenizer ids, prompts, reward ----
     tmp = tempfile.TemporaryDirectory(prefix="e2e_vs_trl_")
     ckpt = os.path.join(tmp.name, "init")
-    hf.save(ckpt, cfg, params)
+    lora_cfg = getattr(cfg, "lora", None)
+    adapted = {k: v for k, v in params.items() if ".lora_" in k}
+    hf.save(ckpt, cfg if lora_cfg is None else cfg.replace(lora=None),
+            {k: v for k, v in params.items() if k not in adapted})
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
     dtype_kw = hf.dtype_kwarg(dtype) if hasattr(hf, "dtype_kwarg") else {"dtype": dtype}  # an older --rlflow-src
     model = AutoModelForCausalLM.from_pretrained(ckpt, **dtype_kw).to(dev)
+    if lora_cfg is not None:  # peft's adapters on the same targets, started from rlflow's (A drawn, B = 0)
+        import peft
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, target_modules=list(lora_cfg.targets), lora_dropout=0.0,
+            bias="none", task_type="CAUSAL_LM"))
+        with torch.no_grad():
+            named = dict(model.named_parameters())
+            for k, v in adapted.items():
+                named["base_model.model." + k.replace(".weight", ".default.weight")].copy_(v)
     if model_dir is None:
         hf_tok = char_tokenizer_for_transformers(tok)
     else:
@@ -389,6 +406,7 @@ def main(argv=None) -> dict:
           f"{init_diff:.2e}")
     print(f"workload: task {a.task}, {P} prompts x {G} samples = {B} per step, {T} new tokens per sample (fixed), "
           f"micro-batch {micro} ({B // micro} per optimizer step), 1 AdamW step per GRPO step, lr {a.lr}, no KL, "
+          + (f"LoRA rank {a.lora_rank} on {','.join(lora_cfg.targets)} (peft on TRL's side), " if a.lora_rank else "") +
           f"{a.warmup} warm-up + {a.steps} timed steps per system, alternating A B B A")
     print(f"rlflow from {src['src']} (commit {src['commit']}{', uncommitted changes' if src['dirty'] else ''})")
     print(f"TRL {trl.__version__} GRPOTrainer (transformers {transformers.__version__}, "
@@ -468,6 +486,7 @@ def main(argv=None) -> dict:
                       prompts_per_step=P, group_size=G, samples_per_step=B, max_new_tokens=T, fixed_length=True,
                       rlflow_compile_decode=a.compile, rlflow_rollout_engine=a.rollout_engine,
                       micro_batch_size=micro, optimizer_steps_per_step=1, lr=a.lr, kl=0.0, warmup_steps=a.warmup,
+                      lora_rank=a.lora_rank,
                       timed_steps=a.steps, seed=a.seed),
         torch_threads=torch.get_num_threads(), device=str(dev), host_memory_kept=host_memory_kept,
         machine=f"{platform.machine()} {os.cpu_count()} CPUs" if dev.type == "cpu" else torch.cuda.get_device_name(dev),

@@ -35,12 +35,14 @@ def _weights(out, name: str = "checkpoint-final") -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("multiturn", [False, True], ids=["single-turn", "multi-turn"])
-def test_pools_at_staleness_0_train_as_the_synchronous_run(tmp_path, multiturn):
+@pytest.mark.parametrize("multiturn, lora", [(False, False), (True, False), (False, True)],
+                         ids=["single-turn", "multi-turn", "lora"])
+def test_pools_at_staleness_0_train_as_the_synchronous_run(tmp_path, multiturn, lora):
     """1 rollout rank + 1 train rank at --max-staleness 0 against one process on one thread, as each rank
     computes: the same rewards every step and bitwise the same weights after the steps; with multi-turn
     episodes (their loss mask through the dock), the same episodes' counts too. Single-turn, both evaluate
-    every 2 steps (the train pool evaluates the weights it trained): the same eval figures."""
+    every 2 steps (the train pool evaluates the weights it trained): the same eval figures. LoRA: the same, with
+    the model pushed once and the adapters alone after it (the weights compared are the adapters)."""
     one, pools = tmp_path / "one", tmp_path / "pools"
     script = os.path.join(ROOT, "recipes", "grpo_qwen3_moe.py")
     envs = os.path.join(ROOT, "tests", "multiturn_envs.py")
@@ -49,6 +51,8 @@ def test_pools_at_staleness_0_train_as_the_synchronous_run(tmp_path, multiturn):
                              for d in ("381920", "112233", "907156", "012345", "765432")))
     env = ["--env", f"{envs}:Hint", "--max-turns", "2", "--reward", f"{envs}:spread"] if multiturn else \
         ["--eval-dataset", str(evals), "--eval-every", "2", "--eval-samples", "2"]
+    # LoRA: every version's weights, the model pushed once and the adapters after it, are those trained
+    env += ["--check-logprobs", "1e-4", "--lora-rank", "4", "--lr", "1e-2"] if lora else []
     for out, flags in ((one, ["--world", "1", "--save-every", "2"]), (pools, ["--world", "2", "--rollout-ranks", "1"])):
         res = subprocess.run([sys.executable, script, *SMALL, *flags, *env, "--out", str(out)], capture_output=True,
                              text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -57,7 +61,7 @@ def test_pools_at_staleness_0_train_as_the_synchronous_run(tmp_path, multiturn):
     if not multiturn:
         ea, eb = ([m for m in rows if "eval/pass@1" in m] for rows in (a, b))
         assert [m["step"] for m in eb] == [0, 2, 4] and ea == eb, (ea, eb)
-        assert len({m["eval/response_len"] for m in eb}) > 1  # the evaluated weights changed
+        assert lora or len({m["eval/response_len"] for m in eb}) > 1  # the evaluated weights changed
         a, b = ([m for m in rows if "reward_mean" in m] for rows in (a, b))
     assert [m["step"] for m in b] == [0, 1, 2, 3]
     for x, y in zip(a, b):
@@ -72,7 +76,8 @@ def test_pools_at_staleness_0_train_as_the_synchronous_run(tmp_path, multiturn):
     assert max(float((wa[k] - before[k]).abs().max()) for k in wa) > 1e-4
     if not multiturn:  # resumed when every step is done: the rollout pool is told to stop, the run ends cleanly
         res = subprocess.run([sys.executable, script, *SMALL, "--world", "2", "--rollout-ranks", "1", "--out",
-                              str(pools), "--resume", "auto"], capture_output=True, text=True, timeout=120)
+                              str(pools), "--resume", "auto", *env[-4:] * lora], capture_output=True, text=True,
+                             timeout=120)
         assert res.returncode == 0 and "nothing to do: 4 of 4 steps are done" in res.stdout, res.stderr[-3000:]
 
 

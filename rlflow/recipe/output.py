@@ -7,7 +7,8 @@ import time
 from collections import Counter
 
 from rlflow.recipe.flags import Recipe
-from rlflow.recipe.pieces import RunSpec
+from rlflow.models import lora
+from rlflow.recipe.pieces import RunSpec, optim_config
 from rlflow.runtime import hooks, loop
 from rlflow.runtime.placement import Placement
 from rlflow.runtime.weights import same_layout
@@ -16,10 +17,14 @@ from rlflow.runtime.weights import same_layout
 def introduce(r: Recipe, spec: RunSpec, where: Placement | None, dock, world: int, say) -> None:
     """The run's first lines: the model, the sizes, the layouts and the dock, the TPS definition."""
     cfg, lcfg = spec.cfg, spec.config
-    n = sum(p.numel() for p in spec.params.values())
+    n = sum(p.numel() for p in lora.base(spec.params).values())
     moe = f"{cfg.num_experts} experts top-{cfg.num_experts_per_tok}" if cfg.num_experts else "dense"
     say(f"model: {r.model or r.preset} ({cfg.model_type}, {n / 1e6:.2f}M params, {moe}) on {spec.device} x {world}; "
         f"task: {r.dataset or r.task}")
+    if cfg.lora is not None:
+        lc, k = cfg.lora, sum(p.numel() for p in lora.adapters(spec.params).values())
+        say(f"LoRA: rank {lc.rank}, alpha {lc.alpha:g} on {','.join(lc.targets)}: {k / 1e6:.3f}M trainable params "
+            f"({100 * k / n:.2f}%), the model frozen; lr {optim_config(r).lr:g}")
     say(f"sizes: {r.prompts_per_step} prompts x {r.group_size} samples = {lcfg.global_batch} per step, "
         f"mini-batch {lcfg.mini_batch_size}, micro-batch {lcfg.micro_batch_size}")
     if where is not None:

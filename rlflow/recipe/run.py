@@ -18,6 +18,7 @@ from rlflow.algos.corrections import LogprobMismatchError
 from rlflow.data import PromptTooLong
 from rlflow.dock.proc_backend import DockLost
 from rlflow.models import adapters
+from rlflow.sharding.layout import fmt_bytes
 from rlflow.recipe.evals import eval_examples, eval_line, evaluation
 from rlflow.recipe.flags import Recipe
 from rlflow.recipe.output import Report, introduce, plot_rewards
@@ -169,8 +170,12 @@ def _run(rank: int, world: int, r: Recipe, dock, spec: RunSpec, interrupt: Inter
         introduce(r, spec, where, dock, r.world, say)
         if isinstance(whole, Disaggregated):
             k = link.pools.rollout
+            plan = whole.push_plan()
+            later = pools.adapters_plan(plan)
             say(f"separate pools: ranks 0..{k - 1} generate and score, ranks {k}..{link.pools.world - 1} train; "
-                f"--max-staleness {r.max_staleness}; {whole.push_plan().describe()}")
+                f"--max-staleness {r.max_staleness}; {plan.describe()}" + ("" if later is None else
+                f"; LoRA: the model with the first version, then the adapters alone (sent max "
+                f"{fmt_bytes(later.bytes_sent().max())}/train rank)"))
         ck = resume_point(r, cfg, dev, dtype, say, rank, where)
         if ck is not None and ck.steps_done >= r.steps:
             say(f"nothing to do: {ck.steps_done} of {r.steps} steps are done")

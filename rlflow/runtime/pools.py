@@ -18,6 +18,9 @@ the current one (two copies; a newer version waits for the spare, so at most one
 it in between steps (with partial rollout, also between decode steps: ``newer``). The train side keeps at
 most one push in flight: its pieces are copies, so the next update may change the weights while they
 travel. The push group is used by one thread of each process.
+
+LoRA: the frozen model moves once, with the first version, into one copy both spare copies share; every later
+version is the adapters alone (``adapters_plan``).
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rlflow.models import lora
 from rlflow.runtime.report import RolloutReport, combine_reports
 from rlflow.sharding.push import push_pieces, push_place, push_slots
-from rlflow.sharding.plan import PushPlan
+from rlflow.sharding.plan import PushPlan, push_plan
 
 _FINAL = b"final"  # a rollout rank's last report
 _HEADER, _PIECE = 0, 1  # tags on the push group
@@ -125,12 +129,19 @@ def _wait(works) -> None:
         w.wait()
 
 
+def adapters_plan(plan: PushPlan) -> PushPlan | None:
+    """The push of LoRA's adapters alone (the versions after the first), or None: every weight trains."""
+    names = [n for n in plan.src.names if lora.is_adapter(n)]
+    return push_plan(plan.src.only(names), plan.dst.only(names)) if names else None
+
+
 class TrainSide:
     """The train pool's end of the link (rank ``rank`` of the train pool): ``push`` each new version,
     ``figures`` of each step from the rollout ranks (the lead), ``stop`` at the end."""
 
     def __init__(self, link: Link, rank: int, plan: PushPlan):
         self.link, self.rank, self.plan = link, rank, plan
+        self.later = adapters_plan(plan) or plan  # the push of every version after the first
         self.lead = rank == 0
         self.version: int | None = None  # the last version pushed
         self._flight: tuple[list, list] = ([], [])  # the works of the push in flight, and its pieces
@@ -149,7 +160,7 @@ class TrainSide:
         if self.lead:
             header = torch.tensor([version, 0], dtype=torch.int64, device=self.link.device)
             works += [pg.send([header], d, _HEADER) for d in range(k)]
-        pieces = push_pieces(self.plan, self.rank, policy)
+        pieces = push_pieces(self.plan if self.version is None else self.later, self.rank, policy)
         works += [pg.send([t], d, _PIECE) for d, t in pieces]
         self._flight, self.version = (works, pieces), version
 
@@ -205,9 +216,14 @@ class RolloutSide:
         self.partial = partial  # partial rollout: each rank swaps a newer version in as it lands (``newer``)
         self._cond = threading.Condition()
         self._reports = 0
+        self.later, self.first = adapters_plan(plan) or plan, True
         lay = plan.dst
         held = [n for n in lay.names if lay.holds(n, rank)]
-        self._free = [{n: torch.empty(lay[n].local_shape(lay.mesh), dtype=lay[n].dtype, device=device) for n in held}
+
+        def empty(n):
+            return torch.empty(lay[n].local_shape(lay.mesh), dtype=lay[n].dtype, device=device)
+        frozen = {n: empty(n) for n in held if n not in self.later.dst.names}  # LoRA's model: one copy, filled once
+        self._free = [{n: frozen[n] if n in frozen else empty(n) for n in held}
                       for _ in range(2)]  # copies the receiver may fill
         self.pending: tuple[int, dict] | None = None  # a version received, not yet in use
         self.current: tuple[int, dict] | None = None  # the version the engine generates with
@@ -230,7 +246,8 @@ class RolloutSide:
                 with self._cond:
                     self._cond.wait_for(lambda: self._free)
                     buf = self._free.pop()
-                slots = push_slots(self.plan, self.rank, buf)
+                slots = push_slots(self.plan if self.first else self.later, self.rank, buf)
+                self.first = False
                 _wait([pg.recv([b], self.link.pools.rollout + s, _PIECE) for s, b, _ in slots])
                 push_place(slots)
                 with self._cond:
