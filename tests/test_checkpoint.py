@@ -388,7 +388,7 @@ def test_a_lora_run_resumed_equals_the_uninterrupted_one_and_its_adapters_contin
     assert "resumed from" in res.stdout
     final = whole / "checkpoint-final"
     assert not (final / "model.safetensors").exists()  # the base is --model's (here the preset's)
-    cfg = checkpoint.config_of(str(final))
+    cfg = adapters.config_of(str(final))
     a, b = adapters.load(str(final), cfg), adapters.load(str(part / "checkpoint-final"), cfg)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
     assert max(float(a[k].abs().max()) for k in a if k.endswith(".lora_B.weight")) > 0  # trained

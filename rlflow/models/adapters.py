@@ -1,4 +1,4 @@
-"""LoRA adapters on disk as peft saves them, and the merged model.
+"""LoRA adapters on disk as peft saves them, the merged model, and a checkpoint's weights either way (``export``).
 
 A directory holds ``adapter_config.json`` (peft's ``LoraConfig``: ``r``, ``lora_alpha``, ``target_modules``,
 ``lora_dropout``, ``base_model_name_or_path`` ...) and ``adapter_model.safetensors`` (the factors under peft's
@@ -18,7 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rlflow.models import lora
+from rlflow.models import hf, lora
+from rlflow.models.config import ModelConfig
 from rlflow.models.lora import LoraConfig
 from rlflow.models.shapes import param_shapes
 
@@ -118,5 +119,24 @@ def merged(params: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
             out[m + ".weight"] = (w.float() + delta).to(w.dtype)
     return out
 
+def export(path: str, cfg: ModelConfig, params: dict, *, merge: bool = False, base_model: str | None = None) -> None:
+    """The weights of checkpoint ``path``: in transformers' format, or a LoRA run's adapters as peft saves them
+    beside the base's config.json (``merge``: and the merged model's weights, which ``--model`` loads)."""
+    if not lora.has_adapters(params):
+        hf.save(path, cfg, params)
+        return
+    save(path, cfg, params, base_model=base_model)
+    plain, base = cfg.replace(lora=None), lora.base(params)
+    if merge:
+        hf.save(path, plain, merged(params, cfg))
+    else:
+        hf.save_config(path, plain, next(iter(base.values())).dtype if base else torch.float32)
 
-__all__ = ["CONFIG", "WEIGHTS", "is_adapter_dir", "load", "merged", "read_config", "save"]
+
+def config_of(path: str) -> ModelConfig:
+    """Checkpoint ``path``'s model config: its config.json, and a LoRA run's adapters (``cfg.lora``)."""
+    cfg = hf.load_config(path)
+    return cfg.replace(lora=read_config(path)) if is_adapter_dir(path) else cfg
+
+
+__all__ = ["CONFIG", "WEIGHTS", "config_of", "export", "is_adapter_dir", "load", "merged", "read_config", "save"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from rlflow.models import lora, shapes
 from rlflow.models.families import FAMILIES
 from rlflow.models.lora import LoraConfig
 from rlflow.ops import RopeScaling, yarn_mscale
@@ -123,7 +124,7 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.n_group={self.n_group}: group-limited routing is DeepSeek's "
                                  "(scoring_func='sigmoid')")
         if self.lora is not None:  # every target names a module of this model (raises naming it otherwise); the
-            from rlflow.models import lora, shapes  # targets are those it has, in one order (a config compares equal)
+            # targets are those it has, in one order (two configs of the same adapters compare equal)
             adapted = {m.rsplit(".", 1)[1] for m in lora.modules(self, shapes.param_shapes(self))}
             object.__setattr__(self, "lora", dataclasses.replace(self.lora, targets=tuple(
                 t for t in lora.TARGETS if t in adapted)))

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import math
 
-from rlflow.models.config import ModelConfig
+from typing import TYPE_CHECKING
+
 from rlflow.models.lora import is_adapter
+
+if TYPE_CHECKING:  # the config's own checks read the shapes (a LoRA config's targets)
+    from rlflow.models.config import ModelConfig
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -45,7 +45,7 @@ def resume_point(r: Recipe, cfg, dev, dtype, say, rank: int = 0, where=None):
             say(f"resume: no checkpoint under {r.out}; starting from scratch")
             return None
     try:
-        if checkpoint.config_of(path) != cfg:  # before any shard is cut to this run's layout
+        if adapters.config_of(path) != cfg:  # before any shard is cut to this run's layout
             raise SystemExit(f"error: --resume {path}: its model config differs from this run's (--model/--preset"
                              f"{', --lora-*' if cfg.lora is not None or adapters.is_adapter_dir(path) else ''})")
         wrote = checkpoint.read_args(path).get("dtype")

@@ -174,7 +174,7 @@ def save(root: str, name: str, *, steps_done: int, cfg: ModelConfig, params: dic
         raise ValueError("checkpoint.save: give opt_state (one process), or sharded= and tmp= (the ranks' files)")
     tmp = begin(root, name) if tmp is None else tmp
     try:
-        export(tmp, cfg, params, merge=merge, base_model=args.get("model"))
+        adapters.export(tmp, cfg, params, merge=merge, base_model=args.get("model"))
         if tokenizer is not None:
             tokenizer.save(tmp)
             with open(os.path.join(tmp, "generation_config.json"), "w") as f:
@@ -219,20 +219,6 @@ def save(root: str, name: str, *, steps_done: int, cfg: ModelConfig, params: dic
         for _, n in numbered[:-keep_last] if keep_last > 0 else numbered:
             shutil.rmtree(os.path.join(root, n), ignore_errors=True)
     return final
-
-
-def export(path: str, cfg: ModelConfig, params: dict, *, merge: bool = False, base_model: str | None = None) -> None:
-    """The weights of checkpoint ``path``: in transformers' format, or a LoRA run's adapters as peft saves them
-    beside the base's config.json (``merge``: and the merged model's weights, which ``--model`` loads)."""
-    if not lora.has_adapters(params):
-        hf.save(path, cfg, params)
-        return
-    adapters.save(path, cfg, params, base_model=base_model)
-    plain, base = cfg.replace(lora=None), lora.base(params)
-    if merge:
-        hf.save(path, plain, adapters.merged(params, cfg))
-    else:
-        hf.save_config(path, plain, next(iter(base.values())).dtype if base else torch.float32)
 
 
 def save_state(root: str, name: str, state, *, cfg: ModelConfig, args: dict, tokenizer=None,
@@ -322,7 +308,7 @@ def load(path: str, *, dtype: torch.dtype | None = None, device: torch.device | 
     sharded = (read_manifest(path) if verified else verify(path)).get("sharded")
     st = torch.load(os.path.join(path, STATE), map_location=device, weights_only=False)
     args = read_args(path)
-    critic, cfg = None, config_of(path)
+    critic, cfg = None, adapters.config_of(path)
     want = None if layout is None else {"world": layout.mesh.size, "train_layout": str(layout.mesh)}
     if sharded is None:  # whole tensors; a sharded run cuts its shards from them
         if cfg.lora is not None:  # the adapters alone: the run's --model is the frozen base
@@ -364,12 +350,6 @@ def load(path: str, *, dtype: torch.dtype | None = None, device: torch.device | 
                         opt_state=state([f["critic"]["opt_state"] for f in files], csrc, critic_layout))
     return _loaded(path, st, cfg, params, opt_state, critic, args, files[rank % W]["torch_rng"], want, dtype,
                    resharded_from=sharded)
-
-
-def config_of(path: str) -> ModelConfig:
-    """Checkpoint ``path``'s model config: its config.json, and a LoRA run's adapters (``cfg.lora``)."""
-    cfg = hf.load_config(path)
-    return cfg.replace(lora=adapters.read_config(path)) if adapters.is_adapter_dir(path) else cfg
 
 
 def _loaded(path, st, cfg, params, opt_state, critic, args, rng, sharded, dtype=None, resharded_from=None):
