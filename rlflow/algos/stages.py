@@ -146,8 +146,7 @@ def descend(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch
     off = lora.frozen(params)  # LoRA: the base takes no gradient
     names = [k for k in params if k not in off]
     leaves = [params[k].detach().requires_grad_(True) for k in names]
-    live = {k: params[k] for k in params}
-    live.update(zip(names, leaves))
+    live = {**params, **dict(zip(names, leaves))}
     # the data-parallel sum of the gradients, started during each mini-batch's last backward
     overlap = dp.OverlappedGrads(names, leaves, layout) if layout is not None else None
     n_mb = 0

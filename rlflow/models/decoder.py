@@ -200,10 +200,8 @@ def qk_v_heads(view: View, cfg: ModelConfig, p: str, x_TD: Tensor, cos_Td: Tenso
     q and k per-head normed (Qwen3) and rotated by cos/sin [..., T, d]."""
     H, K, d = view.heads, view.kv_heads, cfg.head_dim
     w, bias, norm = fused_attention_weights(view, cfg, p)
-    qkv = F.linear(x_TD, w, bias)
-    adapted = lora.fused_delta(view.params, cfg, [p + "q_proj", p + "k_proj", p + "v_proj"], [H * d, K * d, K * d],
-                               x_TD)
-    qkv = (qkv if adapted is None else qkv + adapted).unflatten(-1, (H + 2 * K, d))
+    qkv = lora.add_stacked(view.params, cfg, [p + "q_proj", p + "k_proj", p + "v_proj"], [H * d, K * d, K * d],
+                           F.linear(x_TD, w, bias), x_TD).unflatten(-1, (H + 2 * K, d))
     return qk_norm_rope(qkv, norm, cos_Td, sin_Td, H + K, cfg.rms_norm_eps)  # per-head norm weights [H+K, d]
 
 

@@ -1,5 +1,5 @@
 """LoRA: low-rank adapters trained on a frozen base, as data (``ModelConfig.lora``) and one function (the
-output an adapted module adds), in peft's names, shapes and initialization.
+output an adapted module adds, ``add_delta``), in peft's names, shapes and initialization.
 
 An adapted module ``m`` (e.g. ``model.layers.3.self_attn.q_proj``) has beside its ``m.weight`` [out, in]
 the factors ``m.lora_A.weight`` [r, in] and ``m.lora_B.weight`` [out, r] (peft's keys, less its
@@ -135,35 +135,38 @@ def init(cfg, base_shapes: dict[str, tuple[int, ...]], *, seed: int = 0,
     return out
 
 
-def delta(params: dict[str, Tensor], cfg, module: str, x: Tensor) -> Tensor | None:
-    """What ``module``'s adapters add to its output for input ``x`` [..., in] (None: not adapted, or the
-    adapters are not in ``params``: the base alone). Computed in the adapters' dtype, returned in x's."""
+def add_delta(params: dict[str, Tensor], cfg, module: str, x: Tensor, y: Tensor, lo: int = 0) -> None:
+    """Add what ``module``'s adapters output for input ``x`` [..., in] into ``y``'s columns from ``lo`` (``y``
+    [..., out or more], contiguous: a projection's output, which no backward reads), in place: one fused
+    multiply-add, no output-sized temporary. Nothing when ``module`` is not adapted or its adapters are not in
+    ``params`` (the base alone). The rank-wide intermediate is computed in the adapters' dtype and scaled."""
     a = params.get(module + A)
     if a is None:
-        return None
-    lc = cfg.lora
-    h = x.to(a.dtype)
+        return
+    lc, b = cfg.lora, params[module + B]
+    h = x.reshape(-1, x.shape[-1]).to(a.dtype)
     if lc.dropout and torch.is_grad_enabled():
         h = F.dropout(h, lc.dropout)
-    return (F.linear(F.linear(h, a), params[module + B]) * lc.scale).to(x.dtype)
+    xa = (F.linear(h, a) * lc.scale).to(y.dtype)  # [N, r]
+    y.view(-1, y.shape[-1])[:, lo:lo + b.shape[0]].addmm_(xa, b.t().to(y.dtype))
 
 
 def linear(params: dict[str, Tensor], cfg, module: str, x: Tensor, weight: Tensor | None = None) -> Tensor:
     """``module``'s output: its weight (``weight``, or ``params[module.weight]``) and bias, plus its adapters'."""
     y = F.linear(x, params[module + ".weight"] if weight is None else weight, params.get(module + ".bias"))
-    d = delta(params, cfg, module, x) if cfg.lora is not None else None
-    return y if d is None else y + d
+    if cfg.lora is not None:
+        add_delta(params, cfg, module, x, y)
+    return y
 
 
-def fused_delta(params: dict[str, Tensor], cfg, modules_: list[str], widths: list[int], x: Tensor) -> Tensor | None:
-    """The adapters' outputs of modules whose weights are stacked into one matmul (q, k, v), concatenated
-    along the output like the weights (zeros for a module without adapters); None when none is adapted."""
-    if cfg.lora is None:
-        return None
-    parts = [delta(params, cfg, m, x) for m in modules_]
-    if all(p is None for p in parts):
-        return None
-    return torch.cat([x.new_zeros((*x.shape[:-1], w)) if p is None else p for p, w in zip(parts, widths)], -1)
+def add_stacked(params: dict[str, Tensor], cfg, modules_: list[str], widths: list[int], y: Tensor, x: Tensor
+                ) -> Tensor:
+    """``y`` [..., sum(widths)], the output of modules whose weights are stacked into one matmul (q, k, v), with
+    each adapted module's adapters added into its columns."""
+    if cfg.lora is not None:
+        for m, lo in zip(modules_, [sum(widths[:i]) for i in range(len(widths))]):
+            add_delta(params, cfg, m, x, y, lo)
+    return y
 
 
 def base(params: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -190,5 +193,5 @@ def trainable(params: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k: v for k, v in params.items() if k not in off}
 
 
-__all__ = ["A", "ATTENTION", "B", "LoraConfig", "TARGETS", "adapters", "base", "delta", "frozen", "fused_delta", "has_adapters",
-           "init", "is_adapter", "linear", "module_of", "modules", "trainable", "with_adapters"]
+__all__ = ["A", "ATTENTION", "B", "LoraConfig", "TARGETS", "adapters", "add_delta", "add_stacked", "base", "frozen",
+           "has_adapters", "init", "is_adapter", "linear", "module_of", "modules", "trainable", "with_adapters"]
