@@ -135,28 +135,32 @@ def init(cfg, base_shapes: dict[str, tuple[int, ...]], *, seed: int = 0,
     return out
 
 
-def add_delta(params: dict[str, Tensor], cfg, module: str, x: Tensor, y: Tensor, lo: int = 0) -> None:
-    """Add what ``module``'s adapters output for input ``x`` [..., in] into ``y``'s columns from ``lo`` (``y``
-    [..., out or more], contiguous: a projection's output, which no backward reads), in place: one fused
-    multiply-add, no output-sized temporary. Nothing when ``module`` is not adapted or its adapters are not in
-    ``params`` (the base alone). The rank-wide intermediate is computed in the adapters' dtype and scaled."""
+def add_delta(params: dict[str, Tensor], cfg, module: str, x: Tensor, y: Tensor, lo: int = 0) -> Tensor:
+    """``y`` with what ``module``'s adapters output for input ``x`` [..., in] added into its columns from ``lo``
+    (``y`` [..., out or more], contiguous: a projection's output, which no backward reads): one fused
+    multiply-add over the rank-wide intermediate (computed in the adapters' dtype and scaled), no output-sized
+    temporary; out of place for a whole output (a gradient copy fewer in the backward), in place into a
+    stacked output's columns. ``y`` itself when ``module`` is not adapted or its adapters are not in ``params``
+    (the base alone)."""
     a = params.get(module + A)
     if a is None:
-        return
+        return y
     lc, b = cfg.lora, params[module + B]
     h = x.reshape(-1, x.shape[-1]).to(a.dtype)
     if lc.dropout and torch.is_grad_enabled():
         h = F.dropout(h, lc.dropout)
     xa = (F.linear(h, a) * lc.scale).to(y.dtype)  # [N, r]
-    y.view(-1, y.shape[-1])[:, lo:lo + b.shape[0]].addmm_(xa, b.t().to(y.dtype))
+    y2 = y.view(-1, y.shape[-1])
+    if lo == 0 and b.shape[0] == y2.shape[1]:
+        return torch.addmm(y2, xa, b.t().to(y.dtype)).view(y.shape)
+    y2[:, lo:lo + b.shape[0]].addmm_(xa, b.t().to(y.dtype))
+    return y
 
 
 def linear(params: dict[str, Tensor], cfg, module: str, x: Tensor, weight: Tensor | None = None) -> Tensor:
     """``module``'s output: its weight (``weight``, or ``params[module.weight]``) and bias, plus its adapters'."""
     y = F.linear(x, params[module + ".weight"] if weight is None else weight, params.get(module + ".bias"))
-    if cfg.lora is not None:
-        add_delta(params, cfg, module, x, y)
-    return y
+    return y if cfg.lora is None else add_delta(params, cfg, module, x, y)
 
 
 def add_stacked(params: dict[str, Tensor], cfg, modules_: list[str], widths: list[int], y: Tensor, x: Tensor
