@@ -73,6 +73,15 @@ def test_vllm_generates_with_the_weights_pushed_last(checks, model, params):
 
 
 @needs_vllm
+def test_vllm_generates_with_a_lora_policy_as_the_builtin_engine(checks):
+    """A LoRA policy's weights reach vLLM merged (``adapters.merged``), every version: the built-in engine's greedy
+    tokens and log-probs, which apply the adapters to the model; and the adapters change them."""
+    for v in checks["lora"]["versions"]:
+        assert v["ids_equal"] and v["lp_max_diff"] < 1e-4, v
+        assert v["adapters_visible"] > 1e-2, v
+
+
+@needs_vllm
 def test_vllm_drives_multi_turn_episodes_as_the_builtin_engine(checks):
     """Multi-turn rollouts reach vLLM through the engine seam, its turns served as they come (vLLM's scheduler):
     greedy episodes of three turns with observations between them are the built-in engine's, token for token;

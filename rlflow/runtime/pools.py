@@ -26,6 +26,7 @@ version is the adapters alone (``adapters_plan``).
 from __future__ import annotations
 
 import datetime
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -141,13 +142,17 @@ class TrainSide:
 
     def __init__(self, link: Link, rank: int, plan: PushPlan):
         self.link, self.rank, self.plan = link, rank, plan
-        self.later = adapters_plan(plan) or plan  # the push of every version after the first
         self.lead = rank == 0
         self.version: int | None = None  # the last version pushed
         self._flight: tuple[list, list] = ([], [])  # the works of the push in flight, and its pieces
         self.dropped = 0  # rows the rollout ranks reported past the last trained step
         self.stopped = False
         self._next: dict[int, int] = {}  # the number of the last report read from each rollout rank
+
+    @functools.cached_property
+    def later(self) -> PushPlan:
+        """The push of every version after the first (LoRA: the adapters alone)."""
+        return adapters_plan(self.plan) or self.plan
 
     def push(self, policy: dict, version: int) -> None:
         """``policy`` (this rank's train shards) as version ``version``; returns once it is posted."""
