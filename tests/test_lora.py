@@ -132,3 +132,15 @@ def test_the_update_trains_the_adapters_alone_against_the_base_as_the_reference(
     assert all(torch.equal(state.policy[k], before[k]) for k in base)
     assert max(float((state.policy[k] - before[k]).abs().max()) for k in ad if k.endswith(lora.B)) > 1e-4
     assert all("kl" in h for h in history)
+
+
+def test_lora_resume_takes_its_directory_settings_and_refuses_flags_that_would_be_ignored(tmp_path, capsys):
+    from helpers import recipe_module
+    cfg, _, ad = _model("qwen3-moe-tiny", LoraConfig(4, 8.0))
+    adapters.save(str(tmp_path), cfg, ad)
+    recipe = recipe_module()
+    assert recipe.parse_args(["--lora-resume", str(tmp_path)]).lora_resume == str(tmp_path)
+    for flags in (["--lora-alpha", "4"], ["--lora-dropout", "0.1"], ["--lora-rank", "8"]):
+        with pytest.raises(SystemExit):
+            recipe.parse_args(["--lora-resume", str(tmp_path), *flags])
+        assert flags[0] in capsys.readouterr().err.strip().splitlines()[-1]

@@ -208,6 +208,9 @@ def lora_problems(r: Recipe) -> list[tuple[str, str]]:
             return [("lora_resume", str(e))]
         if r.lora_rank and r.lora_rank != got.rank:
             return [("lora_rank", f"--lora-resume {r.lora_resume} holds rank-{got.rank} adapters")]
+        for n in ("lora_alpha", "lora_targets", "lora_dropout"):  # the directory's adapter_config.json sets them
+            if getattr(r, n):
+                return [(n, f"--lora-resume {r.lora_resume}'s adapter_config.json sets it")]
     try:
         lc = lora_config(r)
     except ValueError as e:  # LoraConfig's rules: "LoraConfig.<field>[=value]: why"
