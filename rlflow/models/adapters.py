@@ -59,8 +59,8 @@ def read_config(path: str) -> LoraConfig:
         raise ValueError(f"{file}: target_modules={targets!r}: rlflow reads a list of module names (not a regex "
                          "nor 'all-linear')")
     try:
-        return LoraConfig(rank=int(d["r"]), alpha=float(d.get("lora_alpha", 8)), targets=tuple(t for t in lora.TARGETS if t in targets) + tuple(
-            t for t in targets if t not in lora.TARGETS),
+        ordered = tuple(t for t in lora.TARGETS if t in targets) + tuple(t for t in targets if t not in lora.TARGETS)
+        return LoraConfig(rank=int(d["r"]), alpha=float(d.get("lora_alpha", 8)), targets=ordered,
                           dropout=float(d.get("lora_dropout", 0.0)))
     except KeyError:
         raise ValueError(f"{file}: has no 'r'") from None

@@ -157,9 +157,9 @@ def add_delta(params: dict[str, Tensor], cfg, module: str, x: Tensor, y: Tensor,
     return y
 
 
-def linear(params: dict[str, Tensor], cfg, module: str, x: Tensor, weight: Tensor | None = None) -> Tensor:
-    """``module``'s output: its weight (``weight``, or ``params[module.weight]``) and bias, plus its adapters'."""
-    y = F.linear(x, params[module + ".weight"] if weight is None else weight, params.get(module + ".bias"))
+def linear(params: dict[str, Tensor], cfg, module: str, x: Tensor) -> Tensor:
+    """``module``'s output: its weight and bias, plus its adapters'."""
+    y = F.linear(x, params[module + ".weight"], params.get(module + ".bias"))
     return y if cfg.lora is None else add_delta(params, cfg, module, x, y)
 
 

@@ -4,10 +4,9 @@ A checkpoint is a directory ``<root>/checkpoint-<step>`` (``checkpoint-final`` a
 
     config.json, model.safetensors (or shards)   the weights in transformers' format (``hf.save``):
     tokenizer files                              ``--model CKPT`` and ``AutoModelForCausalLM`` load it
-    adapter_config.json, adapter_model.safetensors   a LoRA run's adapters as peft saves them
-                                                 (``models/adapters.py``) instead of the weights, with
-                                                 the base's config.json; its frozen base is the run's
-                                                 --model; ``merge``: the merged model's weights too
+    adapter_config.json, adapter_model.safetensors   a LoRA run's adapters as peft saves them, not the
+                                                 weights (``models/adapters.py``; the frozen base is the
+                                                 run's --model); ``merge``: the merged model's weights too
     trainer_state.pt                             the prompt stream's position, torch's RNG state, the
                                                  number of GRPO steps done; in one process also the
                                                  AdamW state (step, moments, float32 masters)
@@ -131,7 +130,8 @@ def write_shard(tmp: str, rank: int, world: int, *, params: dict, opt_state: opt
                               "run's --out must be on a filesystem every rank sees")
     path = os.path.join(tmp, shard_file(rank, world))
     try:
-        torch.save({"params": lora.trainable(params), "opt_state": _state_dict(opt_state), "torch_rng": torch.get_rng_state(),
+        torch.save({"params": lora.trainable(params), "opt_state": _state_dict(opt_state),
+                    "torch_rng": torch.get_rng_state(),
                     "critic": None if critic is None else _critic_dict(critic)}, path)
         _fsync(path)
     except Exception as e:
@@ -249,7 +249,7 @@ def save_state(root: str, name: str, state, *, cfg: ModelConfig, args: dict, tok
     except Exception as e:  # noqa: BLE001 -- every rank must still reach the collectives below
         failed = e
     # on rank 0's host, tensor by tensor; a LoRA run's adapters (the base is its --model) unless merged
-    exported = train if merge or not lora.has_adapters(train.names) else train.only(filter(lora.is_adapter, train.names))
+    exported = train if merge else train.only(lora.trainable(dict.fromkeys(train.names)))
     full = gather_to_host(state.policy, exported)
     if float(all_reduce(torch.tensor([failed is not None], dtype=torch.float64))[0]):  # any rank's file missing
         if lead:

@@ -50,7 +50,8 @@ def init(policy: dict[str, Tensor], source: PromptSource, *, kl: bool = False, r
     if kl:
         reference = {} if lora.has_adapters(policy) else \
             {k: v.detach().clone() for k, v in (policy if ref is None else ref).items()}
-    return RunState(policy=dict(policy), opt_state=optim.init(lora.trainable(policy)) if opt_state is None else opt_state,
+    opt_state = optim.init(lora.trainable(policy)) if opt_state is None else opt_state
+    return RunState(policy=dict(policy), opt_state=opt_state,
                     source=source, ref=reference, critic=critic, steps_done=steps_done)
 
 
@@ -67,9 +68,10 @@ def start(policy: dict[str, Tensor], source: PromptSource, cfg: ModelConfig, *, 
     """Rank ``rank``'s state of a run whose initial weights are ``policy`` (whole tensors; the reference when
     ``kl``), cut to its train layout (``placement`` None: one process). ``ck``: continue that checkpoint (its
     weights, AdamW state, critic, steps and prompt position; ``checkpoint.load`` gave this rank's shards
-    when it was sharded; a LoRA run's, its adapters beside ``policy``'s base). ``with_critic``: PPO's critic, from ``ck`` or fresh from the policy
-    (``Critic.from_policy``, ``seed``)."""
-    mine = (lambda full: full) if placement is None else (lambda full: shard_params(full, placement.train, rank))
+    when it was sharded; a LoRA run's, its adapters beside ``policy``'s base). ``with_critic``: PPO's critic, from
+    ``ck`` or fresh from the policy (``Critic.from_policy``, ``seed``)."""
+    mine = (lambda full: full) if placement is None else \
+        (lambda full: shard_params(full, placement.train.only(full), rank))  # a part (a LoRA base, its AdamW state)
     ref = mine(policy) if kl and cfg.lora is None else None  # LoRA: the base is the reference
     if ck is None:
         state = init(mine(policy), source, kl=kl, ref=ref)
@@ -82,8 +84,7 @@ def start(policy: dict[str, Tensor], source: PromptSource, cfg: ModelConfig, *, 
         params = ck.params
         if cfg.lora is not None:  # a LoRA checkpoint holds the adapters: the frozen base is ``policy``'s
             base = lora.base(policy)
-            params = {**(base if ck.sharded is None else shard_params(base, placement.train.only(base), rank)),
-                      **ck.params}
+            params = {**(base if ck.sharded is None else mine(base)), **ck.params}
         state = init(params, source, kl=kl, ref=ref, opt_state=ck.opt_state, steps_done=ck.steps_done,
                      critic=critic)
         if placement is not None and ck.sharded is None:  # whole tensors: this rank's shards of them
