@@ -41,8 +41,11 @@ def _logits(params, cfg, ids):
 
 @pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-moe-tiny", "qwen2.5-tiny", "deepseek-tiny"])
 def test_a_fresh_adapter_gives_exactly_the_base_outputs_and_a_trained_one_its_merged_model(preset):
-    lc = LoraConfig(4, 8.0, targets=("gate_proj", "up_proj", "down_proj") if preset == "deepseek-tiny" else None)
+    # every projection the model has and the (untied) head
+    lc = LoraConfig(4, 8.0, targets=("gate_proj", "up_proj", "down_proj", "lm_head") if preset == "deepseek-tiny"
+                    else get_config(preset).replace(lora=LoraConfig(4, 8.0)).lora.targets + ("lm_head",))
     cfg, base, ad = _model(preset, lc)
+    assert "lm_head.lora_A.weight" in ad
     ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     assert torch.equal(_logits({**base, **ad}, cfg, ids), _logits(base, cfg, ids))  # B = 0: bit for bit
     cfg, base, ad = _model(preset, lc, b_std=0.3)
@@ -56,9 +59,12 @@ def test_targets_are_refused_by_name_when_the_model_has_no_such_module():
         get_config("qwen3-moe-tiny").replace(lora=LoraConfig(4, 8.0, targets=("gate_proj",)))
     with pytest.raises(ValueError, match="'o_proj' is an MLA projection"):
         get_config("deepseek-tiny").replace(lora=LoraConfig(4, 8.0))
-    for t, why in (("experts", "stacked parameters"), ("gate", "router"), ("lm_head", "head"), ("qkv", "no linear")):
+    for t, why in (("experts", "stacked parameters"), ("gate", "router"), ("embed_tokens", "embedding"),
+                   ("qkv", "no linear")):
         with pytest.raises(ValueError, match=why):
             LoraConfig(4, 8.0, targets=(t,))
+    with pytest.raises(ValueError, match="'lm_head': this llama model's head is its embedding"):
+        get_config("smollm2-135m").replace(lora=LoraConfig(4, 8.0, targets=("q_proj", "lm_head")))
     with pytest.raises(ValueError, match="rank=0"):
         LoraConfig(0, 8.0)
     # the default targets are those the model has, in one order: configs compare equal however they were named
@@ -71,7 +77,9 @@ def test_targets_are_refused_by_name_when_the_model_has_no_such_module():
 def test_peft_loads_the_adapters_and_its_logits_equal_ours(tmp_path):
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    cfg, base, ad = _model("llama-tiny", LoraConfig(4, 6.0), b_std=0.3)
+    lc = LoraConfig(4, 6.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                     "lm_head"))
+    cfg, base, ad = _model("llama-tiny", lc, b_std=0.3)
     hf.save(str(tmp_path / "base"), cfg.replace(lora=None), base)
     adapters.save(str(tmp_path / "adapter"), cfg, {**base, **ad}, base_model=str(tmp_path / "base"))
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
@@ -85,7 +93,8 @@ def test_peft_loads_the_adapters_and_its_logits_equal_ours(tmp_path):
     peft_model.save_pretrained(tmp_path / "resaved")
     got = adapters.load(str(tmp_path / "resaved"), cfg)
     assert adapters.read_config(str(tmp_path / "resaved")) == cfg.lora
-    assert set(got) == set(ad) and all(torch.equal(got[k], ad[k]) for k in ad)
+    assert set(got) == set(ad) | {"lm_head.weight"} and all(torch.equal(got[k], ad[k]) for k in ad)
+    assert torch.equal(got["lm_head.weight"], base["lm_head.weight"])  # peft saves an adapted head's own weight
 
 
 @pytest.mark.parametrize("field, value, match", [
@@ -144,3 +153,14 @@ def test_lora_resume_takes_its_directory_settings_and_refuses_flags_that_would_b
         with pytest.raises(SystemExit):
             recipe.parse_args(["--lora-resume", str(tmp_path), *flags])
         assert flags[0] in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_the_recipes_default_targets_are_the_projections_and_for_a_random_init_preset_its_untied_head_too():
+    from rlflow.recipe.flags import Recipe
+    from rlflow.recipe.pieces import lora_config
+    moe, tied = get_config("qwen3-moe-tiny"), get_config("smollm2-135m")
+    assert moe.replace(lora=lora_config(Recipe(lora_rank=8), moe)).lora.targets == lora.ATTENTION + (lora.HEAD,)
+    assert tied.replace(lora=lora_config(Recipe(lora_rank=8), tied)).lora.targets == lora.TARGETS  # tied: not adapted
+    # a pretrained --model: peft's all-linear, the projections alone; an explicit list is taken as it is
+    assert moe.replace(lora=lora_config(Recipe(lora_rank=8, model="ckpt"), moe)).lora.targets == lora.ATTENTION
+    assert lora_config(Recipe(lora_rank=8, lora_targets="q_proj,v_proj"), moe).targets == ("q_proj", "v_proj")

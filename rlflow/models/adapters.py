@@ -24,7 +24,7 @@ from rlflow.models.lora import LoraConfig
 from rlflow.models.shapes import param_shapes
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-PREFIX = "base_model.model."
+PREFIX, BASE_LAYER = "base_model.model.", ".base_layer.weight"
 
 # peft LoraConfig fields and the only value rlflow runs them with (None / False / "none" / {} / [] alike: off)
 _OFF = ("use_dora", "use_rslora", "fan_in_fan_out", "modules_to_save", "layers_to_transform", "layers_pattern",
@@ -71,7 +71,7 @@ def read_config(path: str) -> LoraConfig:
 def save(path: str, cfg, params: dict[str, torch.Tensor], *, base_model: str | None = None) -> None:
     """Write ``params``' adapters (whole tensors) as peft's adapter directory of ``cfg.lora`` into ``path``."""
     lc = cfg.lora
-    targets = sorted({lora.module_of(k).rsplit(".", 1)[1] for k in params if lora.is_adapter(k)})
+    targets = sorted({lora.module_of(k).rsplit(".", 1)[-1] for k in params if lora.is_adapter(k)})
     os.makedirs(path, exist_ok=True)
     conf = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": lc.rank,
             "lora_alpha": lc.alpha, "lora_dropout": lc.dropout, "target_modules": targets, "bias": "none",
@@ -85,8 +85,9 @@ def save(path: str, cfg, params: dict[str, torch.Tensor], *, base_model: str | N
 
 def load(path: str, cfg, *, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """The adapters of peft directory ``path`` for a model of config ``cfg`` (``cfg.lora`` set), float32 on
-    ``device``; raises ``ValueError`` naming the tensor when they are not this model's adapters of this rank."""
-    want = {k: s for k, s in lora.with_adapters(cfg, param_shapes(cfg)).items() if lora.is_adapter(k)}
+    ``device``, and an adapted head's weight where peft saved one beside them (in its dtype); raises ``ValueError`` naming the tensor when they are not this model's adapters of this rank."""
+    shapes = lora.with_adapters(cfg, param_shapes(cfg))
+    want = {k: s for k, s in shapes.items() if lora.is_adapter(k)}
     file = os.path.join(path, WEIGHTS)
     if not os.path.isfile(file):
         raise ValueError(f"{path}: no {WEIGHTS}")
@@ -94,6 +95,15 @@ def load(path: str, cfg, *, device: torch.device | str = "cpu") -> dict[str, tor
     with safe_open(file, framework="pt", device="cpu") as f:
         for key in f.keys():
             name = key.removeprefix(PREFIX).replace(".default.weight", ".weight")
+            if name.endswith(BASE_LAYER):  # peft's copy of an adapted head's own weight (an "embedding layer" to
+                # peft, saved beside its adapters), which PeftModel.from_pretrained loads over the base's: so do we
+                name = name[:-len(BASE_LAYER)] + ".weight"
+                t = f.get_tensor(key)
+                if name[:-len(".weight")] + lora.A not in want or tuple(t.shape) != shapes[name]:
+                    raise ValueError(f"{file}: {key} {tuple(t.shape)} is no adapted module's weight of this "
+                                     f"{cfg.model_type} model (another base model)")
+                out[name] = t.to(device=device)
+                continue
             if name not in want:
                 raise ValueError(f"{file}: {key} is no adapter of this {cfg.model_type} model with targets "
                                  f"{', '.join(cfg.lora.targets or lora.TARGETS)} (another base model)")

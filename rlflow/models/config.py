@@ -125,9 +125,9 @@ class ModelConfig:
                                  "(scoring_func='sigmoid')")
         if self.lora is not None:  # every target names a module of this model (raises naming it otherwise); the
             # targets are those it has, in one order (two configs of the same adapters compare equal)
-            adapted = {m.rsplit(".", 1)[1] for m in lora.modules(self, shapes.param_shapes(self))}
+            adapted = {m.rsplit(".", 1)[-1] for m in lora.modules(self, shapes.param_shapes(self))}
             object.__setattr__(self, "lora", dataclasses.replace(self.lora, targets=tuple(
-                t for t in lora.TARGETS if t in adapted)))
+                t for t in lora.TARGETS + (lora.HEAD,) if t in adapted)))
 
     @property
     def mla(self) -> bool:

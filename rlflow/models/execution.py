@@ -32,8 +32,9 @@ from typing import Callable
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlflow.models import lora
 from rlflow.models.config import ModelConfig
-from rlflow.ops import moe_experts, token_logprobs
+from rlflow.ops import head_linear, moe_experts, token_logprobs
 
 Params = dict[str, Tensor]
 
@@ -92,11 +93,11 @@ class Exec:
                            prepared=params.get(m + EXPERTS_PREPARED))
 
     def logits(self, params: Params, cfg: ModelConfig, h: Tensor) -> Tensor:
-        return F.linear(h, lm_head(params, cfg))
+        return head_linear(*lora.head(params, cfg, h, lm_head(params, cfg)))
 
     def logprobs(self, params: Params, cfg: ModelConfig, h_ND: Tensor, targets_N: Tensor, *,
                  temperature: float = 1.0, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-        return token_logprobs(h_ND, lm_head(params, cfg), targets_N, temperature=temperature,
+        return token_logprobs(*lora.head(params, cfg, h_ND, lm_head(params, cfg)), targets_N, temperature=temperature,
                               with_entropy=with_entropy)
 
     def any_rank(self, flag: bool) -> bool:

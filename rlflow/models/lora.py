@@ -13,9 +13,12 @@ every layout and the transition plans move them. A run's params hold the base an
 they hold adapters the base is frozen (``frozen``: no gradient, no optimizer state) and the reference
 policy of KL is the base itself (``base``: the adapters left out), never a second copy.
 
-Targets are peft's ``target_modules`` names of the decoder's linear projections (``TARGETS``); the routed
-experts (stacked parameters, not modules), the router, the embedding and the head, and MLA's projections
-are not adapted and are refused by name.
+Targets are peft's ``target_modules`` names of the decoder's linear projections (``TARGETS``, the default)
+and of the output head (``HEAD``, when asked: an untied head's [V, D] weight, adapted like a projection; its
+logits are computed by ``ops.head_linear`` from the hidden states with the adapter's rank-wide intermediate
+beside them, ``head``, so the chunked and vocab-parallel log-probs never build the adapted [V, D] weight). The
+routed experts (stacked parameters, not modules), the router, the embedding, a head tied to it, and MLA's
+projections are not adapted and are refused by name.
 """
 
 from __future__ import annotations
@@ -29,20 +32,21 @@ from torch import Tensor
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION = TARGETS[:4]
+HEAD = "lm_head"
 A, B = ".lora_A.weight", ".lora_B.weight"
 
 # peft names that are not a dense projection rlflow adapts, and why
 _REFUSED = {
     "experts": "the routed experts are stacked parameters, not modules",
     "gate": "the MoE router is not adapted (its choices would drift from the rollout's routes)",
-    "lm_head": "the head is not adapted", "embed_tokens": "the embedding is not adapted",
+    "embed_tokens": "the embedding is not adapted",
 }
 
 
 @dataclass(frozen=True)
 class LoraConfig:
     """``rank`` r, ``alpha`` (the scale is alpha / r, peft's), ``targets`` (peft's ``target_modules``, the
-    module names' last part; None: every one of ``TARGETS`` the model has) and ``dropout`` on the adapters'
+    module names' last part; None: every one of ``TARGETS`` the model has; ``HEAD`` adapts the head) and ``dropout`` on the adapters'
     input while training."""
     rank: int
     alpha: float
@@ -61,10 +65,11 @@ class LoraConfig:
                 raise ValueError("LoraConfig.targets=(): name at least one module (or None: all of them)")
             for t in self.targets:
                 if t in _REFUSED:
-                    raise ValueError(f"LoraConfig.targets: {t!r}: {_REFUSED[t]}; adaptable: {', '.join(TARGETS)}")
-                if t not in TARGETS:
+                    raise ValueError(f"LoraConfig.targets: {t!r}: {_REFUSED[t]}; adaptable: "
+                                     f"{', '.join(TARGETS + (HEAD,))}")
+                if t not in TARGETS + (HEAD,):
                     raise ValueError(f"LoraConfig.targets: {t!r} is no linear projection of the decoder; adaptable: "
-                                     f"{', '.join(TARGETS)}")
+                                     f"{', '.join(TARGETS + (HEAD,))}")
 
     @property
     def scale(self) -> float:
@@ -97,6 +102,12 @@ def modules(cfg, base_shapes: dict[str, tuple[int, ...]]) -> list[str]:
                                  "adapts the MLP's projections of MLA models only")
             out.append(m)
             hit.add(last)
+    if HEAD in wanted:
+        if cfg.tie_word_embeddings:
+            raise ValueError(f"LoraConfig.targets: {HEAD!r}: this {cfg.model_type} model's head is its embedding "
+                             "(tied), which is not adapted")
+        out.append(HEAD)
+        hit.add(HEAD)
     if lc.targets is not None and (missing := [t for t in lc.targets if t not in hit]):
         raise ValueError(f"LoraConfig.targets: {missing[0]!r} names no module of this {cfg.model_type} model"
                          + (" (its MLP layers are all routed experts)" if missing[0] in TARGETS[4:] else ""))
@@ -157,6 +168,20 @@ def add_delta(params: dict[str, Tensor], cfg, module: str, x: Tensor, y: Tensor,
     return y
 
 
+def head(params: dict[str, Tensor], cfg, h: Tensor, w: Tensor) -> tuple[Tensor, Tensor | tuple[Tensor, Tensor]]:
+    """The output head as ``ops.head_linear`` takes it: ``(h, w)`` (the head's weight ``w`` [V, D], or this
+    rank's vocab rows of it), or with the head's adapters ``([h | s dropout(h) A^T], (w, B))``, the hidden
+    states [..., D] and the rank-wide intermediate side by side [..., D + r]: the logits' ``h w^T + u B^T``
+    with no adapted copy of the [V, D] weight."""
+    a = params.get(HEAD + A)
+    if a is None:
+        return h, w
+    x = h.to(a.dtype)
+    if cfg.lora.dropout and torch.is_grad_enabled():
+        x = F.dropout(x, cfg.lora.dropout)
+    return torch.cat([h, (F.linear(x, a) * cfg.lora.scale).to(h.dtype)], -1), (w, params[HEAD + B])
+
+
 def linear(params: dict[str, Tensor], cfg, module: str, x: Tensor) -> Tensor:
     """``module``'s output: its weight and bias, plus its adapters'."""
     y = F.linear(x, params[module + ".weight"], params.get(module + ".bias"))
@@ -197,5 +222,5 @@ def trainable(params: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k: v for k, v in params.items() if k not in off}
 
 
-__all__ = ["A", "ATTENTION", "B", "LoraConfig", "TARGETS", "adapters", "add_delta", "add_stacked", "base", "frozen",
-           "has_adapters", "init", "is_adapter", "linear", "module_of", "modules", "trainable", "with_adapters"]
+__all__ = ["A", "ATTENTION", "B", "HEAD", "LoraConfig", "TARGETS", "adapters", "add_delta", "add_stacked", "base",
+           "frozen", "has_adapters", "head", "init", "is_adapter", "linear", "module_of", "modules", "trainable", "with_adapters"]

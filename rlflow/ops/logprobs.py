@@ -11,8 +11,32 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 
-def _chunk(h_CD: Tensor, w_VD: Tensor, t_C: Tensor, temperature: float, with_entropy: bool):
-    logits = F.linear(h_CD, w_VD).float()
+Head = Tensor | tuple[Tensor, Tensor]
+
+
+def head_linear(h: Tensor, w: Head) -> Tensor:
+    """The logits ``h w^T`` [..., V] of a head ``w`` [V, D]; of a low-rank-adapted head ``w = (W [V, D], B [V, r])``
+    with ``h = [x | u]`` [..., D + r] (``models/lora.py: head``), ``x W^T + u B^T``: one fused multiply-add over the
+    rank-wide ``u``, no adapted [V, D] weight."""
+    if isinstance(w, Tensor):
+        return F.linear(h, w)
+    W, B = w
+    D = W.shape[1]
+    z = F.linear(h[..., :D], W)
+    return torch.addmm(z.view(-1, z.shape[-1]), h[..., D:].reshape(-1, B.shape[1]), B.t().to(z.dtype)).view(z.shape)
+
+
+def requires_grad(w: Head) -> bool:
+    return any(t.requires_grad for t in ((w,) if isinstance(w, Tensor) else w))
+
+
+def rows(w: Head) -> int:
+    """The head's vocab rows (this rank's, when split)."""
+    return (w if isinstance(w, Tensor) else w[0]).shape[0]
+
+
+def _chunk(h_CD: Tensor, w_VD: Head, t_C: Tensor, temperature: float, with_entropy: bool):
+    logits = head_linear(h_CD, w_VD).float()
     if temperature != 1.0:
         logits = logits / temperature
     logp_CV = torch.log_softmax(logits, -1)
@@ -23,9 +47,10 @@ def _chunk(h_CD: Tensor, w_VD: Tensor, t_C: Tensor, temperature: float, with_ent
     return lp, torch.zeros_like(lp)
 
 
-def token_logprobs(hidden_ND: Tensor, weight_VD: Tensor, targets_N: Tensor, *, temperature: float = 1.0,
+def token_logprobs(hidden_ND: Tensor, weight_VD: Head, targets_N: Tensor, *, temperature: float = 1.0,
                    chunk: int = 2048, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-    """log softmax(h W^T / temperature)[target] per token, and the entropy of that distribution."""
+    """log softmax(h W^T / temperature)[target] per token, and the entropy of that distribution (``weight_VD``
+    an adapted head: ``head_linear``'s logits)."""
     return chunked(_chunk, hidden_ND, weight_VD, targets_N, temperature, with_entropy, chunk=chunk,
                    with_entropy=with_entropy)
 
@@ -36,14 +61,14 @@ def token_logprobs(hidden_ND: Tensor, weight_VD: Tensor, targets_N: Tensor, *, t
 KEEP_LOGITS_BYTES = 64 * 2**20
 
 
-def chunked(fn, hidden_ND: Tensor, weight_VD: Tensor, targets_N: Tensor, *extra, chunk: int,
+def chunked(fn, hidden_ND: Tensor, weight_VD: Head, targets_N: Tensor, *extra, chunk: int,
             with_entropy: bool) -> tuple[Tensor, Tensor | None]:
     """Run ``fn(h_CD, w, t_C, *extra) -> (logprobs_C, entropy_C)`` over chunks of C tokens, each chunk
     recomputed in the backward instead of keeping its [C, V] logits, unless all the [N, V] logits fit
     in ``KEEP_LOGITS_BYTES`` (the vocab-parallel version passes its own ``fn``)."""
     lps, ents = [], []
-    grad = (torch.is_grad_enabled() and (hidden_ND.requires_grad or weight_VD.requires_grad)
-            and hidden_ND.shape[0] * weight_VD.shape[0] * 8 > KEEP_LOGITS_BYTES)
+    grad = (torch.is_grad_enabled() and (hidden_ND.requires_grad or requires_grad(weight_VD))
+            and hidden_ND.shape[0] * rows(weight_VD) * 8 > KEEP_LOGITS_BYTES)
     for s in range(0, hidden_ND.shape[0], chunk):
         args = (hidden_ND[s:s + chunk], weight_VD, targets_N[s:s + chunk], *extra)
         lp, ent = checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args)

@@ -43,6 +43,7 @@ from rlflow.models.config import ModelConfig
 from rlflow.models.execution import Exec, Params, View, lm_head
 from rlflow.models.decoder import QKV_W
 from rlflow.models.sharding import executable_specs
+from rlflow.ops import head_linear
 from rlflow.parallel import ep, pp, tp
 from rlflow.parallel.collectives import all_gather, copy_to, copy_to_many, reduce_from
 from rlflow.sharding.dist import all_reduce, create_groups, mesh_group
@@ -280,12 +281,13 @@ class LayoutExec(Exec):
         return self._tp_if("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight", 0)
 
     def logits(self, params: Params, cfg: ModelConfig, h: Tensor) -> Tensor:
-        z = torch.nn.functional.linear(h, lm_head(params, cfg))  # [..., Vl]
+        z = head_linear(*lora.head(params, cfg, h, lm_head(params, cfg)))  # [..., Vl]
         return all_gather(z, z.dim() - 1, self._head_group(cfg))
 
     def logprobs(self, params: Params, cfg: ModelConfig, h_ND: Tensor, targets_N: Tensor, *,
                  temperature: float = 1.0, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-        return tp.vocab_logprobs(h_ND, lm_head(params, cfg), targets_N, cfg.vocab_size, self._head_group(cfg),
+        # the head's adapter A enters replicated: vocab_logprobs sums the hidden states' gradient (hence A's) over tp
+        return tp.vocab_logprobs(*lora.head(params, cfg, h_ND, lm_head(params, cfg)), targets_N, cfg.vocab_size, self._head_group(cfg),
                                  temperature=temperature, with_entropy=with_entropy)
 
     # ---- lockstep ----

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlflow.ops import token_logprobs
-from rlflow.ops.logprobs import chunked
+from rlflow.ops.logprobs import Head, chunked, head_linear, rows
 from rlflow.parallel.collectives import copy_to, gather_replicated, group_rank, group_size, reduce_from
 
 
@@ -50,14 +50,15 @@ def vocab_embedding(ids: Tensor, w_VlD: Tensor, vocab: int, group) -> Tensor:
     return reduce_from(h, group)
 
 
-def _chunk(h_CD: Tensor, w_VlD: Tensor, t_C: Tensor, lo: int, temperature: float, with_entropy: bool, group):
-    z = F.linear(h_CD, w_VlD).float()  # local logits [C, Vl]
+def _chunk(h_CD: Tensor, w_VlD: Head, t_C: Tensor, lo: int, temperature: float, with_entropy: bool, group):
+    z = head_linear(h_CD, w_VlD).float()  # local logits [C, Vl]
+    Vl = z.shape[-1]
     if temperature != 1.0:
         z = z / temperature
     m = z.detach().max(-1).values  # the local max (a constant: log-softmax ignores it)
     e = (z - m[:, None]).exp()
-    own = (t_C >= lo) & (t_C < lo + w_VlD.shape[0])
-    zt = z.gather(-1, (t_C - lo).clamp(0, w_VlD.shape[0] - 1)[:, None])[:, 0]
+    own = (t_C >= lo) & (t_C < lo + Vl)
+    zt = z.gather(-1, (t_C - lo).clamp(0, Vl - 1)[:, None])[:, 0]
     parts = [m, e.sum(-1), torch.where(own, zt, torch.zeros_like(zt))] + (
         [(e * (z - m[:, None])).sum(-1)] if with_entropy else [])
     g = gather_replicated(torch.stack(parts), group)  # every rank's [k, C] statistics: one collective
@@ -73,7 +74,7 @@ def _chunk(h_CD: Tensor, w_VlD: Tensor, t_C: Tensor, lo: int, temperature: float
     return lp, s.log() - (w * (g[:, 3] + (g[:, 0] - M) * g[:, 1])).sum(0) / s
 
 
-def vocab_logprobs(hidden_ND: Tensor, w_VlD: Tensor, targets_N: Tensor, vocab: int, group, *,
+def vocab_logprobs(hidden_ND: Tensor, w_VlD: Head, targets_N: Tensor, vocab: int, group, *,
                    temperature: float = 1.0, chunk: int = 2048, with_entropy: bool = False
                    ) -> tuple[Tensor, Tensor | None]:
     """log softmax(h W^T / temperature)[target] and the entropy, the head's vocab dim sharded over tp,

@@ -60,8 +60,8 @@ class Recipe:
     epochs: int = _f(1, "passes over each step's samples")
     max_new_tokens: int = _f(3, "response length limit")
     max_prompt_len: int | None = _f(None, "truncate prompts to their last N tokens")
-    lr: float | None = _f(None, "AdamW learning rate (default 3e-4; with --lora-rank 3e-3: LoRA's best is about ten "
-                                "times full fine-tuning's)")
+    lr: float | None = _f(None, "AdamW learning rate (default 3e-4; with --lora-rank 1e-3: LoRA's adapters take a "
+                                "larger rate than full fine-tuning, as peft users set)")
     warmup_lr_steps: int = _f(10, "linear LR warm-up steps")
     lr_schedule: str = _f("constant", "learning rate after the warm-up: constant, or a cosine or linear decay to "
                                       "--lr x --min-lr-ratio at the last step (see docs/logging.md)")
@@ -72,8 +72,9 @@ class Recipe:
     lora_alpha: float | None = _f(None, "LoRA's alpha: the adapters' output is scaled by alpha / rank (default 2 x "
                                         "--lora-rank)")
     lora_targets: str | None = _f(None, "the modules LoRA adapts, comma-separated peft target_modules names of "
-                                        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (default: all of them "
-                                        "the model has; MoE experts, the router and MLA projections are not adapted)")
+                                        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head (default: "
+                                        "the projections the model has, and with no --model the untied head too; MoE "
+                                        "experts, the router, a tied head and MLA projections are not adapted)")
     lora_dropout: float = _f(0.0, "dropout on the LoRA adapters' input in the update")
     lora_resume: str | None = _f(None, "start the adapters from a peft adapter directory (adapter_config.json, "
                                        "adapter_model.safetensors) of --model, e.g. an earlier run's checkpoint; "

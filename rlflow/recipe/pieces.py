@@ -44,7 +44,7 @@ def grpo_config(r: Recipe) -> grpo.GRPOConfig:
                            gae_lambda=1.0 if r.gae_lambda is None else r.gae_lambda)
 
 
-FULL_LR, LORA_LR = 3e-4, 3e-3  # --lr's defaults for the toy presets: every weight, LoRA's adapters
+FULL_LR, LORA_LR = 3e-4, 1e-3  # --lr's defaults for the toy presets: every weight, LoRA's adapters
 
 
 def learning_rate(r: Recipe) -> float:
@@ -55,15 +55,22 @@ def optim_config(r: Recipe) -> optim.AdamWConfig:
     return optim.AdamWConfig(lr=learning_rate(r), betas=(0.9, 0.99), weight_decay=r.weight_decay)
 
 
-def lora_config(r: Recipe) -> LoraConfig | None:
-    """--lora-rank's adapters (None: every weight trains); --lora-resume's rank, alpha and targets win."""
+def lora_config(r: Recipe, cfg: ModelConfig | None = None) -> LoraConfig | None:
+    """--lora-rank's adapters (None: every weight trains) for the model ``cfg`` (None: the flags' rules only);
+    --lora-resume's rank, alpha and targets win. With no --lora-targets they are peft's "all-linear" (every
+    projection the model has), and for a random-init --preset with an untied head the head too: nothing
+    pretrained maps its hidden states to tokens yet, and rank-r updates of the projections alone barely move
+    that map (docs/lora.md, "Learning")."""
     if not r.lora_rank and r.lora_resume is None:
         return None
     if r.lora_resume is not None:
         return adapters.read_config(r.lora_resume)
     targets = None if r.lora_targets is None else tuple(t.strip() for t in r.lora_targets.split(",") if t.strip())
-    return LoraConfig(rank=r.lora_rank, alpha=2.0 * r.lora_rank if r.lora_alpha is None else r.lora_alpha,
-                      targets=targets, dropout=r.lora_dropout)
+    lc = LoraConfig(rank=r.lora_rank, alpha=2.0 * r.lora_rank if r.lora_alpha is None else r.lora_alpha,
+                    targets=targets, dropout=r.lora_dropout)
+    if targets is None and cfg is not None and r.model is None and not cfg.tie_word_embeddings:
+        lc = dataclasses.replace(lc, targets=cfg.replace(lora=lc).lora.targets + (lora.HEAD,))
+    return lc
 
 
 def critic_config(r: Recipe, policy: optim.AdamWConfig) -> CriticConfig | None:
@@ -142,11 +149,12 @@ def load_model(r: Recipe):
             raise ValueError(f"--preset {r.preset}: vocab_size {cfg.vocab_size} < built-in tokenizer's {tok.vocab_size}")
         cfg = cfg.replace(eos_token_id=tok.eos_id)
         params = decoder.init_params(cfg, seed=r.seed, dtype=dtype, device=dev)
-    if (lc := lora_config(r)) is not None:  # the adapters beside the frozen weights, in forward order
+    if (lc := lora_config(r, cfg)) is not None:  # the adapters beside the frozen weights, in forward order
         cfg = cfg.replace(lora=lc)
         fresh = lora.init(cfg, shapes.param_shapes(cfg), seed=r.seed, device=dev) if r.lora_resume is None else \
             adapters.load(r.lora_resume, cfg, device=dev)
-        params = {n: fresh[n] if n in fresh else params[n] for n in lora.with_adapters(cfg, shapes.param_shapes(cfg))}
+        params = {n: params[n] if n not in fresh else fresh[n] if lora.is_adapter(n) else fresh[n].to(params[n].dtype)
+                  for n in lora.with_adapters(cfg, shapes.param_shapes(cfg))}
     return cfg, params, tok, dev
 
 
