@@ -213,11 +213,19 @@ def main(argv=None) -> dict:
     if a.model:
         from rlflow.models import gguf
         model_dir = gguf.resolve(a.model)
+    lora_kw = {}
+    if a.lora_rank:  # the projections the model has on both sides: TRL refuses an adapted lm_head (rlflow's
+        # default for a random-init preset)
+        from rlflow.models.config import get_config
+        from rlflow.models.lora import LoraConfig
+        base = hf.load_config(model_dir) if model_dir else get_config(a.preset)
+        lora_kw = {"lora_rank": a.lora_rank, "lora_targets": ",".join(
+            base.replace(lora=LoraConfig(a.lora_rank, 2.0 * a.lora_rank)).lora.targets)}
     r = recipe.Recipe(preset=a.preset, model=model_dir, task=a.task, prompts_per_step=P, group_size=G,
                       max_new_tokens=T, micro_batch_size=micro, lr=a.lr, warmup_lr_steps=0, seed=a.seed, dtype=a.dtype,
                       steps=1, compile_decode=a.compile,
                       **({"rollout_engine": a.rollout_engine} if a.rollout_engine != "builtin" else {}),
-                      **({"lora_rank": a.lora_rank} if a.lora_rank else {}))
+                      **lora_kw)
     torch.manual_seed(a.seed)
     built = recipe.build(r)  # a RunSpec (a tuple in rlflow snapshots before it)
     cfg, params, tok, source, reward_fn, lcfg, dev = built if isinstance(built, tuple) else (

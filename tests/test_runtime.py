@@ -3,7 +3,8 @@ and 4 ranks, with the update and the old/ref log-probs in a train layout, genera
 the weights moved between them every step (allgather-swap) and every row through a dock whose warehouses
 and controllers are processes of their own, reaches the same rewards (the samples are batch-invariant:
 the same tokens on any rank) and the same weights after 3 steps, within float tolerance; with PPO's
-critic (GAE), the critic's weights too."""
+critic (GAE), the critic's weights too; with LoRA's adapters, those (the model moved once, the adapters alone
+after it)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from rlflow.algos import critic as critics, grpo
 from rlflow.data import PromptSource
 from rlflow.dock.proc_backend import proc_dock
 from rlflow.dock.routing import route
-from rlflow.models import decoder
+from rlflow.models import decoder, lora as loras
 from rlflow.models.config import get_config
+from rlflow.models.shapes import param_shapes
 from rlflow.multiturn import MultiTurnConfig
 from rlflow.rewards import per_sample
 from rlflow.rollout import SamplingConfig
@@ -34,6 +36,7 @@ from rlflow.tokenizer import CharTokenizer
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOK = CharTokenizer()
 CFG = get_config("qwen3-moe-tiny").replace(eos_token_id=TOK.eos_id)
+LORA = CFG.replace(lora=loras.LoraConfig(4, 8.0, targets=loras.ATTENTION + (loras.HEAD,)))
 P, G, STEPS = 4, 4, 3
 TOL = 1e-4  # on weights after 3 AdamW steps of lr 1e-2: a layout bug moves them by ~lr, rounding by < 1% of it
 
@@ -54,18 +57,19 @@ def lcfg(kl: float = 0.0, gae: bool = False, new_tokens: int = 4, mt: bool = Fal
                            multiturn=MultiTurnConfig(env=f"{HERE}/multiturn_envs.py:Hint", max_turns=2) if mt else None)
 
 
-def full_params():
-    return decoder.init_params(CFG, seed=5, std=0.3)
+def full_params(cfg=CFG):
+    p = decoder.init_params(cfg, seed=5, std=0.3)
+    return p if cfg.lora is None else {**p, **loras.init(cfg, param_shapes(cfg), seed=6)}
 
 
 def full_critic(gae: bool):
     return critics.Critic.from_policy(full_params(), CFG, seed=7) if gae else None
 
 
-def one_process(kl: float, dock=None, gae: bool = False, mt: bool = False):
+def one_process(kl: float, dock=None, gae: bool = False, mt: bool = False, cfg=CFG):
     c = full_critic(gae)
-    state, hist = loop.train(init(full_params(), PromptSource(task="max_digit", seed=1), kl=bool(kl), critic=c),
-                             context(CFG, TOK, per_sample(reward), lcfg(kl, gae, mt=mt), dock=dock))
+    state, hist = loop.train(init(full_params(cfg), PromptSource(task="max_digit", seed=1), kl=bool(kl), critic=c),
+                             context(cfg, TOK, per_sample(reward), lcfg(kl, gae, mt=mt), dock=dock))
     return [m["reward_mean"] for m in hist], {**state.policy, **({} if c is None else prefixed(state.critic.params))}
 
 
@@ -74,33 +78,33 @@ def prefixed(critic_params: dict) -> dict:
 
 
 def worker(rank: int, world: int, train: str, rollout: str, kl: float, dock, gae: bool = False, new_tokens: int = 4,
-           mt: bool = False):
+           mt: bool = False, cfg=CFG):
     from rlflow.models.sharding import RULES, layout
     from rlflow.parallel.context import shard_params
     from rlflow.runtime.weights import gather_full
 
     mesh = Mesh.parse(train, world)
     clay = layout(CFG, mesh, dtype=torch.float32, head="value")
-    where = Colocated(layout(CFG, mesh, dtype=torch.float32),
-                           layout(CFG, Mesh.parse(rollout, world), dtype=torch.float32), critic=clay if gae else None)
-    mine = shard_params(full_params(), where.train, rank)
+    where = Colocated(layout(cfg, mesh, dtype=torch.float32),
+                           layout(cfg, Mesh.parse(rollout, world), dtype=torch.float32), critic=clay if gae else None)
+    mine = shard_params(full_params(cfg), where.train, rank)
     c = full_critic(gae)
     if c is not None:  # the critic's shards in the train layout, its AdamW state fresh
         c = critics.Critic(params=shard_params(c.params, clay, rank), opt_state=None)
         c.opt_state = optim.init(c.params)
     state, hist = loop.train(init(mine, PromptSource(task="max_digit", seed=1), kl=bool(kl), critic=c),
-                             context(CFG, TOK, per_sample(reward), lcfg(kl, gae, new_tokens, mt), dock=dock, placement=where))
+                             context(cfg, TOK, per_sample(reward), lcfg(kl, gae, new_tokens, mt), dock=dock, placement=where))
     params = state.policy
-    whole = lambda head: layout(CFG, Mesh(dp=world), {k: None for k in RULES}, dtype=torch.float32, head=head)  # noqa: E731
+    whole = lambda head: layout(cfg, Mesh(dp=world), {k: None for k in RULES}, dtype=torch.float32, head=head)  # noqa: E731
     full = gather_full(params, where.train, whole("lm"))
     if c is not None:
         full.update(prefixed(gather_full(state.critic.params, clay, whole("value"))))
-    return [m["reward_mean"] for m in hist], full, hist[-1]
+    return [m["reward_mean"] for m in hist], full, hist
 
 
 def compare(world: int, train: str, rollout: str, kl: float = 0.0, ray: bool = False, gae: bool = False,
-            receives: bool = True, mt: bool = False):
-    want_r, want_p = one_process(kl, gae=gae, mt=mt)
+            receives: bool = True, mt: bool = False, cfg=CFG):
+    want_r, want_p = one_process(kl, gae=gae, mt=mt, cfg=cfg)
     graph = graph_for("gae" if gae else "grpo")
     if ray:  # the ranks as Ray actors (a local Ray), the dock's warehouses and controllers too
         import sys
@@ -113,13 +117,14 @@ def compare(world: int, train: str, rollout: str, kl: float = 0.0, ray: bool = F
     else:
         dock = proc_dock(graph.schema, graph.consumers, capacity=P * G, warehouses=2, group_size=G)
     try:
-        res = (launch.ray_spawn if ray else launch.spawn)(worker, world, train, rollout, kl, dock, gae, 4, mt)
+        res = (launch.ray_spawn if ray else launch.spawn)(worker, world, train, rollout, kl, dock, gae, 4, mt, cfg)
     finally:
         dock.close()
-    got_r, got_p, last = res[0]
+    got_r, got_p, hist = res[0]
+    last = hist[-1]
     assert got_r == want_r, (got_r, want_r)
     assert len(set(want_r)) > 1 or want_r[0] > 0, "the rewards must vary for the test to mean something"
-    start = {**full_params(), **({} if not gae else prefixed(full_critic(gae).params))}
+    start = {**full_params(cfg), **({} if not gae else prefixed(full_critic(gae).params))}
     moved = max(float((want_p[k] - start[k]).abs().max()) for k in want_p if not k.startswith("critic."))
     assert moved > 1e-3, "the weights must change for the test to mean something"
     if gae:
@@ -145,6 +150,17 @@ def test_one_process_with_and_without_the_dock_train_identically():
 @pytest.mark.parametrize("train,rollout,kl", [("tp=2", "dp=2", 0.0), ("ep=2", "dp=2", 0.1)])
 def test_world_2_matches_one_process(train, rollout, kl):
     compare(2, train, rollout, kl)
+
+
+@pytest.mark.slow
+def test_lora_world_2_matches_one_process_moving_the_model_once():
+    """LoRA (attention and head adapters) in tp=2 training, dp=2 rollout: the adapters after 3 steps equal one
+    process's; the frozen model goes into the rollout layout with the first transition only, every later one
+    moves the adapters alone."""
+    hist = compare(2, "tp=2", "dp=2", cfg=LORA)[0][2]
+    adapters = sum(4 * v.numel() for k, v in full_params(LORA).items() if loras.is_adapter(k))
+    first, later = hist[0]["transition_recv_bytes"], [m["transition_recv_bytes"] for m in hist[1:]]
+    assert first > 4 * adapters and 0 < max(later) <= adapters, (first, later, adapters)
 
 
 @pytest.mark.slow

@@ -10,6 +10,10 @@ moves between ranks on the way back: the train state did not change while the ro
 Identical layouts (and one process) need no transition: ``to_rollout`` hands the policy over as it is.
 The transition owns the train state while the engine generates: ``to_rollout`` takes it out of the run
 state (no caller keeps a reference) and ``to_train`` puts it back.
+LoRA: the frozen model does not change, so it is resharded into the rollout layout once, with the first
+transition, and kept there; every transition swaps the adapters alone (and their AdamW state). The model is
+then resident in both layouts (its train shards stay on the device while the engine generates): one more
+copy of the model's rollout shards against every step's move of the whole model.
 Every transition's wall time and bytes (sent and received by this rank) are recorded for the metrics,
 with the ledger's peak for this rank (``sharding.memory``: the plan's bytes of train weights, optimizer
 state, rollout weights and buffers at its worst step) beside the naive transition's (which keeps the
@@ -25,6 +29,7 @@ import torch
 
 from rlflow.algos import critic as critics
 from rlflow.device import process_device
+from rlflow.models import lora
 from rlflow.models.config import ModelConfig
 from rlflow.models.sharding import RULES, layout
 from rlflow.sharding import dist as sdist, geometry as geo
@@ -64,15 +69,23 @@ class Weights:
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.train, self.rollout, self.rank = train, rollout, rank
         self.identity = train is None or same_layout(train, rollout)
-        self.forward = None if self.identity else allgather_swap(train, rollout, bucket_bytes=bucket_bytes)
-        self.back = None if self.identity else swap_back(self.forward)
+        self.frozen_plan, self.frozen, self.frozen_train = None, None, {}  # LoRA's model: its plan, rollout shards
+        self.forward = self.back = None
         self.peak = self.naive_peak = 0
         self.state_bytes = None  # what the ledger counts per train element
         if not self.identity:  # no gradients are kept between steps; AdamW: two float32 moments (+ a master)
+            moving, resident = train, 0
+            if adapters := [n for n in train.names if lora.is_adapter(n)]:
+                base = [n for n in train.names if not lora.is_adapter(n)]
+                self.frozen_plan = plan(train.only(base), rollout.only(base), bucket_bytes=bucket_bytes)
+                moving, rollout = train.only(adapters), rollout.only(adapters)
+                resident = int(self.frozen_plan.src.bytes_per_rank()[rank] + self.frozen_plan.dst.bytes_per_rank()[rank])
+            self.forward = allgather_swap(moving, rollout, bucket_bytes=bucket_bytes)
+            self.back = swap_back(self.forward)
             self.state_bytes = StateBytes(grad_bytes=0,
-                                          optim_bytes=8 + (4 if train.params[0].dtype != torch.float32 else 0))
-            self.peak = int(ledger(self.forward, self.state_bytes).peak[rank])
-            self.naive_peak = int(ledger(self.forward, self.state_bytes, naive=True).peak[rank])
+                                          optim_bytes=8 + (4 if moving.params[0].dtype != torch.float32 else 0))
+            self.peak = resident + int(ledger(self.forward, self.state_bytes).peak[rank])
+            self.naive_peak = resident + int(ledger(self.forward, self.state_bytes, naive=True).peak[rank])
         self.device_peak = None
         self.state = TrainState()
         self.out, self.ret = Transition(), Transition()
@@ -87,22 +100,30 @@ class Weights:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         t0 = time.perf_counter()
+        params, run.policy = run.policy, None
+        sent, recv = 0, 0
+        if self.frozen_plan is not None:  # LoRA: the model stays; its rollout shards are made once
+            self.frozen_train = {n: t for n, t in params.items() if not lora.is_adapter(n)}
+            params = {n: t for n, t in params.items() if lora.is_adapter(n)}
+            if self.frozen is None:
+                self.frozen = sdist.execute(self.frozen_plan, self.frozen_train)
+                sent, recv = (int(x[self.rank]) for x in (self.frozen_plan.bytes_sent(),
+                                                          self.frozen_plan.bytes_received()))
         if dev.type != "cpu":  # one exact-size host buffer for everything swapped out, reused every step
             if self.state.arena is None:
                 self.state.arena = HostArena(pin=True)
-            self.state.arena.reserve(HostArena.size_of([*run.policy.values(), *_state_tensors(run.opt_state),
+            self.state.arena.reserve(HostArena.size_of([*params.values(), *_state_tensors(run.opt_state),
                                                         *_critic_tensors(run.critic)]))
-        self.state.optim = run.opt_state
-        params, run.policy, run.opt_state = run.policy, None, None
+        self.state.optim, run.opt_state = run.opt_state, None
         out = sdist.execute(self.forward, params, self.state)
         del params
         if run.critic is not None:  # the critic's train state leaves the device with the policy's
             critics.swap(run.critic, arena=self.state.arena)
-        self.out = Transition(time.perf_counter() - t0, int(self.forward.bytes_sent()[self.rank]),
-                              int(self.forward.bytes_received()[self.rank]))
+        self.out = Transition(time.perf_counter() - t0, sent + int(self.forward.bytes_sent()[self.rank]),
+                              recv + int(self.forward.bytes_received()[self.rank]))
         if dev.type == "cuda":
             self.device_peak = int(torch.cuda.max_memory_allocated(dev))
-        return out
+        return out if self.frozen is None else {**self.frozen, **out}
 
     def to_train(self, run, rollout_params: dict, device) -> None:
         """``run``'s train state back on ``device`` (its policy, optimizer state and critic); ``rollout_params``
@@ -110,7 +131,12 @@ class Weights:
         if self.identity:
             return
         t0 = time.perf_counter()
+        if self.frozen is not None:  # LoRA: the model's rollout shards stay for the next transition
+            rollout_params = {n: t for n, t in rollout_params.items() if lora.is_adapter(n)}
         run.policy = sdist.execute(self.back, rollout_params, self.state)
+        if self.frozen_train:  # the train layout's order of the parameters
+            both = {**self.frozen_train, **run.policy}
+            run.policy, self.frozen_train = {n: both[n] for n in self.train.names if n in both}, {}
         run.opt_state, self.state.optim = self.state.optim, None
         if run.critic is not None:
             critics.swap(run.critic, device)
