@@ -164,3 +164,22 @@ def test_the_recipes_default_targets_are_the_projections_and_for_a_random_init_p
     # a pretrained --model: peft's all-linear, the projections alone; an explicit list is taken as it is
     assert moe.replace(lora=lora_config(Recipe(lora_rank=8, model="ckpt"), moe)).lora.targets == lora.ATTENTION
     assert lora_config(Recipe(lora_rank=8, lora_targets="q_proj,v_proj"), moe).targets == ("q_proj", "v_proj")
+
+
+def test_lora_resume_refuses_a_peft_copy_of_the_head_that_is_not_the_models(tmp_path):
+    """peft saves an adapted head's own weight beside its adapters (``base_layer``): the model's is taken as it
+    is, and a directory whose copy differs is another model's adapters."""
+    from safetensors.torch import load_file, save_file
+    from rlflow.recipe.flags import Recipe
+    from rlflow.recipe.pieces import load_model
+    r = Recipe(lora_rank=4, lora_targets="q_proj,lm_head")
+    cfg, params, _, _ = load_model(r)
+    adapters.save(str(tmp_path), cfg, params)
+    f = tmp_path / adapters.WEIGHTS
+    key = adapters.PREFIX + "lm_head" + adapters.BASE_LAYER
+    save_file({**load_file(f), key: params["lm_head.weight"].clone()}, f)
+    got = load_model(Recipe(lora_resume=str(tmp_path)))[1]
+    assert all(torch.equal(got[k], params[k]) for k in params)
+    save_file({**load_file(f), key: params["lm_head.weight"] + 1}, f)
+    with pytest.raises(ValueError, match="lm_head.weight .peft's copy of the adapted head. is not the model's"):
+        load_model(Recipe(lora_resume=str(tmp_path)))

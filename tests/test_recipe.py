@@ -200,6 +200,9 @@ def test_under_torchrun_what_a_rank_cannot_run_is_refused_by_flag(flags, named, 
     # LoRA: what the model cannot adapt, a rank below 1, its flags without it, an adapter directory that is none
     (["--lora-rank", "8", "--lora-targets", "experts"], "--lora-targets experts: 'experts': the routed experts"),
     (["--lora-rank", "8", "--lora-targets", "gate_proj"], "'gate_proj' names no module of this qwen3_moe model"),
+    # a pipeline stage with no adapters would train its frozen weights
+    (["--lora-rank", "8", "--lora-targets", "lm_head", "--train-layout", "pp=2"],
+     "--lora-targets lm_head: pipeline stage 0 of 2 holds none of the LoRA adapters"),
     (["--lora-rank", "-1"], "--lora-rank -1: must be >= 1"),
     (["--lora-alpha", "3"], "--lora-alpha 3.0: needs --lora-rank"),
     (["--merge"], "--merge: needs --lora-rank"),

@@ -85,7 +85,8 @@ def save(path: str, cfg, params: dict[str, torch.Tensor], *, base_model: str | N
 
 def load(path: str, cfg, *, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """The adapters of peft directory ``path`` for a model of config ``cfg`` (``cfg.lora`` set), float32 on
-    ``device``, and an adapted head's weight where peft saved one beside them (in its dtype); raises ``ValueError`` naming the tensor when they are not this model's adapters of this rank."""
+    ``device``, and an adapted head's weight where peft saved one beside them (in its dtype); raises
+    ``ValueError`` naming the tensor when they are not this model's adapters of this rank."""
     shapes = lora.with_adapters(cfg, param_shapes(cfg))
     want = {k: s for k, s in shapes.items() if lora.is_adapter(k)}
     file = os.path.join(path, WEIGHTS)
@@ -96,7 +97,7 @@ def load(path: str, cfg, *, device: torch.device | str = "cpu") -> dict[str, tor
         for key in f.keys():
             name = key.removeprefix(PREFIX).replace(".default.weight", ".weight")
             if name.endswith(BASE_LAYER):  # peft's copy of an adapted head's own weight (an "embedding layer" to
-                # peft, saved beside its adapters), which PeftModel.from_pretrained loads over the base's: so do we
+                # peft, saved beside its adapters): the caller checks it is the model's
                 name = name[:-len(BASE_LAYER)] + ".weight"
                 t = f.get_tensor(key)
                 if name[:-len(".weight")] + lora.A not in want or tuple(t.shape) != shapes[name]:

@@ -216,6 +216,17 @@ def frozen(params) -> set[str]:
     return {k for k in params if not is_adapter(k)} if has_adapters(params) else set()
 
 
+def stages_problem(layout, cfg) -> str | None:
+    """Why ``cfg.lora``'s adapters cannot train in ``layout`` (a ``sharding.Layout``), or None: each pipeline
+    stage must hold some, since a rank tells its frozen weights from its params (``frozen``) and one with no
+    adapters would train them all (``lm_head`` alone sits on the last stage)."""
+    held = {layout[n].stage for n in layout.names if is_adapter(n)}
+    if missing := sorted(set(range(layout.mesh.pp)) - held):
+        return (f"pipeline stage {missing[0]} of {layout.mesh.pp} holds none of the LoRA adapters of "
+                f"{', '.join(cfg.lora.targets or TARGETS)}: adapt a per-layer projection too, or train without pp")
+    return None
+
+
 def trainable(params: dict[str, Tensor]) -> dict[str, Tensor]:
     """What the optimizer steps: the adapters when there are any, else every parameter."""
     off = frozen(params)
@@ -223,4 +234,5 @@ def trainable(params: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 __all__ = ["A", "ATTENTION", "B", "HEAD", "LoraConfig", "TARGETS", "adapters", "add_delta", "add_stacked", "base",
-           "frozen", "has_adapters", "head", "init", "is_adapter", "linear", "module_of", "modules", "trainable", "with_adapters"]
+           "frozen", "has_adapters", "head", "init", "is_adapter", "linear", "module_of", "modules", "stages_problem", "trainable",
+           "with_adapters"]

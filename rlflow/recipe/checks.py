@@ -15,7 +15,8 @@ from rlflow import device, engines, metrics
 from rlflow.decoding import compile_problem
 from rlflow.envs import load_env
 from rlflow.envs.tools import load_tools
-from rlflow.models import adapters, hf
+from rlflow.models import adapters, hf, lora
+from rlflow.models.sharding import layout
 from rlflow.models.config import get_config
 from rlflow.recipe.data_checks import data_problems, eval_problems
 from rlflow.recipe.flags import Recipe
@@ -219,9 +220,9 @@ def lora_problems(r: Recipe) -> list[tuple[str, str]]:
                 ("lora_resume", str(e))]
     if model_problems(r):
         return []
-    cfg = hf.load_config(r.model) if r.model else get_config(r.preset)
+    base = hf.load_config(r.model) if r.model else get_config(r.preset)
     try:
-        cfg = cfg.replace(lora=lc)
+        cfg = base.replace(lora=lc)
     except ValueError as e:
         return [("lora_resume" if r.lora_resume else "lora_targets", str(e).removeprefix("LoraConfig.targets: "))]
     if r.lora_resume is not None:
@@ -229,6 +230,14 @@ def lora_problems(r: Recipe) -> list[tuple[str, str]]:
             adapters.load(r.lora_resume, cfg, device="meta")
         except ValueError as e:
             return [("lora_resume", str(e))]
+    if r.world > 1:  # every pipeline stage of the train layout holds adapters
+        try:
+            mesh = mesh_of(r, r.train_layout, "train_layout")
+        except ValueError:
+            return []  # --train-layout's own problem
+        cfg = base.replace(lora=lora_config(r, base))
+        if why := lora.stages_problem(layout(cfg, mesh), cfg):
+            return [("lora_targets" if r.lora_targets else "train_layout", why)]
     return []
 
 

@@ -153,8 +153,11 @@ def load_model(r: Recipe):
         cfg = cfg.replace(lora=lc)
         fresh = lora.init(cfg, shapes.param_shapes(cfg), seed=r.seed, device=dev) if r.lora_resume is None else \
             adapters.load(r.lora_resume, cfg, device=dev)
-        params = {n: params[n] if n not in fresh else fresh[n] if lora.is_adapter(n) else fresh[n].to(params[n].dtype)
-                  for n in lora.with_adapters(cfg, shapes.param_shapes(cfg))}
+        for n in [n for n in fresh if not lora.is_adapter(n)]:  # peft's copy of an adapted head: the model's own
+            if not torch.equal(fresh.pop(n).to(params[n].dtype), params[n]):
+                raise ValueError(f"--lora-resume {r.lora_resume}: its {n} (peft's copy of the adapted head) is not "
+                                 f"the model's: adapters of another model")
+        params = {n: fresh[n] if n in fresh else params[n] for n in lora.with_adapters(cfg, shapes.param_shapes(cfg))}
     return cfg, params, tok, dev
 
 
@@ -262,6 +265,8 @@ def layouts(r: Recipe, cfg, dtype) -> dict:
         try:
             lays[name] = layout(cfg, mesh, dtype=dtype)
             check_layout(lays[name], cfg)
+            if name == "train_layout" and cfg.lora is not None and (why := lora.stages_problem(lays[name], cfg)):
+                raise ValueError(why)
         except ValueError as e:
             given = getattr(r, name) or f"{mesh} (the default)"
             raise ValueError(f"--{name.replace('_', '-')} {given}: {e}") from None
