@@ -5,6 +5,7 @@ is refused; the recipe's flags. The layouts' equivalence is tests/test_parallel.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -183,3 +184,23 @@ def test_lora_resume_refuses_a_peft_copy_of_the_head_that_is_not_the_models(tmp_
     save_file({**load_file(f), key: params["lm_head.weight"] + 1}, f)
     with pytest.raises(ValueError, match="lm_head.weight .peft's copy of the adapted head. is not the model's"):
         load_model(Recipe(lora_resume=str(tmp_path)))
+
+
+def test_lora_trains_at_the_adapters_learning_rate_unless_lr_is_given_also_in_the_real_model_recipe():
+    """``recipes/grpo_smollm2.py --lora-rank 8`` trained its adapters at the full-weight rate (its defaults set
+    --lr), and --lora-resume without --lora-rank at the full-weight rate too."""
+    import importlib.util
+    import os
+    from rlflow.recipe.flags import Recipe
+    from rlflow.recipe.pieces import LR_DEFAULTS, learning_rate
+    (preset_full, preset_lora), (model_full, model_lora) = LR_DEFAULTS["preset"], LR_DEFAULTS["model"]
+    assert preset_lora > preset_full and model_lora > model_full
+    assert learning_rate(Recipe(lora_rank=8)) == preset_lora and learning_rate(Recipe()) == preset_full
+    assert learning_rate(Recipe(lora_resume="dir")) == preset_lora
+    assert learning_rate(Recipe(lora_rank=8, lr=5e-5)) == 5e-5
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "grpo_smollm2.py")
+    spec = importlib.util.spec_from_file_location("grpo_smollm2", path)
+    smol = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smol)
+    r = Recipe(**{**smol.DEFAULTS, "lora_rank": 8})
+    assert learning_rate(r) == model_lora and learning_rate(dataclasses.replace(r, lora_rank=0)) == model_full

@@ -60,8 +60,8 @@ class Recipe:
     epochs: int = _f(1, "passes over each step's samples")
     max_new_tokens: int = _f(3, "response length limit")
     max_prompt_len: int | None = _f(None, "truncate prompts to their last N tokens")
-    lr: float | None = _f(None, "AdamW learning rate (default 3e-4; with --lora-rank 1e-3: LoRA's adapters take a "
-                                "larger rate than full fine-tuning, as peft users set)")
+    lr: float | None = _f(None, "AdamW learning rate (default: 3e-4 for a random-init --preset, 2e-5 for a "
+                                "pretrained --model; LoRA's adapters 1e-3 and 2e-4)")
     warmup_lr_steps: int = _f(10, "linear LR warm-up steps")
     lr_schedule: str = _f("constant", "learning rate after the warm-up: constant, or a cosine or linear decay to "
                                       "--lr x --min-lr-ratio at the last step (see docs/logging.md)")

@@ -44,11 +44,16 @@ def grpo_config(r: Recipe) -> grpo.GRPOConfig:
                            gae_lambda=1.0 if r.gae_lambda is None else r.gae_lambda)
 
 
-FULL_LR, LORA_LR = 3e-4, 1e-3  # --lr's defaults for the toy presets: every weight, LoRA's adapters
+# --lr's defaults, (every weight, LoRA's adapters), for a random-init --preset and a pretrained --model: a
+# pretrained model's weights take a small step; adapters (B starting at zero) a larger one
+LR_DEFAULTS = {"preset": (3e-4, 1e-3), "model": (2e-5, 2e-4)}
 
 
 def learning_rate(r: Recipe) -> float:
-    return r.lr if r.lr is not None else LORA_LR if r.lora_rank else FULL_LR
+    if r.lr is not None:
+        return r.lr
+    full, adapters_lr = LR_DEFAULTS["model" if r.model else "preset"]
+    return adapters_lr if r.lora_rank or r.lora_resume is not None else full
 
 
 def optim_config(r: Recipe) -> optim.AdamWConfig:
