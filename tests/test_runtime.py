@@ -93,7 +93,8 @@ def worker(rank: int, world: int, train: str, rollout: str, kl: float, dock, gae
         c = critics.Critic(params=shard_params(c.params, clay, rank), opt_state=None)
         c.opt_state = optim.init(c.params)
     state, hist = loop.train(init(mine, PromptSource(task="max_digit", seed=1), kl=bool(kl), critic=c),
-                             context(cfg, TOK, per_sample(reward), lcfg(kl, gae, new_tokens, mt), dock=dock, placement=where))
+                             context(cfg, TOK, per_sample(reward), lcfg(kl, gae, new_tokens, mt), dock=dock,
+                                     placement=where))
     params = state.policy
     whole = lambda head: layout(cfg, Mesh(dp=world), {k: None for k in RULES}, dtype=torch.float32, head=head)  # noqa: E731
     full = gather_full(params, where.train, whole("lm"))

@@ -46,8 +46,8 @@ _REFUSED = {
 @dataclass(frozen=True)
 class LoraConfig:
     """``rank`` r, ``alpha`` (the scale is alpha / r, peft's), ``targets`` (peft's ``target_modules``, the
-    module names' last part; None: every one of ``TARGETS`` the model has; ``HEAD`` adapts the head) and ``dropout`` on the adapters'
-    input while training."""
+    module names' last part; None: every one of ``TARGETS`` the model has; ``HEAD`` adapts the head) and
+    ``dropout`` on the adapters' input while training."""
     rank: int
     alpha: float
     targets: tuple[str, ...] | None = None
@@ -234,5 +234,5 @@ def trainable(params: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 __all__ = ["A", "ATTENTION", "B", "HEAD", "LoraConfig", "TARGETS", "adapters", "add_delta", "add_stacked", "base",
-           "frozen", "has_adapters", "head", "init", "is_adapter", "linear", "module_of", "modules", "stages_problem", "trainable",
-           "with_adapters"]
+           "frozen", "has_adapters", "head", "init", "is_adapter", "linear", "module_of", "modules", "stages_problem",
+           "trainable", "with_adapters"]

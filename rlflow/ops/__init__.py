@@ -12,5 +12,5 @@ from rlflow.ops import registry as _registry
 
 _registry.import_backends()
 
-__all__ = ["attention", "causal_padding_mask", "PrefixLayout", "prefix_attention", "token_logprobs", "head_linear", "at_mask",
-           "moe_experts", "prepare_experts", "replay_routes", "route", "route_grouped", "rmsnorm", "RopeScaling", "apply_rope", "deinterleave", "qk_norm_rope", "rope_cos_sin", "yarn_mscale", "exponential_noise", "counter_keys", "counter_noise", "sample"]
+__all__ = ["attention", "causal_padding_mask", "PrefixLayout", "prefix_attention", "token_logprobs", "head_linear",
+           "at_mask", "moe_experts", "prepare_experts", "replay_routes", "route", "route_grouped", "rmsnorm", "RopeScaling", "apply_rope", "deinterleave", "qk_norm_rope", "rope_cos_sin", "yarn_mscale", "exponential_noise", "counter_keys", "counter_noise", "sample"]

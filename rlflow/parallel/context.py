@@ -287,8 +287,8 @@ class LayoutExec(Exec):
     def logprobs(self, params: Params, cfg: ModelConfig, h_ND: Tensor, targets_N: Tensor, *,
                  temperature: float = 1.0, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         # the head's adapter A enters replicated: vocab_logprobs sums the hidden states' gradient (hence A's) over tp
-        return tp.vocab_logprobs(*lora.head(params, cfg, h_ND, lm_head(params, cfg)), targets_N, cfg.vocab_size, self._head_group(cfg),
-                                 temperature=temperature, with_entropy=with_entropy)
+        return tp.vocab_logprobs(*lora.head(params, cfg, h_ND, lm_head(params, cfg)), targets_N, cfg.vocab_size,
+                                 self._head_group(cfg), temperature=temperature, with_entropy=with_entropy)
 
     # ---- lockstep ----
     def any_rank(self, flag: bool) -> bool:

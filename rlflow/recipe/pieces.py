@@ -160,8 +160,8 @@ def load_model(r: Recipe):
             adapters.load(r.lora_resume, cfg, device=dev)
         for n in [n for n in fresh if not lora.is_adapter(n)]:  # peft's copy of an adapted head: the model's own
             if not torch.equal(fresh.pop(n).to(params[n].dtype), params[n]):
-                raise ValueError(f"--lora-resume {r.lora_resume}: its {n} (peft's copy of the adapted head) is not "
-                                 f"the model's: adapters of another model")
+                raise SystemExit(f"error: --lora-resume {r.lora_resume}: its {n} (peft's copy of the adapted head) "
+                                 f"is not the model's: adapters of another model")
         params = {n: fresh[n] if n in fresh else params[n] for n in lora.with_adapters(cfg, shapes.param_shapes(cfg))}
     return cfg, params, tok, dev
 

@@ -79,7 +79,8 @@ class Weights:
                 base = [n for n in train.names if not lora.is_adapter(n)]
                 self.frozen_plan = plan(train.only(base), rollout.only(base), bucket_bytes=bucket_bytes)
                 moving, rollout = train.only(adapters), rollout.only(adapters)
-                resident = int(self.frozen_plan.src.bytes_per_rank()[rank] + self.frozen_plan.dst.bytes_per_rank()[rank])
+                resident = int(self.frozen_plan.src.bytes_per_rank()[rank]
+                               + self.frozen_plan.dst.bytes_per_rank()[rank])
             self.forward = allgather_swap(moving, rollout, bucket_bytes=bucket_bytes)
             self.back = swap_back(self.forward)
             self.state_bytes = StateBytes(grad_bytes=0,
