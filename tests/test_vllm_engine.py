@@ -108,6 +108,24 @@ def distinct(prompts, completions, answers, **kwargs):
 
 @needs_vllm
 @pytest.mark.slow
+def test_vllm_tensor_parallel_over_two_ranks_generates_the_builtin_engines_tokens():
+    """A rollout layout of tp=2 is vLLM's own tensor parallelism over the two ranks (external_launcher): its
+    group is the two ranks, and its greedy tokens and log-probs are the built-in engine's in the same layout,
+    for two weight sets pushed in turn (Llama and Qwen3-MoE, tests/vllm_tp_checks.py)."""
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "vllm_tp_checks.py")], capture_output=True,
+                         text=True, timeout=600)
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert res.returncode == 0 and line, res.stderr[-4000:]
+    for preset, ranks in json.loads(line[-1].removeprefix("RESULT ")).items():
+        for got in ranks:
+            assert got["vllm_tp_ranks"] == [0, 1], (preset, got)
+            for w in ("weights_0", "weights_1"):
+                assert got[w]["ids_equal"] and got[w]["lp_max_diff"] < EXACT, (preset, w, got)
+            assert got["weights_0"]["lp_sum"] != got["weights_1"]["lp_sum"]  # the second push took
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_vllm_world_2_equals_world_1(tmp_path):
     """Train tp=2 with a vLLM engine on each of the 2 ranks (the weights gathered into them every step), against
     one process: the same samples (their rewards and lengths), the same updates (the losses) within float
@@ -151,7 +169,10 @@ def test_the_recipe_learns_with_vllm(tmp_path, world):
 @pytest.mark.parametrize("flags, named", [
     (["--rollout-engine", "vllm", "--compile-decode"], "--compile-decode"),
     (["--rollout-engine", "vllm", "--routing-replay", "measure"], "--routing-replay"),
-    (["--rollout-engine", "vllm", "--world", "2", "--rollout-layout", "tp=2"], "--rollout-layout"),
+    # tp alone is vLLM's own tensor parallelism over the world's ranks: ep is not, nor tp within a pool
+    (["--rollout-engine", "vllm", "--world", "2", "--rollout-layout", "ep=2"], "--rollout-layout"),
+    (["--rollout-engine", "vllm", "--world", "3", "--rollout-ranks", "2", "--rollout-layout", "tp=2"],
+     "--rollout-layout tp=2: mesh(pp=1,dp=1,ep=1,tp=2): the vllm engine's tensor parallelism spans the whole world"),
     (["--vllm-memory-utilization", "0.3"], "--vllm-memory-utilization"),
     (["--rollout-engine", "vllm", "--vllm-memory-utilization", "1.5"], "--vllm-memory-utilization"),
     (["--rollout-engine", "sglang"], "--rollout-engine"),

@@ -45,7 +45,7 @@ def build(name: str, cfg: ModelConfig, sampling: SamplingConfig, *, ex: Exec = L
     k = kind(name)
     if (why := k.missing()) is not None:
         raise ImportError(f"rollout engine {name}: {why}")
-    check(name, cfg, sharded=ex.collective_forward, compile_decode=options.compile_decode,
+    check(name, cfg, sharded=ex.collective_forward, tp_only=ex.tp_only, compile_decode=options.compile_decode,
           record_routes=options.record_routes)
     return k.make(cfg, sampling, ex, options)
 

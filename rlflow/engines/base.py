@@ -20,6 +20,7 @@ class Capabilities:
     partial_rollout: bool = False  # generate(version=, newer=): weights swapped in mid-generation
     routes: bool = False  # the MoE expert choices of every token recorded in the rows (routing replay)
     sharded: bool = False  # a rollout layout that splits the model (tp or ep > 1), decoding in lockstep
+    tensor_parallel: bool = False  # a rollout layout that splits the model over tp alone (the engine's own tp)
     compile_decode: bool = False  # its decode step through torch.compile
     sleep: bool = False  # frees its device memory while the update runs (``release``)
 
@@ -100,11 +101,13 @@ def capabilities(engine) -> Capabilities:
     return getattr(engine, "capabilities", Capabilities())
 
 
-def unsupported(name: str, cfg: ModelConfig | None = None, *, sharded: bool = False, compile_decode: bool = False,
-                record_routes: bool = False, partial_rollout: bool = False) -> list[tuple[str, str]]:
+def unsupported(name: str, cfg: ModelConfig | None = None, *, sharded: bool = False, tp_only: bool = False,
+                compile_decode: bool = False, record_routes: bool = False,
+                partial_rollout: bool = False) -> list[tuple[str, str]]:
     """(setting, why) for each thing asked of engine ``name`` that it cannot do, and for a model it cannot run;
-    the settings are named as the recipe's flags."""
+    the settings are named as the recipe's flags. ``tp_only``: a ``sharded`` layout splits over tp alone."""
     k = kind(name)
+    sharded = sharded and not (tp_only and k.capabilities.tensor_parallel)
     asked = {"sharded": sharded, "compile_decode": compile_decode, "routes": record_routes,
              "partial_rollout": partial_rollout}
     out = []

@@ -1,8 +1,14 @@
 """vLLM as the rollout engine, in the rank's own process (colocated with training).
 
-Each rank of the rollout layout drives one ``vllm.LLM`` with vLLM's tensor parallelism of 1: the rollout
-layout is data parallel (every rank the whole weights, ``--rollout-layout dp=N``), the allgather-swap plan
-builds those weights from the train shards, and ``load`` pushes them into the engine in place.
+Each rank of the rollout layout drives one ``vllm.LLM``. In a data-parallel rollout layout (every rank the
+whole weights, ``--rollout-layout dp=N``, the default) vLLM's tensor parallelism is 1, the allgather-swap
+plan builds the weights from the train shards, and ``load`` pushes them into the engine in place. A layout
+that splits the model over tp alone (``--rollout-layout tp=2``) is vLLM's own tensor parallelism over those
+ranks (``distributed_executor_backend="external_launcher"``: one in-process worker per rank, the ranks of a
+tp group consecutive as rlflow's meshes order them, every rank of the world starting its engine together);
+``load`` gathers the rank's tp shards into whole tensors within the world and vLLM cuts its own shard from
+them (a whole model per rank during the push: planning the train shards straight into vLLM's is the next
+step).
 
 - **Start.** The first ``load`` starts the engine from a config-only model directory (``config.json``
   written from the ``ModelConfig``) with ``load_format="dummy"``: no weights are read from disk, then or
@@ -36,6 +42,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -76,8 +83,8 @@ def _import_vllm():
 
 
 WHY_NOT = {
-    "sharded": "it takes whole weights on each rank (vLLM's tensor parallelism over rlflow's ranks is not built): "
-               "use a data-parallel rollout layout (dp over the world, the default)",
+    "sharded": "its tensor parallelism is vLLM's own (a tp-only rollout layout, --rollout-layout tp=N); vLLM's "
+               "expert and pipeline parallelism over rlflow's ranks are not built: use tp, or dp (the default)",
     "compile_decode": "that is the built-in engine's (vLLM runs eagerly here)",
     "routes": "vLLM returns them only from its V2 model runner (enable_return_routed_experts; it needs Triton, so "
               "not on a CPU) and the vllm engine does not map them into the rows yet: use --rollout-engine builtin, "
@@ -116,15 +123,17 @@ class VLLMEngine:
     0.5 on an accelerator, 0.2 on a CPU). It starts on the first ``load``, on the device and in the dtype of
     the weights it is given."""
     # sleep: where vLLM has a sleep mode (CUDA); on a CPU the engine keeps its weights and KV cache
-    capabilities = Capabilities(serve=True, sleep=True)
+    capabilities = Capabilities(serve=True, sleep=True, tensor_parallel=True)
 
     def __init__(self, cfg: ModelConfig, sampling: SamplingConfig, *, ex: Exec = LOCAL, max_model_len: int,
                  memory_utilization: float | None = None, seed: int = 0):
-        check("vllm", cfg, sharded=ex.collective_forward)
+        check("vllm", cfg, sharded=ex.collective_forward, tp_only=ex.tp_only)
         _import_vllm()
         if max_model_len < 2:
             raise ValueError(f"VLLMEngine: max_model_len={max_model_len} must be >= 2")
         self.cfg, self.sampling, self.ex, self.seed = cfg, sampling, ex, seed
+        self.tp = ex.layout.mesh.tp if ex.tp_only else 1  # vLLM's tensor parallelism: the rollout layout's
+        self._gather = None  # tp > 1: the plan gathering this rank's tp shards whole
         self.max_model_len, self.memory_utilization = max_model_len, memory_utilization
         self.llm = None
         self._dir = None
@@ -140,6 +149,7 @@ class VLLMEngine:
         if self.llm is None:
             self._start(first.dtype, first.device)
         t0 = time.perf_counter()
+        shards, weights = weights, self._whole(weights)
         if self._asleep:  # NOT RUN HERE (sleep mode is CUDA's): the weights' memory first, the KV cache after
             self.llm.wake_up(tags=["weights"])
         pushed = adapters.merged(weights, self.cfg) if lora.has_adapters(weights) else weights  # LoRA: merged
@@ -149,7 +159,7 @@ class VLLMEngine:
             self._asleep = False
         self.load_seconds = time.perf_counter() - t0
         self.load_bytes = sum(t.numel() * t.element_size() for t in pushed.values())
-        self._weights = weights
+        self._weights = shards
 
     def generate(self, prompts: PromptBatch, *, group_size: int, seed: int) -> RolloutBatch:
         if self._weights is None:
@@ -195,6 +205,21 @@ class VLLMEngine:
             self._dir = None
 
     # ---- start-up and the push ----
+    def _whole(self, shards: dict) -> dict:
+        """This rank's rollout shards as whole tensors (tp > 1: gathered within the world; vLLM cuts its own)."""
+        if self.tp == 1:
+            return shards
+        from rlflow.models.sharding import RULES, layout
+        from rlflow.sharding import dist as sdist
+        from rlflow.sharding.mesh import Mesh
+        from rlflow.sharding.plan import plan
+        if self._gather is None:
+            src = self.ex.layout
+            full = layout(self.cfg, Mesh(dp=src.mesh.size), {k: None for k in RULES},
+                          dtype=next(iter(shards.values())).dtype)
+            self._gather = plan(src, full.only(src.names))
+        return sdist.execute(self._gather, shards)
+
     def _start(self, dtype: torch.dtype, device: torch.device) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: the reload reaches it
         if device.type == "cpu":
@@ -219,11 +244,14 @@ class VLLMEngine:
             if device.type == "cpu" else {}
         if device.type == "cpu":
             vllm_cpu.keep_linears_plain()
+        if self.tp > 1:  # vLLM's tp collectives call it at every step: torch's deprecation notice each time
+            warnings.filterwarnings("ignore", message=".*all_gather_into_tensor. is deprecated")
         self.llm = vllm.LLM(model=self._dir, load_format="dummy", skip_tokenizer_init=True,
                             dtype=str(dtype).removeprefix("torch."), enforce_eager=True, seed=self.seed,
                             max_model_len=self.max_model_len, gpu_memory_utilization=util,
                             logprobs_mode="processed_logprobs", enable_sleep_mode=self._sleep_mode,
-                            tensor_parallel_size=1, **whole)
+                            tensor_parallel_size=self.tp, **whole,
+                            **({"distributed_executor_backend": "external_launcher"} if self.tp > 1 else {}))
         self._worker = self.llm.llm_engine.model_executor.driver_worker.worker
         model = self._worker.model_runner.model
         self._cpu_moe = vllm_cpu.moe_layers(model)

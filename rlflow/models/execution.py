@@ -108,6 +108,11 @@ class Exec:
         """The forward calls collectives (a layout with tp or ep > 1)."""
         return False
 
+    @property
+    def tp_only(self) -> bool:
+        """The layout splits the model over tp alone (no ep, one pipeline stage)."""
+        return False
+
 
 LOCAL = Exec()
 

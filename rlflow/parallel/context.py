@@ -163,6 +163,10 @@ class LayoutExec(Exec):
     def collective_forward(self) -> bool:
         return self.tp is not None or self.ep is not None
 
+    @property
+    def tp_only(self) -> bool:
+        return self.tp is not None and self.ep is None and self.pp_stages == 1
+
     @functools.cached_property
     def _effective(self) -> dict[str, tuple[tuple[str, ...], ...]]:
         """``effective`` of every parameter, once: the seams ask at every layer of every decode step."""

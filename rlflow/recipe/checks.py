@@ -269,12 +269,18 @@ def engine_problems(r: Recipe) -> list[tuple[str, str]]:
     (its capabilities, ``engines.unsupported``; its options are LoopConfig's to check)."""
     if (why := engines.kind(r.rollout_engine).missing()) is not None:
         return [("rollout_engine", why)]
-    splits = r.world > 1 and bool(r.rollout_layout) and lockstep_rollout(r) is not None
+    mesh = lockstep_rollout(r) if r.world > 1 and r.rollout_layout else None
     cfg = hf.load_config(r.model) if r.model else get_config(r.preset)  # model_problems passed
-    return [("preset" if k == "model" and r.model is None else k, why)
-            for k, why in engines.unsupported(r.rollout_engine, cfg, sharded=splits, compile_decode=r.compile_decode,
-                                              record_routes=r.routing_replay != "off",
-                                              partial_rollout=r.partial_rollout)]
+    out = [("preset" if k == "model" and r.model is None else k, why)
+           for k, why in engines.unsupported(r.rollout_engine, cfg, sharded=mesh is not None,
+                                             tp_only=mesh is not None and mesh.ep == 1 and mesh.pp == 1,
+                                             compile_decode=r.compile_decode, record_routes=r.routing_replay != "off",
+                                             partial_rollout=r.partial_rollout)]
+    if mesh is not None and r.rollout_ranks and engines.kind(r.rollout_engine).capabilities.tensor_parallel:
+        out.append(("rollout_layout", f"{mesh}: the {r.rollout_engine} engine's tensor parallelism spans the whole "
+                                      "world (every rank starts it together), not a pool of it: use a dp rollout "
+                                      "layout with --rollout-ranks"))
+    return out
 
 
 # the config fields a config's ValueError names: qualified (GRPOConfig.group_size, sampling.temperature,
