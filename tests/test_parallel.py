@@ -40,7 +40,7 @@ LLAMA_TIED = dict(preset="llama-tiny", tie_word_embeddings=True)  # SmolLM2's ti
 # B of a row-parallel one are replicated over tp and summed over it; attention only on the MoE model, every
 # projection of Llama; B drawn non-zero so that both factors take a gradient
 LORA = dict(lora=LoraConfig(4, 8.0, targets=lora.ATTENTION + (lora.HEAD,)))  # the head: vocab-parallel with tp
-LORA_LLAMA = dict(preset="llama-tiny", lora=LoraConfig(4, 8.0, targets=lora.TARGETS + (lora.HEAD,), dropout=0.0))
+LORA_LLAMA = dict(preset="llama-tiny", lora=LoraConfig(4, 8.0, targets=lora.ADAPTABLE, dropout=0.0))
 LORA_LLAMA_TIED = dict(preset="llama-tiny", tie_word_embeddings=True, lora=LoraConfig(2, 4.0))
 CASES = {
     2: [

@@ -89,7 +89,7 @@ def lora_pushes() -> dict:
     """A LoRA policy (Llama, every projection and the head adapted): the engine is pushed the merged weights, two
     adapter versions in turn; greedy against the built-in engine applying the adapters to the model."""
     from rlflow.models import lora, shapes
-    cfg = PRESETS["llama-tiny"].replace(lora=lora.LoraConfig(4, 8.0, targets=lora.TARGETS + (lora.HEAD,)))
+    cfg = PRESETS["llama-tiny"].replace(lora=lora.LoraConfig(4, 8.0, targets=lora.ADAPTABLE))
     base = decoder.init_params(cfg, seed=1)
     batch = prompts(cfg, P=4, seed=3)
     scfg = SamplingConfig(max_new_tokens=8, eos_id=cfg.vocab_size - 1, temperature=0)

@@ -133,7 +133,6 @@ class VLLMEngine:
             raise ValueError(f"VLLMEngine: max_model_len={max_model_len} must be >= 2")
         self.cfg, self.sampling, self.ex, self.seed = cfg, sampling, ex, seed
         self.tp = ex.layout.mesh.tp if ex.tp_only else 1  # vLLM's tensor parallelism: the rollout layout's
-        self._gather = None  # tp > 1: the plan gathering this rank's tp shards whole
         self.max_model_len, self.memory_utilization = max_model_len, memory_utilization
         self.llm = None
         self._dir = None
@@ -209,16 +208,8 @@ class VLLMEngine:
         """This rank's rollout shards as whole tensors (tp > 1: gathered within the world; vLLM cuts its own)."""
         if self.tp == 1:
             return shards
-        from rlflow.models.sharding import RULES, layout
-        from rlflow.sharding import dist as sdist
-        from rlflow.sharding.mesh import Mesh
-        from rlflow.sharding.plan import plan
-        if self._gather is None:
-            src = self.ex.layout
-            full = layout(self.cfg, Mesh(dp=src.mesh.size), {k: None for k in RULES},
-                          dtype=next(iter(shards.values())).dtype)
-            self._gather = plan(src, full.only(src.names))
-        return sdist.execute(self._gather, shards)
+        from rlflow.runtime.weights import full_weights  # here: the runtime builds engines
+        return full_weights(self.cfg, self.ex.layout, shards)
 
     def _start(self, dtype: torch.dtype, device: torch.device) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: the reload reaches it

@@ -127,7 +127,7 @@ class ModelConfig:
             # targets are those it has, in one order (two configs of the same adapters compare equal)
             adapted = {m.rsplit(".", 1)[-1] for m in lora.modules(self, shapes.param_shapes(self))}
             object.__setattr__(self, "lora", dataclasses.replace(self.lora, targets=tuple(
-                t for t in lora.TARGETS + (lora.HEAD,) if t in adapted)))
+                t for t in lora.ADAPTABLE if t in adapted)))
 
     @property
     def mla(self) -> bool:

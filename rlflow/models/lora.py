@@ -33,6 +33,7 @@ from torch import Tensor
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION = TARGETS[:4]
 HEAD = "lm_head"
+ADAPTABLE = TARGETS + (HEAD,)  # every name a target may take, in forward order
 A, B = ".lora_A.weight", ".lora_B.weight"
 
 # peft names that are not a dense projection rlflow adapts, and why
@@ -66,10 +67,10 @@ class LoraConfig:
             for t in self.targets:
                 if t in _REFUSED:
                     raise ValueError(f"LoraConfig.targets: {t!r}: {_REFUSED[t]}; adaptable: "
-                                     f"{', '.join(TARGETS + (HEAD,))}")
-                if t not in TARGETS + (HEAD,):
+                                     f"{', '.join(ADAPTABLE)}")
+                if t not in ADAPTABLE:
                     raise ValueError(f"LoraConfig.targets: {t!r} is no linear projection of the decoder; adaptable: "
-                                     f"{', '.join(TARGETS + (HEAD,))}")
+                                     f"{', '.join(ADAPTABLE)}")
 
     @property
     def scale(self) -> float:
@@ -233,6 +234,6 @@ def trainable(params: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k: v for k, v in params.items() if k not in off}
 
 
-__all__ = ["A", "ATTENTION", "B", "HEAD", "LoraConfig", "TARGETS", "adapters", "add_delta", "add_stacked", "base",
-           "frozen", "has_adapters", "head", "init", "is_adapter", "linear", "module_of", "modules", "stages_problem",
-           "trainable", "with_adapters"]
+__all__ = ["A", "ADAPTABLE", "ATTENTION", "B", "HEAD", "LoraConfig", "TARGETS", "adapters", "add_delta",
+           "add_stacked", "base", "frozen", "has_adapters", "head", "init", "is_adapter", "linear", "module_of",
+           "modules", "stages_problem", "trainable", "with_adapters"]
