@@ -1,5 +1,5 @@
 """The torch.distributed executor on real gloo processes: the same shards as the simulated executor on
-drawn cases (plain plans, allgather-swap and its way back), Mesh process groups, agreement with
+drawn cases (plain plans, also written into memory given for them, allgather-swap and its way back), Mesh process groups, agreement with
 torch.distributed.tensor (DTensor) redistribute as an outside oracle for transitions within one mesh,
 and the memory ledger against the bytes the executor really allocates.
 
@@ -158,6 +158,12 @@ def worker(rank: int, world: int, drawn: list, oracle: list) -> dict:
         kinds.update(b.kind for b in p.buckets)
         want = simulate(p, shard(full, case.src))[rank]
         _compare(f"case {i} plan", execute(p, dict(src[rank])), want, fails)
+        # into memory given (an engine's parameters): the same shards, written there
+        into = {n: torch.full((t.numel(),), 7, dtype=t.dtype) for n, t in want.items()}
+        got = execute(p, dict(src[rank]), into=into)
+        _compare(f"case {i} plan into given memory", got, want, fails)
+        if any(got[n].data_ptr() != into[n].data_ptr() for n in got):
+            fails.append(f"case {i}: a shard was not written into the memory given for it")
         fwd = allgather_swap(case.src, case.dst, bucket_bytes=case.bucket_bytes)
         mine = dict(src[rank])
         state = TrainState(grads={n: torch.ones(t.shape) for n, t in mine.items()},

@@ -111,17 +111,29 @@ def distinct(prompts, completions, answers, **kwargs):
 def test_vllm_tensor_parallel_over_two_ranks_generates_the_builtin_engines_tokens():
     """A rollout layout of tp=2 is vLLM's own tensor parallelism over the two ranks (external_launcher): its
     group is the two ranks, and its greedy tokens and log-probs are the built-in engine's in the same layout,
-    for two weight sets pushed in turn (Llama and Qwen3-MoE, tests/vllm_tp_checks.py)."""
+    for three weight sets moved in turn by the runtime's transition (train dp=2 -> rollout tp=2; Llama and
+    Qwen3-MoE, tests/vllm_tp_checks.py). From the second push on the transition writes each shard straight into
+    vLLM's parameters and the engine copies nothing, but the vocabulary rows vLLM splits otherwise than rlflow
+    (Llama's vocabulary of 32, padded to 64 by vLLM: gathered over tp)."""
     res = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "vllm_tp_checks.py")], capture_output=True,
                          text=True, timeout=600)
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
     assert res.returncode == 0 and line, res.stderr[-4000:]
+    regathered = {"llama-tiny": ["lm_head.weight", "model.embed_tokens.weight"], "qwen3-moe-tiny": []}
     for preset, ranks in json.loads(line[-1].removeprefix("RESULT ")).items():
-        for got in ranks:
+        for rank, got in enumerate(ranks):
             assert got["vllm_tp_ranks"] == [0, 1], (preset, got)
-            for w in ("weights_0", "weights_1"):
+            for w in ("weights_0", "weights_1", "weights_2"):
                 assert got[w]["ids_equal"] and got[w]["lp_max_diff"] < EXACT, (preset, w, got)
-            assert got["weights_0"]["lp_sum"] != got["weights_1"]["lp_sum"]  # the second push took
+                assert got[w]["regathered"] == regathered[preset], (preset, got)
+            first, later = got["weights_0"], got["weights_2"]
+            # vLLM's rows of embedding and head on this rank (float32): all 32 on rank 0, none on rank 1; rlflow's
+            # shard of them: 16 rows on each
+            vocab, shard = ((2 * 32 * 64 * 4 if rank == 0 else 0), 2 * 16 * 64 * 4) if regathered[preset] else (0, 0)
+            # the first push starts the engine, and is copied in whole
+            assert first["copied_bytes"] == first["received_bytes"] - shard + vocab > 0, (preset, got)
+            assert later["copied_bytes"] == vocab, (preset, got)
+            assert len({got[w]["lp_sum"] for w in ("weights_0", "weights_1", "weights_2")}) == 3  # each push took
 
 
 @needs_vllm

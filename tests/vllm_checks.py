@@ -77,7 +77,7 @@ def pushes(cfg) -> dict:
         changed[name] = b[name] + 0.5 * b[name].abs().mean().clamp_min(0.02) * torch.randn(b[name].shape, generator=g)
         got, want = both(changed)
         per_param[name] = {"engine_vs_builtin": diff(got, want), "visible": diff(want, want_b)}
-    direct = eng._direct
+    direct = eng.dest is not None
     eng.close()
     return {"a": diff(got_a, want_a), "b": diff(got_b, want_b), "a_vs_b": diff(want_a, want_b),
             "b_twice": diff(got_b2, want_b),

@@ -3,6 +3,8 @@
 An engine is built once per run for this rank's place in the rollout layout (``build``) and driven by the
 step:
 
+    engine.targets() -> dict                optional: name -> the memory the engine takes that rollout shard
+                                            in (vLLM: views of its parameters); the transition writes there
     engine.load(weights)                    this rank's rollout shards (the transition's output), as given
     engine.generate(prompts, group_size=G, seed=s) -> RolloutBatch
                                             ``group_size`` samples per prompt of a ``PromptBatch``:
@@ -30,7 +32,7 @@ What an engine can do is declared (``base.Capabilities``) and each engine kind i
 from __future__ import annotations
 
 from rlflow.engines.base import (Capabilities, EngineKind, Options, RolloutEngine, capabilities, check, kind,
-                                 names, option_problems, register, unsupported)
+                                 names, option_problems, register, targets, unsupported)
 from rlflow.engines.builtin import BuiltinEngine
 from rlflow.engines import vllm as _vllm  # noqa: F401, E402  (registers "vllm" after "builtin")
 from rlflow.models.config import ModelConfig
@@ -51,4 +53,4 @@ def build(name: str, cfg: ModelConfig, sampling: SamplingConfig, *, ex: Exec = L
 
 
 __all__ = ["BuiltinEngine", "Capabilities", "EngineKind", "Options", "RolloutEngine", "build", "capabilities", "check",
-           "kind", "names", "option_problems", "register", "unsupported"]
+           "kind", "names", "option_problems", "register", "targets", "unsupported"]

@@ -101,6 +101,13 @@ def capabilities(engine) -> Capabilities:
     return getattr(engine, "capabilities", Capabilities())
 
 
+def targets(engine) -> dict:
+    """Name -> the memory ``engine`` takes its rollout shard in (its own parameters: the transition writes
+    there and ``load`` copies nothing, ``engine.targets()``); {} for an engine that offers none."""
+    offer = getattr(engine, "targets", None)
+    return offer() if offer is not None else {}
+
+
 def unsupported(name: str, cfg: ModelConfig | None = None, *, sharded: bool = False, tp_only: bool = False,
                 compile_decode: bool = False, record_routes: bool = False,
                 partial_rollout: bool = False) -> list[tuple[str, str]]:

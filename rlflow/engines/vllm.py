@@ -1,28 +1,26 @@
 """vLLM as the rollout engine, in the rank's own process (colocated with training).
 
 Each rank of the rollout layout drives one ``vllm.LLM``. In a data-parallel rollout layout (every rank the
-whole weights, ``--rollout-layout dp=N``, the default) vLLM's tensor parallelism is 1, the allgather-swap
-plan builds the weights from the train shards, and ``load`` pushes them into the engine in place. A layout
-that splits the model over tp alone (``--rollout-layout tp=2``) is vLLM's own tensor parallelism over those
-ranks (``distributed_executor_backend="external_launcher"``: one in-process worker per rank, the ranks of a
-tp group consecutive as rlflow's meshes order them, every rank of the world starting its engine together);
-``load`` gathers the rank's tp shards into whole tensors within the world and vLLM cuts its own shard from
-them (a whole model per rank during the push: planning the train shards straight into vLLM's is the next
-step).
+whole weights, ``--rollout-layout dp=N``, the default) vLLM's tensor parallelism is 1. A layout that splits
+the model over tp alone (``--rollout-layout tp=2``) is vLLM's own tensor parallelism over those ranks
+(``distributed_executor_backend="external_launcher"``: one in-process worker per rank, the ranks of a tp
+group consecutive as rlflow's meshes order them, every rank of the world starting its engine together).
 
 - **Start.** The first ``load`` starts the engine from a config-only model directory (``config.json``
   written from the ``ModelConfig``) with ``load_format="dummy"``: no weights are read from disk, then or
   later. The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that the
   push reaches its worker's model.
-- **Weights every step.** ``load(weights)`` hands the rollout shards, in checkpoint names
-  (``models.hf.to_disk_names``: views, nothing copied), to the model's own ``load_weights``, which copies
-  each into its parameter in place (its fused qkv and gate_up slices included). That is a push when every
-  module keeps its weights as plain parameters in checkpoint layout: on a CPU rlflow has vLLM keep its
-  linears so (``vllm_cpu.keep_linears_plain``) and repacks the MoE experts itself (``vllm_cpu.prepack_moe``). A
-  model with a module that derives other state from its weights (MLA's absorbed projections, a
-  quantization), and every model on an accelerator, goes through vLLM's layerwise ``reload_weights``,
-  which reruns that processing. ``release`` returns the weights to the transition (which frees them): the
-  engine keeps only its own copy.
+- **Weights every step: a plan into vLLM's layout.** Where every module keeps its weights as plain
+  parameters in checkpoint layout (on a CPU rlflow has vLLM keep its linears so,
+  ``vllm_cpu.keep_linears_plain``, and repacks the MoE experts itself, ``vllm_cpu.prepack_moe``), each of the
+  rank's rollout shards is one view of one vLLM parameter on the same rank (``vllm_layout``: its q rows of
+  the fused qkv, its expert shard of w13 ...). ``targets`` hands those views to the transition, which writes
+  its output straight into them (the allgather-swap plan's destination), and ``load`` then copies nothing;
+  a shard that arrives elsewhere (the first push, a LoRA policy's merged weights, separate pools) is copied
+  into its view. A model with a module that derives other state from its weights (MLA's absorbed
+  projections, a quantization), and every model on an accelerator, goes through vLLM's layerwise
+  ``reload_weights`` of whole tensors instead (gathered over tp first), which reruns that processing.
+  ``release`` returns the shards to the transition.
 - **Token in, token out.** Prompts go in as ids (``TokensPrompt``), responses come out as ids; the sampled
   token's log-prob is vLLM's ``processed_logprobs``: under the distribution that sampled (after
   temperature, top-k and top-p), so the mismatch metrics and ``--rollout-is`` see the engine as it sampled.
@@ -48,13 +46,17 @@ import torch
 import torch.distributed as dist
 
 from rlflow.batch import PromptBatch, RolloutBatch, extend
-from rlflow.engines import vllm_cpu
+from rlflow.engines import vllm_cpu, vllm_layout
 from rlflow.engines.base import Capabilities, EngineKind, Options, check, register
 from rlflow.models import adapters, lora
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import LOCAL, Exec
 from rlflow.models.families import vllm_model_types
+from rlflow.models.hf import to_disk_names
+from rlflow.models.sharding import layout
 from rlflow.rollout import SamplingConfig
+from rlflow.sharding.dist import all_gather_single
+from rlflow.sharding.mesh import Mesh
 
 # vLLM's INFO lines (and a warning per engine that a tokenizer-free engine cannot warm up a chat template)
 # would drown the run's own output; VLLM_LOGGING_LEVEL=INFO shows them
@@ -138,27 +140,40 @@ class VLLMEngine:
         self._dir = None
         self._weights = None
         self._asleep = False
-        self.load_seconds, self.load_bytes = 0.0, 0
+        self.dest = None  # vllm_layout.Destination: where each rollout shard goes in vLLM's parameters
+        self.load_seconds, self.load_bytes, self.load_copied = 0.0, 0, 0
 
     # ---- the seam ----
     def load(self, weights: dict) -> None:
-        """Push this rank's rollout weights (whole, in rlflow's names) into the engine, in place; a LoRA policy's
-        merged (``adapters.merged``: vLLM's own LoRA path decodes about 2x slower on a CPU, docs/lora.md)."""
+        """Push this rank's rollout shards (in rlflow's names and layout) into the engine; a LoRA policy's
+        merged (``adapters.merged``: vLLM's own LoRA path decodes about 2x slower on a CPU, docs/lora.md). A
+        shard the transition wrote into the engine's own parameter (``targets``) is not copied again."""
         first = next(iter(weights.values()))
         if self.llm is None:
             self._start(first.dtype, first.device)
         t0 = time.perf_counter()
-        shards, weights = weights, self._whole(weights)
-        if self._asleep:  # NOT RUN HERE (sleep mode is CUDA's): the weights' memory first, the KV cache after
-            self.llm.wake_up(tags=["weights"])
         pushed = adapters.merged(weights, self.cfg) if lora.has_adapters(weights) else weights  # LoRA: merged
-        self._reload(pushed)
-        if self._asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self._asleep = False
+        if self.dest is not None:
+            self.load_copied = self._copy_in(pushed)
+        else:  # NOT RUN HERE on an accelerator: vLLM's reload reruns its modules' processing of their weights
+            whole = self._whole(pushed)
+            if self._asleep:  # sleep mode is CUDA's: the weights' memory first, the KV cache after
+                self.llm.wake_up(tags=["weights"])
+            self._worker.reload_weights(weights_iterator=iter(to_disk_names(whole).items()))
+            if self._asleep:
+                self.llm.wake_up(tags=["kv_cache"])
+                self._asleep = False
+            self.load_copied = sum(t.numel() * t.element_size() for t in whole.values())
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
         self.load_seconds = time.perf_counter() - t0
         self.load_bytes = sum(t.numel() * t.element_size() for t in pushed.values())
-        self._weights = shards
+        self._weights = weights
+
+    def targets(self) -> dict[str, torch.Tensor]:
+        """The views of vLLM's parameters this rank's rollout shards may be written into by the transition
+        (``vllm_layout``: then the push copies nothing); {} before the engine starts, or where the push goes
+        through vLLM's reload."""
+        return {} if self.dest is None else self.dest.receivable
 
     def generate(self, prompts: PromptBatch, *, group_size: int, seed: int) -> RolloutBatch:
         if self._weights is None:
@@ -182,7 +197,8 @@ class VLLMEngine:
         return weights
 
     def figures(self) -> dict[str, float]:
-        return {"engine_load_s": self.load_seconds, "engine_load_bytes": float(self.load_bytes)}
+        return {"engine_load_s": self.load_seconds, "engine_load_bytes": float(self.load_bytes),
+                "engine_load_copied_bytes": float(self.load_copied)}
 
     def close(self) -> None:
         """Shut the engine down. Its shutdown tears down vLLM's process groups and then torch.distributed's
@@ -246,26 +262,34 @@ class VLLMEngine:
         self._worker = self.llm.llm_engine.model_executor.driver_worker.worker
         model = self._worker.model_runner.model
         self._cpu_moe = vllm_cpu.moe_layers(model)
-        self._direct = device.type == "cpu" and vllm_cpu.plain_modules(model)
+        if device.type == "cpu" and vllm_cpu.plain_modules(model):
+            lay = getattr(self.ex, "layout", None)  # None: one process (LOCAL), the whole model
+            lay, rank = (lay, self.ex.rank) if lay is not None else (layout(self.cfg, Mesh(), dtype=dtype), 0)
+            self.dest = vllm_layout.destination(model, lay, rank)
 
-    def _reload(self, weights: dict) -> None:
-        from rlflow.models.hf import to_disk_names
-
-        named = iter(to_disk_names(weights).items())
-        if self._direct:
-            model = self._worker.model_runner.model
-            with torch.no_grad():
-                loaded = model.load_weights(named)
-            missing = {name for name, _ in model.named_parameters()} - set(loaded)
-            if missing:
-                raise RuntimeError(f"VLLMEngine.load: the push left {len(missing)} of vLLM's parameters unwritten "
-                                   f"(e.g. {sorted(missing)[:3]})")
-        else:
-            self._worker.reload_weights(weights_iterator=named)
+    def _copy_in(self, weights: dict) -> int:
+        """The push where vLLM's modules hold their weights plain: each shard copied into its view of vLLM's
+        parameter (none where the transition wrote it there), the vocabulary rows vLLM splits otherwise
+        gathered over the tp group first; then the CPU experts' repack. Returns the bytes copied."""
+        dest, copied = self.dest, 0
+        if unwritten := set(dest.views) - set(weights):
+            raise RuntimeError(f"VLLMEngine.load: the push leaves {len(unwritten)} of vLLM's parameters unwritten "
+                               f"(e.g. {sorted(unwritten)[:3]})")
+        with torch.no_grad():
+            for name, t in weights.items():
+                view = dest.views[name]
+                if name in dest.regathered:
+                    lo, hi = dest.regathered[name]
+                    whole = t.new_empty((t.shape[0] * self.tp, *t.shape[1:]))
+                    all_gather_single(whole, t.contiguous(), group=self.ex.tp)
+                    t = whole[lo:hi]
+                elif dest.in_place(name, t):
+                    continue
+                view.copy_(t)
+                copied += view.numel() * view.element_size()
         for layer, experts in self._cpu_moe:
             vllm_cpu.prepack_moe(layer, experts)
-        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
-
+        return copied
 
 def generate(llm, prompts: PromptBatch, scfg: SamplingConfig, *, group_size: int, seed: int) -> RolloutBatch:
     """``group_size`` responses per prompt from ``llm``, as a ``RolloutBatch`` in rlflow's conventions: rows of

@@ -197,7 +197,7 @@ def step(state: RunState, prompts: PromptBatch, ctx: StepContext) -> tuple[RunSt
     if pool is None:
         rollout_clock = Clock()
         flow.begin(prompts, G)
-        ctx.engine.load(ctx.weights.to_rollout(state))
+        ctx.engine.load(ctx.weights.to_rollout(state, into=engines.targets(ctx.engine)))
         rollout = generate(prompts, index, ctx)
         ctx.weights.to_train(state, ctx.engine.release(), ctx.device)
         rollout_clock.lap("rollout_time_s")

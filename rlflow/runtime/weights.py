@@ -91,10 +91,12 @@ class Weights:
         self.state = TrainState()
         self.out, self.ret = Transition(), Transition()
 
-    def to_rollout(self, run) -> dict:
+    def to_rollout(self, run, into: dict | None = None) -> dict:
         """This rank's rollout shards of ``run``'s policy (a ``runtime.state.RunState``). Unless the layouts
         are the same, ``run``'s train state (the policy, its optimizer state, and the critic) is swapped out
-        and owned by this object until ``to_train``: ``run.policy`` and ``run.opt_state`` are None meanwhile."""
+        and owned by this object until ``to_train``: ``run.policy`` and ``run.opt_state`` are None meanwhile.
+        ``into``: name -> the memory a rollout shard is to be written into (the engine's own parameters,
+        ``engines.targets``); not used for a LoRA policy, which reaches the engine merged."""
         if self.identity:
             return run.policy
         dev = next(iter(run.policy.values())).device
@@ -116,7 +118,7 @@ class Weights:
             self.state.arena.reserve(HostArena.size_of([*params.values(), *_state_tensors(run.opt_state),
                                                         *_critic_tensors(run.critic)]))
         self.state.optim, run.opt_state = run.opt_state, None
-        out = sdist.execute(self.forward, params, self.state)
+        out = sdist.execute(self.forward, params, self.state, into=None if self.frozen_plan else into)
         del params
         if run.critic is not None:  # the critic's train state leaves the device with the policy's
             critics.swap(run.critic, arena=self.state.arena)

@@ -225,10 +225,10 @@ def _collective(plan: Plan, b: Bucket, rank: int, shards: dict, device) -> list:
     return [(recv[p], bufs[p]) for p in sorted(bufs)]
 
 
-def _slice(plan: Plan, b: Bucket, rank: int, shards: dict, received: list, device) -> dict:
-    """Allocate this rank's destination shards of bucket ``b`` and fill them (a function, so that no
-    local name keeps a buffer alive after ``free tmp``)."""
-    out = ex.alloc_dst(plan, b, rank, device)
+def _slice(plan: Plan, b: Bucket, rank: int, shards: dict, received: list, device, into) -> dict:
+    """Allocate this rank's destination shards of bucket ``b`` (or take them from ``into``) and fill them (a
+    function, so that no local name keeps a buffer alive after ``free tmp``)."""
+    out = ex.alloc_dst(plan, b, rank, device, into)
     if out:
         if b.kind in ("slice", "all_to_all", "send_recv"):
             ex.copy_local(plan, ex.p2p_segs(plan, b, rank)[2], shards, out, rank)
@@ -238,9 +238,10 @@ def _slice(plan: Plan, b: Bucket, rank: int, shards: dict, received: list, devic
 
 
 def execute(plan: Plan, shards: dict, state: ex.TrainState | None = None, *, device=None,
-            on_step=None) -> dict:
+            on_step=None, into: dict | None = None) -> dict:
     """Run ``plan`` on this rank; returns its destination shards (see ``execute.simulate``).
-    ``on_step(i)`` is called after step ``i`` (e.g. to read the allocator's counters)."""
+    ``on_step(i)`` is called after step ``i`` (e.g. to read the allocator's counters). ``into``: name -> the
+    memory a destination shard is written into instead of a new tensor (an engine's parameters)."""
     rank = dist.get_rank()
     if dist.get_world_size() != plan.world:
         raise ValueError(f"plan is over {plan.world} ranks, torch.distributed world is "
@@ -260,7 +261,7 @@ def execute(plan: Plan, shards: dict, state: ex.TrainState | None = None, *, dev
         if step.op in COLLECTIVES:
             tmp[b.index] = _collective(plan, b, rank, shards, device)
         elif step.op == "slice":
-            outs.update(_slice(plan, b, rank, shards, tmp.get(b.index, ()), device))
+            outs.update(_slice(plan, b, rank, shards, tmp.get(b.index, ()), device, into))
         elif step.op == "free" and step.what == "tmp":
             tmp.pop(b.index, None)
         else:

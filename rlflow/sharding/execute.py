@@ -16,6 +16,7 @@ CPU), ``free rollout`` empties ``shards[r]``.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -219,8 +220,20 @@ def _dst_shapes(plan: Plan, b: Bucket, rank: int) -> tuple:
                  for n in held(plan.dst, b.params, rank))
 
 
-def alloc_dst(plan: Plan, b: Bucket, rank: int, dtype_device) -> dict[str, torch.Tensor]:
-    return {n: torch.empty(view, dtype=dt, device=dtype_device) for n, view, _, dt in _dst_shapes(plan, b, rank)}
+def alloc_dst(plan: Plan, b: Bucket, rank: int, device, into: dict | None = None) -> dict[str, torch.Tensor]:
+    """This rank's destination shards of bucket ``b``: new, or ``into[name]`` where given (memory the shard is
+    to live in, e.g. an engine's own parameter: contiguous, of the shard's dtype and size)."""
+    out = {}
+    for n, view, _, dt in _dst_shapes(plan, b, rank):
+        t = None if into is None else into.get(n)
+        if t is None:
+            out[n] = torch.empty(view, dtype=dt, device=device)
+        elif t.dtype != dt or t.numel() != math.prod(view) or not t.is_contiguous():
+            raise ValueError(f"{n}: the destination given is {t.dtype} {tuple(t.shape)}"
+                             f"{'' if t.is_contiguous() else ' non-contiguous'}; the plan's shard is {dt} {view}")
+        else:
+            out[n] = t.view(view)
+    return out
 
 
 def finish_dst(plan: Plan, b: Bucket, out: dict, rank: int) -> dict[str, torch.Tensor]:

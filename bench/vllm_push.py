@@ -1,0 +1,110 @@
+"""The weight push into vLLM on local processes, against a plain copy of the bytes each rank receives.
+
+Every rank builds its train shards of ``--preset`` (random, ``--dtype``), starts a vLLM engine in the rollout
+layout (``tp=N``: vLLM's own tensor parallelism over the ranks; ``dp=N``: one whole engine per rank) with one
+push, then times ``--repeat`` pushes as the RL step makes them: the runtime's transition (train layout ->
+rollout layout, written into the engine's parameters where it offers them) and the engine's ``load``.
+Figures per rank, median over repeats: push = transition + load seconds; received = the bytes of the rank's
+rollout shards; bound = received / the copy bandwidth of one large tensor copy in the same process; ratio =
+push / bound (1: the push costs one copy of what the rank holds). Last line: one JSON object.
+
+    python bench/vllm_push.py --preset qwen3-moe-0.5b --cases tp=2:tp=2,dp=2:tp=2,tp=2:dp=2
+    python bench/vllm_push.py --rlflow-src /tmp/base     # the same with another checkout's rlflow (an A/B)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+DEFINITION = ("push = transition + VLLMEngine.load wall seconds on the rank (median of repeats); bound = the "
+              "rank's rollout shard bytes / copy bandwidth (one 256 MiB tensor copy); ratio = push / bound")
+
+
+def _worker(rank: int, world: int, preset: str, dtype: str, train_spec: str, rollout_spec: str, repeat: int):
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlflow.engines.vllm import VLLMEngine
+    from rlflow.models import decoder
+    from rlflow.models.config import get_config
+    from rlflow.models.sharding import layout
+    from rlflow.parallel.context import context, shard_params
+    from rlflow.rollout import SamplingConfig
+    from rlflow.runtime.weights import Weights
+    from rlflow.sharding.mesh import Mesh
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from rollout_vs_hf import copy_bandwidth
+
+    dt = getattr(torch, dtype)
+    cfg = get_config(preset)
+    train = layout(cfg, Mesh.parse(train_spec, world), dtype=dt)
+    rollout = layout(cfg, Mesh.parse(rollout_spec, world), dtype=dt)
+    ex = context(rollout, cfg, rank)
+    moves = Weights(train, rollout, rank)
+    eng = VLLMEngine(cfg, SamplingConfig(max_new_tokens=4, eos_id=-1, temperature=0), ex=ex, max_model_len=64)
+    policy = shard_params(decoder.init_params(cfg, seed=0, dtype=dt), train, rank)
+    run = SimpleNamespace(policy=policy, opt_state=None, critic=None)
+    rows = []
+    for i in range(repeat + 1):  # the first push starts the engine
+        into = getattr(eng, "targets", dict)()  # (an engine without it: a checkout before in-place pushes)
+        t0 = time.perf_counter()
+        shards = moves.to_rollout(run, **({"into": into} if into else {}))
+        t1 = time.perf_counter()
+        eng.load(shards)
+        t2 = time.perf_counter()
+        received = sum(t.numel() * t.element_size() for t in shards.values())
+        moves.to_train(run, eng.release(), torch.device("cpu"))
+        if i:
+            rows.append((t1 - t0, t2 - t1, received, getattr(eng, "load_copied", None)))
+    bw = copy_bandwidth(torch.device("cpu"))
+    eng.close()
+    med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+    received = rows[-1][2]
+    push = statistics.median(r[0] + r[1] for r in rows)
+    return {"rank": rank, "transition_s": med(0), "load_s": med(1), "push_s": push, "received_bytes": received,
+            "load_copied_bytes": rows[-1][3], "copy_gbps": bw / 1e9, "bound_s": received / bw,
+            "ratio": push / (received / bw)}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen3-moe-tiny")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--cases", default="tp=2:tp=2,dp=2:tp=2,tp=2:dp=2",
+                    help="train:rollout layout pairs, comma separated")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rlflow-src", default=None, help="import rlflow from this checkout (an A/B's other side)")
+    a = ap.parse_args(argv)
+    if a.rlflow_src:
+        sys.path.insert(0, os.path.abspath(a.rlflow_src))
+        os.environ["PYTHONPATH"] = os.path.abspath(a.rlflow_src) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    import rlflow
+    from rlflow.runtime.launch import spawn
+
+    out = {"definition": DEFINITION, "preset": a.preset, "dtype": a.dtype, "world": a.world,
+           "rlflow": os.path.dirname(os.path.dirname(os.path.abspath(rlflow.__file__))), "cases": []}
+    for case in a.cases.split(","):
+        train, rollout = case.split(":")
+        ranks = spawn(_worker, a.world, a.preset, a.dtype, train, rollout, a.repeat)
+        for r in ranks:
+            print(f"{a.preset} train {train} -> vllm rollout {rollout}, rank {r['rank']}: push {r['push_s']:.3f} s "
+                  f"(transition {r['transition_s']:.3f} + load {r['load_s']:.3f}), {r['received_bytes'] / 2**20:.1f} "
+                  f"MiB, load copied {(r['load_copied_bytes'] or 0) / 2**20:.1f} MiB; bound {r['bound_s']:.3f} s "
+                  f"at {r['copy_gbps']:.1f} GB/s: {r['ratio']:.2f}x", flush=True)
+        out["cases"].append({"train": train, "rollout": rollout, "ranks": ranks,
+                             "ratio_max": max(r["ratio"] for r in ranks)})
+    print(f"definition: {DEFINITION}")
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
