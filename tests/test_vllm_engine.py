@@ -92,6 +92,16 @@ def test_vllm_drives_multi_turn_episodes_as_the_builtin_engine(checks):
     assert m["sampled_served_equal_called"] and m["sampled_lp_diff"] < EXACT and m["sampled_distinct"] > 4, m
 
 
+@needs_vllm
+def test_vllm_partial_rollout_continues_each_row_under_the_newer_weights(checks):
+    """Weights that land while vLLM samples: the rows in flight continue under them (their contexts prefilled
+    again), each token's log-prob is the trainer's under the weights its recorded version names, and greedy
+    rows equal the built-in engine's partial rollout with the swap at the same token."""
+    s, g = checks["partial"]["sampled"], checks["partial"]["greedy"]
+    assert s["tokens"] == 4 * 2 * 12 and s["lp_max_diff"] < EXACT and 0 < min(s["swapped_at"]) < 12, s
+    assert g["versions_equal"] and g["ids_equal"] and g["lp_max_diff"] < EXACT and 0 < min(g["swapped_at"]) < 12, g
+
+
 def _run(tmp_path, name, *flags, steps):
     out = tmp_path / name
     res = subprocess.run([sys.executable, RECIPE, "--rollout-engine", "vllm", "--steps", str(steps), "--out", str(out),
@@ -166,6 +176,20 @@ def test_vllm_world_2_equals_world_1(tmp_path):
 
 @needs_vllm
 @pytest.mark.slow
+def test_vllm_in_a_rollout_pool_runs_partial_rollout(tmp_path):
+    """Separate pools at staleness 1 with partial rollout, vLLM in the rollout pool: the run trains, and no token
+    it trains on is older than the bound (the engine's own partial rollout is checked token by token above)."""
+    (tmp_path / "spread.py").write_text(SPREAD)
+    hist, out = _run(tmp_path, "partial", "--world", "2", "--rollout-ranks", "1", "--max-staleness", "1",
+                     "--partial-rollout", "--reward", f"{tmp_path / 'spread.py'}:distinct", steps=6)
+    assert "separate pools: ranks 0..0 generate and score" in out
+    assert all(set(k for k in m if k.startswith("stale_tokens/")) <= {"stale_tokens/0", "stale_tokens/1"}
+               for m in hist), hist[-1]
+    assert all(m["grad_norm"] > 0 for m in hist)
+
+
+@needs_vllm
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2])
 def test_the_recipe_learns_with_vllm(tmp_path, world):
     """The built-in task from scratch with --rollout-engine vllm: the last 10 steps' mean reward at least 0.25
@@ -185,6 +209,9 @@ def test_the_recipe_learns_with_vllm(tmp_path, world):
     (["--rollout-engine", "vllm", "--world", "2", "--rollout-layout", "ep=2"], "--rollout-layout"),
     (["--rollout-engine", "vllm", "--world", "3", "--rollout-ranks", "2", "--rollout-layout", "tp=2"],
      "--rollout-layout tp=2: mesh(pp=1,dp=1,ep=1,tp=2): the vllm engine's tensor parallelism spans the whole world"),
+    # a tp group's engines step in lockstep: multi-turn episodes and mid-generation swaps are each rank's own
+    (["--rollout-engine", "vllm", "--world", "2", "--rollout-layout", "tp=2", "--env", "max_digit_feedback"],
+     "multi-turn rollouts drive each rank's engine on its own episodes"),
     (["--vllm-memory-utilization", "0.3"], "--vllm-memory-utilization"),
     (["--rollout-engine", "vllm", "--vllm-memory-utilization", "1.5"], "--vllm-memory-utilization"),
     (["--rollout-engine", "sglang"], "--rollout-engine"),

@@ -96,7 +96,6 @@ WHY_NOT = {
     "routes": "vLLM returns them only from its V2 model runner (enable_return_routed_experts; it needs Triton, so "
               "not on a CPU) and the vllm engine does not map them into the rows yet: use --rollout-engine builtin, "
               "or --routing-replay off",
-    "partial_rollout": "weights are swapped inside the built-in engine's decode loop (not built for vllm)",
 }
 
 
@@ -130,7 +129,7 @@ class VLLMEngine:
     0.5 on an accelerator, 0.2 on a CPU). It starts on the first ``load``, on the device and in the dtype of
     the weights it is given."""
     # sleep: where vLLM has a sleep mode (CUDA); on a CPU the engine keeps its weights and KV cache
-    capabilities = Capabilities(serve=True, sleep=True, tensor_parallel=True)
+    capabilities = Capabilities(serve=True, partial_rollout=True, sleep=True, tensor_parallel=True)
 
     def __init__(self, cfg: ModelConfig, sampling: SamplingConfig, *, ex: Exec = LOCAL, max_model_len: int,
                  memory_utilization: float | None = None, seed: int = 0):
@@ -188,10 +187,20 @@ class VLLMEngine:
             self.llm.wake_up(tags=[tag])
             self._asleep.discard(tag)
 
-    def generate(self, prompts: PromptBatch, *, group_size: int, seed: int) -> RolloutBatch:
+    def generate(self, prompts: PromptBatch, *, group_size: int, seed: int, version: int | None = None,
+                 newer=None) -> RolloutBatch:
+        """``version``: the loaded weights' (recorded per token); ``newer``: partial rollout, polled before each
+        of vLLM's steps for (version, weights) to continue with (``generate_partial``)."""
         if self._weights is None:
             raise RuntimeError("VLLMEngine.generate: no weights loaded (call load first)")
-        return generate(self.llm, prompts, self.sampling, group_size=group_size, seed=seed)
+        if newer is None:
+            return generate(self.llm, prompts, self.sampling, group_size=group_size, seed=seed)
+        if version is None or self.tp > 1:
+            raise ValueError("VLLMEngine.generate: newer weights mid-generation (partial rollout) need the version "
+                             "of the first, and a rollout layout of one rank per engine (tp ranks would have to "
+                             "swap at the same step)")
+        return generate_partial(self.llm, prompts, self.sampling, group_size=group_size, seed=seed,
+                                version=version, newer=newer, load=self.load)
 
     def serve(self, requests, *, slots: int, max_len: int, seed: int) -> None:
         """Continuous batching across turns (multi-turn rollouts): requests join vLLM's scheduler as they come
@@ -340,6 +349,68 @@ def generate(llm, prompts: PromptBatch, scfg: SamplingConfig, *, group_size: int
                   response_mask_BTr=out_mask.to(dev), sample_logprobs_BTr=out_lp.to(dev))
 
 
+def generate_partial(llm, prompts: PromptBatch, scfg: SamplingConfig, *, group_size: int, seed: int, version: int,
+                     newer, load) -> RolloutBatch:
+    """``generate`` with partial rollout: vLLM's steps driven here, ``newer()`` polled before each; when it gives
+    (version, weights), the requests in flight are aborted, the weights loaded (``load``), and each is submitted
+    again with its prompt and the tokens it has sampled so far as its context (prefilled under the new weights,
+    as the built-in engine does) for the tokens it has left. Each token's log-prob is that of the weights that
+    sampled it, and its version is recorded (``versions_BTr``). A sample is its own request (seeded by the
+    sample's index and how many tokens it had when submitted)."""
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    P, Tn, G = prompts.size, scfg.max_new_tokens, group_size
+    ids, mask = prompts.prompt_ids_BTp.cpu(), prompts.prompt_mask_BTp.cpu()
+    context = [ids[p][mask[p]].tolist() for p in range(P)]
+    index = prompts.index_B.cpu().tolist()
+    toks, lps, vers = ([[] for _ in range(P * G)] for _ in range(3))
+    engine, live, current = llm.llm_engine, {}, version
+
+    def submit(r: int) -> None:
+        p, n = r // G, len(toks[r])
+        params = _params(scfg, 1, seed, (index[p] * G + r % G) * (Tn + 1) + n)
+        params.max_tokens, params.output_kind = Tn - n, RequestOutputKind.CUMULATIVE
+        rid = str(next(llm.request_counter))
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=context[p] + toks[r]), params)
+        live[rid] = (r, 0)  # (row, the request's tokens recorded)
+
+    for r in range(P * G):
+        submit(r)
+    while live:
+        if (got := newer()) is not None:  # the rest of every row in flight under the newer weights
+            engine.abort_request(list(live))
+            rows = [r for r, _ in live.values()]
+            live.clear()
+            current = got[0]
+            load(got[1])
+            for r in rows:
+                submit(r)
+        for o in engine.step():
+            if o.request_id not in live:
+                continue
+            r, seen = live[o.request_id]
+            c = o.outputs[0]
+            toks[r] += c.token_ids[seen:]
+            lps[r] += _logprobs(c)[seen:]
+            vers[r] += [current] * (len(c.token_ids) - seen)
+            live[o.request_id] = (r, len(c.token_ids))
+            if o.finished:
+                del live[o.request_id]
+    out_ids = torch.full((P * G, Tn), scfg.pad_id, dtype=torch.long)
+    out_mask = torch.zeros((P * G, Tn), dtype=torch.bool)
+    out_lp = torch.zeros((P * G, Tn), dtype=torch.float32)
+    out_v = torch.full((P * G, Tn), version, dtype=torch.long)
+    for r in range(P * G):
+        n = len(toks[r])
+        out_ids[r, :n], out_mask[r, :n] = torch.tensor(toks[r], dtype=torch.long), True
+        out_lp[r, :n], out_v[r, :n] = torch.tensor(lps[r]), torch.tensor(vers[r], dtype=torch.long)
+        out_v[r, n:] = vers[r][-1] if n else version
+    dev = prompts.prompt_ids_BTp.device
+    return extend(prompts.repeat(G), RolloutBatch, response_ids_BTr=out_ids.to(dev),
+                  response_mask_BTr=out_mask.to(dev), sample_logprobs_BTr=out_lp.to(dev), versions_BTr=out_v.to(dev))
+
+
 def _params(scfg: SamplingConfig, n: int, seed: int = 0, index: int = 0):
     """vLLM's sampling parameters of ``n`` samples of one request: greedy, or drawn from vLLM's generator
     seeded by (``seed``, the request's sample ``index``), so its tokens do not depend on the other requests."""
@@ -390,4 +461,4 @@ def _make(cfg: ModelConfig, sampling: SamplingConfig, ex: Exec, o: Options) -> V
 KIND = register(EngineKind("vllm", VLLMEngine.capabilities, _make, options=("vllm_memory_utilization",),
                            why_not=WHY_NOT, model_problems=model_problems, missing=missing))
 
-__all__ = ["KIND", "VLLMEngine", "generate", "missing", "model_problems", "serve"]
+__all__ = ["KIND", "VLLMEngine", "generate", "generate_partial", "missing", "model_problems", "serve"]
