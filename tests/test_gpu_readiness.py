@@ -226,7 +226,7 @@ def _separate_host_worker(rank: int, world: int, train: str, rollout: str, gae: 
             kw["on_step"] = probe["on_step"]
         return real_execute(plan, shards, state, **kw)
 
-    def to_rollout(self, run):
+    def to_rollout(self, run, into=None):
         gc.collect()
         pre = refs(state_tensors(run))
         probe["train"], probe["critic"] = pre, refs(critic_tensors(run.critic))
@@ -235,7 +235,7 @@ def _separate_host_worker(rank: int, world: int, train: str, rollout: str, gae: 
             fails.append(f"rank {rank}: {alive(pre)} B of train state before the swap, ledger {int(led[0].sum())} B")
         with _tracker() as tr:
             probe.update(plan=self.forward, on_step=per_step(self.forward, led, tr, pre, "to_rollout"))
-            out = real_out(self, run)
+            out = real_out(self, run, into)
         probe.update(tracker=tr, want=int(led[-1].sum()))
         return out
 

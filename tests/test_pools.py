@@ -223,7 +223,6 @@ def test_pools_under_torchrun_and_slurm_train_as_the_local_launch_does(tmp_path)
     (["--rollout-ranks", "1", "--steps", "20", "--max-staleness", "1000000000"],
      "--max-staleness 1000000000: must be <= --steps 20"),
     (["--rollout-ranks", "1", "--dock-backend", "local"], "--dock-backend local: "),
-    (["--rollout-ranks", "1", "--rollout-engine", "vllm", "--partial-rollout"], "--partial-rollout: swaps weights"),
     (["--world", "3", "--rollout-ranks", "1", "--train-layout", "tp=3"], "--train-layout tp=3"),
     (["--partial-rollout"], "--partial-rollout: needs separate pools"),
     (["--world", "3", "--rollout-ranks", "2", "--rollout-layout", "tp=2", "--partial-rollout"],
