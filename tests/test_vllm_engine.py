@@ -125,20 +125,24 @@ def test_vllm_tensor_parallel_over_two_ranks_generates_the_builtin_engines_token
     Qwen3-MoE, tests/vllm_tp_checks.py). From the second push on the transition writes each shard straight into
     vLLM's parameters and the engine copies nothing, but the vocabulary rows vLLM splits otherwise than rlflow
     (Llama's vocabulary of 32, padded to 64 by vLLM: gathered over tp). And the push through vLLM's reload of
-    whole tensors, as for a model whose weights vLLM processes at load."""
+    whole tensors, as for a model whose weights vLLM processes at load; and a LoRA policy, merged shard by shard."""
     res = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "vllm_tp_checks.py")], capture_output=True,
                          text=True, timeout=600)
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
     assert res.returncode == 0 and line, res.stderr[-4000:]
-    regathered = {"llama-tiny": ["lm_head.weight", "model.embed_tokens.weight"], "qwen3-moe-tiny": [], "reload": None}
+    vocab = ["lm_head.weight", "model.embed_tokens.weight"]
+    regathered = {"llama-tiny": vocab, "qwen3-moe-tiny": [], "reload": None, "lora": vocab}
     for preset, ranks in json.loads(line[-1].removeprefix("RESULT ")).items():
         for rank, got in enumerate(ranks):
             assert got["vllm_tp_ranks"] == [0, 1], (preset, got)
             for w in ("weights_0", "weights_1", "weights_2"):
                 assert got[w]["ids_equal"] and got[w]["lp_max_diff"] < EXACT, (preset, w, got)
                 assert got[w]["regathered"] == regathered[preset], (preset, got)
-            if preset == "reload":  # vLLM's reload of whole tensors (a model whose weights vLLM processes)
-                assert got["weights_2"]["copied_bytes"] == got["weights_2"]["whole_bytes"], got
+            if preset in ("reload", "lora"):
+                if preset == "reload":  # vLLM's reload of whole tensors (a model whose weights vLLM processes)
+                    assert got["weights_2"]["copied_bytes"] == got["weights_2"]["whole_bytes"], got
+                else:  # merged shard by shard, then copied (all of the model, but for the rows rank 1 lacks)
+                    assert got["weights_2"]["copied_bytes"] > 0, got
                 assert len({got[w]["lp_sum"] for w in ("weights_0", "weights_1", "weights_2")}) == 3
                 continue
             first, later = got["weights_0"], got["weights_2"]

@@ -8,17 +8,20 @@ import sys
 import torch
 
 
-def rank_checks(rank: int, world: int, preset: str, vocab: int | None = None, reload: bool = False) -> dict:
+def rank_checks(rank: int, world: int, preset: str, vocab: int | None = None, reload: bool = False,
+                lora_rank: int = 0) -> dict:
     """Train dp=2 -> rollout tp=2 every step through the runtime's transition, written into vLLM's parameters
     where the engine offers them (``targets``), two weight sets in turn; greedy against the built-in engine in
     the rollout layout. ``vocab``: the preset's vocabulary resized (vLLM's padded vocab split is rlflow's when
     it is a multiple of 64). ``reload``: as for a model vLLM processes the weights of (MLA's, a quantization's),
-    the push through vLLM's reload of whole tensors (gathered over tp)."""
+    the push through vLLM's reload of whole tensors (gathered over tp). ``lora_rank``: a LoRA policy (every
+    projection and the head adapted, the adapters changing each push), which reaches vLLM merged shard by
+    shard."""
     from types import SimpleNamespace
 
     from rlflow.engines import vllm_layout
     from rlflow.engines.vllm import VLLMEngine
-    from rlflow.models import decoder
+    from rlflow.models import decoder, lora, shapes
     from rlflow.models.config import PRESETS
     from rlflow.models.sharding import layout
     from rlflow.parallel.context import context, shard_params
@@ -32,6 +35,16 @@ def rank_checks(rank: int, world: int, preset: str, vocab: int | None = None, re
     if reload:
         vllm_layout.plain_modules = lambda model: (False, "the test")
     cfg = PRESETS[preset] if vocab is None else PRESETS[preset].replace(vocab_size=vocab)
+    if lora_rank:
+        cfg = cfg.replace(lora=lora.LoraConfig(lora_rank, 8.0, targets=lora.ADAPTABLE))
+
+    def policy(seed: int) -> dict:
+        if not lora_rank:
+            return decoder.init_params(cfg, seed=seed)
+        g = torch.Generator().manual_seed(seed)  # one model, adapters of their own each push (B not 0)
+        ad = {k: torch.randn(v.shape, generator=g) * 0.3 if k.endswith(lora.B) else v
+              for k, v in lora.init(cfg, shapes.param_shapes(cfg), seed=seed).items()}
+        return {**decoder.init_params(cfg, seed=1), **ad}
     train, lay = layout(cfg, Mesh(dp=world), dtype=torch.float32), layout(cfg, Mesh(tp=world), dtype=torch.float32)
     ex = context(lay, cfg, rank)
     moves = Weights(train, lay, rank)
@@ -40,7 +53,7 @@ def rank_checks(rank: int, world: int, preset: str, vocab: int | None = None, re
     eng = VLLMEngine(cfg, scfg, ex=ex, max_model_len=64)
     out = {}
     for seed in (0, 1, 2):  # the first push starts the engine; the later ones land in its parameters
-        run = SimpleNamespace(policy=decoder.init_params(cfg, seed=seed), opt_state=None, critic=None)
+        run = SimpleNamespace(policy=policy(seed), opt_state=None, critic=None)
         want_shards = shard_params(run.policy, lay, rank)
         whole = sum(t.numel() * t.element_size() for t in run.policy.values())
         shards = moves.to_rollout(run, into=eng.targets())
@@ -64,7 +77,8 @@ def rank_checks(rank: int, world: int, preset: str, vocab: int | None = None, re
 def main():
     from rlflow.runtime.launch import spawn
     cases = {"llama-tiny": ("llama-tiny", None, False),  # vocab 32: vLLM splits its padded rows otherwise
-             "qwen3-moe-tiny": ("qwen3-moe-tiny", 128, False), "reload": ("qwen3-moe-tiny", None, True)}
+             "qwen3-moe-tiny": ("qwen3-moe-tiny", 128, False), "reload": ("qwen3-moe-tiny", None, True),
+             "lora": ("llama-tiny", None, False, 4)}
     res = {k: spawn(rank_checks, 2, *c) for k, c in cases.items() if k in (sys.argv[1:] or cases)}
     print("RESULT " + json.dumps(res))
 
