@@ -125,19 +125,25 @@ def test_vllm_tensor_parallel_over_two_ranks_generates_the_builtin_engines_token
     Qwen3-MoE, tests/vllm_tp_checks.py). From the second push on the transition writes each shard straight into
     vLLM's parameters and the engine copies nothing, but the vocabulary rows vLLM splits otherwise than rlflow
     (Llama's vocabulary of 32, padded to 64 by vLLM: gathered over tp). And the push through vLLM's reload of
-    whole tensors, as for a model whose weights vLLM processes at load; and a LoRA policy, merged shard by shard."""
+    whole tensors, as for a model whose weights vLLM processes at load; a LoRA policy, merged shard by shard; and
+    vLLM's expert parallelism, the transition planning into the layout the engine holds (experts whole, split
+    over the ranks)."""
     res = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "vllm_tp_checks.py")], capture_output=True,
                          text=True, timeout=600)
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
     assert res.returncode == 0 and line, res.stderr[-4000:]
     vocab = ["lm_head.weight", "model.embed_tokens.weight"]
-    regathered = {"llama-tiny": vocab, "qwen3-moe-tiny": [], "reload": None, "lora": vocab}
+    regathered = {"llama-tiny": vocab, "qwen3-moe-tiny": [], "reload": None, "lora": vocab, "expert_parallel": []}
+    # a rank's experts of layer 0 (qwen3-moe-tiny: 8 experts, 2 x 64 wide): each one's width split over tp, or
+    # with vLLM's expert parallelism half of them whole
+    experts = {"qwen3-moe-tiny": [[8, 64, 64]], "reload": [[8, 64, 64]], "expert_parallel": [[4, 128, 64]]}
     for preset, ranks in json.loads(line[-1].removeprefix("RESULT ")).items():
         for rank, got in enumerate(ranks):
             assert got["vllm_tp_ranks"] == [0, 1], (preset, got)
             for w in ("weights_0", "weights_1", "weights_2"):
                 assert got[w]["ids_equal"] and got[w]["lp_max_diff"] < EXACT, (preset, w, got)
                 assert got[w]["regathered"] == regathered[preset], (preset, got)
+                assert got[w]["experts_local"] == experts.get(preset, []), (preset, got)
             if preset in ("reload", "lora"):
                 if preset == "reload":  # vLLM's reload of whole tensors (a model whose weights vLLM processes)
                     assert got["weights_2"]["copied_bytes"] == got["weights_2"]["whole_bytes"], got
@@ -222,6 +228,10 @@ def test_the_recipe_learns_with_vllm(tmp_path, world):
     (["--rollout-engine", "vllm", "--world", "2", "--rollout-layout", "tp=2", "--env", "max_digit_feedback"],
      "multi-turn rollouts drive each rank's engine on its own episodes"),
     (["--vllm-memory-utilization", "0.3"], "--vllm-memory-utilization"),
+    (["--vllm-expert-parallel"], "--vllm-expert-parallel"),
+    (["--rollout-engine", "vllm", "--vllm-expert-parallel"], "--vllm-expert-parallel: splits the experts"),
+    (["--rollout-engine", "vllm", "--world", "2", "--rollout-layout", "tp=2", "--vllm-expert-parallel",
+      "--preset", "qwen2.5-tiny"], "--vllm-expert-parallel: qwen2 has no experts"),
     (["--rollout-engine", "vllm", "--vllm-memory-utilization", "1.5"], "--vllm-memory-utilization"),
     (["--rollout-engine", "sglang"], "--rollout-engine"),
     # vLLM's MLA attention takes latent widths 320, 512, 576; the tiny DeepSeek's is 40

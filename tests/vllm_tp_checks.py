@@ -9,17 +9,18 @@ import torch
 
 
 def rank_checks(rank: int, world: int, preset: str, vocab: int | None = None, reload: bool = False,
-                lora_rank: int = 0) -> dict:
+                lora_rank: int = 0, expert_parallel: bool = False) -> dict:
     """Train dp=2 -> rollout tp=2 every step through the runtime's transition, written into vLLM's parameters
     where the engine offers them (``targets``), two weight sets in turn; greedy against the built-in engine in
     the rollout layout. ``vocab``: the preset's vocabulary resized (vLLM's padded vocab split is rlflow's when
     it is a multiple of 64). ``reload``: as for a model vLLM processes the weights of (MLA's, a quantization's),
     the push through vLLM's reload of whole tensors (gathered over tp). ``lora_rank``: a LoRA policy (every
     projection and the head adapted, the adapters changing each push), which reaches vLLM merged shard by
-    shard."""
+    shard. ``expert_parallel``: vLLM's, the transition planning into the layout the engine holds (experts split
+    whole over the tp ranks)."""
     from types import SimpleNamespace
 
-    from rlflow.engines import vllm_layout
+    from rlflow.engines import layout_of, vllm_layout
     from rlflow.engines.vllm import VLLMEngine
     from rlflow.models import decoder, lora, shapes
     from rlflow.models.config import PRESETS
@@ -47,10 +48,10 @@ def rank_checks(rank: int, world: int, preset: str, vocab: int | None = None, re
         return {**decoder.init_params(cfg, seed=1), **ad}
     train, lay = layout(cfg, Mesh(dp=world), dtype=torch.float32), layout(cfg, Mesh(tp=world), dtype=torch.float32)
     ex = context(lay, cfg, rank)
-    moves = Weights(train, lay, rank)
     batch = random_prompts(cfg.vocab_size, 4, torch.Generator().manual_seed(3))
     scfg = SamplingConfig(max_new_tokens=8, eos_id=cfg.vocab_size - 1, temperature=0)
-    eng = VLLMEngine(cfg, scfg, ex=ex, max_model_len=64)
+    eng = VLLMEngine(cfg, scfg, ex=ex, max_model_len=64, expert_parallel=expert_parallel)
+    moves = Weights(train, layout_of(eng, lay), rank)
     out = {}
     for seed in (0, 1, 2):  # the first push starts the engine; the later ones land in its parameters
         run = SimpleNamespace(policy=policy(seed), opt_state=None, critic=None)
@@ -58,6 +59,7 @@ def rank_checks(rank: int, world: int, preset: str, vocab: int | None = None, re
         whole = sum(t.numel() * t.element_size() for t in run.policy.values())
         shards = moves.to_rollout(run, into=eng.targets())
         received = sum(t.numel() * t.element_size() for t in shards.values())
+        experts = [list(t.shape) for n, t in shards.items() if n.endswith("layers.0.mlp.experts.gate_up_proj")]
         eng.load(shards)
         got = eng.generate(batch, group_size=2, seed=0)
         moves.to_train(run, eng.release(), torch.device("cpu"))
@@ -67,7 +69,8 @@ def rank_checks(rank: int, world: int, preset: str, vocab: int | None = None, re
             "lp_max_diff": float((got.sample_logprobs_BTr - want.sample_logprobs_BTr).abs().max()),
             "lp_sum": float(want.sample_logprobs_BTr.sum()),
             "received_bytes": received, "whole_bytes": whole,
-            "copied_bytes": eng.load_copied, "regathered": None if reload else sorted(eng.dest.regathered)}
+            "copied_bytes": eng.load_copied, "regathered": None if reload else sorted(eng.dest.regathered),
+            "experts_local": experts}
     from vllm.distributed import parallel_state
     out["vllm_tp_ranks"] = list(parallel_state.get_tp_group().ranks)
     eng.close()
@@ -78,7 +81,7 @@ def main():
     from rlflow.runtime.launch import spawn
     cases = {"llama-tiny": ("llama-tiny", None, False),  # vocab 32: vLLM splits its padded rows otherwise
              "qwen3-moe-tiny": ("qwen3-moe-tiny", 128, False), "reload": ("qwen3-moe-tiny", None, True),
-             "lora": ("llama-tiny", None, False, 4)}
+             "lora": ("llama-tiny", None, False, 4), "expert_parallel": ("qwen3-moe-tiny", 128, False, 0, True)}
     res = {k: spawn(rank_checks, 2, *c) for k, c in cases.items() if k in (sys.argv[1:] or cases)}
     print("RESULT " + json.dumps(res))
 

@@ -3,6 +3,8 @@
 An engine is built once per run for this rank's place in the rollout layout (``build``) and driven by the
 step:
 
+    engine.layout(rollout) -> Layout        optional: the layout it takes its shards in, when not the rollout
+                                            layout's own (vLLM's expert parallelism); the transition plans there
     engine.targets() -> dict                optional: name -> the memory the engine takes that rollout shard
                                             in (vLLM: views of its parameters); the transition writes there
     engine.load(weights)                    this rank's rollout shards (the transition's output), as given
@@ -32,7 +34,8 @@ What an engine can do is declared (``base.Capabilities``) and each engine kind i
 from __future__ import annotations
 
 from rlflow.engines.base import (Capabilities, EngineKind, Options, RolloutEngine, capabilities, check, kind,
-                                 names, option_problems, register, targets, unsupported)
+                                 layout_of, names, option_problems, register, targets,
+                                 unsupported)
 from rlflow.engines.builtin import BuiltinEngine
 from rlflow.engines import vllm as _vllm  # noqa: F401, E402  (registers "vllm" after "builtin")
 from rlflow.models.config import ModelConfig
@@ -53,4 +56,4 @@ def build(name: str, cfg: ModelConfig, sampling: SamplingConfig, *, ex: Exec = L
 
 
 __all__ = ["BuiltinEngine", "Capabilities", "EngineKind", "Options", "RolloutEngine", "build", "capabilities", "check",
-           "kind", "names", "option_problems", "register", "targets", "unsupported"]
+           "kind", "layout_of", "names", "option_problems", "register", "targets", "unsupported"]

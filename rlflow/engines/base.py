@@ -56,6 +56,7 @@ class Options:
     record_routes: bool = False
     max_model_len: int | None = None
     memory_utilization: float | None = None
+    expert_parallel: bool = False  # vLLM's: experts split over the tp ranks, whole (not each expert's width)
     seed: int = 0
 
 
@@ -101,6 +102,13 @@ def capabilities(engine) -> Capabilities:
     return getattr(engine, "capabilities", Capabilities())
 
 
+def layout_of(engine, rollout):
+    """The layout ``engine`` takes its rollout shards in (``engine.layout(rollout)``; the transition plans into
+    it): ``rollout`` itself for an engine that does not say otherwise, or none."""
+    held = getattr(engine, "layout", None)
+    return rollout if held is None or rollout is None else held(rollout)
+
+
 def targets(engine) -> dict:
     """Name -> the memory ``engine`` takes its rollout shard in (its own parameters: the transition writes
     there and ``load`` copies nothing, ``engine.targets()``); {} for an engine that offers none."""
@@ -136,7 +144,7 @@ def option_problems(name: str, given: dict[str, object]) -> list[tuple[str, str]
     """(setting, why) for each engine option set (not None) that is another engine's alone."""
     out = []
     for setting, value in given.items():
-        if value is None or setting in kind(name).options:
+        if value is None or value is False or setting in kind(name).options:  # False: a flag's default
             continue
         owners = [k.name for k in REGISTRY.values() if setting in k.options]
         out.append((setting, f"is an option of the {' and '.join(owners)} engine only" if owners else

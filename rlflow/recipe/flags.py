@@ -153,6 +153,9 @@ class Recipe:
     vllm_memory_utilization: float | None = _f(None, "--rollout-engine vllm: vLLM's gpu_memory_utilization, the share "
                                                      "of the device's memory it may take (on a CPU, of host memory; "
                                                      "default 0.5 on an accelerator, 0.2 on a CPU)")
+    vllm_expert_parallel: bool = _f(False, "--rollout-engine vllm with --rollout-layout tp=N: vLLM's expert "
+                                           "parallelism over those ranks (each rank whole experts, E/N of them, "
+                                           "instead of every expert's width split N ways); an MoE model")
     compile_decode: bool = _f(False, "compile the rollout's decode step with torch.compile (static shapes; "
                                      "pays off on long runs with fixed shapes, CUDA graphs on CUDA)")
     max_bad_steps: int = _f(3, "stop after this many steps in a row whose updates were skipped for non-finite "

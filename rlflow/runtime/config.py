@@ -34,6 +34,7 @@ class LoopConfig:
     rollout_engine: str = "builtin"  # engines.names(): rlflow's own, or vLLM in the rank's process
     # vLLM's gpu_memory_utilization (on a CPU a share of host memory); None: 0.5 on an accelerator, 0.2 on a CPU
     vllm_memory_utilization: float | None = None
+    vllm_expert_parallel: bool = False  # vLLM's expert parallelism over a tp rollout layout's ranks
     seed: int = 0
     max_bad_steps: int = 3  # this many steps in a row with every update skipped (non-finite) or no row scored stop the run
     # MoE Rollout Routing Replay: "off"; "measure": the rollout's expert choices travel with the rows and
@@ -88,7 +89,8 @@ class LoopConfig:
         if self.rollout_engine not in engines.names():
             raise ValueError(f"rollout_engine={self.rollout_engine!r}: expected one of {engines.names()}")
         for name, why in engines.option_problems(self.rollout_engine,
-                                                 {"vllm_memory_utilization": self.vllm_memory_utilization})[:1]:
+                                                 {"vllm_memory_utilization": self.vllm_memory_utilization,
+                                                  "vllm_expert_parallel": self.vllm_expert_parallel})[:1]:
             raise ValueError(f"{name}={getattr(self, name)} {why}, not of {self.rollout_engine}")
         if self.vllm_memory_utilization is not None and not 0 < self.vllm_memory_utilization <= 1:
             raise ValueError(f"vllm_memory_utilization={self.vllm_memory_utilization} must be in (0, 1]")

@@ -159,7 +159,8 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
     engine = None if pool == "train" else engines.build(
         conf.rollout_engine, cfg, conf.sampling, ex=where.rollout_ex, options=engines.Options(
             compile_decode=conf.compile_decode, record_routes=routes, seed=conf.seed,
-            max_model_len=min(max_len, cfg.max_position_embeddings), memory_utilization=conf.vllm_memory_utilization))
+            max_model_len=min(max_len, cfg.max_position_embeddings), memory_utilization=conf.vllm_memory_utilization,
+            expert_parallel=conf.vllm_expert_parallel))
     critic_ucfg = ucfg if placement is None else dataclasses.replace(ucfg, layout=placement.critic)
     multiturn = None
     if conf.multiturn is not None and pool != "train":
@@ -176,7 +177,8 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
                        seats=where, graph=graph, flow=flow, engine=engine, update_config=ucfg,
                        dock_columns=dock_columns(graph, conf.routing_replay, multiturn=conf.multiturn is not None,
                                                  pools=pool != "colocated"),
-                       weights=Weights(where.train, None if placement is None else placement.rollout, where.rank),
+                       weights=Weights(where.train, None if placement is None else
+                                       engines.layout_of(engine, placement.rollout), where.rank),
                        critic_update_config=critic_ucfg, pool=side, multiturn=multiturn)
 
 

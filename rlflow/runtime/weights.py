@@ -211,14 +211,13 @@ def _gather_one(shards: dict, src: Layout, p, rank: int, root: int):
     return None if full is None else full.reshape(p.shape)
 
 
-def full_weights(cfg: ModelConfig, train: Layout, shards: dict) -> dict:
-    """Every rank's copy of the whole policy from its shards ``shards`` of the train layout (a collective)."""
+def full_weights(cfg: ModelConfig, held: Layout, shards: dict) -> dict:
+    """Every rank's copy of the whole policy from its shards ``shards`` of layout ``held`` (a collective)."""
     if not shards:
         return {}
     dt = next(iter(shards.values())).dtype
-    mesh = train.mesh  # the whole model on every rank: no pp stages, nothing split
-    return gather_full(shards, layout(cfg, mesh, dtype=dt), layout(cfg, Mesh(dp=mesh.size), {k: None for k in RULES},
-                                                                   dtype=dt))
+    mesh = held.mesh  # the whole model on every rank: no pp stages, nothing split
+    return gather_full(shards, held, layout(cfg, Mesh(dp=mesh.size), {k: None for k in RULES}, dtype=dt))
 
 
 __all__ = ["Transition", "Weights", "full_weights", "gather_full", "gather_to_host", "same_layout"]
