@@ -280,7 +280,7 @@ def engine_problems(r: Recipe) -> list[tuple[str, str]]:
         out.append(("rollout_layout", f"{mesh}: the {r.rollout_engine} engine's tensor parallelism spans the whole "
                                       "world (every rank starts it together), not a pool of it: use a dp rollout "
                                       "layout with --rollout-ranks"))
-    if r.vllm_expert_parallel and r.rollout_engine == "vllm":
+    if r.vllm_expert_parallel and "vllm_expert_parallel" in engines.kind(r.rollout_engine).options:
         if mesh is None or mesh.tp == 1 or mesh.ep > 1:
             out.append(("vllm_expert_parallel", "splits the experts over the ranks of a tp rollout layout: give "
                                                 "--rollout-layout tp=N (N > 1)"))
