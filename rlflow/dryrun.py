@@ -42,6 +42,7 @@ class Collective:
     group: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
+    splits: tuple[tuple[int, ...], ...] = ()  # an all-to-all's (output, input) split sizes, one per group member
 
 
 @dataclass
@@ -84,9 +85,10 @@ class _Watch(TorchDispatchMode):
                        if isinstance(t, torch.Tensor)]
             pg = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.ScriptObject)), None)
             group = tuple(dist.get_process_group_ranks(dist.ProcessGroup.unbox(pg))) if pg is not None else ()
+            splits = tuple(tuple(a) for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], int))
             self.trace.collectives.append(Collective(func.__name__.split(".")[0], group,
                                                      tuple(tuple(t.shape) for t in tensors),
-                                                     tuple(str(t.dtype) for t in tensors)))
+                                                     tuple(str(t.dtype) for t in tensors), splits))
         new = False
         for t in (out if isinstance(out, (list, tuple)) else [out]):
             if isinstance(t, torch.Tensor) and t.device == META:
@@ -157,21 +159,41 @@ def transition(train, rollout, rank: int, *, state: StateBytes = StateBytes(grad
     return trace
 
 
+def _signature(c: Collective) -> tuple:
+    """What every member of the group must issue alike: the op and dtypes, and the shapes except for an
+    all-to-all, whose members' sizes differ by design (``_splits_agree`` checks those)."""
+    return (c.op, c.dtypes) if c.splits else (c.op, c.shapes, c.dtypes)
+
+
+def _splits_agree(group: tuple[int, ...], calls: dict[int, Collective]) -> bool:
+    """An all-to-all's sizes fit together: what member i sends to member j is what j receives from i."""
+    for i, a in enumerate(group):
+        for j, b in enumerate(group):
+            if calls[a].splits[1][j] != calls[b].splits[0][i]:
+                return False
+    return True
+
+
 def mismatched(traces: list[RankTrace]) -> list[str]:
     """Where a world's traces disagree: for every group, each member's sequence of that group's collectives
-    (op, shapes, dtypes) must be the same as the group's first member's. Empty: they agree."""
+    (op, shapes, dtypes) must be the group's first member's, and each all-to-all's split sizes must fit
+    together over its members. Empty: they agree."""
     by_rank = {t.rank: t for t in traces}
     groups = {c.group for t in traces for c in t.collectives if len(c.group) > 1}
     out = []
     for g in sorted(groups):
-        seqs = {r: [(c.op, c.shapes, c.dtypes) for c in by_rank[r].collectives if c.group == g]
-                for r in g if r in by_rank}
+        calls = {r: [c for c in by_rank[r].collectives if c.group == g] for r in g if r in by_rank}
+        seqs = {r: [_signature(c) for c in cs] for r, cs in calls.items()}
         first = next(iter(seqs))
         for r, s in seqs.items():
             if s != seqs[first]:
                 i = next((k for k, (a, b) in enumerate(zip(s, seqs[first])) if a != b), min(len(s), len(seqs[first])))
                 out.append(f"group {g}: rank {r}'s collective {i} {s[i] if i < len(s) else 'missing'} against rank "
                            f"{first}'s {seqs[first][i] if i < len(seqs[first]) else 'missing'}")
+        if not out and len(calls) == len(g):
+            for i, c in enumerate(calls[first]):
+                if c.splits and not _splits_agree(g, {r: cs[i] for r, cs in calls.items()}):
+                    out.append(f"group {g}: all-to-all {i}: what a member sends is not what its peer receives")
     return out
 
 

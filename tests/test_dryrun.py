@@ -78,3 +78,17 @@ def test_the_world_check_passes_the_real_order_and_catches_a_planted_reorder():
     traces[1] = dataclasses.replace(traces[1], collectives=[bad[1], bad[0], *bad[2:]])
     found = dryrun.mismatched(traces)
     assert found and "rank 1" in found[0], found
+
+
+def test_the_world_check_catches_all_to_all_sizes_that_do_not_fit():
+    """An all-to-all's members send different amounts by design; what one sends to another must be what that one
+    receives: a rank whose send sizes are planted out of step is named."""
+    src, dst = _layouts(*CASES[1])
+    traces = [dryrun.transition(src, dst, r) for r in range(WORLD)]
+    r, i = next((t.rank, k) for t in traces for k, c in enumerate(t.collectives)
+                if c.splits and len(set(c.splits[1])) > 1)
+    c = traces[r].collectives[i]
+    planted = dataclasses.replace(c, splits=(c.splits[0], tuple(reversed(c.splits[1]))))
+    traces[r].collectives[i] = planted
+    found = dryrun.mismatched(traces)
+    assert found and "all-to-all" in found[0], found
