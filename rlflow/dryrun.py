@@ -119,7 +119,7 @@ def fake_world(rank: int, world: int):
     from torch.testing._internal.distributed.fake_pg import FakeStore
     if dist.is_initialized():
         raise RuntimeError("fake_world: torch.distributed is initialised already in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
     sdist.clear_groups()
     try:
         yield
