@@ -48,9 +48,9 @@ def run_case(name: str, every_rank: bool) -> dict:
     train = layout(model, Mesh.parse(train_spec, world), dtype=torch.bfloat16)
     rollout = layout(model, Mesh.parse(rollout_spec, world), dtype=torch.bfloat16)
     classes = rank_classes(train, rollout)
-    ranks = range(world) if every_rank else classes
+    ranks = range(world) if every_rank or len(classes) == world else classes
     traces = [dryrun.transition(train, rollout, r) for r in ranks]
-    bad = dryrun.mismatched(traces) if every_rank else None
+    bad = dryrun.mismatched(traces) if len(traces) == world else None
     peak = max(t.peak_bytes for t in traces)
     gap = max(t.ledger_gap() for t in traces)
     secs = time.perf_counter() - t0

@@ -10,6 +10,8 @@ is a copy into it, or nothing at all when the transition wrote its output there 
 one exception is the vocabulary: vLLM pads it to a multiple of 64 before splitting it over tp, so where the
 padded and real sizes differ the rank's rows of the embedding (and head) are not rlflow's shard; those
 parameters are gathered over the tp group and the rank's rows copied out (``Destination.regathered``).
+With vLLM's expert parallelism the experts are whole and split over the ranks instead ([E/tp, 2F, D]): the
+engine's layout says so (``VLLMEngine.layout``) and the same views follow from it.
 
 Built once from the model vLLM started (after the engine's start, from its ``named_parameters`` and its vocab
 layers' shard indices) and checked whole: every vLLM parameter covered, each view the shape of its shard.
@@ -32,7 +34,8 @@ from rlflow.sharding.layout import Layout
 _FUSED = ((re.compile(r"^(.*\.self_attn\.)([qkv])_proj\.(weight|bias)$"), "{0}qkv_proj.{2}", ("q", "k", "v")),
           (re.compile(r"^(.*\.mlp\.(?:shared_experts\.)?)(gate|up)_proj\.(weight)$"), "{0}gate_up_proj.{2}",
            ("gate", "up")))
-# vLLM's experts: ``experts.w13_weight`` before 0.32, ``experts.routed_experts.w13_weight`` in it
+# vLLM's experts: ``experts.routed_experts.w13_weight`` in 0.32, ``experts.w13_weight`` where the MoE layer holds
+# them itself (earlier vLLM)
 _RENAMED = ((re.compile(r"^(.*\.mlp\.experts\.)gate_up_proj$"), (r"\1routed_experts.w13_weight", r"\1w13_weight")),
             (re.compile(r"^(.*\.mlp\.experts\.)down_proj$"), (r"\1routed_experts.w2_weight", r"\1w2_weight")))
 _VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
