@@ -33,6 +33,7 @@ from rlflow.sharding.memory import StateBytes, ledger
 from rlflow.sharding.plan import allgather_swap
 
 META = torch.device("meta")
+P2P = ("send", "recv_")  # c10d's point-to-point ops: matched pairwise, not over a group
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Collective:
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     splits: tuple[tuple[int, ...], ...] = ()  # an all-to-all's (output, input) split sizes, one per group member
+    peer: int | None = None  # a send's destination, a receive's source (global rank)
 
 
 @dataclass
@@ -86,9 +88,12 @@ class _Watch(TorchDispatchMode):
             pg = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.ScriptObject)), None)
             group = tuple(dist.get_process_group_ranks(dist.ProcessGroup.unbox(pg))) if pg is not None else ()
             splits = tuple(tuple(a) for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], int))
-            self.trace.collectives.append(Collective(func.__name__.split(".")[0], group,
-                                                     tuple(tuple(t.shape) for t in tensors),
-                                                     tuple(str(t.dtype) for t in tensors), splits))
+            op = func.__name__.split(".")[0]
+            peer = None
+            if op in P2P:  # (tensors, group, peer's rank in the group, tag)
+                peer = group[args[2]] if group else args[2]
+            self.trace.collectives.append(Collective(op, group, tuple(tuple(t.shape) for t in tensors),
+                                                     tuple(str(t.dtype) for t in tensors), splits, peer))
         new = False
         for t in (out if isinstance(out, (list, tuple)) else [out]):
             if isinstance(t, torch.Tensor) and t.device == META:
@@ -174,15 +179,29 @@ def _splits_agree(group: tuple[int, ...], calls: dict[int, Collective]) -> bool:
     return True
 
 
+def _unpaired(by_rank: dict[int, RankTrace]) -> list[str]:
+    """Point-to-point: what rank a sends to rank b, in order, must be what b receives from a (shapes, dtypes)."""
+    sent, got = {}, {}
+    for r, t in by_rank.items():
+        for c in t.collectives:
+            if c.op == "send":
+                sent.setdefault((r, c.peer), []).append((c.shapes, c.dtypes))
+            elif c.op == "recv_":
+                got.setdefault((c.peer, r), []).append((c.shapes, c.dtypes))
+    return [f"ranks {a} -> {b}: {len(sent.get((a, b), []))} sends, {len(got.get((a, b), []))} receives, or their "
+            "sizes differ" for a, b in sorted(set(sent) | set(got))
+            if a in by_rank and b in by_rank and sent.get((a, b)) != got.get((a, b))]
+
+
 def mismatched(traces: list[RankTrace]) -> list[str]:
     """Where a world's traces disagree: for every group, each member's sequence of that group's collectives
     (op, shapes, dtypes) must be the group's first member's, and each all-to-all's split sizes must fit
     together over its members. Empty: they agree."""
     by_rank = {t.rank: t for t in traces}
-    groups = {c.group for t in traces for c in t.collectives if len(c.group) > 1}
-    out = []
+    groups = {c.group for t in traces for c in t.collectives if len(c.group) > 1 and c.op not in P2P}
+    out = _unpaired(by_rank)
     for g in sorted(groups):
-        calls = {r: [c for c in by_rank[r].collectives if c.group == g] for r in g if r in by_rank}
+        calls = {r: [c for c in by_rank[r].collectives if c.group == g and c.op not in P2P] for r in g if r in by_rank}
         seqs = {r: [_signature(c) for c in cs] for r, cs in calls.items()}
         first = next(iter(seqs))
         for r, s in seqs.items():

@@ -92,3 +92,14 @@ def test_the_world_check_catches_all_to_all_sizes_that_do_not_fit():
     traces[r].collectives[i] = planted
     found = dryrun.mismatched(traces)
     assert found and "all-to-all" in found[0], found
+
+
+def test_the_world_check_pairs_each_send_with_its_receive():
+    """Point-to-point ops pair up by (sender, receiver), not over a group: in order, of the same size."""
+    c = lambda op, peer, n: dryrun.Collective(op, (0, 1, 2), ((n,),), ("torch.uint8",), (), peer)  # noqa: E731
+    traces = [dryrun.RankTrace(0, [c("send", 2, 8), c("recv_", 1, 4)]), dryrun.RankTrace(1, [c("send", 0, 4)]),
+              dryrun.RankTrace(2, [c("recv_", 0, 8)])]
+    assert dryrun.mismatched(traces) == []
+    traces[2].collectives[0] = c("recv_", 0, 16)
+    found = dryrun.mismatched(traces)
+    assert found and "ranks 0 -> 2" in found[0], found
