@@ -42,6 +42,7 @@ def _worker(rank: int, world: int, preset: str, dtype: str, train_spec: str, rol
     from types import SimpleNamespace
 
     import torch
+    import torch.distributed as dist
 
     from rlflow.engines.vllm import VLLMEngine
     from rlflow.models import decoder
@@ -50,6 +51,7 @@ def _worker(rank: int, world: int, preset: str, dtype: str, train_spec: str, rol
     from rlflow.parallel.context import context, shard_params
     from rlflow.rollout import SamplingConfig
     from rlflow.runtime.weights import Weights
+    from rlflow.sharding.dist import all_reduce
     from rlflow.sharding.mesh import Mesh
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -90,7 +92,7 @@ def _worker(rank: int, world: int, preset: str, dtype: str, train_spec: str, rol
         for layer, experts in eng._cpu_moe:
             vllm_cpu.prepack_moe(layer, experts)
         repack = time.perf_counter() - t
-    link = _link_seconds(int(sdist_max(peers)), world)
+    link = _link_seconds(int(all_reduce(torch.tensor([peers]), op=dist.ReduceOp.MAX)), world)
     eng.close()
     med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
     received = rows[-1][2]
@@ -99,15 +101,6 @@ def _worker(rank: int, world: int, preset: str, dtype: str, train_spec: str, rol
     return {"rank": rank, "transition_s": med(0), "load_s": med(1), "push_s": push, "received_bytes": received,
             "load_copied_bytes": rows[-1][3], "peer_bytes": peers, "copy_gbps": bw / 1e9, "copy_s": received / bw,
             "link_s": link, "bound_s": bound, "ratio": push / bound, "repack_s": repack}
-
-
-def sdist_max(x: int) -> int:
-    """``x``'s largest value over the ranks."""
-    import torch
-    import torch.distributed as dist
-    t = torch.tensor([x], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t)
 
 
 def _link_seconds(nbytes: int, world: int, repeats: int = 3) -> float:
@@ -133,6 +126,7 @@ def project(a) -> dict:
     import numpy as np
     import torch
 
+    from rlflow.engines.vllm import EXPERT_PARALLEL_RULES
     from rlflow.models.sharding import layout
     from rlflow.sharding import execute as ex
     from rlflow.sharding.mesh import Mesh
@@ -144,7 +138,7 @@ def project(a) -> dict:
     for case in a.cases:
         train_spec, rollout_spec = case.split(":")
         train = layout(a.project, Mesh.parse(train_spec, a.world), dtype=torch.bfloat16)
-        rules = {"experts": "tp", "expert_mlp": None} if a.expert_parallel else None  # the engine's (vllm.py)
+        rules = EXPERT_PARALLEL_RULES if a.expert_parallel else None
         rollout = layout(a.project, Mesh.parse(rollout_spec, a.world), rules, dtype=torch.bfloat16)
         plan = allgather_swap(train, rollout)
         node = np.arange(a.world) // a.devices_per_node

@@ -67,6 +67,8 @@ from rlflow.sharding.layout import Layout
 from rlflow.sharding.mesh import Mesh
 
 log = logging.getLogger(__name__)
+# vLLM's expert parallelism over a tp rollout layout: each expert whole, the experts split over the tp ranks
+EXPERT_PARALLEL_RULES = {"experts": "tp", "expert_mlp": None}
 # vLLM's INFO lines (and a warning per engine that a tokenizer-free engine cannot warm up a chat template)
 # would drown the run's own output; VLLM_LOGGING_LEVEL=INFO shows them
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -190,7 +192,7 @@ class VLLMEngine:
         block), instead of every expert's width."""
         if not self.expert_parallel:
             return rollout
-        return layout(self.cfg, rollout.mesh, {"experts": "tp", "expert_mlp": None},
+        return layout(self.cfg, rollout.mesh, EXPERT_PARALLEL_RULES,
                       dtype=rollout["model.embed_tokens.weight"].dtype, name="vllm expert parallel")
 
     def targets(self) -> dict[str, torch.Tensor]:
@@ -347,4 +349,4 @@ def _make(cfg: ModelConfig, sampling: SamplingConfig, ex: Exec, o: Options) -> V
 KIND = register(EngineKind("vllm", VLLMEngine.capabilities, _make, options=("vllm_memory_utilization", "vllm_expert_parallel"),
                            why_not=WHY_NOT, model_problems=model_problems, missing=missing))
 
-__all__ = ["KIND", "VLLMEngine", "missing", "model_problems"]
+__all__ = ["EXPERT_PARALLEL_RULES", "KIND", "VLLMEngine", "missing", "model_problems"]
