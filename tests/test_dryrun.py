@@ -36,7 +36,7 @@ def _real(rank: int, world: int, cases) -> list:
         src, dst = _layouts(model, train, rollout)
         shards = shard_params(decoder.init_params(get_config(model), seed=0), src, rank)
         trace = dryrun.RankTrace(rank)
-        with dryrun._Watch(trace):
+        with dryrun.Watch(trace):
             sdist.execute(allgather_swap(src, dst), shards, TrainState())
         out.append(trace.collectives)
     return out
@@ -103,3 +103,78 @@ def test_the_world_check_pairs_each_send_with_its_receive():
     traces[2].collectives[0] = c("recv_", 0, 16)
     found = dryrun.mismatched(traces)
     assert found and "ranks 0 -> 2" in found[0], found
+
+
+# ---- the whole step ----
+# every response at full length in both runs (an EOS id no one samples: the vocabulary's size), so the real rows
+# have the dry run's shapes; dense models, whose collectives do not depend on the routing
+STEP_CASES = [dryrun.StepCase("llama-tiny", WORLD, "tp=2,dp=2", "dp=4", prompts=4, group_size=2, prompt_len=6,
+                              response_len=5, response_tokens=5, eos=256),
+              dryrun.StepCase("qwen2.5-tiny", WORLD, "pp=2,tp=2", "tp=2,dp=2", prompts=4, group_size=2, prompt_len=6,
+                              response_len=5, response_tokens=5, eos=256)]
+MOE_CASE = dryrun.StepCase("qwen3-moe-tiny", WORLD, "tp=2,ep=2", "tp=2,dp=2", prompts=4, group_size=2, prompt_len=6,
+                           response_len=5, response_tokens=5, eos=256)
+
+
+def _real_step(rank: int, world: int, cases, dock) -> list:
+    """Each case's step on gloo with real tensors (random weights, a real dock), its collectives recorded by the
+    dry run's watch."""
+    from rlflow.dryrun.run import _reward, _Text
+    from rlflow.models import decoder
+    from rlflow.models.config import get_config
+    from rlflow.parallel.context import shard_params
+    from rlflow.runtime import state as runstate, step as steps
+    from rlflow.runtime.placement import Colocated
+
+    out = []
+    for case in cases:
+        cfg = get_config(case.model)
+        train, rollout = case.layouts()
+        ctx = steps.context(cfg, _Text(), _reward, case.loop_config(), dock=dock, placement=Colocated(train, rollout))
+        policy = shard_params(decoder.init_params(cfg, seed=0, dtype=torch.bfloat16), train, rank)
+        state = runstate.init(policy, None, kl=case.kl)
+        trace = dryrun.RankTrace(rank)
+        with dryrun.Watch(trace):
+            steps.step(state, case.prompt_batch(cfg.vocab_size), ctx)
+        out.append(trace.collectives)
+    return out
+
+
+def _spawn_real(cases):
+    from rlflow.dock.proc_backend import proc_dock
+    from rlflow.runtime.graph import GRPO
+    n = cases[0].prompts * cases[0].group_size
+    dock = proc_dock(GRPO.schema, GRPO.consumers, capacity=n, warehouses=2, group_size=cases[0].group_size)
+    try:
+        return spawn(_real_step, WORLD, cases, dock)
+    finally:
+        dock.close()
+
+
+@pytest.mark.slow
+def test_the_dry_step_issues_the_real_steps_collectives():
+    """One RL step (transition, generation, swap back, the dock, reference log-probs, the update and its AdamW
+    step) executed for every rank on meta tensors issues, rank by rank, the collectives the real step issues on
+    4 gloo processes: op, group, shapes, dtypes and split sizes, in order; tensor and pipeline parallel training
+    (the pipeline's sends and receives, its broadcast of the figures) and data / tensor parallel rollouts."""
+    real = _spawn_real(STEP_CASES)
+    for i, case in enumerate(STEP_CASES):
+        for rank in range(WORLD):
+            fake = dryrun.step(case, rank).collectives
+            assert len(fake) > 20, (case, rank)
+            assert fake == real[rank][i], (case.model, rank, next(
+                (k, a, b) for k, (a, b) in enumerate(zip(fake, real[rank][i])) if a != b), len(fake), len(real[rank][i]))
+    assert any(c.op == "send" for c in real[0][1]) and any(c.op == "broadcast_object_list" for c in real[0][1])
+
+
+@pytest.mark.slow
+def test_the_dry_moe_step_issues_the_real_steps_collectives_but_for_the_routing():
+    """With experts over ep=2 the all-to-alls' sizes follow the router's choices (the dry run's are balanced,
+    ``values.Choices``): every collective is the real one in op, group and dtypes, and in shapes but for the
+    all-to-alls."""
+    real = _spawn_real([MOE_CASE])
+    key = lambda c: (c.op, c.group, c.dtypes, () if c.op == "alltoall_base_" else c.shapes)  # noqa: E731
+    for rank in range(WORLD):
+        fake = dryrun.step(MOE_CASE, rank).collectives
+        assert any(c.op == "alltoall_base_" for c in fake)
+        assert [key(c) for c in fake] == [key(c) for c in real[rank][0]], rank

@@ -1,0 +1,24 @@
+"""Dry runs: rlflow's own code executed for one rank of a full-size world, on tensors without memory.
+
+Tensors live on the ``meta`` device (shapes and dtypes, no storage to fill) and torch.distributed runs its
+``fake`` backend over a world of the full size (every collective returns at once; torchtitan and PyTorch's own
+tests trace distributed programs the same way), so one process executes what a rank of 16 or 384 devices
+would: the same plans, buckets, packing, collectives, forwards, backwards and optimizer steps.
+
+    trace.py    ``Watch``: a dispatch mode recording each collective (op, group, shapes, dtypes) in issue order
+                and the live device bytes (their peak, per stage, after each plan step); ``fake_world``
+    values.py   ``Values``: the values of small meta tensors the step reads on the host (token counts, split
+                sizes), and ``Choices``, what the numbers would choose (balanced routing, responses' ends)
+    world.py    ``mismatched``: a world's traces checked against each other (a hang or corrupt weights)
+    run.py      ``transition`` (the allgather-swap alone) and ``step`` (one RL step of ``runtime.step``)
+
+See docs/dryrun.md.
+"""
+
+from rlflow.dryrun.run import DryFlow, StepCase, step, transition
+from rlflow.dryrun.trace import Collective, RankTrace, Watch, fake_world
+from rlflow.dryrun.values import Choices, Values
+from rlflow.dryrun.world import mismatched
+
+__all__ = ["Choices", "Collective", "DryFlow", "RankTrace", "StepCase", "Values", "Watch", "fake_world", "mismatched",
+           "step", "transition"]

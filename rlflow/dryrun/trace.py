@@ -1,0 +1,177 @@
+"""What one rank of a dry run did: its collectives in issue order and its live device bytes (``Watch``, a
+dispatch mode), in a fake world of the full size (``fake_world``)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from rlflow.sharding import dist as sdist
+
+META = torch.device("meta")
+P2P = ("send", "recv_")  # c10d's point-to-point ops: matched pairwise, not over a group
+OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective as a rank issued it."""
+    op: str
+    group: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    splits: tuple[tuple[int, ...], ...] = ()  # an all-to-all's (output, input) split sizes, one per group member
+    peer: int | None = None  # a send's destination, a receive's source (global rank)
+
+
+@dataclass
+class RankTrace:
+    """What one rank did: its collectives in issue order, its live device bytes' peak and after each step of the
+    plan, and the ledger's for the same."""
+    rank: int
+    collectives: list[Collective] = field(default_factory=list)
+    peak_bytes: int = 0
+    ledger_peak_bytes: int = 0
+    steps: list[int] = field(default_factory=list)  # live device bytes after each plan step
+    ledger_steps: list[int] = field(default_factory=list)
+    stage_peaks: dict[str, int] = field(default_factory=dict)  # the peak of live device bytes within each stage
+    unknown_reads: dict[str, int] = field(default_factory=dict)  # host reads of values no one knows, by call site
+
+    def ledger_gap(self) -> float:
+        """The largest |live - ledger| over the plan's steps, as a share of the ledger's peak."""
+        return max(abs(a - b) for a, b in zip(self.steps, self.ledger_steps)) / max(self.ledger_peak_bytes, 1)
+
+
+class Watch(TorchDispatchMode):
+    """Records c10d ops and the live bytes of the device tensors created or handed in (``hold``)."""
+
+    def __init__(self, trace: RankTrace):
+        super().__init__()
+        self.trace, self.live, self.host = trace, {}, set()
+        self.current: str | None = None
+        self.quiet = 0  # inside an object collective: its inner collectives are not recorded
+
+    def __enter__(self):
+        """Object collectives (pickled, their sizes data) are recorded as one entry each, by name and group,
+        and their inner collectives not: the same in a real run and in the fake world's stand-ins."""
+        self._objects = {n: getattr(dist, n) for n in OBJECT_COLLECTIVES}
+        for n, f in self._objects.items():
+            setattr(dist, n, self._noted(n, f))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for n, f in self._objects.items():
+            setattr(dist, n, f)
+        return super().__exit__(*exc)
+
+    def _noted(self, name: str, f):
+        def run(*args, group=None, **kwargs):
+            ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+            self.trace.collectives.append(Collective(name, ranks, (), ()))
+            self.quiet += 1
+            try:
+                return f(*args, group=group, **kwargs)
+            finally:
+                self.quiet -= 1
+        return run
+
+    def stage(self, name: str) -> None:
+        """From here on, live bytes count toward stage ``name``'s peak (it starts at what is live now)."""
+        self.current = name
+        self.trace.stage_peaks[name] = max(self.trace.stage_peaks.get(name, 0), self.live_bytes())
+
+    def hold(self, tensors, host: bool = False) -> None:
+        for t in tensors:
+            key = StorageWeakRef(t.untyped_storage())
+            (self.host.add(key) if host else self.live.setdefault(key, t.untyped_storage().nbytes()))
+
+    def live_bytes(self) -> int:
+        self.live = {k: n for k, n in self.live.items() if not k.expired()}
+        return sum(self.live.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace == "c10d" and not self.quiet:
+            tensors = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else [a])
+                       if isinstance(t, torch.Tensor)]
+            pg = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.ScriptObject)), None)
+            group = tuple(dist.get_process_group_ranks(dist.ProcessGroup.unbox(pg))) if pg is not None else ()
+            splits = tuple(tuple(a) for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], int))
+            op = func.__name__.split(".")[0]
+            peer = None
+            if op in P2P:  # (tensors, group, peer's rank in the group, tag)
+                peer = group[args[2]] if group else args[2]
+            self.trace.collectives.append(Collective(op, group, tuple(tuple(t.shape) for t in tensors),
+                                                     tuple(str(t.dtype) for t in tensors), splits, peer))
+        new = False
+        for t in (out if isinstance(out, (list, tuple)) else [out]):
+            if isinstance(t, torch.Tensor) and t.device == META:
+                key = StorageWeakRef(t.untyped_storage())
+                if key not in self.host and key not in self.live:
+                    self.live[key], new = t.untyped_storage().nbytes(), True
+        if new:  # the peak can only rise when memory is taken
+            live = self.live_bytes()
+            self.trace.peak_bytes = max(self.trace.peak_bytes, live)
+            if self.current is not None:
+                self.trace.stage_peaks[self.current] = max(self.trace.stage_peaks[self.current], live)
+        return out
+
+
+class _MetaHost:
+    """The dry run's host memory: swapped-out tensors land here (meta, and not counted as device bytes)."""
+
+    def __init__(self, watch: Watch):
+        self.watch = watch
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        with _disable_current_modes():  # made unseen: host memory, not the device's
+            h = torch.empty(t.shape, dtype=t.dtype, device=META)
+        self.watch.hold([h], host=True)
+        return h
+
+    def reserve(self, nbytes: int) -> None:  # ``HostArena``'s: nothing to make ready
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+@contextmanager
+def fake_world(rank: int, world: int):
+    """torch.distributed's ``fake`` backend as rank ``rank`` of ``world`` for the block (no peers, no memory)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        raise RuntimeError("fake_world: torch.distributed is initialised already in this process")
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
+    sdist.clear_groups()
+    real = {n: getattr(dist, n) for n in _OBJECTS}
+    for n in _OBJECTS:
+        setattr(dist, n, _OBJECTS[n])
+    try:
+        yield
+    finally:
+        for n, f in real.items():
+            setattr(dist, n, f)
+        sdist.clear_groups()
+        dist.destroy_process_group()
+
+
+def _broadcast_object_list(objects, src=None, group=None, device=None, group_src=None):
+    """Every peer alike: what a rank receives is what it holds (the fake world sends no bytes, and the
+    sizes it would receive first are garbage)."""
+
+
+def _all_gather_object(out, obj, group=None):
+    out[:] = [obj] * len(out)
+
+
+_OBJECTS = {"broadcast_object_list": _broadcast_object_list, "all_gather_object": _all_gather_object}
+
+
+__all__ = ["Collective", "META", "P2P", "RankTrace", "Watch", "_MetaHost", "fake_world"]
