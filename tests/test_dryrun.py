@@ -178,3 +178,58 @@ def test_the_dry_moe_step_issues_the_real_steps_collectives_but_for_the_routing(
         fake = dryrun.step(MOE_CASE, rank).collectives
         assert any(c.op == "alltoall_base_" for c in fake)
         assert [key(c) for c in fake] == [key(c) for c in real[rank][0]], rank
+
+
+def _real_peaks(rank: int, world: int, case, dock) -> tuple[dict, int]:
+    """The real step's peak of live CPU bytes per stage (the dry run's watch counting CPU tensors), and the bytes
+    of the train state a transition swaps out on an accelerator (on a CPU it stays where it is)."""
+    from rlflow.dryrun.run import _reward, _Text
+    from rlflow.models import decoder
+    from rlflow.models.config import get_config
+    from rlflow.parallel.context import shard_params
+    from rlflow.runtime import state as runstate, step as steps
+    from rlflow.runtime.placement import Colocated
+
+    cfg = get_config(case.model)
+    train, rollout = case.layouts()
+    ctx = steps.context(cfg, _Text(), _reward, case.loop_config(), dock=dock, placement=Colocated(train, rollout))
+    policy = shard_params(decoder.init_params(cfg, seed=0, dtype=torch.bfloat16), train, rank)
+    trace = dryrun.RankTrace(rank)
+    watch = dryrun.Watch(trace, device="cpu")
+    ctx = dryrun.staged(ctx, watch)
+    with watch:
+        watch.stage("state")
+        state = runstate.init(policy, None, kl=case.kl)
+        watch.hold([*policy.values()])
+        moved = sum(t.untyped_storage().nbytes() for t in [*state.policy.values(), *state.opt_state.m.values(),
+                                                             *state.opt_state.v.values(), *state.opt_state.master.values()])
+        del policy
+        watch.stage("transition")
+        steps.step(state, case.prompt_batch(cfg.vocab_size), ctx)
+        watch.stage("end")
+    return trace.stage_peaks, moved
+
+
+@pytest.mark.slow
+def test_the_dry_steps_memory_peaks_are_the_real_cpu_runs():
+    """Per stage, the peak of live bytes of the real step on 4 gloo processes (CPU tensors) is the dry run's
+    (meta tensors) within 1%. A CPU keeps the train state where it is while the engine generates (an
+    accelerator's transition swaps it out to the host): there, the real peak less the swapped state's bytes is
+    the dry run's. The transitions themselves (whose CPU runs swap nothing) are the ledger tests' above."""
+    from rlflow.dock.proc_backend import proc_dock
+    from rlflow.runtime.graph import GRPO
+    case = STEP_CASES[0]
+    n = case.prompts * case.group_size
+    dock = proc_dock(GRPO.schema, GRPO.consumers, capacity=n, warehouses=2, group_size=case.group_size)
+    try:
+        real = spawn(_real_peaks, WORLD, case, dock)
+    finally:
+        dock.close()
+    for rank in range(WORLD):
+        fake = dryrun.step(case, rank).stage_peaks
+        got, moved = real[rank]
+        assert set(got) == set(fake) and fake["update"] > fake["state"] > 0
+        for stage, want in fake.items():
+            if stage not in ("transition", "swap back"):
+                swapped = moved if stage == "generate" else 0
+                assert abs(got[stage] - swapped - want) <= 0.01 * want, (rank, stage, got[stage], swapped, want)

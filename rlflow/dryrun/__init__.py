@@ -15,10 +15,10 @@ would: the same plans, buckets, packing, collectives, forwards, backwards and op
 See docs/dryrun.md.
 """
 
-from rlflow.dryrun.run import DryFlow, StepCase, step, transition
+from rlflow.dryrun.run import DryFlow, StepCase, staged, step, transition
 from rlflow.dryrun.trace import Collective, RankTrace, Watch, fake_world
 from rlflow.dryrun.values import Choices, Values
 from rlflow.dryrun.world import mismatched
 
 __all__ = ["Choices", "Collective", "DryFlow", "RankTrace", "StepCase", "Values", "Watch", "fake_world", "mismatched",
-           "step", "transition"]
+           "staged", "step", "transition"]

@@ -173,6 +173,17 @@ def _marked(watch: Watch, name: str, fn):
     return run
 
 
+def staged(ctx, watch: Watch):
+    """``ctx`` (a ``runtime.step.StepContext``) with its stages' starts marked in ``watch`` (``Watch.stage``):
+    each stage of its graph by name, the engine's generation from its ``load`` and the swap back from its
+    ``release``. The caller marks the transition (the step's start)."""
+    graph = dataclasses.replace(ctx.graph, stages=tuple(
+        s if s.fn is None else dataclasses.replace(s, fn=_marked(watch, s.name, s.fn)) for s in ctx.graph.stages))
+    eng = ctx.engine
+    eng.load, eng.release = _marked(watch, "generate", eng.load), _marked(watch, "swap back", eng.release)
+    return dataclasses.replace(ctx, graph=graph)
+
+
 def step(case: StepCase, rank: int) -> RankTrace:
     """Rank ``rank``'s one RL step of ``case`` (``runtime.step.step``, colocated, GRPO) on meta tensors in a fake
     world of ``case.world``: the transition, generation (prefill and ``response_tokens`` draws), the swap back,
@@ -192,12 +203,8 @@ def step(case: StepCase, rank: int) -> RankTrace:
     with fake_world(rank, case.world), Values(choices) as values, _uploads(watch):
         ctx = steps.context(cfg, _Text(), _reward, case.loop_config(), device=META, dock=_NoDock(),
                             placement=Colocated(train, rollout))
-        graph = dataclasses.replace(ctx.graph, stages=tuple(
-            s if s.fn is None else dataclasses.replace(s, fn=_marked(watch, s.name, s.fn)) for s in ctx.graph.stages))
-        ctx = dataclasses.replace(ctx, graph=graph, flow=DryFlow(case.response_len))
+        ctx = dataclasses.replace(staged(ctx, watch), flow=DryFlow(case.response_len))
         ctx.weights.state.arena = _MetaHost(watch)
-        eng = ctx.engine
-        eng.load, eng.release = _marked(watch, "generate", eng.load), _marked(watch, "swap back", eng.release)
         with watch:
             watch.stage("state")
             policy = {p.name: torch.empty(p.local_shape(train.mesh), dtype=p.dtype, device=META)

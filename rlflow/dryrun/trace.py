@@ -48,11 +48,14 @@ class RankTrace:
 
 
 class Watch(TorchDispatchMode):
-    """Records c10d ops and the live bytes of the device tensors created or handed in (``hold``)."""
+    """Records c10d ops and the live bytes of the device tensors created or handed in (``hold``): those on
+    ``device`` (a device type: the dry run's ``meta``; a real run's ``cpu`` to compare with it)."""
 
-    def __init__(self, trace: RankTrace):
+    def __init__(self, trace: RankTrace, device: str = "meta"):
         super().__init__()
+        self.device = device
         self.trace, self.live, self.host = trace, {}, set()
+        self.total = 0  # the bytes of ``live``: an upper bound of what is alive (frees are found by a sweep)
         self.current: str | None = None
         self.quiet = 0  # inside an object collective: its inner collectives are not recorded
 
@@ -88,11 +91,18 @@ class Watch(TorchDispatchMode):
     def hold(self, tensors, host: bool = False) -> None:
         for t in tensors:
             key = StorageWeakRef(t.untyped_storage())
-            (self.host.add(key) if host else self.live.setdefault(key, t.untyped_storage().nbytes()))
+            if host:
+                self.host.add(key)
+            elif key not in self.live:
+                self.live[key] = t.untyped_storage().nbytes()
+                self.total += self.live[key]
 
     def live_bytes(self) -> int:
-        self.live = {k: n for k, n in self.live.items() if not k.expired()}
-        return sum(self.live.values())
+        """The device bytes alive now (a sweep of the storages seen: exact)."""
+        expired = torch.UntypedStorage._expired  # the C call itself: a sweep runs once per allocation near a peak
+        for k in [k for k in self.live if expired(k.cdata)]:
+            self.total -= self.live.pop(k)
+        return self.total
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -111,11 +121,15 @@ class Watch(TorchDispatchMode):
                                                      tuple(str(t.dtype) for t in tensors), splits, peer))
         new = False
         for t in (out if isinstance(out, (list, tuple)) else [out]):
-            if isinstance(t, torch.Tensor) and t.device == META:
+            if isinstance(t, torch.Tensor) and t.device.type == self.device:
                 key = StorageWeakRef(t.untyped_storage())
                 if key not in self.host and key not in self.live:
                     self.live[key], new = t.untyped_storage().nbytes(), True
-        if new:  # the peak can only rise when memory is taken
+                    self.total += self.live[key]
+        # the peak can only rise when memory is taken, and only past it when the upper bound is: the sweep
+        # (linear in the storages alive) runs then only
+        top = self.trace.peak_bytes if self.current is None else self.trace.stage_peaks[self.current]
+        if new and self.total > top:
             live = self.live_bytes()
             self.trace.peak_bytes = max(self.trace.peak_bytes, live)
             if self.current is not None:

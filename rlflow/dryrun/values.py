@@ -123,8 +123,7 @@ class Values(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat = tree_flatten((args, kwargs))[0]
-        metas = [t for t in flat if isinstance(t, torch.Tensor) and t.device == META]
+        metas = _metas(args, kwargs)
         if func in _READS and metas and _to_host(func, args, kwargs):
             return self._read(func, args, kwargs)
         if func.namespace == "c10d":
@@ -140,7 +139,7 @@ class Values(TorchDispatchMode):
             if not (known and metas):
                 raise
             out = None
-        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.device == META]
+        outs = _metas(out if isinstance(out, (list, tuple)) else (out,), {})
         if known and (out is None or (outs and all(o.numel() <= CAP for o in outs))):
             vout = func(*tree_map(_on_cpu(self), args), **tree_map(_on_cpu(self), kwargs))
             if out is None:
@@ -243,12 +242,29 @@ def _dim(func, args, kwargs) -> int:
     return d % max(args[0].dim(), 1)
 
 
-def _written(func, args, kwargs) -> list[torch.Tensor]:
+def _metas(args, kwargs) -> list[torch.Tensor]:
+    """The meta tensors among an op's arguments (a list of them counts: ``cat``, the collectives')."""
     out = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            v = args[i] if i < len(args) else kwargs.get(a.name)
-            out += [t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor)]
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            if a.device.type == "meta":
+                out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out += [t for t in a if isinstance(t, torch.Tensor) and t.device.type == "meta"]
+    return out
+
+
+_WRITES: dict = {}  # op -> its written arguments' (position, name)
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    if func not in _WRITES:
+        _WRITES[func] = [(i, a.name) for i, a in enumerate(func._schema.arguments)
+                         if a.alias_info is not None and a.alias_info.is_write]
+    out = []
+    for i, name in _WRITES[func]:
+        v = args[i] if i < len(args) else kwargs.get(name)
+        out += [t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor)]
     return out
 
 
