@@ -76,6 +76,7 @@ class StepCase:
     response_tokens: int = 4  # tokens each row samples before its EOS (the decode steps executed)
     micro_batch: int = 0  # samples per forward / backward (global); 0: one per data-parallel rank
     kl: bool = True  # a reference policy (its log-probs every step)
+    remat: bool = False  # the update's activation checkpointing (``LoopConfig.remat``)
     eos: int = 1
 
     def layouts(self):
@@ -94,7 +95,7 @@ class StepCase:
                           micro_batch_size=self.micro_batch or dp, optim=AdamWConfig(),
                           grpo=GRPOConfig(group_size=self.group_size, kl_coef=0.001 if self.kl else 0.0),
                           sampling=SamplingConfig(max_new_tokens=self.response_len, eos_id=self.eos),
-                          max_prompt_len=self.prompt_len)
+                          max_prompt_len=self.prompt_len, remat=self.remat)
 
     def prompt_batch(self, vocab: int) -> PromptBatch:
         """The step's prompts (on the CPU): ids 0, 1, .. (mod ``vocab``), every token real."""

@@ -3,6 +3,7 @@ dispatch mode), in a fake world of the full size (``fake_world``)."""
 
 from __future__ import annotations
 
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from rlflow.sharding import dist as sdist
 META = torch.device("meta")
 P2P = ("send", "recv_")  # c10d's point-to-point ops: matched pairwise, not over a group
 OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object")
+BIG = 1 << 26  # bytes: a storage this big is traced to the line that made it (``RankTrace.peak_sites``)
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class RankTrace:
     ledger_steps: list[int] = field(default_factory=list)
     stage_peaks: dict[str, int] = field(default_factory=dict)  # the peak of live device bytes within each stage
     unknown_reads: dict[str, int] = field(default_factory=dict)  # host reads of values no one knows, by call site
+    peak_stage: str | None = None  # the stage the peak was in
+    peak_sites: dict[str, int] = field(default_factory=dict)  # the bytes live at the peak by the line that made them
 
     def ledger_gap(self) -> float:
         """The largest |live - ledger| over the plan's steps, as a share of the ledger's peak."""
@@ -56,6 +60,7 @@ class Watch(TorchDispatchMode):
         self.device = device
         self.trace, self.live, self.host = trace, {}, set()
         self.total = 0  # the bytes of ``live``: an upper bound of what is alive (frees are found by a sweep)
+        self.sites: dict = {}  # storage -> the line that made it (the big ones)
         self.current: str | None = None
         self.quiet = 0  # inside an object collective: its inner collectives are not recorded
 
@@ -102,6 +107,7 @@ class Watch(TorchDispatchMode):
         expired = torch.UntypedStorage._expired  # the C call itself: a sweep runs once per allocation near a peak
         for k in [k for k in self.live if expired(k.cdata)]:
             self.total -= self.live.pop(k)
+            self.sites.pop(k, None)
         return self.total
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -126,15 +132,28 @@ class Watch(TorchDispatchMode):
                 if key not in self.host and key not in self.live:
                     self.live[key], new = t.untyped_storage().nbytes(), True
                     self.total += self.live[key]
+                    if self.live[key] >= BIG:
+                        self.sites[key] = _site()
         # the peak can only rise when memory is taken, and only past it when the upper bound is: the sweep
         # (linear in the storages alive) runs then only
         top = self.trace.peak_bytes if self.current is None else self.trace.stage_peaks[self.current]
         if new and self.total > top:
             live = self.live_bytes()
-            self.trace.peak_bytes = max(self.trace.peak_bytes, live)
+            if live > self.trace.peak_bytes:
+                self.trace.peak_bytes = live
+                self.trace.peak_stage = self.current
+                self.trace.peak_sites = self._by_site()
             if self.current is not None:
                 self.trace.stage_peaks[self.current] = max(self.trace.stage_peaks[self.current], live)
         return out
+
+    def _by_site(self) -> dict[str, int]:
+        """The live bytes by the line that made them (storages of ``BIG`` bytes and more; the rest as one)."""
+        out: dict[str, int] = {}
+        for k, n in self.live.items():
+            site = self.sites.get(k, f"under {BIG >> 20} MiB each")
+            out[site] = out.get(site, 0) + n
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 class _MetaHost:
@@ -174,6 +193,14 @@ def fake_world(rank: int, world: int):
             setattr(dist, n, f)
         sdist.clear_groups()
         dist.destroy_process_group()
+
+
+def _site() -> str:
+    """The innermost rlflow line outside the dry run on the stack."""
+    for f in reversed(traceback.extract_stack()):
+        if "/rlflow/" in f.filename and "/dryrun/" not in f.filename:
+            return f"{f.filename.rsplit('/rlflow/', 1)[1]}:{f.lineno}"
+    return "?"
 
 
 def _broadcast_object_list(objects, src=None, group=None, device=None, group_src=None):

@@ -23,7 +23,6 @@ check passes) and is counted per call site (``unknown_reads``): a read that stee
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +31,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
+
+from rlflow.dryrun.trace import _site
 
 META, CPU = torch.device("meta"), torch.device("cpu")
 CAP = 1 << 22  # elements: the largest value kept (an int64 [64, 65536] is 32 MB)
@@ -266,14 +267,6 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
         v = args[i] if i < len(args) else kwargs.get(name)
         out += [t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor)]
     return out
-
-
-def _site() -> str:
-    """The innermost rlflow frame outside the dry run: where a host read happened."""
-    for f in reversed(traceback.extract_stack()):
-        if "/rlflow/" in f.filename and "/dryrun/" not in f.filename:
-            return f"{f.filename.rsplit('/rlflow/', 1)[1]}:{f.lineno}"
-    return "?"
 
 
 __all__ = ["CAP", "Choices", "Values"]

@@ -112,6 +112,9 @@ class Recipe:
                                     "experts differ from the rollout's); on (R3: the old log-probs and the update "
                                     "route each token to the rollout's experts)")
     max_grad_norm: float = _f(1.0, "clip the global gradient norm to this")
+    remat: bool = _f(False, "activation checkpointing: the update's backward recomputes each layer's activations "
+                            "from its input instead of keeping them (longer micro-batches per device for about a "
+                            "third more compute)")
     weight_decay: float = _f(0.0, "AdamW weight decay (matrices only)")
     temperature: float = _f(1.0, "sampling temperature")
     top_p: float = _f(1.0, "nucleus sampling")

@@ -104,7 +104,7 @@ def loop_config(r: Recipe, eos_id: int, pad_id: int) -> LoopConfig:
         steps=r.steps, prompts_per_step=r.prompts_per_step, mini_batch_size=mini,
         micro_batch_size=r.micro_batch_size or mini,
         grpo=grpo_config(r), optim=ocfg,
-        max_grad_norm=r.max_grad_norm,
+        max_grad_norm=r.max_grad_norm, remat=r.remat,
         sampling=sampling_config(r, eos_id, pad_id),
         max_prompt_len=r.max_prompt_len, warmup_lr_steps=r.warmup_lr_steps, lr_schedule=r.lr_schedule,
         min_lr_ratio=r.min_lr_ratio, seed=r.seed,

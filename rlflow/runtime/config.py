@@ -25,6 +25,7 @@ class LoopConfig:
     optim: optim.AdamWConfig
     sampling: SamplingConfig
     max_grad_norm: float = 1.0
+    remat: bool = False  # the updates' backward recomputes each layer's activations (activation checkpointing)
     router_aux_coef: float = 0.0
     max_prompt_len: int | None = None
     warmup_lr_steps: int = 0  # linear LR warm-up over this many steps

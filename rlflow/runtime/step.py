@@ -152,7 +152,7 @@ def context(cfg: ModelConfig, tokenizer, reward_fn, conf: LoopConfig, *, device:
                                                       timeout=conf.dock_timeout_s, clears=pool != "rollout")
     ucfg = stages.UpdateConfig(mini_batch_size=conf.mini_batch_size // nd, micro_batch_size=conf.micro_batch_size // nd,
                                max_grad_norm=conf.max_grad_norm, router_aux_coef=conf.router_aux_coef,
-                               layout=where.train, routing_replay=conf.routing_replay)
+                               layout=where.train, routing_replay=conf.routing_replay, remat=conf.remat)
     # a multi-turn context grows by its turns and observations: up to the model's positions
     max_len = cfg.max_position_embeddings if conf.multiturn is not None else \
         (conf.max_prompt_len or cfg.max_position_embeddings) + conf.sampling.max_new_tokens
