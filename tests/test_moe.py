@@ -37,6 +37,21 @@ def test_expert_paths_equal_the_per_tokenmoe_reference(path, N, E, K, skew, seed
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("path", ["grouped_mm", "loop"])
+def test_no_token_at_all_is_an_empty_block_with_zero_gradients(path):
+    """An ep rank whose experts no token chose (few tokens, a decode step) runs its experts on nothing: an empty
+    output, and zero gradients for its experts (not an error, nor a missing gradient)."""
+    D, Fd, E, K = 8, 4, 4, 2
+    gate_up, down = torch.randn(E, 2 * Fd, D, requires_grad=True), torch.randn(E, D, Fd, requires_grad=True)
+    x, w = torch.randn(0, D, requires_grad=True), torch.ones(0, K)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe, "_grouped_mm_ok", lambda *_: path == "grouped_mm")
+        y = moe.moe_experts_reference(x, w, torch.zeros(0, K, dtype=torch.long), gate_up, down)
+    assert y.shape == (0, D)
+    y.sum().backward()
+    assert torch.equal(gate_up.grad, torch.zeros_like(gate_up)) and torch.equal(down.grad, torch.zeros_like(down))
+
+
 def test_grouped_gemm_only_where_its_alignment_holds():
     x = torch.randn(4, 8)
     assert moe._grouped_mm_ok(x, torch.randn(2, 8, 4))

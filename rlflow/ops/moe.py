@@ -191,8 +191,8 @@ def _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, fused_f32=None):
         counts = counts.tolist()
         outs = []
         for e, xe in enumerate(torch.split(xs, counts)):  # split, not slices: its backward is one cat
-            if counts[e]:
-                g, u = F.linear(xe, gate_up_E2FD[e]).chunk(2, dim=-1)
+            if counts[e] or (e == E - 1 and not outs):  # no token at all (an ep rank whose experts none chose):
+                g, u = F.linear(xe, gate_up_E2FD[e]).chunk(2, dim=-1)  # an empty block, zero gradients
                 outs.append(F.linear(F.silu(g) * u, down_EDF[e]))
         ys = torch.cat(outs)
     return torch.zeros_like(x_ND).index_add_(0, tok, ys * w_sorted[:, None])
