@@ -1,15 +1,20 @@
-"""The full-size step without the hardware (issue 44): rlflow's code executed for every rank class of a full-size
-world on meta tensors in torch's fake world (``rlflow/dryrun.py``). Built so far: the transition into the
-rollout layout (the allgather-swap, the train state swapped out); the engine's prefill and decode, the swap
-back and the update are not yet (docs/dryrun.md).
+"""The full-size step without the hardware (issue 44): rlflow's code executed for the ranks of a full-size world on
+meta tensors in torch's fake world (``rlflow/dryrun/``).
 
-Per case: each rank class (ranks alike in every coordinate but dp, one run each; all ranks where the world
-check needs them) executed alone; its live device bytes after every plan step against the plan's ledger; every
-group's members' collectives compared (``dryrun.mismatched``); the largest rank's peak against an H200 (141 GB)
-and an Ascend 910B (64 GB). Last line: one JSON object with ``cases``.
+Per case:
+- **the step** (``dryrun.step``: ``runtime.step.step`` itself, colocated GRPO: the transition, prefill and
+  ``response_tokens`` decode steps of the built-in engine, the swap back, scoring, the dock, the reference
+  log-probs, the update and its AdamW step) for one rank of each *shape class* (ranks whose shards have the same
+  shapes in both layouts: the same pipeline stages; under balanced routing they run the same shapes): its peak
+  of live device bytes per stage;
+- **the transition** (``dryrun.transition``) for every rank (cheap): its live bytes after every plan step
+  against the plan's ledger, and every group's members' collectives compared (``dryrun.mismatched``);
+- ``--world-check``: the step for every rank too, its collectives compared over the world (minutes per rank).
 
-    python bench/dryrun.py                       # Qwen3-30B-A3B and Qwen2.5-32B on 16 devices
-    python bench/dryrun.py --cases v3            # DeepSeek-V3-671B on 384 (rank classes only)
+The largest peak against an H200 (141 GB) and an Ascend 910B (64 GB). Last line: one JSON object with ``cases``.
+
+    python bench/dryrun.py                          # the three cases
+    python bench/dryrun.py --cases qwen3-30b --world-check
 """
 
 from __future__ import annotations
@@ -21,57 +26,74 @@ import time
 import torch
 
 H200, ASCEND_910B = 141e9, 64e9
-# (model, world, train layout, rollout layout): bench/pools_projection.py's colocated layouts, and a dense one
-CASES = {"qwen3-30b": ("qwen3-moe-30b-a3b", 16, "ep=8,dp=2", "tp=4,dp=4"),
-         "qwen2.5-32b": ("qwen2.5-32b", 16, "pp=2,tp=8", "tp=4,dp=4"),
-         "v3": ("deepseek-r1-671b", 384, "pp=8,ep=16,dp=3", "ep=32,tp=2,dp=6")}
+# bench/pools_projection.py's colocated layouts (and a dense one). The rows per step are fewer than the paper's
+# (the dry run's time grows with the micro-batches a rank runs; a peak does not): prompts x group rows
+CASES = {
+    "qwen3-30b": dict(model="qwen3-moe-30b-a3b", world=16, train="ep=8,dp=2", rollout="tp=4,dp=4", prompts=16,
+                      group_size=8, prompt_len=512, response_len=2048),
+    "qwen2.5-32b": dict(model="qwen2.5-32b", world=16, train="pp=2,tp=8", rollout="tp=4,dp=4", prompts=16,
+                        group_size=2, prompt_len=512, response_len=2048, micro_batch=4),
+    "v3": dict(model="deepseek-r1-671b", world=384, train="pp=8,ep=16,dp=3", rollout="ep=32,tp=2,dp=6", prompts=384,
+               group_size=2, prompt_len=1024, response_len=4096, micro_batch=96),
+}
 
 
-def rank_classes(train, rollout) -> list[int]:
-    """One rank per distinct (train coordinates but dp, rollout coordinates but dp)."""
-    seen, out = set(), []
+def shape_classes(train, rollout) -> list[int]:
+    """One rank per (train pipeline stage, rollout pipeline stage): layouts split every dim evenly, so those ranks'
+    shards have the same shapes."""
+    seen: dict = {}
     for r in range(train.mesh.size):
-        key = tuple((k, v) for m in (train.mesh, rollout.mesh) for k, v in m.coords(r).items() if k != "dp")
-        if key not in seen:
-            seen.add(key)
-            out.append(r)
-    return out
+        seen.setdefault((train.mesh.coords(r)["pp"], rollout.mesh.coords(r)["pp"]), r)
+    return list(seen.values())
 
 
-def run_case(name: str, every_rank: bool) -> dict:
+def run_case(name: str, world_check: bool) -> dict:
     from rlflow import dryrun
-    from rlflow.models.sharding import layout
-    from rlflow.sharding.mesh import Mesh
 
-    model, world, train_spec, rollout_spec = CASES[name]
+    case = dryrun.StepCase(**CASES[name])
     t0 = time.perf_counter()
-    train = layout(model, Mesh.parse(train_spec, world), dtype=torch.bfloat16)
-    rollout = layout(model, Mesh.parse(rollout_spec, world), dtype=torch.bfloat16)
-    classes = rank_classes(train, rollout)
-    ranks = range(world) if every_rank or len(classes) == world else classes
-    traces = [dryrun.transition(train, rollout, r) for r in ranks]
-    bad = dryrun.mismatched(traces) if len(traces) == world else None
-    peak = max(t.peak_bytes for t in traces)
-    gap = max(t.ledger_gap() for t in traces)
+    train, rollout = case.layouts()
+    moves = [dryrun.transition(train, rollout, r) for r in range(case.world)]
+    classes = shape_classes(train, rollout)
+    ranks = range(case.world) if world_check else classes
+    steps = []
+    for r in ranks:
+        t = time.perf_counter()
+        steps.append(dryrun.step(case, r))
+        print(f"  rank {r}: the step in {time.perf_counter() - t:.0f} s, peak {steps[-1].peak_bytes / 1e9:.2f} GB",
+              flush=True)
+    peak = max(t.peak_bytes for t in steps + moves)
+    stages = {s: max(t.stage_peaks.get(s, 0) for t in steps) for s in steps[0].stage_peaks}
+    bad = dryrun.mismatched(moves) + (dryrun.mismatched(steps) if world_check else [])
+    unknown = sorted({k for t in steps for k in t.unknown_reads})
     secs = time.perf_counter() - t0
-    print(f"{model} on {world}: train {train.mesh} -> rollout {rollout.mesh}, the transition: {len(traces)} ranks "
-          f"executed ({len(classes)} classes), {sum(len(t.collectives) for t in traces)} collectives; largest peak "
-          f"{peak / 1e9:.2f} GB (ledger {max(t.ledger_peak_bytes for t in traces) / 1e9:.2f} GB, live bytes within "
-          f"{gap:.1%} of it at every step); collectives "
-          f"{'not checked (rank classes only)' if bad is None else 'matched' if not bad else bad[:3]}; "
-          f"fits H200 {peak <= H200}, 910B {peak <= ASCEND_910B}; {secs:.1f} s", flush=True)
-    return {"model": model, "world": world, "train": str(train.mesh), "rollout": str(rollout.mesh),
-            "stages": ["transition"], "rank_classes": len(classes), "ranks_executed": len(traces),
-            "peak_bytes_max": peak, "ledger_bytes_max": max(t.ledger_peak_bytes for t in traces),
-            "ledger_gap_max": gap, "fits_h200": peak <= H200, "fits_910b": peak <= ASCEND_910B,
-            "collectives_matched": None if bad is None else not bad, "seconds": round(secs, 1)}
+    print(f"{case.model} on {case.world}: train {train.mesh} -> rollout {rollout.mesh}; {case.prompts} prompts x "
+          f"{case.group_size}, {case.prompt_len} + {case.response_len} tokens; the step for "
+          f"{'every rank' if world_check else f'{len(classes)} shape classes'}, the transition for every rank: "
+          f"largest peak {peak / 1e9:.2f} GB (per stage: "
+          f"{', '.join(f'{s} {b / 1e9:.2f}' for s, b in stages.items())}); transition ledger "
+          f"{max(t.ledger_peak_bytes for t in moves) / 1e9:.2f} GB, live bytes within "
+          f"{max(t.ledger_gap() for t in moves):.1%} of it at every step; collectives "
+          f"{'matched' if not bad else bad[:3]} ({'step and transition' if world_check else 'transition'}); host reads "
+          f"of unknown values at {unknown}; fits H200 {peak <= H200}, 910B {peak <= ASCEND_910B}; {secs:.0f} s",
+          flush=True)
+    return {"model": case.model, "world": case.world, "train": str(train.mesh), "rollout": str(rollout.mesh),
+            "rows": case.prompts * case.group_size, "tokens": [case.prompt_len, case.response_len],
+            "rank_classes": len(classes), "ranks_stepped": len(steps), "stage_peaks": stages,
+            "peak_bytes_max": peak, "ledger_bytes_max": max(t.ledger_peak_bytes for t in moves),
+            "ledger_gap_max": max(t.ledger_gap() for t in moves), "fits_h200": peak <= H200,
+            "fits_910b": peak <= ASCEND_910B, "collectives_matched": not bad,
+            "collectives_checked": "step and transition" if world_check else "transition",
+            "unknown_reads": unknown, "seconds": round(secs)}
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", nargs="+", default=["qwen3-30b", "qwen2.5-32b"], choices=sorted(CASES))
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=sorted(CASES))
+    ap.add_argument("--world-check", action="store_true", help="the step for every rank, its collectives compared")
     a = ap.parse_args(argv)
-    out = {"cases": [run_case(c, every_rank=CASES[c][1] <= 64) for c in a.cases]}
+    torch.set_num_threads(1)
+    out = {"cases": [run_case(c, a.world_check) for c in a.cases]}
     print(json.dumps(out))
     return out
 

@@ -244,3 +244,29 @@ def test_activation_checkpointing_reaches_the_update_and_lowers_its_peak():
     kept, remat = (dryrun.step(dataclasses.replace(case, remat=r), 0).stage_peaks for r in (False, True))
     assert remat["update"] - remat["state"] < 0.6 * (kept["update"] - kept["state"]), (kept, remat)
     assert {k: v for k, v in remat.items() if k != "update"} == {k: v for k, v in kept.items() if k != "update"}
+
+
+@pytest.mark.parametrize("H, K, dv, masked", [(4, 4, 16, True), (8, 2, 16, True), (4, 4, 8, True), (8, 2, 16, False)])
+def test_meta_attention_is_the_memory_efficient_kernels(H, K, dv, masked):
+    """On meta tensors attention runs the memory-efficient kernel an accelerator's SDPA runs (``ops/backends/
+    meta.py``): the reference's output shape (grouped heads, MLA's narrower values, a mask or causal), and a
+    forward and backward that keep per layer the output and a log-sum-exp, not SDPA's math path's [B, H, T, S]
+    scores (the reference on meta: what a CPU would do)."""
+    from rlflow.ops import attention
+    from rlflow.ops.attention import attention_reference
+    B, T, d = 2, 512, 16
+
+    def peak(fn):
+        trace = dryrun.RankTrace(0)
+        with dryrun.Watch(trace):
+            q = torch.empty(B, H, T, d, device="meta", dtype=torch.bfloat16, requires_grad=True)
+            k = torch.empty(B, K, T, d, device="meta", dtype=torch.bfloat16, requires_grad=True)
+            v = torch.empty(B, K, T, dv, device="meta", dtype=torch.bfloat16, requires_grad=True)
+            mask = torch.ones(B, 1, T, T, device="meta", dtype=torch.bool) if masked else None
+            out = fn(q, k, v, mask, is_causal=True)
+            assert out.shape == (B, H, T, dv)
+            out.sum().backward()
+        return trace.peak_bytes
+    scores = B * H * T * T * 2
+    fused, reference = peak(attention), peak(attention_reference)
+    assert reference > scores and fused < reference - scores / 2, (fused, reference, scores)

@@ -2,7 +2,8 @@
 
 Each op of ``rlflow.ops`` (``rmsnorm``, ``attention``, ``moe_experts``, ...) has a plain torch reference,
 defined next to it and registered with ``reference``; a backend (``rlflow/ops/backends/<kind>.py``) may
-register a fused implementation of it for its device kind (``cpu``, ``cuda``, ``npu``) with ``fused``.
+register a fused implementation of it for its device kind (``cpu``, ``cuda``, ``npu``; ``meta``: what an
+accelerator's kernel computes, in shapes and memory, for dry runs) with ``fused``.
 An op asks ``run(name, device, *args)``: the fused entry for ``device.type`` if there is one and it takes
 these arguments, else None, and the op computes its reference. A fused entry returns None where it does
 not apply (dtype, shapes, its kernels unavailable, inside torch.compile), so the reference is always
@@ -19,7 +20,7 @@ from typing import Callable
 
 import torch
 
-KINDS = ("cpu", "cuda", "npu")
+KINDS = ("cpu", "cuda", "npu", "meta")  # meta: dry runs, an accelerator's kernels in shapes and memory
 _BACKENDS = {kind: f"rlflow.ops.backends.{kind}" for kind in KINDS}
 _fused: dict[str, dict[str, Callable]] = {}
 _reference: dict[str, Callable] = {}
@@ -58,7 +59,7 @@ def _import_backend(kind: str) -> None:
 
 def lookup(name: str, kind: str) -> Callable | None:
     """Op ``name``'s fused entry for device ``kind`` (None: none registered, or an unknown kind such as
-    ``meta``: the reference runs)."""
+    ``mps``: the reference runs)."""
     if kind not in _BACKENDS:
         return None
     _import_backend(kind)

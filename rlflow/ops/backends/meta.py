@@ -1,0 +1,37 @@
+"""Meta tensors (dry runs, ``rlflow/dryrun/``): the computation an accelerator's kernels do, in shapes and memory.
+
+On meta tensors the references take the paths torch picks for a device it knows nothing of, which are not an
+accelerator's: SDPA's math path builds the whole [B, H, T, S] scores and keeps them for the backward (2.5 TB
+for a DeepSeek-V3 micro-batch of 2 x 5120 tokens), where a GPU's memory-efficient kernel (the one SDPA runs
+with a mask) keeps the output and a log-sum-exp per query. These entries run those kernels' own aten ops,
+whose meta implementations give the outputs, and the tensors autograd saves, an accelerator's shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rlflow.ops import registry
+from rlflow.ops.attention import fused_kernel_heads
+
+
+@registry.fused("attention", "meta")
+def attention(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | None, *, is_causal: bool = False,
+              scale: float | None = None) -> Tensor | None:
+    """SDPA's memory-efficient kernel, as CUDA's SDPA runs it for a mask or causal attention: the keys and
+    values repeated to the query heads where they are grouped (``fused_kernel_heads``), a boolean mask as an
+    additive bias of the query's dtype. A decode step (one query) takes the reference's matmuls, as on a GPU."""
+    B, H, T, _ = q_BHTd.shape
+    if T == 1 and mask_B1TS is not None:
+        return None
+    k, v, gqa = fused_kernel_heads(q_BHTd, k_BKSd, v_BKSd, mask_B1TS)
+    if gqa:  # grouped heads without a mask: flash attention takes them as they are; the same memory
+        k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
+    bias = None
+    if mask_B1TS is not None:
+        bias = torch.zeros(mask_B1TS.shape, dtype=q_BHTd.dtype, device=q_BHTd.device).masked_fill_(
+            ~mask_B1TS, float("-inf")).expand(B, H, T, k.shape[2])
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_BHTd, k, v))
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        q_BHTd, k, v, bias, grad, 0.0, is_causal and mask_B1TS is None, scale=scale)[0]
