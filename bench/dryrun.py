@@ -26,15 +26,16 @@ import time
 import torch
 
 H200, ASCEND_910B = 141e9, 64e9
-# bench/pools_projection.py's colocated layouts (and a dense one). The rows per step are fewer than the paper's
-# (the dry run's time grows with the micro-batches a rank runs; a peak does not): prompts x group rows
+# bench/pools_projection.py's colocated layouts (and a dense one), the update with activation checkpointing
+# (--remat). The rows per step are fewer than the paper's (the dry run's time grows with the micro-batches a rank
+# runs; a peak does not): prompts x group rows
 CASES = {
     "qwen3-30b": dict(model="qwen3-moe-30b-a3b", world=16, train="ep=8,dp=2", rollout="tp=4,dp=4", prompts=16,
-                      group_size=8, prompt_len=512, response_len=2048),
+                      group_size=8, prompt_len=512, response_len=2048, remat=True),
     "qwen2.5-32b": dict(model="qwen2.5-32b", world=16, train="pp=2,tp=8", rollout="tp=4,dp=4", prompts=16,
-                        group_size=2, prompt_len=512, response_len=2048, micro_batch=4),
+                        group_size=2, prompt_len=512, response_len=2048, micro_batch=4, remat=True),
     "v3": dict(model="deepseek-r1-671b", world=384, train="pp=8,ep=16,dp=3", rollout="ep=32,tp=2,dp=6", prompts=384,
-               group_size=2, prompt_len=1024, response_len=4096, micro_batch=96),
+               group_size=2, prompt_len=1024, response_len=4096, micro_batch=96, remat=True),
 }
 
 
@@ -68,7 +69,7 @@ def run_case(name: str, world_check: bool) -> dict:
     unknown = sorted({k for t in steps for k in t.unknown_reads})
     secs = time.perf_counter() - t0
     print(f"{case.model} on {case.world}: train {train.mesh} -> rollout {rollout.mesh}; {case.prompts} prompts x "
-          f"{case.group_size}, {case.prompt_len} + {case.response_len} tokens; the step for "
+          f"{case.group_size}, {case.prompt_len} + {case.response_len} tokens, remat {case.remat}; the step for "
           f"{'every rank' if world_check else f'{len(classes)} shape classes'}, the transition for every rank: "
           f"largest peak {peak / 1e9:.2f} GB (per stage: "
           f"{', '.join(f'{s} {b / 1e9:.2f}' for s, b in stages.items())}); transition ledger "
@@ -78,7 +79,7 @@ def run_case(name: str, world_check: bool) -> dict:
           f"of unknown values at {unknown}; fits H200 {peak <= H200}, 910B {peak <= ASCEND_910B}; {secs:.0f} s",
           flush=True)
     return {"model": case.model, "world": case.world, "train": str(train.mesh), "rollout": str(rollout.mesh),
-            "rows": case.prompts * case.group_size, "tokens": [case.prompt_len, case.response_len],
+            "rows": case.prompts * case.group_size, "tokens": [case.prompt_len, case.response_len], "remat": case.remat,
             "rank_classes": len(classes), "ranks_stepped": len(steps), "stage_peaks": stages,
             "peak_bytes_max": peak, "ledger_bytes_max": max(t.ledger_peak_bytes for t in moves),
             "ledger_gap_max": max(t.ledger_gap() for t in moves), "fits_h200": peak <= H200,

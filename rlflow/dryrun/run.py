@@ -18,7 +18,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from rlflow.batch import PromptBatch, RolloutBatch
-from rlflow.dryrun.trace import META, RankTrace, Watch, _MetaHost, fake_world
+from rlflow.dryrun.trace import META, MetaHost, RankTrace, Watch, fake_world
 from rlflow.dryrun.values import Choices, Values
 from rlflow.optim import AdamWState
 from rlflow.sharding import dist as sdist, execute
@@ -51,7 +51,7 @@ def transition(train, rollout, rank: int, *, state: StateBytes = StateBytes(grad
         watch.hold(held)
         del held
         st = TrainState(optim=optim)
-        st.arena = _MetaHost(watch)
+        st.arena = MetaHost(watch)
         del optim
         out = sdist.execute(plan, shards, st, device=META, on_step=lambda i: trace.steps.append(watch.live_bytes()))
         trace.peak_bytes = max(trace.peak_bytes, watch.live_bytes())
@@ -205,7 +205,7 @@ def step(case: StepCase, rank: int) -> RankTrace:
         ctx = steps.context(cfg, _Text(), _reward, case.loop_config(), device=META, dock=_NoDock(),
                             placement=Colocated(train, rollout))
         ctx = dataclasses.replace(staged(ctx, watch), flow=DryFlow(case.response_len))
-        ctx.weights.state.arena = _MetaHost(watch)
+        ctx.weights.state.arena = MetaHost(watch)
         with watch:
             watch.stage("state")
             policy = {p.name: torch.empty(p.local_shape(train.mesh), dtype=p.dtype, device=META)

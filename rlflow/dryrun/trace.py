@@ -133,7 +133,7 @@ class Watch(TorchDispatchMode):
                     self.live[key], new = t.untyped_storage().nbytes(), True
                     self.total += self.live[key]
                     if self.live[key] >= BIG:
-                        self.sites[key] = _site()
+                        self.sites[key] = call_site()
         # the peak can only rise when memory is taken, and only past it when the upper bound is: the sweep
         # (linear in the storages alive) runs then only
         top = self.trace.peak_bytes if self.current is None else self.trace.stage_peaks[self.current]
@@ -156,7 +156,7 @@ class Watch(TorchDispatchMode):
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-class _MetaHost:
+class MetaHost:
     """The dry run's host memory: swapped-out tensors land here (meta, and not counted as device bytes)."""
 
     def __init__(self, watch: Watch):
@@ -195,7 +195,7 @@ def fake_world(rank: int, world: int):
         dist.destroy_process_group()
 
 
-def _site() -> str:
+def call_site() -> str:
     """The innermost rlflow line outside the dry run on the stack."""
     for f in reversed(traceback.extract_stack()):
         if "/rlflow/" in f.filename and "/dryrun/" not in f.filename:
@@ -215,4 +215,4 @@ def _all_gather_object(out, obj, group=None):
 _OBJECTS = {"broadcast_object_list": _broadcast_object_list, "all_gather_object": _all_gather_object}
 
 
-__all__ = ["Collective", "META", "P2P", "RankTrace", "Watch", "_MetaHost", "fake_world"]
+__all__ = ["BIG", "Collective", "META", "MetaHost", "P2P", "RankTrace", "Watch", "call_site", "fake_world"]

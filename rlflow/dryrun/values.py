@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from rlflow.dryrun.trace import _site
+from rlflow.dryrun.trace import call_site
 
 META, CPU = torch.device("meta"), torch.device("cpu")
 CAP = 1 << 22  # elements: the largest value kept (an int64 [64, 65536] is 32 MB)
@@ -114,7 +114,8 @@ class Values(TorchDispatchMode):
         src = args[1] if func is aten.copy_.default else args[0]
         v = self.value(src)
         if v is None:
-            self.unknown_reads[_site()] = self.unknown_reads.get(_site(), 0) + 1
+            site = call_site()
+            self.unknown_reads[site] = self.unknown_reads.get(site, 0) + 1
             v = torch.full(src.shape, True if src.dtype == torch.bool else self.unknown, dtype=src.dtype)
         if func is aten._local_scalar_dense.default:
             return v.item()
