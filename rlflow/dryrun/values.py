@@ -2,8 +2,8 @@
 real, how many rows each expert gets, the all-to-all's split sizes, a response's end). ``Values`` is a dispatch
 mode that gives small meta tensors a *value*, a CPU tensor computed alongside by the same op:
 
-- what the dry run hands in has one (``give``: the prompts' ids and masks), and factory ops (``arange``,
-  ``zeros``, ``full``) on the meta device get theirs;
+- a CPU tensor copied to the meta device keeps its own (the prompts' ids and masks), and factory ops
+  (``arange``, ``zeros``, ``full``) on the meta device get theirs; uninitialised memory (``empty``) has none;
 - an op whose meta inputs all have values gets its outputs' values by running on them (``argsort``, ``bincount``,
   ``nonzero``, ``index_add_``; an op whose output shape depends on the data, ``nonzero`` among them, takes its
   meta output's shape from the value's); outputs over ``CAP`` elements get none (activations, masks [B, T, T]);
@@ -85,14 +85,6 @@ class Values(TorchDispatchMode):
         self._v = WeakTensorKeyDictionary()
         self._poisoned: dict[StorageWeakRef, bool] = {}
         self.unknown_reads: dict[str, int] = {}  # call site -> count
-
-    def give(self, t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """``t`` (meta) has value ``value`` (CPU, its shape)."""
-        if tuple(value.shape) != tuple(t.shape):
-            raise ValueError(f"Values.give: a value of shape {tuple(value.shape)} for a tensor of {tuple(t.shape)}")
-        self._v[t] = value.to(t.dtype)
-        self._poisoned.pop(StorageWeakRef(t.untyped_storage()), None)
-        return t
 
     def value(self, t):
         """The value of meta tensor ``t``, or None (unknown, or its storage written by an op no value follows)."""
