@@ -130,7 +130,7 @@ class DryFlow:
         self.response_len = response_len
 
     def begin(self, prompts: PromptBatch, group_size: int, slot: int | None = None) -> None:
-        self.n = prompts.size * group_size
+        self.n, self.G = prompts.size * group_size, group_size
 
     def put_rows(self, rows: RolloutBatch, **cols: torch.Tensor) -> None:
         self.rows, self.cols = rows, cols
@@ -143,7 +143,8 @@ class DryFlow:
         full = {k: torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, pad))
                 for k, v in rows.tensors().items() if k.endswith(("_BTr", "_BTrMK"))}
         full["response_mask_BTr"] = torch.ones(n, self.response_len, dtype=torch.bool, device=META)
-        rows = rows.replace(**full, index_B=torch.arange(n, device=META), group_B=torch.arange(n, device=META) // 1)
+        index = torch.arange(n, device=META)  # the picked rows come in whole groups of G: row i is of prompt i // G
+        rows = rows.replace(**full, index_B=index, group_B=index // self.G)
         return rows, {c: self.cols[c][pick] for c in columns if c in self.cols}
 
     def end(self) -> None:
