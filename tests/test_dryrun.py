@@ -106,7 +106,7 @@ def test_the_world_check_pairs_each_send_with_its_receive():
 
 
 # ---- the whole step ----
-# every response at full length in both runs (an EOS id no one samples: the vocabulary's size), so the real rows
+# every response at full length in both runs (an EOS id beyond the vocabulary: no one samples it), so the real rows
 # have the dry run's shapes; dense models, whose collectives do not depend on the routing
 STEP_CASES = [dryrun.StepCase("llama-tiny", WORLD, "tp=2,dp=2", "dp=4", prompts=4, group_size=2, prompt_len=6,
                               response_len=5, response_tokens=5, eos=256),
