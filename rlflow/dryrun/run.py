@@ -28,6 +28,13 @@ from rlflow.sharding.mesh import Mesh
 from rlflow.sharding.plan import allgather_swap
 
 
+def meta_shards(layout, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s shards of ``layout`` (those of its pipeline stage) as meta tensors."""
+    stage = layout.mesh.coords(rank)["pp"]
+    return {p.name: torch.empty(p.local_shape(layout.mesh), dtype=p.dtype, device=META)
+            for p in layout.params if p.stage == stage}
+
+
 def transition(train, rollout, rank: int, *, state: StateBytes = StateBytes(grad_bytes=0, optim_bytes=12)
                ) -> RankTrace:
     """Rank ``rank``'s allgather-swap from layout ``train`` to ``rollout`` (``runtime.weights``' forward way) on
@@ -37,10 +44,8 @@ def transition(train, rollout, rank: int, *, state: StateBytes = StateBytes(grad
     plan = allgather_swap(train, rollout)
     led = ledger(plan, state)
     trace = RankTrace(rank, ledger_peak_bytes=int(led.peak[rank]), ledger_steps=led.total[1:, rank].tolist())
-    stage = train.mesh.coords(rank)["pp"]
     with fake_world(rank, train.mesh.size), Watch(trace) as watch:
-        shards = {p.name: torch.empty(p.local_shape(train.mesh), dtype=p.dtype, device=META)
-                  for p in train.params if p.stage == stage}
+        shards = meta_shards(train, rank)
         optim = None
         if state.optim_bytes:
             f32 = lambda: {n: torch.empty(t.shape, dtype=torch.float32, device=META)  # noqa: E731
@@ -198,7 +203,6 @@ def step(case: StepCase, rank: int) -> RankTrace:
     cfg = get_config(case.model)
     train, rollout = case.layouts()
     trace = RankTrace(rank)
-    stage = train.mesh.coords(rank)["pp"]
     choices = Choices(cfg.vocab_size, case.eos, case.response_tokens)
     watch = Watch(trace)
     # the watch inside the values: it sees the ops the step issues, and the meta outputs the values made
@@ -209,8 +213,7 @@ def step(case: StepCase, rank: int) -> RankTrace:
         ctx.weights.state.arena = MetaHost(watch)
         with watch:
             watch.stage("state")
-            policy = {p.name: torch.empty(p.local_shape(train.mesh), dtype=p.dtype, device=META)
-                      for p in train.params if p.stage == stage}
+            policy = meta_shards(train, rank)
             state = runstate.init(policy, None, kl=case.kl)
             del policy
             prompts = case.prompt_batch(cfg.vocab_size).to(META)

@@ -98,9 +98,16 @@ class Watch(TorchDispatchMode):
             key = StorageWeakRef(t.untyped_storage())
             if host:
                 self.host.add(key)
-            elif key not in self.live:
-                self.live[key] = t.untyped_storage().nbytes()
-                self.total += self.live[key]
+            else:
+                self._take(key, t)
+
+    def _take(self, key: StorageWeakRef, t: torch.Tensor) -> bool:
+        """``t``'s storage counted as live (True), unless it is already."""
+        if key in self.live:
+            return False
+        self.live[key] = t.untyped_storage().nbytes()
+        self.total += self.live[key]
+        return True
 
     def live_bytes(self) -> int:
         """The device bytes alive now (a sweep of the storages seen: exact)."""
@@ -129,9 +136,8 @@ class Watch(TorchDispatchMode):
         for t in (out if isinstance(out, (list, tuple)) else [out]):
             if isinstance(t, torch.Tensor) and t.device.type == self.device:
                 key = StorageWeakRef(t.untyped_storage())
-                if key not in self.host and key not in self.live:
-                    self.live[key], new = t.untyped_storage().nbytes(), True
-                    self.total += self.live[key]
+                if key not in self.host and self._take(key, t):
+                    new = True
                     if self.live[key] >= BIG:
                         self.sites[key] = call_site()
         # the peak can only rise when memory is taken, and only past it when the upper bound is: the sweep
