@@ -119,23 +119,10 @@ MOE_CASE = dryrun.StepCase("qwen3-moe-tiny", WORLD, "tp=2,ep=2", "tp=2,dp=2", pr
 def _real_step(rank: int, world: int, cases, dock) -> list:
     """Each case's step on gloo with real tensors (random weights, a real dock), its collectives recorded by the
     dry run's watch."""
-    from rlflow.dryrun.run import _reward, _Text
-    from rlflow.models import decoder
-    from rlflow.models.config import get_config
-    from rlflow.parallel.context import shard_params
-    from rlflow.runtime import state as runstate, step as steps
-    from rlflow.runtime.placement import Colocated
-
     out = []
     for case in cases:
-        cfg = get_config(case.model)
-        train, rollout = case.layouts()
-        ctx = steps.context(cfg, _Text(), _reward, case.loop_config(), dock=dock, placement=Colocated(train, rollout))
-        policy = shard_params(decoder.init_params(cfg, seed=0, dtype=torch.bfloat16), train, rank)
-        state = runstate.init(policy, None, kl=case.kl)
         trace = dryrun.RankTrace(rank)
-        with dryrun.Watch(trace):
-            steps.step(state, case.prompt_batch(cfg.vocab_size), ctx)
+        dryrun.real(case, rank, dock, watch=dryrun.Watch(trace))
         out.append(trace.collectives)
     return out
 
@@ -183,30 +170,10 @@ def test_the_dry_moe_step_issues_the_real_steps_collectives_but_for_the_routing(
 def _real_peaks(rank: int, world: int, case, dock) -> tuple[dict, int]:
     """The real step's peak of live CPU bytes per stage (the dry run's watch counting CPU tensors), and the bytes
     of the train state a transition swaps out on an accelerator (on a CPU it stays where it is)."""
-    from rlflow.dryrun.run import _reward, _Text
-    from rlflow.models import decoder
-    from rlflow.models.config import get_config
-    from rlflow.parallel.context import shard_params
-    from rlflow.runtime import state as runstate, step as steps
-    from rlflow.runtime.placement import Colocated
-
-    cfg = get_config(case.model)
-    train, rollout = case.layouts()
-    ctx = steps.context(cfg, _Text(), _reward, case.loop_config(), dock=dock, placement=Colocated(train, rollout))
-    policy = shard_params(decoder.init_params(cfg, seed=0, dtype=torch.bfloat16), train, rank)
     trace = dryrun.RankTrace(rank)
-    watch = dryrun.Watch(trace, device="cpu")
-    ctx = dryrun.staged(ctx, watch)
-    with watch:
-        watch.stage("state")
-        state = runstate.init(policy, None, kl=case.kl)
-        watch.hold([*policy.values()])
-        moved = sum(t.untyped_storage().nbytes() for t in [*state.policy.values(), *state.opt_state.m.values(),
-                                                             *state.opt_state.v.values(), *state.opt_state.master.values()])
-        del policy
-        watch.stage("transition")
-        steps.step(state, case.prompt_batch(cfg.vocab_size), ctx)
-        watch.stage("end")
+    state, _ = dryrun.real(case, rank, dock, watch=dryrun.Watch(trace, device="cpu"))
+    moved = sum(t.untyped_storage().nbytes() for t in [*state.policy.values(), *state.opt_state.m.values(),
+                                                         *state.opt_state.v.values(), *state.opt_state.master.values()])
     return trace.stage_peaks, moved
 
 
@@ -270,3 +237,77 @@ def test_meta_attention_is_the_memory_efficient_kernels(H, K, dv, masked):
     scores = B * H * T * T * 2
     fused, reference = peak(attention), peak(attention_reference)
     assert reference > scores and fused < reference - scores / 2, (fused, reference, scores)
+
+
+# ---- the cost model ----
+def _rates():
+    from rlflow.dryrun import cost
+    return cost.Rates("unit", {"mm:float32": ((1.0, 1e9),), "mm:bfloat16": ((1.0, 1e9),)}, ((1.0, 1e9),), (),
+                      op_s=1e-6, link=1e9, link_s=1e-5)
+
+
+def test_an_ops_cost_is_its_flops_and_the_bytes_it_reads_makes_and_writes_in_place():
+    """A matmul's FLOPs (2 M K N), its bytes (both inputs read, the output made: fresh); an in-place add reads and
+    writes its tensor with nothing fresh; a view costs nothing; a grouped matmul's FLOPs and groups."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rlflow.dryrun import cost
+
+    class Costs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.ops.append(cost.op_cost(func, args, kwargs or {}, out))
+            return out
+
+    a, b = torch.ones(4, 8, device="meta"), torch.ones(8, 16, device="meta")
+    ga, gb = torch.ones(12, 8, device="meta", dtype=torch.bfloat16), torch.ones(3, 8, 16, device="meta",
+                                                                              dtype=torch.bfloat16)
+    with Costs() as c:
+        y = a @ b
+        y.add_(1.0)
+        y.view(-1)
+        torch._grouped_mm(ga, gb, torch.tensor([4, 8, 12], dtype=torch.int32, device="meta"))
+    mm, add, view, grouped = c.ops
+    assert mm == cost.OpCost("aten.mm", "float32", 2 * 4 * 8 * 16, 4 * (32 + 128 + 64), 4 * 64)
+    assert add.op == "aten.add_" and add.flops == 0 and add.bytes == 2 * 4 * 64 and add.fresh == 0
+    assert view is None
+    assert grouped.flops == 2 * 12 * 8 * 16 and grouped.groups == 3
+
+
+def test_an_op_costs_its_issue_plus_its_roofline_or_the_longer_of_the_two_on_a_queue():
+    from rlflow.dryrun import cost
+    r = cost.Rates("test", {"mm:float32": ((1.0, 1e9),)}, ((1.0, 1e8),), ((1 << 20, 1e7),), op_s=1e-3, link=1e6,
+                   link_s=1e-2)
+    compute = cost.OpCost("aten.mm", "float32", flops=10 ** 7, bytes=10 ** 5)  # 10 ms of FLOPs, 1 ms of bytes
+    memory = cost.OpCost("aten.add", "float32", flops=0, bytes=10 ** 6, fresh=1 << 20)  # 10 ms + 105 ms fresh
+    small = cost.OpCost("aten.add", "float32", flops=0, bytes=10 ** 6, fresh=1 << 10)  # reused memory
+    coll = cost.OpCost("c10d.allgather_", "float32", flops=0, bytes=10 ** 4)
+    assert r.seconds(compute) == pytest.approx(1e-3 + 1e-2)
+    assert r.seconds(memory) == pytest.approx(1e-3 + 1e-2 + (1 << 20) / 1e7)
+    assert r.seconds(small) == pytest.approx(1e-3 + 1e-2)
+    assert r.seconds(coll) == pytest.approx(1e-2 + 1e-2)
+    queued = dataclasses.replace(r, queued=True, op_s=5e-2)
+    assert queued.seconds(compute) == pytest.approx(5e-2)
+
+
+def test_the_dry_steps_flops_are_the_real_steps():
+    """Per stage, the matmul and attention FLOPs of the dry step (meta tensors) are the real step's (CPU tensors)
+    within 2% (their attention kernels differ: the meta tensors take an accelerator's), and the generation's
+    and the update's counts of ops within a quarter; one process, a dense model."""
+    from rlflow.dryrun import cost
+    case = dryrun.StepCase("llama-tiny", 1, "dp=1", "dp=1", prompts=2, group_size=2, prompt_len=6, response_len=5,
+                           response_tokens=5, eos=256)
+    fake = cost.predict(dryrun.step(case, 0).stage_ops, _rates())
+    own = dryrun.RankTrace(0)
+    dryrun.real(case, 0, None, watch=dryrun.Watch(own, device="cpu"))
+    real = cost.predict(own.stage_ops, _rates())
+    assert set(fake) == set(real)
+    for stage in ("generate", "ref_logprob", "update"):
+        assert fake[stage].flops > 0 and abs(fake[stage].flops - real[stage].flops) <= 0.02 * real[stage].flops, (
+            stage, fake[stage].flops, real[stage].flops)
+        assert abs(fake[stage].ops - real[stage].ops) <= 0.25 * real[stage].ops, (stage, fake[stage].ops,
+                                                                                  real[stage].ops)

@@ -10,15 +10,17 @@ would: the same plans, buckets, packing, collectives, forwards, backwards and op
     values.py   ``Values``: the values of small meta tensors the step reads on the host (token counts, split
                 sizes), and ``Choices``, what the numbers would choose (balanced routing, responses' ends)
     world.py    ``mismatched``: a world's traces checked against each other (a hang or corrupt weights)
-    run.py      ``transition`` (the allgather-swap alone) and ``step`` (one RL step of ``runtime.step``)
+    run.py      ``transition`` (the allgather-swap alone) and ``step`` (one RL step of ``runtime.step``); ``real``,
+                the same step on real tensors to compare with
+    cost.py     what a traced step costs at a device's rates (``predict``; ``measure``: this device's)
 
 See docs/dryrun.md.
 """
 
-from rlflow.dryrun.run import DryFlow, StepCase, staged, step, transition
+from rlflow.dryrun.run import DryFlow, StepCase, real, staged, step, transition
 from rlflow.dryrun.trace import Collective, RankTrace, Watch, fake_world
 from rlflow.dryrun.values import Choices, Values
 from rlflow.dryrun.world import mismatched
 
 __all__ = ["Choices", "Collective", "DryFlow", "RankTrace", "StepCase", "Values", "Watch", "fake_world", "mismatched",
-           "staged", "step", "transition"]
+           "real", "staged", "step", "transition"]

@@ -11,7 +11,7 @@ case). The reward reads the decoded text's length.
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +89,11 @@ class StepCase:
         return tuple(layout(self.model, Mesh.parse(m, self.world), dtype=torch.bfloat16)
                      for m in (self.train, self.rollout))
 
+    def placement(self):
+        """Where the step runs: one process runs it alone (the recipe's world 1), else colocated."""
+        from rlflow.runtime.placement import Colocated
+        return None if self.world == 1 else Colocated(*self.layouts())
+
     def loop_config(self):
         """The run's ``LoopConfig``: GRPO, one optimizer step on the step's rows."""
         from rlflow.algos.grpo import GRPOConfig
@@ -141,7 +146,7 @@ class DryFlow:
         self.rows, self.cols = rows, cols
 
     def get(self, consumer: str, columns: list[str], mesh, rank: int):
-        n = self.n // mesh.data_parallel_size
+        n = self.n // (1 if mesh is None else mesh.data_parallel_size)
         pick = torch.arange(n, device=META) % self.rows.size
         rows = self.rows.select(pick)
         pad = self.response_len - rows.response_ids_BTr.shape[1]
@@ -198,17 +203,16 @@ def step(case: StepCase, rank: int) -> RankTrace:
     collectives, the peak of live device bytes per stage (``stage_peaks``) and the host reads no value knew."""
     from rlflow.models.config import get_config
     from rlflow.runtime import state as runstate, step as steps
-    from rlflow.runtime.placement import Colocated
 
     cfg = get_config(case.model)
-    train, rollout = case.layouts()
+    train = case.layouts()[0]
     trace = RankTrace(rank)
     choices = Choices(cfg.vocab_size, case.eos, case.response_tokens)
     watch = Watch(trace)
     # the watch inside the values: it sees the ops the step issues, and the meta outputs the values made
     with fake_world(rank, case.world), Values(choices) as values, _uploads(watch):
         ctx = steps.context(cfg, _Text(), _reward, case.loop_config(), device=META, dock=_NoDock(),
-                            placement=Colocated(train, rollout))
+                            placement=case.placement())
         ctx = dataclasses.replace(staged(ctx, watch), flow=DryFlow(case.response_len))
         ctx.weights.state.arena = MetaHost(watch)
         with watch:
@@ -222,3 +226,38 @@ def step(case: StepCase, rank: int) -> RankTrace:
             watch.stage("end")
     trace.unknown_reads = dict(values.unknown_reads)
     return trace
+
+
+def real(case: StepCase, rank: int, dock, *, steps: int = 1, watch: Watch | None = None, seed: int = 0):
+    """``steps`` real RL steps of ``case`` on this process's device and process group (rank ``rank`` of
+    ``case.world``; CPU tensors, random weights, the real ``dock``), the schedule ``step`` dry-runs: to compare
+    with it. ``watch``: the first step's stages marked in it as in ``step``, the train state handed in. Returns
+    (the state, each step's ``StepOut``)."""
+    from rlflow.models import decoder
+    from rlflow.models.config import get_config
+    from rlflow.parallel.context import shard_params
+    from rlflow.runtime import state as runstate, step as steps_
+
+    cfg = get_config(case.model)
+    train = case.layouts()[0]
+    ctx = steps_.context(cfg, _Text(), _reward, dataclasses.replace(case.loop_config(), steps=steps), dock=dock,
+                         placement=case.placement())
+    policy = shard_params(decoder.init_params(cfg, seed=seed, dtype=torch.bfloat16), train, rank)
+    prompts, outs = case.prompt_batch(cfg.vocab_size), []
+    if watch is not None:
+        ctx = staged(ctx, watch)
+    with watch or nullcontext():
+        mark = watch.stage if watch is not None else lambda name: None
+        mark("state")
+        state = runstate.init(policy, None, kl=case.kl)
+        if watch is not None:
+            watch.hold([*policy.values()])
+        del policy
+        mark("transition")
+        state, out = steps_.step(state, prompts, ctx)
+        mark("end")
+    outs.append(out)
+    for _ in range(steps - 1):
+        state, out = steps_.step(state, prompts, ctx)
+        outs.append(out)
+    return state, outs

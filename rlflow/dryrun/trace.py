@@ -4,6 +4,7 @@ dispatch mode), in a fake world of the full size (``fake_world``)."""
 from __future__ import annotations
 
 import traceback
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from rlflow.dryrun import cost
 from rlflow.sharding import dist as sdist
 
 META = torch.device("meta")
@@ -45,6 +47,7 @@ class RankTrace:
     unknown_reads: dict[str, int] = field(default_factory=dict)  # host reads of values no one knows, by call site
     peak_stage: str | None = None  # the stage the peak was in
     peak_sites: dict[str, int] = field(default_factory=dict)  # the bytes live at the peak by the line that made them
+    stage_ops: dict[str, Counter] = field(default_factory=dict)  # per stage, how many of each op (``cost.OpCost``)
 
     def ledger_gap(self) -> float:
         """The largest |live - ledger| over the plan's steps, as a share of the ledger's peak."""
@@ -52,8 +55,8 @@ class RankTrace:
 
 
 class Watch(TorchDispatchMode):
-    """Records c10d ops and the live bytes of the device tensors created or handed in (``hold``): those on
-    ``device`` (a device type: the dry run's ``meta``; a real run's ``cpu`` to compare with it)."""
+    """Records c10d ops, each op's cost per stage (``cost.count``) and the live bytes of the device tensors created
+    or handed in (``hold``): those on ``device`` (a device type: the dry run's ``meta``; a real run's ``cpu`` to compare with it)."""
 
     def __init__(self, trace: RankTrace, device: str = "meta"):
         super().__init__()
@@ -120,6 +123,7 @@ class Watch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        cost.count(self.trace.stage_ops, self.current or "", func, args, kwargs, out)
         if func.namespace == "c10d" and not self.quiet:
             tensors = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else [a])
                        if isinstance(t, torch.Tensor)]

@@ -1,0 +1,239 @@
+"""What a step costs, from its trace: each stage's ops (``RankTrace.stage_ops``: per aten op its FLOPs, the bytes
+it reads and writes and the fresh memory it makes; per collective its bytes) priced at a device's rates
+(``Rates``).
+
+An op costs its issue (``op_s``: rlflow's Python, torch's dispatch, a launch) and its work: the longer of its FLOPs
+at the matmul rate and its bytes at the memory rate (a roofline per op: decode's matmuls are bound by the
+weights' bytes, training's by FLOPs), plus the first touch of the fresh memory it makes (a CPU's page faults). On
+a CPU the host does the work, so issue and work add up; on an accelerator's queue (``Rates.queued``) an op
+costs the longer of the two. A collective costs ``link_s`` and its bytes at the link's rate. Rates depend on an
+op's size (a small matmul does not reach the peak, a small copy stays in cache): each is a table over sizes,
+interpolated in log-log. ``measure`` fills the tables on the device at hand with micro-benchmarks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+# ops that move no data: their cost is the dispatch alone
+_SHAPE_ONLY = {"aten.empty", "aten.empty_strided", "aten.empty_like", "aten.new_empty", "aten.new_empty_strided",
+               "aten.lift_fresh", "aten._local_scalar_dense", "aten.sym_size", "aten.sym_stride", "aten.is_same_size",
+               "aten.set_", "aten.resize_", "aten.record_stream"}
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One op as issued: its name (``aten.mm``, ``c10d.allgather_``), the dtype of its first output, its FLOPs
+    (matmuls and attention; 0 otherwise), the bytes it reads and writes (a collective: the bytes it hands over),
+    of those the bytes of outputs it makes (not written in place: fresh memory) and its matmul's groups."""
+    op: str
+    dtype: str
+    flops: int
+    bytes: int
+    fresh: int = 0
+    groups: int = 1
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for a in x:
+            yield from _tensors(a)
+
+
+def op_cost(func, args, kwargs, out) -> OpCost | None:
+    """The cost of one dispatched op; None for a view (it moves nothing and is not dispatched to a device)."""
+    if func.is_view:
+        return None
+    name = str(func._overloadpacket)
+    outs = list(_tensors(out))
+    dtype = str(outs[0].dtype).removeprefix("torch.") if outs else ""
+    if func.namespace == "c10d":
+        return OpCost(name, dtype, 0, sum(t.numel() * t.element_size() for t in _tensors((args, kwargs))))
+    if name in _SHAPE_ONLY:
+        return OpCost(name, dtype, 0, 0)
+    flops, groups = 0, 1
+    if name == "aten._grouped_mm":  # (a, b, offs, ..): each of a's rows times one group's [K, N]; torch counts none
+        flops = 2 * args[0].numel() * args[1].shape[-1]
+        groups = args[1].shape[0] if args[1].dim() == 3 else args[2].numel()
+    elif name in ("aten.linear", "aten.matmul"):  # whole under inference mode (undecomposed): torch counts none
+        flops = 2 * outs[0].numel() * args[0].shape[-1]
+    elif name == "aten._scaled_dot_product_flash_attention_for_cpu":  # (q, k, v, ..); torch counts none
+        flops = sdpa_flop_count(*(a.shape for a in args[:3]))
+    elif name == "aten._scaled_dot_product_flash_attention_for_cpu_backward":  # (grad_out, q, k, v, ..)
+        flops = sdpa_backward_flop_count(*(a.shape for a in args[:4]))
+    elif func._overloadpacket in flop_registry:
+        flops = int(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
+    ins = {id(t): t for t in _tensors((args, tuple(kwargs.values())))}  # each read once; each output written
+    nbytes = sum(t.numel() * t.element_size() for t in [*ins.values(), *outs])
+    fresh = sum(t.numel() * t.element_size() for t in outs if id(t) not in ins)
+    return OpCost(name, dtype, flops, nbytes, fresh, groups)
+
+
+def count(stage_ops: dict, stage: str, func, args, kwargs, out) -> None:
+    """Adds one op to ``stage_ops[stage]`` (a ``Counter`` of ``OpCost``)."""
+    c = op_cost(func, args, kwargs, out)
+    if c is not None:
+        stage_ops.setdefault(stage, Counter())[c] += 1
+
+
+@dataclass(frozen=True)
+class Rates:
+    """A device's rates. ``matmul["mm:bfloat16"]`` (a matmul's kernel, ``mm`` or ``grouped_mm``, and dtype; a
+    grouped one's size is a group's FLOPs), ``memory`` and ``fresh``: (size, rate) pairs, size ascending (FLOPs
+    and FLOP/s; bytes an op moves and bytes/s; bytes of new outputs and the rate memory is first touched at: a
+    CPU's page faults, none on an accelerator's caching allocator, and none below its first size), interpolated
+    in log-log and flat beyond the ends."""
+    name: str
+    matmul: dict[str, tuple[tuple[float, float], ...]]
+    memory: tuple[tuple[float, float], ...]
+    fresh: tuple[tuple[float, float], ...]
+    op_s: float  # the host's seconds to issue an op of rlflow's code: its Python, torch's dispatch, a launch
+    link: float  # bytes/s a collective moves
+    link_s: float  # seconds a collective costs beyond its bytes
+    queued: bool = False  # the device runs ops while the host issues the next (an accelerator's stream): an op
+    # costs the longer of its issue and its work; on a CPU the host does the work, and the two add up
+
+    def seconds(self, op: OpCost) -> float:
+        if op.op.startswith("c10d."):
+            return self.link_s + op.bytes / self.link
+        t = op.bytes / _rate(self.memory, op.bytes) if op.bytes else 0.0
+        if self.fresh and op.fresh >= self.fresh[0][0]:  # smaller: memory an allocator reuses, no first touch
+            t += op.fresh / _rate(self.fresh, op.fresh)
+        if op.flops:
+            kind = "grouped_mm" if op.op == "aten._grouped_mm" else "mm"
+            table = self.matmul.get(f"{kind}:{op.dtype}") or self.matmul[f"{kind}:float32"]
+            t = max(t, op.flops / _rate(table, op.flops / op.groups))
+        return max(self.op_s, t) if self.queued else self.op_s + t
+
+
+def _rate(table, size: float) -> float:
+    sizes = [s for s, _ in table]
+    i = bisect.bisect_left(sizes, size)
+    if i == 0:
+        return table[0][1]
+    if i == len(table):
+        return table[-1][1]
+    (s0, r0), (s1, r1) = table[i - 1], table[i]
+    w = (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))
+    return math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage's totals and its predicted seconds at some rates."""
+    ops: int
+    flops: int
+    bytes: int
+    collective_bytes: int
+    seconds: float
+
+
+def predict(stage_ops: dict, rates: Rates) -> dict[str, StageCost]:
+    """Each stage's totals and time at ``rates``."""
+    out = {}
+    for stage, ops in stage_ops.items():
+        coll = sum(n * c.bytes for c, n in ops.items() if c.op.startswith("c10d."))
+        out[stage] = StageCost(sum(ops.values()), sum(n * c.flops for c, n in ops.items()),
+                               sum(n * c.bytes for c, n in ops.items()) - coll, coll,
+                               sum(n * rates.seconds(c) for c, n in ops.items()))
+    return out
+
+
+def _timed(fn, min_s: float = 0.05) -> float:
+    """Seconds one call of ``fn`` takes: the best of 3 batches of calls lasting at least ``min_s`` each."""
+    fn()
+    n, best = 1, math.inf
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        dt = time.perf_counter() - t0
+        if dt >= min_s:
+            break
+        n *= 2
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best
+
+
+def _issue_seconds(device: torch.device, model: str) -> float:
+    """Seconds per op of rlflow's own code at a size where the work is nothing: ``model``'s forward and backward
+    on one row of two tokens, its time over its ops (Python, torch's dispatch and autograd per op)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rlflow.models import decoder
+    from rlflow.models.config import get_config
+    cfg = get_config(model)
+    params = {k: v.to(device).requires_grad_() for k, v in decoder.init_params(cfg, dtype=torch.bfloat16).items()}
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    pos = torch.arange(2, device=device)[None]
+
+    def fwd_bwd():
+        h, aux, _ = decoder.forward(params, cfg, ids, pos)
+        (decoder.logits(params, cfg, h).float().sum() + aux).backward()
+
+    class Ops(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        fwd_bwd()
+    return _timed(fwd_bwd) / ops.n
+
+
+def measure(device: str = "cpu", *, model: str = "qwen3-moe-tiny", dtypes=("bfloat16", "float32"),
+            link=None) -> Rates:
+    """The rates of ``device`` by micro-benchmark: the issue cost of an op of rlflow's code (``model``'s forward
+    and backward at two tokens: ``_issue_seconds``), per dtype square matmuls of 16 to 2048 a side and grouped
+    ones (8 groups of those), copies of 4 KiB to 256 MiB into memory in use and into fresh memory, and with ``link`` (a callable ``(nbytes) -> seconds`` timing one collective of that many
+    bytes on the run's link) the link's latency and rate. A rate is the work over the time less a bare op's call."""
+    dev = torch.device(device)
+    op_s = _issue_seconds(dev, model)
+    one = torch.ones(1, device=dev)
+    call_s = _timed(lambda: torch.add(one, one))  # a bare op's call from Python: the kernels' timings less it
+    matmul = {}
+    for name in dtypes:
+        dt, mm, grouped = getattr(torch, name), [], []
+        for n in (16, 32, 64, 128, 256, 512, 1024, 2048):
+            a, b = torch.randn(n, n, device=dev, dtype=dt), torch.randn(n, n, device=dev, dtype=dt)
+            t = _timed(lambda: torch.mm(a, b))
+            mm.append((2.0 * n ** 3, 2.0 * n ** 3 / max(t - call_s, 1e-9)))
+            # 8 experts' worth: a [8 n, n] rows in 8 groups of n, b [8, n, n]
+            ga, gb = torch.randn(8 * n, n, device=dev, dtype=dt), torch.randn(8, n, n, device=dev, dtype=dt)
+            offs = torch.arange(n, 8 * n + 1, n, device=dev, dtype=torch.int32)
+            t = _timed(lambda: torch._grouped_mm(ga, gb, offs))
+            grouped.append((2.0 * n ** 3, 16.0 * n ** 3 / max(t - call_s, 1e-9)))
+        matmul[f"mm:{name}"], matmul[f"grouped_mm:{name}"] = tuple(mm), tuple(grouped)
+    memory, fresh = [], []
+    for kib in (4, 64, 1024, 16384, 65536, 262144):
+        x = torch.ones(kib * 256, device=dev)
+        y = torch.ones_like(x)
+        t = _timed(lambda: y.copy_(x))
+        memory.append((2.0 * x.nbytes, 2.0 * x.nbytes / max(t - call_s, 1e-9)))
+        # a clone is the copy into fresh memory: its time beyond the copy's is the first touch of its output. On
+        # a CPU, below glibc's largest mmap threshold (32 MiB) freed memory is reused: no first touch
+        if dev.type == "cpu" and x.nbytes > 32 << 20:
+            fresh.append((float(x.nbytes), x.nbytes / max(_timed(lambda: x.clone()) - t, 1e-9)))
+    link_rate, link_s = math.inf, 0.0
+    if link is not None:
+        small, big = link(4), link(1 << 24)
+        link_s, link_rate = small, (1 << 24) / max(big - small, 1e-9)
+    return Rates(f"measured on {device}", matmul, tuple(memory), tuple(fresh), op_s, link_rate, link_s)
+
+
+__all__ = ["OpCost", "Rates", "StageCost", "count", "measure", "op_cost", "predict"]
