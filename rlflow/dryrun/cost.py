@@ -196,12 +196,12 @@ def _issue_seconds(device: torch.device, model: str) -> float:
     return _timed(fwd_bwd) / ops.n
 
 
-def measure(device: str = "cpu", *, model: str = "qwen3-moe-tiny", dtypes=("bfloat16", "float32"),
-            link=None) -> Rates:
+def measure(device: str = "cpu", *, model: str = "qwen3-moe-tiny", dtypes=("bfloat16", "float32")) -> Rates:
     """The rates of ``device`` by micro-benchmark: the issue cost of an op of rlflow's code (``model``'s forward
     and backward at two tokens: ``_issue_seconds``), per dtype square matmuls of 16 to 2048 a side and grouped
-    ones (8 groups of those), copies of 4 KiB to 256 MiB into memory in use and into fresh memory, and with ``link`` (a callable ``(nbytes) -> seconds`` timing one collective of that many
-    bytes on the run's link) the link's latency and rate. A rate is the work over the time less a bare op's call."""
+    ones (8 groups of those), copies of 4 KiB to 256 MiB into memory in use and into fresh memory. A rate is the
+    work over the time less a bare op's call. The link is not measured yet: collectives cost nothing at these
+    rates (one process)."""
     dev = torch.device(device)
     op_s = _issue_seconds(dev, model)
     one = torch.ones(1, device=dev)
@@ -229,11 +229,7 @@ def measure(device: str = "cpu", *, model: str = "qwen3-moe-tiny", dtypes=("bflo
         # a CPU, below glibc's largest mmap threshold (32 MiB) freed memory is reused: no first touch
         if dev.type == "cpu" and x.nbytes > 32 << 20:
             fresh.append((float(x.nbytes), x.nbytes / max(_timed(lambda: x.clone()) - t, 1e-9)))
-    link_rate, link_s = math.inf, 0.0
-    if link is not None:
-        small, big = link(4), link(1 << 24)
-        link_s, link_rate = small, (1 << 24) / max(big - small, 1e-9)
-    return Rates(f"measured on {device}", matmul, tuple(memory), tuple(fresh), op_s, link_rate, link_s)
+    return Rates(f"measured on {device}", matmul, tuple(memory), tuple(fresh), op_s, link=math.inf, link_s=0.0)
 
 
 __all__ = ["OpCost", "Rates", "StageCost", "count", "measure", "op_cost", "predict"]

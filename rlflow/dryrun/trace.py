@@ -56,7 +56,8 @@ class RankTrace:
 
 class Watch(TorchDispatchMode):
     """Records c10d ops, each op's cost per stage (``cost.count``) and the live bytes of the device tensors created
-    or handed in (``hold``): those on ``device`` (a device type: the dry run's ``meta``; a real run's ``cpu`` to compare with it)."""
+    or handed in (``hold``): those on ``device`` (a device type: the dry run's ``meta``; a real run's ``cpu`` to
+    compare with it)."""
 
     def __init__(self, trace: RankTrace, device: str = "meta"):
         super().__init__()
