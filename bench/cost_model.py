@@ -30,7 +30,7 @@ def run(model: str, steps: int, rates) -> dict:
     from rlflow.dryrun import cost
 
     case = dryrun.StepCase(model, 1, "dp=1", "dp=1", prompts=4, group_size=4, prompt_len=16, response_len=32,
-                           response_tokens=32, eos=10 ** 9)
+                           response_tokens=32, eos=10 ** 9, kernels="cpu")
     t0 = time.perf_counter()
     dry = cost.predict(dryrun.step(case, 0).stage_ops, rates)
     dry_s = time.perf_counter() - t0
@@ -62,7 +62,7 @@ def main() -> None:
     t0 = time.perf_counter()
     rates = cost.measure()
     print(f"rates measured in {time.perf_counter() - t0:.1f} s: an op of rlflow's code issues in "
-          f"{rates.op_s * 1e6:.2f} us; a 2048-side bf16 mm at {rates.matmul['mm:bfloat16'][-1][1] / 1e9:.0f} "
+          f"{rates.op_s * 1e6:.2f} us; a 1024-side bf16 matmul from cold caches at {rates.matmul['mm:bfloat16'][-1][1] / 1e9:.0f} "
           f"GFLOP/s; a 256 MiB copy at {rates.memory[-1][1] / 1e9:.0f} GB/s")
     cases = []
     for model in args.models.split(","):

@@ -211,9 +211,20 @@ def accumulate(grads: list[Tensor | None], loss: Tensor, leaves: list[Tensor], r
     """Add d loss / d leaves into ``grads`` in float32, whatever the parameters' dtype. ``reduce``: the
     mini-batch's last backward starts the data-parallel reduction (``dp.OverlappedGrads``, from ``descend``):
     each leaf's sum goes to it as soon as the backward has computed the leaf's gradient."""
+    # a later micro-batch's half-precision gradient is cast into one float32 buffer, made here for the largest
+    # leaf, then added: a fresh float32 copy of every gradient every micro-batch is memory first touched each
+    # time (a CPU's page faults: two thirds of a 0.5B update; docs/dryrun.md), and an in-place add of the half
+    # precision gradient is slower still on a CPU
+    half = [leaf.numel() for j, leaf in enumerate(leaves) if grads[j] is not None and leaf.dtype != torch.float32]
+    cast = torch.empty(max(half), dtype=torch.float32, device=leaves[0].device) if half else None
+
     def add(j, gr):
-        gr = gr.float()
-        grads[j] = gr if grads[j] is None else grads[j].add_(gr)
+        if grads[j] is None:
+            grads[j] = gr.float()
+        elif gr.dtype == torch.float32:
+            grads[j].add_(gr)
+        else:
+            grads[j].add_(cast[:gr.numel()].view(gr.shape).copy_(gr))
 
     if reduce is None:
         for j, gr in enumerate(torch.autograd.grad(loss, leaves, allow_unused=True)):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+_ATTENTION = {p for p in flop_registry if "attention" in str(p)}
 # ops that move no data: their cost is the dispatch alone
 _SHAPE_ONLY = {"aten.empty", "aten.empty_strided", "aten.empty_like", "aten.new_empty", "aten.new_empty_strided",
                "aten.lift_fresh", "aten._local_scalar_dense", "aten.sym_size", "aten.sym_stride", "aten.is_same_size",
@@ -32,13 +33,27 @@ _SHAPE_ONLY = {"aten.empty", "aten.empty_strided", "aten.empty_like", "aten.new_
 class OpCost:
     """One op as issued: its name (``aten.mm``, ``c10d.allgather_``), the dtype of its first output, its FLOPs
     (matmuls and attention; 0 otherwise), the bytes it reads and writes (a collective: the bytes it hands over),
-    of those the bytes of outputs it makes (not written in place: fresh memory) and its matmul's groups."""
+    of those the bytes of outputs it makes (not written in place: fresh memory), and for a matmul its kernel
+    (``MATMULS``) and its smallest dimension (of a group's: a grouped matmul's rows or contraction per group),
+    what its rate depends on."""
     op: str
     dtype: str
     flops: int
     bytes: int
     fresh: int = 0
-    groups: int = 1
+    kernel: str = ""
+    small: int = 0
+
+
+# by the dimension that is smallest: a matmul's (or a batched one's) rows, contraction or columns; grouped ones'
+# rows per group, or contraction per group (the weights' gradient)
+MATMULS = ("mm", "mm_k", "mm_n", "grouped_mm", "grouped_mm_k")
+
+
+def _mm(m: int, k: int, n: int) -> tuple[str, int]:
+    """A matmul's kernel (``MATMULS``) and smallest dimension from its rows, contraction and columns."""
+    small = min(m, k, n)
+    return ("mm" if small == m else "mm_k" if small == k else "mm_n"), small
 
 
 def _tensors(x):
@@ -60,22 +75,38 @@ def op_cost(func, args, kwargs, out) -> OpCost | None:
         return OpCost(name, dtype, 0, sum(t.numel() * t.element_size() for t in _tensors((args, kwargs))))
     if name in _SHAPE_ONLY:
         return OpCost(name, dtype, 0, 0)
-    flops, groups = 0, 1
+    flops, kernel, small = 0, "", 0
     if name == "aten._grouped_mm":  # (a, b, offs, ..): each of a's rows times one group's [K, N]; torch counts none
-        flops = 2 * args[0].numel() * args[1].shape[-1]
-        groups = args[1].shape[0] if args[1].dim() == 3 else args[2].numel()
+        a, b = args[0], args[1]
+        flops = 2 * a.numel() * b.shape[-1]
+        if b.dim() == 3:  # a [M, K] rows in groups, b [G, K, N]
+            kernel, small = "grouped_mm", min(a.shape[-2] // max(b.shape[0], 1), *b.shape[1:])
+        else:  # a [M, K], b [K, N], the contraction in groups: [G, M, N]
+            kernel, small = "grouped_mm_k", min(a.shape[0], a.shape[1] // max(args[2].numel(), 1), b.shape[1])
     elif name in ("aten.linear", "aten.matmul"):  # whole under inference mode (undecomposed): torch counts none
         flops = 2 * outs[0].numel() * args[0].shape[-1]
-    elif name == "aten._scaled_dot_product_flash_attention_for_cpu":  # (q, k, v, ..); torch counts none
+        rows = outs[0].numel() // outs[0].shape[-1] if name == "aten.linear" else outs[0].shape[-2]  # matmul: batched
+        kernel, small = _mm(rows if outs[0].dim() > 1 else 1, args[0].shape[-1], outs[0].shape[-1])
+    elif name in ("aten._scaled_dot_product_flash_attention_for_cpu", "aten.scaled_dot_product_attention"):
+        # (q, k, v, ..): the CPU's kernel, and SDPA whole under inference mode; torch counts neither
         flops = sdpa_flop_count(*(a.shape for a in args[:3]))
+        kernel, small = _mm(args[0].shape[-2], args[0].shape[-1], args[1].shape[-2])
     elif name == "aten._scaled_dot_product_flash_attention_for_cpu_backward":  # (grad_out, q, k, v, ..)
         flops = sdpa_backward_flop_count(*(a.shape for a in args[:4]))
+        kernel, small = _mm(args[1].shape[-2], args[1].shape[-1], args[2].shape[-2])
     elif func._overloadpacket in flop_registry:
         flops = int(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
+        mats = [t for t in _tensors(args) if t.dim() >= 2][-2:] if name.startswith(("aten.mm", "aten.bmm", "aten.addmm",
+                                                                                  "aten.baddbmm")) else []
+        if len(mats) == 2:  # (a, b), (bias, a, b): a [.., M, K], b [.., K, N]
+            kernel, small = _mm(mats[0].shape[-2], mats[0].shape[-1], mats[1].shape[-1])
+        elif func._overloadpacket in _ATTENTION:  # (q, k, ..) or (grad_out, q, k, ..): [B, H, T, d], [B, H, S, d]
+            q, k = [t for t in _tensors(args) if t.dim() == 4][-3 if "backward" in name else 0:][:2]
+            kernel, small = _mm(q.shape[-2], q.shape[-1], k.shape[-2])
     ins = {id(t): t for t in _tensors((args, tuple(kwargs.values())))}  # each read once; each output written
     nbytes = sum(t.numel() * t.element_size() for t in [*ins.values(), *outs])
     fresh = sum(t.numel() * t.element_size() for t in outs if id(t) not in ins)
-    return OpCost(name, dtype, flops, nbytes, fresh, groups)
+    return OpCost(name, dtype, flops, nbytes, fresh, kernel if flops else "", small if flops else 0)
 
 
 def count(stage_ops: dict, stage: str, func, args, kwargs, out) -> None:
@@ -87,11 +118,11 @@ def count(stage_ops: dict, stage: str, func, args, kwargs, out) -> None:
 
 @dataclass(frozen=True)
 class Rates:
-    """A device's rates. ``matmul["mm:bfloat16"]`` (a matmul's kernel, ``mm`` or ``grouped_mm``, and dtype; a
-    grouped one's size is a group's FLOPs), ``memory`` and ``fresh``: (size, rate) pairs, size ascending (FLOPs
-    and FLOP/s; bytes an op moves and bytes/s; bytes of new outputs and the rate memory is first touched at: a
-    CPU's page faults, none on an accelerator's caching allocator, and none below its first size), interpolated
-    in log-log and flat beyond the ends."""
+    """A device's rates. ``matmul["mm:bfloat16"]`` (a matmul's kernel, ``MATMULS``, and dtype), ``memory`` and
+    ``fresh``: (size, rate) pairs, size ascending (a matmul's smallest dimension and FLOP/s; bytes an op moves and
+    bytes/s; bytes of new outputs and the rate memory is first touched at: a CPU's page faults, none on an
+    accelerator's caching allocator, and none below its first size), interpolated in log-log and flat beyond
+    the ends."""
     name: str
     matmul: dict[str, tuple[tuple[float, float], ...]]
     memory: tuple[tuple[float, float], ...]
@@ -109,9 +140,9 @@ class Rates:
         if self.fresh and op.fresh >= self.fresh[0][0]:  # smaller: memory an allocator reuses, no first touch
             t += op.fresh / _rate(self.fresh, op.fresh)
         if op.flops:
-            kind = "grouped_mm" if op.op == "aten._grouped_mm" else "mm"
-            table = self.matmul.get(f"{kind}:{op.dtype}") or self.matmul[f"{kind}:float32"]
-            t = max(t, op.flops / _rate(table, op.flops / op.groups))
+            kernel = op.kernel or "mm"  # other counted ops: as matmuls at their peak
+            table = self.matmul.get(f"{kernel}:{op.dtype}") or self.matmul[f"{kernel}:float32"]
+            t = max(t, op.flops / _rate(table, op.small or table[-1][0]))
         return max(self.op_s, t) if self.queued else self.op_s + t
 
 
@@ -148,9 +179,18 @@ def predict(stage_ops: dict, rates: Rates) -> dict[str, StageCost]:
     return out
 
 
-def _timed(fn, min_s: float = 0.05) -> float:
-    """Seconds one call of ``fn`` takes: the best of 3 batches of calls lasting at least ``min_s`` each."""
+def _timed(fn, min_s: float = 0.05, flush=None) -> float:
+    """Seconds one call of ``fn`` takes: the best of 3 batches of calls lasting at least ``min_s`` each. With
+    ``flush`` (run before each call, untimed): from cold caches, the median of 3 to 50 calls."""
     fn()
+    if flush is not None:
+        times = []
+        while len(times) < 3 or (sum(times) < min_s and len(times) < 50):
+            flush()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
     n, best = 1, math.inf
     while True:
         t0 = time.perf_counter()
@@ -198,27 +238,39 @@ def _issue_seconds(device: torch.device, model: str) -> float:
 
 def measure(device: str = "cpu", *, model: str = "qwen3-moe-tiny", dtypes=("bfloat16", "float32")) -> Rates:
     """The rates of ``device`` by micro-benchmark: the issue cost of an op of rlflow's code (``model``'s forward
-    and backward at two tokens: ``_issue_seconds``), per dtype square matmuls of 16 to 2048 a side and grouped
-    ones (8 groups of those), copies of 4 KiB to 256 MiB into memory in use and into fresh memory. A rate is the
-    work over the time less a bare op's call. The link is not measured yet: collectives cost nothing at these
+    and backward at two tokens: ``_issue_seconds``), per dtype and ``MATMULS`` kernel matmuls whose smallest
+    dimension is 1 to 1024 (from cold caches), copies of 4 KiB to 256 MiB into memory in use and into fresh
+    memory. A rate is the work over the time less a bare op's call. The link is not measured yet: collectives cost nothing at these
     rates (one process)."""
     dev = torch.device(device)
     op_s = _issue_seconds(dev, model)
     one = torch.ones(1, device=dev)
     call_s = _timed(lambda: torch.add(one, one))  # a bare op's call from Python: the kernels' timings less it
+    # a model's working set is far beyond the caches: each matmul timed from cold ones (64 MiB written between)
+    junk = torch.zeros(16 << 20, device=dev)
+    flush = lambda: junk.sum()  # noqa: E731  (read: no dirty lines left to write back during the timed call)
+    randn = lambda *shape: torch.randn(*shape, device=dev, dtype=dt)  # noqa: E731
     matmul = {}
     for name in dtypes:
-        dt, mm, grouped = getattr(torch, name), [], []
-        for n in (16, 32, 64, 128, 256, 512, 1024, 2048):
-            a, b = torch.randn(n, n, device=dev, dtype=dt), torch.randn(n, n, device=dev, dtype=dt)
-            t = _timed(lambda: torch.mm(a, b))
-            mm.append((2.0 * n ** 3, 2.0 * n ** 3 / max(t - call_s, 1e-9)))
-            # 8 experts' worth: a [8 n, n] rows in 8 groups of n, b [8, n, n]
-            ga, gb = torch.randn(8 * n, n, device=dev, dtype=dt), torch.randn(8, n, n, device=dev, dtype=dt)
-            offs = torch.arange(n, 8 * n + 1, n, device=dev, dtype=torch.int32)
-            t = _timed(lambda: torch._grouped_mm(ga, gb, offs))
-            grouped.append((2.0 * n ** 3, 16.0 * n ** 3 / max(t - call_s, 1e-9)))
-        matmul[f"mm:{name}"], matmul[f"grouped_mm:{name}"] = tuple(mm), tuple(grouped)
+        dt, n = getattr(torch, name), 1024
+        mm, mm_k, mm_n, grouped, grouped_k = [], [], [], [], []
+        for s in (1, 4, 16, 64, 256, 1024):  # the smallest dimension (rows, contraction, columns); the others n
+            # as a model lays them out: a layer's weight [out, in] transposed (few rows: decode; few columns: a
+            # router), the activations transposed against the output's gradient (a weight's gradient)
+            for table, (a, b) in ((mm, (randn(s, n), randn(n, n).t())), (mm_k, (randn(s, n).t(), randn(s, n))),
+                                  (mm_n, (randn(n, n), randn(s, n).t()))):
+                t = _timed(lambda: torch.mm(a, b), flush=flush)
+                table.append((float(s), 2.0 * s * n * n / max(t - call_s, 1e-9)))
+        g, n = 16, 512  # 16 experts of n x n: s rows each, and (the weights' gradient) s rows of contraction each
+        for s in (1, 4, 16, 64, 256):
+            offs = torch.arange(s, g * s + 1, s, device=dev, dtype=torch.int32)
+            a, b = randn(g * s, n), randn(g, n, n).transpose(1, 2)  # the experts' weights [E, out, in] transposed
+            t = _timed(lambda: torch._grouped_mm(a, b, offs), flush=flush)
+            grouped.append((float(s), 2.0 * g * s * n * n / max(t - call_s, 1e-9)))
+            a, b = randn(g * s, n).t(), randn(g * s, n)
+            t = _timed(lambda: torch._grouped_mm(a, b, offs), flush=flush)
+            grouped_k.append((float(s), 2.0 * g * s * n * n / max(t - call_s, 1e-9)))
+        matmul.update({f"{k}:{name}": tuple(v) for k, v in zip(MATMULS, (mm, mm_k, mm_n, grouped, grouped_k))})
     memory, fresh = [], []
     for kib in (4, 64, 1024, 16384, 65536, 262144):
         x = torch.ones(kib * 256, device=dev)

@@ -20,6 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from rlflow.batch import PromptBatch, RolloutBatch
 from rlflow.dryrun.trace import META, MetaHost, RankTrace, Watch, fake_world
 from rlflow.dryrun.values import Choices, Values
+from rlflow.ops.registry import posing
 from rlflow.optim import AdamWState
 from rlflow.sharding import dist as sdist, execute
 from rlflow.sharding.execute import TrainState
@@ -83,6 +84,8 @@ class StepCase:
     kl: bool = True  # a reference policy (its log-probs every step)
     remat: bool = False  # the update's activation checkpointing (``LoopConfig.remat``)
     eos: int = 1
+    kernels: str = "meta"  # the device kind whose program the meta tensors run (``ops.registry.posing``): meta is
+    # an accelerator's kernels in shapes; "cpu" this machine's, to compare a dry run's cost with a real one
 
     def layouts(self):
         from rlflow.models.sharding import layout
@@ -210,7 +213,7 @@ def step(case: StepCase, rank: int) -> RankTrace:
     choices = Choices(cfg.vocab_size, case.eos, case.response_tokens)
     watch = Watch(trace)
     # the watch inside the values: it sees the ops the step issues, and the meta outputs the values made
-    with fake_world(rank, case.world), Values(choices) as values, _uploads(watch):
+    with fake_world(rank, case.world), Values(choices) as values, _uploads(watch), posing(case.kernels):
         ctx = steps.context(cfg, _Text(), _reward, case.loop_config(), device=META, dock=_NoDock(),
                             placement=case.placement())
         ctx = dataclasses.replace(staged(ctx, watch), flow=DryFlow(case.response_len))

@@ -53,18 +53,22 @@ def attention(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor 
 @registry.reference("attention")
 def attention_reference(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | None,
                         *, is_causal: bool = False, scale: float | None = None) -> Tensor:
-    B, H, T, d = q_BHTd.shape
-    K = k_BKSd.shape[1]
-    if T == 1 and mask_B1TS is not None:
+    if q_BHTd.shape[2] == 1 and mask_B1TS is not None:
         return _attention_matmul(q_BHTd, k_BKSd, v_BKSd, mask_B1TS, False, scale)
-    S = k_BKSd.shape[2]
-    if (q_BHTd.device.type == "cpu" and q_BHTd.dtype in (torch.bfloat16, torch.float16) and torch.is_grad_enabled()
-            and (q_BHTd.requires_grad or k_BKSd.requires_grad or v_BKSd.requires_grad)
-            and S <= F32_MAX_KEYS and B * H * T * S <= F32_MAX_SCORES):
+    if cpu_takes_f32(q_BHTd, k_BKSd, v_BKSd):
         return _attention_f32(q_BHTd, k_BKSd, v_BKSd, mask_B1TS, is_causal, scale)
     k_BKSd, v_BKSd, gqa = fused_kernel_heads(q_BHTd, k_BKSd, v_BKSd, mask_B1TS)
     return F.scaled_dot_product_attention(q_BHTd, k_BKSd, v_BKSd, attn_mask=mask_B1TS,
                                           is_causal=is_causal and mask_B1TS is None, enable_gqa=gqa, scale=scale)
+
+
+def cpu_takes_f32(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor) -> bool:
+    """Half-precision attention with a gradient on the CPU, at sizes where it pays: computed in float32 with
+    plain matmuls (``attention_reference``)."""
+    (B, H, T, _), S = q_BHTd.shape, k_BKSd.shape[2]
+    return (registry.computes_as(q_BHTd) == "cpu" and q_BHTd.dtype in (torch.bfloat16, torch.float16)
+            and torch.is_grad_enabled() and (q_BHTd.requires_grad or k_BKSd.requires_grad or v_BKSd.requires_grad)
+            and S <= F32_MAX_KEYS and B * H * T * S <= F32_MAX_SCORES)
 
 
 def fused_kernel_heads(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | None
@@ -74,7 +78,7 @@ def fused_kernel_heads(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS
     [B, H, T, S] scores: there the keys and values are repeated to the query heads (H/K times their bytes,
     far less than the scores), which keeps the memory-efficient kernel. The CPU's kernels take both."""
     H, K = q_BHTd.shape[1], k_BKSd.shape[1]
-    if H == K or mask_B1TS is None or q_BHTd.device.type == "cpu":
+    if H == K or mask_B1TS is None or registry.computes_as(q_BHTd) == "cpu":
         return k_BKSd, v_BKSd, H != K
     return k_BKSd.repeat_interleave(H // K, 1), v_BKSd.repeat_interleave(H // K, 1), False
 

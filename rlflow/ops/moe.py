@@ -152,7 +152,7 @@ def _grouped_mm_ok(x: Tensor, down_EDF: Tensor) -> bool:
     with rows of D and F elements a multiple of 16 bytes (its kernel's constraint). CUDA has it for
     bfloat16 on SM >= 80, untested here (no GPU was available), so CUDA takes the loop."""
     _, D, Fd = down_EDF.shape
-    return (hasattr(F, "grouped_mm") and x.device.type == "cpu"  # public from torch 2.10
+    return (hasattr(F, "grouped_mm") and registry.computes_as(x) == "cpu"  # public from torch 2.10
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             # under torch.compile (the compiled decode step): its shape check admits bfloat16 only
             and (x.dtype == torch.bfloat16 or not torch.compiler.is_compiling())
@@ -162,7 +162,7 @@ def _grouped_mm_ok(x: Tensor, down_EDF: Tensor) -> bool:
 def _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, fused_f32=None):
     """Experts on their own tokens; ``fused_f32`` (from a backend): the same in float32 with fused
     kernels, or None where they do not apply."""
-    if (x_ND.device.type == "cpu" and x_ND.dtype in (torch.bfloat16, torch.float16) and not torch.compiler.is_compiling()
+    if (registry.computes_as(x_ND) == "cpu" and x_ND.dtype in (torch.bfloat16, torch.float16) and not torch.compiler.is_compiling()
             and _small(gate_up_E2FD, down_EDF)):
         # On the CPU, oneDNN compiles a half-precision GEMM kernel for every new shape (~5 ms each), and
         # the experts' token counts, hence the per-expert GEMM shapes, change with every batch: the

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -71,9 +72,38 @@ def get_reference(name: str) -> Callable:
 
 
 def run(name: str, device: torch.device, *args, **kwargs):
-    """The fused result of op ``name`` for tensors on ``device``, or None (the caller runs the reference)."""
-    fn = lookup(name, device.type)
+    """The fused result of op ``name`` for tensors on ``device``, or None (the caller runs the reference). Meta
+    tensors posing as another kind (``posing``) take the meta entry (what that kind's kernel keeps, in shapes),
+    else that kind's."""
+    kind = computes_as(device)
+    fn = lookup(name, "meta") if device.type == "meta" else None
+    fn = fn or lookup(name, kind)
     return None if fn is None else fn(*args, **kwargs)
+
+
+_pose = "meta"
+
+
+def computes_as(where: torch.Tensor | torch.device) -> str:
+    """The device kind whose kernels a tensor's ops (or a device's) take: its device's type, but a meta tensor's
+    is the kind a dry run poses it as (``posing``; ``meta``, an accelerator's kernels, unless told). Every
+    choice of a kernel by device in ``rlflow.ops`` asks this."""
+    t = where.device.type if isinstance(where, torch.Tensor) else where.type
+    return _pose if t == "meta" else t
+
+
+@contextmanager
+def posing(kind: str):
+    """Within the block, meta tensors compute as devices of ``kind`` do (a dry run of that kind's program:
+    ``dryrun.StepCase.kernels``)."""
+    global _pose
+    if kind not in KINDS:
+        raise ValueError(f"posing: unknown device kind {kind!r}: expected one of {KINDS}")
+    before, _pose = _pose, kind
+    try:
+        yield
+    finally:
+        _pose = before
 
 
 def table() -> dict[str, dict[str, str]]:

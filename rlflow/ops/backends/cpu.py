@@ -235,7 +235,7 @@ def usable(*tensors: Tensor, traced: bool = False) -> bool:
     loader itself is not traced)."""
     if torch.compiler.is_compiling() and not (traced and _state is not None):
         return False
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    return (all(registry.computes_as(t) == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
             and available())
 
 
@@ -443,8 +443,8 @@ def moe_small_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_t_EDF2
             or (torch.compiler.is_compiling() and _state is None)):  # not loaded: do not trace the loader
         return None
     E, D, F2 = gate_up_t_EDF2.shape
-    if (any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in ts)
-            or idx_NK.dtype != torch.int64 or not idx_NK.is_contiguous() or idx_NK.device.type != "cpu"
+    if (any(registry.computes_as(t) != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in ts)
+            or idx_NK.dtype != torch.int64 or not idx_NK.is_contiguous() or registry.computes_as(idx_NK) != "cpu"
             or w_NK.shape != idx_NK.shape or idx_NK.shape[0] != x_ND.shape[0]
             or (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
             or x_ND.dim() != 2 or x_ND.shape[1] != D or D % (2 * WIDTH) or F2 % (4 * WIDTH)
@@ -468,7 +468,7 @@ def route(logits_NE: Tensor, k: int, norm: bool, with_aux: bool = False) -> tupl
 @registry.fused("counter_noise", "cpu")
 def counter_noise(keys_B: Tensor, pos_B: Tensor, vocab: int) -> Tensor | None:
     """``rlflow.ops.counter_noise`` in one pass per row (the reference makes ~15 passes over [B, V] int64)."""
-    if keys_B.dim() != 1 or keys_B.device.type != "cpu" or not available():
+    if keys_B.dim() != 1 or registry.computes_as(keys_B) != "cpu" or not available():
         return None
     return _call("counter_noise", keys_B.long(), pos_B.long(), vocab)
 
@@ -477,7 +477,7 @@ def moe_plan(idx_NK: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor, Te
     """(order, tok, inv [N*K] int64, offs [E] int32): the (token, slot) pairs sorted by expert, stably
     (order[j]: the pair at sorted position j, tok[j] its token, inv[pair] its position), and the end of
     each expert's block; None when the kernels are unavailable (or idx is not a CPU int64 [N, K])."""
-    if idx_NK.dim() != 2 or idx_NK.dtype != torch.int64 or idx_NK.device.type != "cpu" or not available():
+    if idx_NK.dim() != 2 or idx_NK.dtype != torch.int64 or registry.computes_as(idx_NK) != "cpu" or not available():
         return None
     return _call("moe_plan", idx_NK, n_experts)
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from rlflow.ops import registry
-from rlflow.ops.attention import fused_kernel_heads
+from rlflow.ops.attention import cpu_takes_f32, fused_kernel_heads
 
 
 @registry.fused("attention", "meta")
@@ -25,6 +25,8 @@ def attention(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor 
     B, H, T, _ = q_BHTd.shape
     if T == 1 and mask_B1TS is not None:
         return None
+    if registry.computes_as(q_BHTd) == "cpu":
+        return _cpu(q_BHTd, k_BKSd, v_BKSd, mask_B1TS, is_causal, scale)
     k, v, gqa = fused_kernel_heads(q_BHTd, k_BKSd, v_BKSd, mask_B1TS)
     if gqa:  # grouped heads without a mask: flash attention takes them as they are; the same memory
         k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
@@ -35,3 +37,17 @@ def attention(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor 
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_BHTd, k, v))
     return torch.ops.aten._scaled_dot_product_efficient_attention(
         q_BHTd, k, v, bias, grad, 0.0, is_causal and mask_B1TS is None, scale=scale)[0]
+
+
+def _cpu(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | None, is_causal: bool,
+         scale: float | None) -> Tensor | None:
+    """Meta tensors posing as the CPU's (``registry.posing``): the reference's float32 matmuls where it takes
+    them (None: the reference runs), else the CPU's SDPA kernel, flash attention, the keys and values repeated
+    to the query heads where they are grouped."""
+    if cpu_takes_f32(q_BHTd, k_BKSd, v_BKSd):
+        return None
+    H, K = q_BHTd.shape[1], k_BKSd.shape[1]
+    k, v = (k_BKSd, v_BKSd) if H == K else (k_BKSd.repeat_interleave(H // K, 1), v_BKSd.repeat_interleave(H // K, 1))
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q_BHTd, k, v, 0.0, is_causal and mask_B1TS is None, attn_mask=mask_B1TS, scale=scale)[0]
+
