@@ -62,8 +62,9 @@ def main() -> None:
     t0 = time.perf_counter()
     rates = cost.measure()
     print(f"rates measured in {time.perf_counter() - t0:.1f} s: an op of rlflow's code issues in "
-          f"{rates.op_s * 1e6:.2f} us; a 1024-side bf16 matmul from cold caches at {rates.matmul['mm:bfloat16'][-1][1] / 1e9:.0f} "
-          f"GFLOP/s; a 256 MiB copy at {rates.memory[-1][1] / 1e9:.0f} GB/s")
+          f"{rates.op_s * 1e6:.2f} us; a 1024-side bf16 matmul from cold caches at "
+          f"{rates.matmul['mm:bfloat16'][-1][1] / 1e9:.0f} GFLOP/s; a 256 MiB copy at "
+          f"{rates.memory[-1][1] / 1e9:.0f} GB/s")
     cases = []
     for model in args.models.split(","):
         out = run(model, args.steps, rates)

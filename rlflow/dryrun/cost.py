@@ -240,8 +240,8 @@ def measure(device: str = "cpu", *, model: str = "qwen3-moe-tiny", dtypes=("bflo
     """The rates of ``device`` by micro-benchmark: the issue cost of an op of rlflow's code (``model``'s forward
     and backward at two tokens: ``_issue_seconds``), per dtype and ``MATMULS`` kernel matmuls whose smallest
     dimension is 1 to 1024 (from cold caches), copies of 4 KiB to 256 MiB into memory in use and into fresh
-    memory. A rate is the work over the time less a bare op's call. The link is not measured yet: collectives cost nothing at these
-    rates (one process)."""
+    memory. A rate is the work over the time less a bare op's call. The link is not measured yet: collectives
+    cost nothing at these rates (one process)."""
     dev = torch.device(device)
     op_s = _issue_seconds(dev, model)
     one = torch.ones(1, device=dev)

@@ -162,8 +162,8 @@ def _grouped_mm_ok(x: Tensor, down_EDF: Tensor) -> bool:
 def _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, fused_f32=None):
     """Experts on their own tokens; ``fused_f32`` (from a backend): the same in float32 with fused
     kernels, or None where they do not apply."""
-    if (registry.computes_as(x_ND) == "cpu" and x_ND.dtype in (torch.bfloat16, torch.float16) and not torch.compiler.is_compiling()
-            and _small(gate_up_E2FD, down_EDF)):
+    if (registry.computes_as(x_ND) == "cpu" and x_ND.dtype in (torch.bfloat16, torch.float16)
+            and not torch.compiler.is_compiling() and _small(gate_up_E2FD, down_EDF)):
         # On the CPU, oneDNN compiles a half-precision GEMM kernel for every new shape (~5 ms each), and
         # the experts' token counts, hence the per-expert GEMM shapes, change with every batch: the
         # bf16 update of the e2e workload (tiny experts) took 400-450 ms per step against 140 ms with

@@ -50,4 +50,3 @@ def _cpu(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | Non
     k, v = (k_BKSd, v_BKSd) if H == K else (k_BKSd.repeat_interleave(H // K, 1), v_BKSd.repeat_interleave(H // K, 1))
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q_BHTd, k, v, 0.0, is_causal and mask_B1TS is None, attn_mask=mask_B1TS, scale=scale)[0]
-
