@@ -211,12 +211,12 @@ def accumulate(grads: list[Tensor | None], loss: Tensor, leaves: list[Tensor], r
     """Add d loss / d leaves into ``grads`` in float32, whatever the parameters' dtype. ``reduce``: the
     mini-batch's last backward starts the data-parallel reduction (``dp.OverlappedGrads``, from ``descend``):
     each leaf's sum goes to it as soon as the backward has computed the leaf's gradient."""
-    # a later micro-batch's half-precision gradient is cast into one float32 buffer, made here for the largest
-    # leaf, then added: a fresh float32 copy of every gradient every micro-batch is memory first touched each
-    # time (a CPU's page faults: two thirds of a 0.5B update; docs/dryrun.md), and an in-place add of the half
-    # precision gradient is slower still on a CPU
-    half = [leaf.numel() for j, leaf in enumerate(leaves) if grads[j] is not None and leaf.dtype != torch.float32]
-    cast = torch.empty(max(half), dtype=torch.float32, device=leaves[0].device) if half else None
+    # a later micro-batch's half-precision gradient is cast into one float32 buffer, then added: a fresh float32
+    # copy of every gradient every micro-batch is memory first touched each time (a CPU's page faults: two
+    # thirds of a 0.5B update; docs/dryrun.md), and an in-place add of the half precision gradient is slower
+    # still on a CPU. The buffer grows to the largest gradient added so far (one float32 gradient, as a fresh
+    # copy of it was; for most models the first, the head's)
+    cast: list[Tensor] = []
 
     def add(j, gr):
         if grads[j] is None:
@@ -224,7 +224,10 @@ def accumulate(grads: list[Tensor | None], loss: Tensor, leaves: list[Tensor], r
         elif gr.dtype == torch.float32:
             grads[j].add_(gr)
         else:
-            grads[j].add_(cast[:gr.numel()].view(gr.shape).copy_(gr))
+            if not cast or cast[0].numel() < gr.numel():
+                cast.clear()  # the smaller one freed first
+                cast.append(torch.empty(gr.numel(), dtype=torch.float32, device=gr.device))
+            grads[j].add_(cast[0][:gr.numel()].view(gr.shape).copy_(gr))
 
     if reduce is None:
         for j, gr in enumerate(torch.autograd.grad(loss, leaves, allow_unused=True)):
