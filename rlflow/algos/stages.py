@@ -19,6 +19,7 @@ from rlflow.models import decoder as model, lora
 from rlflow.models.config import ModelConfig
 from rlflow.models.execution import LOCAL, Exec
 from rlflow.models.logprobs import response_logprobs
+from rlflow.ops import registry
 from rlflow.parallel import dp
 from rlflow.parallel import train as ptrain
 
@@ -211,18 +212,18 @@ def accumulate(grads: list[Tensor | None], loss: Tensor, leaves: list[Tensor], r
     """Add d loss / d leaves into ``grads`` in float32, whatever the parameters' dtype. ``reduce``: the
     mini-batch's last backward starts the data-parallel reduction (``dp.OverlappedGrads``, from ``descend``):
     each leaf's sum goes to it as soon as the backward has computed the leaf's gradient."""
-    # a later micro-batch's half-precision gradient is cast into one float32 buffer, then added: a fresh float32
-    # copy of every gradient every micro-batch is memory first touched each time (a CPU's page faults: two
+    # on a CPU a later micro-batch's half-precision gradient is cast into one float32 buffer, then added: a fresh
+    # float32 copy of every gradient every micro-batch is memory first touched each time (page faults: two
     # thirds of a 0.5B update; docs/dryrun.md), and an in-place add of the half precision gradient is slower
-    # still on a CPU. The buffer grows to the largest gradient added so far (one float32 gradient, as a fresh
-    # copy of it was; for most models the first, the head's)
+    # still. The buffer grows to the largest gradient added so far, held through the backward: an
+    # accelerator's caching allocator makes fresh copies free, and they hold less
     cast: list[Tensor] = []
 
     def add(j, gr):
         if grads[j] is None:
             grads[j] = gr.float()
-        elif gr.dtype == torch.float32:
-            grads[j].add_(gr)
+        elif gr.dtype == torch.float32 or registry.computes_as(gr) != "cpu":
+            grads[j].add_(gr.float())
         else:
             if not cast or cast[0].numel() < gr.numel():
                 cast.clear()  # the smaller one freed first
