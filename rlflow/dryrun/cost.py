@@ -211,8 +211,7 @@ def _timed(fn, min_s: float = 0.05, flush=None) -> float:
 def _issue_seconds(device: torch.device, model: str) -> float:
     """Seconds per op of rlflow's own code at a size where the work is nothing: ``model``'s forward and backward
     on one row of two tokens, its time over its ops (Python, torch's dispatch and autograd per op)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    from rlflow.dryrun.trace import RankTrace, Watch  # it counts with this module's ``count``
     from rlflow.models import decoder
     from rlflow.models.config import get_config
     cfg = get_config(model)
@@ -224,16 +223,10 @@ def _issue_seconds(device: torch.device, model: str) -> float:
         h, aux, _ = decoder.forward(params, cfg, ids, pos)
         (decoder.logits(params, cfg, h).float().sum() + aux).backward()
 
-    class Ops(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += not func.is_view
-            return func(*args, **(kwargs or {}))
-
-    with Ops() as ops:
+    trace = RankTrace(0)
+    with Watch(trace, device=device.type):  # its ops counted as a step's are (``count``)
         fwd_bwd()
-    return _timed(fwd_bwd) / ops.n
+    return _timed(fwd_bwd) / sum(n for ops in trace.stage_ops.values() for n in ops.values())
 
 
 def measure(device: str = "cpu", *, model: str = "qwen3-moe-tiny", dtypes=("bfloat16", "float32")) -> Rates:
