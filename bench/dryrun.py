@@ -48,7 +48,32 @@ def shape_classes(train, rollout) -> list[int]:
     return list(seen.values())
 
 
-def run_case(name: str, world_check: bool) -> dict:
+PAPER = {"deepseek-r1-671b": "200-250 TPS on 384 NPUs (MindSpeed RL, Figure 11: tokens per device per second)"}
+PRICED = ("transition", "generate", "decode", "swap back", "score", "advantage", "ref_logprob", "update")
+
+
+def priced(case, steps, sheet, op_s: float) -> dict:
+    """The step at ``sheet``'s rates (``cost.whole_step``: the decode steps scaled to the whole response, the
+    pipeline's stages by its bubble), each stage the slowest stepped rank's: its seconds between the queue's bounds
+    (``StageCost``), the step's, and its tokens (prompt and response) per device per second."""
+    from rlflow.dryrun import cost
+    rates = sheet.rates(op_s)
+    pp = case.layouts()[0].mesh.pp
+    costs = [cost.whole_step(t, rates, response_len=case.response_len, n_micro=case.micro_batches, pp=pp)
+             for t in steps]
+    stages = {s: max((c[s] for c in costs if s in c), key=lambda x: x.seconds) for s in PRICED
+              if any(s in c for c in costs)}
+    lo = sum(max(c.issue_s, c.work_s) for c in stages.values())
+    hi = sum(c.seconds for c in stages.values())
+    tokens = case.prompts * case.group_size * (case.prompt_len + case.response_len)
+    return {"device": sheet.name, "stages_s": {s: [round(max(c.issue_s, c.work_s), 3), round(c.seconds, 3)]
+                                               for s, c in stages.items()},
+            "host_bound": [s for s, c in stages.items() if c.issue_s > c.work_s],
+            "step_s": [round(lo, 2), round(hi, 2)], "tps": [round(tokens / (case.world * hi), 1),
+                                                           round(tokens / (case.world * lo), 1)]}
+
+
+def run_case(name: str, world_check: bool, op_s: float) -> dict:
     from rlflow import dryrun
 
     case = dryrun.StepCase(**CASES[name])
@@ -68,6 +93,8 @@ def run_case(name: str, world_check: bool) -> dict:
     bad = dryrun.mismatched(moves) + (dryrun.mismatched(steps) if world_check else [])
     unknown = sorted({k for t in steps for k in t.unknown_reads})
     secs = time.perf_counter() - t0
+    from rlflow.dryrun.cost import DATASHEETS
+    predictions = [priced(case, steps, sheet, op_s) for sheet in DATASHEETS.values()]
     print(f"{case.model} on {case.world}: train {train.mesh} -> rollout {rollout.mesh}; {case.prompts} prompts x "
           f"{case.group_size}, {case.prompt_len} + {case.response_len} tokens, remat {case.remat}; the step for "
           f"{'every rank' if world_check else f'{len(classes)} shape classes'}, the transition for every rank: "
@@ -78,6 +105,12 @@ def run_case(name: str, world_check: bool) -> dict:
           f"{'matched' if not bad else bad[:3]} ({'step and transition' if world_check else 'transition'}); host reads "
           f"of unknown values at {unknown}; fits H200 {peak <= H200}, 910B {peak <= ASCEND_910B}; {secs:.0f} s",
           flush=True)
+    for p in predictions:
+        print(f"  predicted on {p['device']} (s, between the queue's bounds): "
+              + ", ".join(f"{s} {lo:g}-{hi:g}" for s, (lo, hi) in p["stages_s"].items())
+              + f"; the step {p['step_s'][0]:g}-{p['step_s'][1]:g} s, {p['tps'][0]:g}-{p['tps'][1]:g} tokens per "
+              f"device per second; host-bound (issue over work): {', '.join(p['host_bound']) or 'none'}"
+              + (f"; the paper: {PAPER[case.model]}" if case.model in PAPER else ""), flush=True)
     return {"model": case.model, "world": case.world, "train": str(train.mesh), "rollout": str(rollout.mesh),
             "rows": case.prompts * case.group_size, "tokens": [case.prompt_len, case.response_len], "remat": case.remat,
             "rank_classes": len(classes), "ranks_stepped": len(steps), "stage_peaks": stages,
@@ -85,7 +118,7 @@ def run_case(name: str, world_check: bool) -> dict:
             "ledger_gap_max": max(t.ledger_gap() for t in moves), "fits_h200": peak <= H200,
             "fits_910b": peak <= ASCEND_910B, "collectives_matched": not bad,
             "collectives_checked": "step and transition" if world_check else "transition",
-            "unknown_reads": unknown, "seconds": round(secs)}
+            "unknown_reads": unknown, "seconds": round(secs), "predicted": predictions}
 
 
 def main(argv=None) -> dict:
@@ -94,7 +127,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--world-check", action="store_true", help="the step for every rank, its collectives compared")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    out = {"cases": [run_case(c, a.world_check) for c in a.cases]}
+    from rlflow.dryrun.cost import issue_seconds
+    op_s = issue_seconds()
+    print(f"the host issues an op of rlflow's code in {op_s * 1e6:.2f} us (measured here: the predictions' host)")
+    out = {"op_s": op_s, "cases": [run_case(c, a.world_check, op_s) for c in a.cases]}
     print(json.dumps(out))
     return out
 

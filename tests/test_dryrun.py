@@ -2,6 +2,7 @@
 collectives as the real run on gloo, its live bytes are the plan's ledger at every step, and the check over a
 world's traces catches a planted reorder."""
 
+import collections
 import dataclasses
 
 import pytest
@@ -198,7 +199,7 @@ def test_the_dry_steps_memory_peaks_are_the_real_cpu_runs():
         assert set(got) == set(fake) and fake["update"] > fake["state"] > 0
         for stage, want in fake.items():
             if stage not in ("transition", "swap back"):
-                swapped = moved if stage == "generate" else 0
+                swapped = moved if stage in ("generate", "decode") else 0
                 assert abs(got[stage] - swapped - want) <= 0.01 * want, (rank, stage, got[stage], swapped, want)
 
 
@@ -294,9 +295,35 @@ def test_an_op_costs_its_issue_plus_its_roofline_or_the_longer_of_the_two_on_a_q
     assert r.seconds(skinny) == pytest.approx(1e-3 + 1e7 / 10 ** 8.5)
     assert r.seconds(memory) == pytest.approx(1e-3 + 1e-2 + (1 << 20) / 1e7)
     assert r.seconds(small) == pytest.approx(1e-3 + 1e-2)
-    assert r.seconds(coll) == pytest.approx(1e-2 + 1e-2)
+    assert r.seconds(coll) == pytest.approx(1e-3 + 1e-2 + 1e-2)
     queued = dataclasses.replace(r, queued=True, op_s=5e-2)
     assert queued.seconds(compute) == pytest.approx(5e-2)
+    # on a queue a stage takes between the longer of its issue and work summed apart and the sum of its ops'
+    fast = dataclasses.replace(queued, op_s=2e-3, kernel_s=1e-4)
+    empty = cost.OpCost("aten.add", "float32", flops=0, bytes=8)  # a kernel's least time, not its 8 bytes'
+    assert fast.work(empty) == pytest.approx(1e-4) and fast.seconds(empty) == pytest.approx(2e-3)
+    stage = cost.predict({"s": collections.Counter({compute: 1, empty: 10})}, fast)["s"]
+    assert (stage.issue_s, stage.work_s, stage.seconds) == pytest.approx((11 * 2e-3, 1e-2 + 10 * 1e-4,
+                                                                          1e-2 + 10 * 2e-3))
+
+
+def test_a_whole_step_scales_the_executed_decode_steps_and_stretches_the_pipelines_stages():
+    """The dry step's decode steps are counted apart from the prefill (stage "decode", ``decode_steps``) and cost
+    the same each: a step that executes 2 of them priced for a response of 9 tokens is one that executes 4; the
+    prefill's stage is the same in both. With 2 pipeline stages over 2 micro-batches the log-probs and the update
+    take 3/2 of their ops' time; nothing else changes."""
+    from rlflow.dryrun import cost
+    case = dryrun.StepCase("qwen3-moe-tiny", 2, "dp=2", "tp=2", prompts=2, group_size=2, prompt_len=6,
+                           response_len=9, response_tokens=3)
+    short, long = (dryrun.step(dataclasses.replace(case, response_tokens=n), 0) for n in (3, 5))
+    assert (short.decode_steps, long.decode_steps) == (2, 4)
+    assert short.stage_ops["generate"] == long.stage_ops["generate"]
+    a, b = (cost.whole_step(t, _rates(), response_len=9) for t in (short, long))
+    assert a["decode"].flops > 0 and a["decode"].seconds == pytest.approx(b["decode"].seconds, rel=0.05)
+    assert a["decode"].seconds == pytest.approx(cost.predict(short.stage_ops, _rates())["decode"].seconds * 4)
+    piped = cost.whole_step(short, _rates(), response_len=9, n_micro=2, pp=2)
+    for stage, c in a.items():
+        assert piped[stage].seconds == pytest.approx(c.seconds * (1.5 if stage in cost.PIPELINED else 1)), stage
 
 
 def test_the_dry_steps_flops_and_ops_are_the_real_steps_when_its_meta_tensors_pose_as_the_cpus():
@@ -313,7 +340,7 @@ def test_the_dry_steps_flops_and_ops_are_the_real_steps_when_its_meta_tensors_po
         dryrun.real(case, 0, None, watch=dryrun.Watch(own, device="cpu"))
         real = cost.predict(own.stage_ops, _rates())
         assert set(fake) == set(real)
-        for stage in ("generate", "ref_logprob", "update"):
+        for stage in ("generate", "decode", "ref_logprob", "update"):
             assert fake[stage].flops > 0 and abs(fake[stage].flops - real[stage].flops) <= 0.01 * real[stage].flops, (
                 model, stage, fake[stage].flops, real[stage].flops)
             assert abs(fake[stage].ops - real[stage].ops) <= 0.05 * real[stage].ops, (model, stage, fake[stage].ops,

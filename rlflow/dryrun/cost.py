@@ -133,9 +133,18 @@ class Rates:
     queued: bool = False  # the device runs ops while the host issues the next (an accelerator's stream): an op
     # costs the longer of its issue and its work; on a CPU the host does the work, and the two add up
 
+    kernel_s: float = 0.0  # the least time the device spends on a kernel (an accelerator's launch)
+
     def seconds(self, op: OpCost) -> float:
+        work = self.work(op)
+        return max(self.op_s, work) if self.queued else self.op_s + work
+
+    def work(self, op: OpCost) -> float:
+        """The device's time on ``op``, its issue left out."""
         if op.op.startswith("c10d."):
             return self.link_s + op.bytes / self.link
+        if op.op in _SHAPE_ONLY:
+            return 0.0
         t = op.bytes / _rate(self.memory, op.bytes) if op.bytes else 0.0
         if self.fresh and op.fresh >= self.fresh[0][0]:  # smaller: memory an allocator reuses, no first touch
             t += op.fresh / _rate(self.fresh, op.fresh)
@@ -143,7 +152,7 @@ class Rates:
             kernel = op.kernel or "mm"  # other counted ops: as matmuls at their peak
             table = self.matmul.get(f"{kernel}:{op.dtype}") or self.matmul[f"{kernel}:float32"]
             t = max(t, op.flops / _rate(table, op.small or table[-1][0]))
-        return max(self.op_s, t) if self.queued else self.op_s + t
+        return max(t, self.kernel_s)
 
 
 def _rate(table, size: float) -> float:
@@ -160,12 +169,22 @@ def _rate(table, size: float) -> float:
 
 @dataclass(frozen=True)
 class StageCost:
-    """One stage's totals and its predicted seconds at some rates."""
+    """One stage's totals and its predicted seconds at some rates: ``seconds`` the sum of its ops' (``Rates.seconds``),
+    ``issue_s`` and ``work_s`` the host's issue and the device's work summed apart. On a queue the stage takes
+    between ``max(issue_s, work_s)`` (the host always ahead, or the device never waiting) and ``seconds`` (every op
+    waited for): which, the order of its ops and the host's reads of device values decide."""
     ops: int
     flops: int
     bytes: int
     collective_bytes: int
     seconds: float
+    issue_s: float = 0.0
+    work_s: float = 0.0
+
+    def scaled(self, k: float) -> "StageCost":
+        """The stage run ``k`` times over (a decode step's cost times the steps of a whole response)."""
+        return StageCost(round(self.ops * k), round(self.flops * k), round(self.bytes * k),
+                         round(self.collective_bytes * k), self.seconds * k, self.issue_s * k, self.work_s * k)
 
 
 def predict(stage_ops: dict, rates: Rates) -> dict[str, StageCost]:
@@ -175,7 +194,26 @@ def predict(stage_ops: dict, rates: Rates) -> dict[str, StageCost]:
         coll = sum(n * c.bytes for c, n in ops.items() if c.op.startswith("c10d."))
         out[stage] = StageCost(sum(ops.values()), sum(n * c.flops for c, n in ops.items()),
                                sum(n * c.bytes for c, n in ops.items()) - coll, coll,
-                               sum(n * rates.seconds(c) for c, n in ops.items()))
+                               sum(n * rates.seconds(c) for c, n in ops.items()), sum(ops.values()) * rates.op_s,
+                               sum(n * rates.work(c) for c, n in ops.items()))
+    return out
+
+
+PIPELINED = ("ref_logprob", "old_logprob", "update")  # the stages a pipeline runs over micro-batches
+
+
+def whole_step(trace, rates: Rates, *, response_len: int, n_micro: int = 1, pp: int = 1) -> dict[str, StageCost]:
+    """A rank's stages (``trace``: a dry step's ``RankTrace``) at ``rates`` as a whole step runs them: the decode
+    steps it executed (``trace.decode_steps``) scaled to a response of ``response_len`` tokens (the first is the
+    prefill's), and with ``pp`` pipeline stages over ``n_micro`` micro-batches, the pipelined stages stretched by
+    the bubble, (n_micro + pp - 1) / n_micro (a stage idles while the first micro-batches reach it and the last
+    leave). The executed decode steps attend over the prompt and their few tokens, not the response's mean length."""
+    out = predict(trace.stage_ops, rates)
+    if "decode" in out:
+        out["decode"] = out["decode"].scaled((response_len - 1) / trace.decode_steps)
+    for stage in PIPELINED:
+        if stage in out and pp > 1:
+            out[stage] = out[stage].scaled((n_micro + pp - 1) / n_micro)
     return out
 
 
@@ -208,13 +246,13 @@ def _timed(fn, min_s: float = 0.05, flush=None) -> float:
     return best
 
 
-def _issue_seconds(device: torch.device, model: str) -> float:
+def issue_seconds(device: torch.device | str = "cpu", model: str = "qwen3-moe-tiny") -> float:
     """Seconds per op of rlflow's own code at a size where the work is nothing: ``model``'s forward and backward
     on one row of two tokens, its time over its ops (Python, torch's dispatch and autograd per op)."""
     from rlflow.dryrun.trace import RankTrace, Watch  # it counts with this module's ``count``
     from rlflow.models import decoder
     from rlflow.models.config import get_config
-    cfg = get_config(model)
+    cfg, device = get_config(model), torch.device(device)
     params = {k: v.to(device).requires_grad_() for k, v in decoder.init_params(cfg, dtype=torch.bfloat16).items()}
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     pos = torch.arange(2, device=device)[None]
@@ -231,12 +269,12 @@ def _issue_seconds(device: torch.device, model: str) -> float:
 
 def measure(device: str = "cpu", *, model: str = "qwen3-moe-tiny", dtypes=("bfloat16", "float32")) -> Rates:
     """The rates of ``device`` by micro-benchmark: the issue cost of an op of rlflow's code (``model``'s forward
-    and backward at two tokens: ``_issue_seconds``), per dtype and ``MATMULS`` kernel matmuls whose smallest
+    and backward at two tokens: ``issue_seconds``), per dtype and ``MATMULS`` kernel matmuls whose smallest
     dimension is 1 to 1024 (from cold caches), copies of 4 KiB to 256 MiB into memory in use and into fresh
     memory. A rate is the work over the time less a bare op's call. The link is not measured yet: collectives
     cost nothing at these rates (one process)."""
     dev = torch.device(device)
-    op_s = _issue_seconds(dev, model)
+    op_s = issue_seconds(dev, model)
     one = torch.ones(1, device=dev)
     call_s = _timed(lambda: torch.add(one, one))  # a bare op's call from Python: the kernels' timings less it
     # a model's working set is far beyond the caches: each matmul timed from cold ones (64 MiB written between)
@@ -277,4 +315,43 @@ def measure(device: str = "cpu", *, model: str = "qwen3-moe-tiny", dtypes=("bflo
     return Rates(f"measured on {device}", matmul, tuple(memory), tuple(fresh), op_s, link=math.inf, link_s=0.0)
 
 
-__all__ = ["OpCost", "Rates", "StageCost", "count", "measure", "op_cost", "predict"]
+@dataclass(frozen=True)
+class Datasheet:
+    """An accelerator's published figures (per device) and the shares of them a run is assumed to reach: the
+    inputs of a prediction for hardware this project has not run on, printed with it."""
+    name: str
+    memory: float  # bytes of device memory
+    bf16_flops: float  # dense matmul peak, FLOP/s
+    fp32_flops: float
+    hbm: float  # memory bandwidth, bytes/s
+    link: float  # bytes/s a device's collective moves (the links within its node or pod)
+    link_s: float = 10e-6  # a collective's latency
+    kernel_s: float = 2e-6  # the least time a kernel takes
+    mfu: float = 0.6  # the share of the peak a large matmul reaches
+    hbm_eff: float = 0.8  # the share of the bandwidth a streaming op reaches
+    tile: int = 64  # a matmul's smallest dimension below which its tiles are partly idle (its rate in proportion)
+
+    def rates(self, op_s: float) -> Rates:
+        """Its ``Rates`` with the host issuing an op in ``op_s`` (rlflow's Python and torch's dispatch: measured on
+        a host, ``issue_seconds``)."""
+        def mm(peak):
+            return ((1.0, peak * self.mfu / self.tile), (float(self.tile), peak * self.mfu))
+        matmul = {f"{k}:{d}": mm(self.bf16_flops if d == "bfloat16" else self.fp32_flops)
+                  for k in MATMULS for d in ("bfloat16", "float32")}
+        return Rates(self.name, matmul, ((1.0, self.hbm * self.hbm_eff),), (), op_s, self.link, self.link_s,
+                     queued=True, kernel_s=self.kernel_s)
+
+
+# vendors' figures as published, not checked on a device (none has been lent to this project)
+DATASHEETS = {
+    # NVIDIA H200 SXM: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32 (no TF32: torch's default), 4.8 TB/s HBM3e, 141 GB;
+    # NVLink 4 at 450 GB/s each way
+    "h200": Datasheet("NVIDIA H200", 141e9, 989e12, 67e12, 4.8e12, 450e9 * 0.8),
+    # Ascend 910B (Atlas 800T A2 class): about 313 TFLOP/s bf16, 1.6 TB/s HBM, 64 GB; HCCS 8-way mesh at 196 GB/s
+    # each way; fp32 matmuls assumed at a quarter of bf16
+    "910b": Datasheet("Ascend 910B", 64e9, 313e12, 313e12 / 4, 1.6e12, 196e9 * 0.8),
+}
+
+
+__all__ = ["DATASHEETS", "Datasheet", "OpCost", "Rates", "StageCost", "count", "issue_seconds", "measure", "op_cost",
+           "predict", "whole_step"]

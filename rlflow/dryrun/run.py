@@ -92,6 +92,13 @@ class StepCase:
         return tuple(layout(self.model, Mesh.parse(m, self.world), dtype=torch.bfloat16)
                      for m in (self.train, self.rollout))
 
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches a data-parallel rank's rows run in (``micro_batch`` samples each over the data-parallel
+        ranks)."""
+        return max(self.prompts * self.group_size // (self.micro_batch or Mesh.parse(self.train, self.world)
+                                                      .data_parallel_size), 1)
+
     def placement(self):
         """Where the step runs: one process runs it alone (the recipe's world 1), else colocated."""
         from rlflow.runtime.placement import Colocated
@@ -188,6 +195,25 @@ def _marked(watch: Watch, name: str, fn):
     return run
 
 
+@contextmanager
+def decode_marked(watch: Watch):
+    """Generation's decode steps counted apart from its prefill: from the first, stage "decode", each counted in
+    ``RankTrace.decode_steps`` (a dry run executes a few of a response's tokens; the cost model scales them to the
+    whole length)."""
+    from rlflow import rollout
+    plain = rollout.decode_step
+
+    def marked(*args, **kwargs):
+        watch.stage("decode")
+        watch.trace.decode_steps += 1
+        return plain(*args, **kwargs)
+    rollout.decode_step = marked
+    try:
+        yield
+    finally:
+        rollout.decode_step = plain
+
+
 def staged(ctx, watch: Watch):
     """``ctx`` (a ``runtime.step.StepContext``) with its stages' starts marked in ``watch`` (``Watch.stage``):
     each stage of its graph by name, the engine's generation from its ``load`` and the swap back from its
@@ -218,7 +244,7 @@ def step(case: StepCase, rank: int) -> RankTrace:
                             placement=case.placement())
         ctx = dataclasses.replace(staged(ctx, watch), flow=DryFlow(case.response_len))
         ctx.weights.state.arena = MetaHost(watch)
-        with watch:
+        with watch, decode_marked(watch):
             watch.stage("state")
             policy = meta_shards(train, rank)
             state = runstate.init(policy, None, kl=case.kl)
@@ -249,7 +275,7 @@ def real(case: StepCase, rank: int, dock, *, steps: int = 1, watch: Watch | None
     prompts, outs = case.prompt_batch(cfg.vocab_size), []
     if watch is not None:
         ctx = staged(ctx, watch)
-    with watch or nullcontext():
+    with watch or nullcontext(), decode_marked(watch) if watch is not None else nullcontext():
         mark = watch.stage if watch is not None else lambda name: None
         mark("state")
         state = runstate.init(policy, None, kl=case.kl)

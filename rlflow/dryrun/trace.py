@@ -48,6 +48,7 @@ class RankTrace:
     peak_stage: str | None = None  # the stage the peak was in
     peak_sites: dict[str, int] = field(default_factory=dict)  # the bytes live at the peak by the line that made them
     stage_ops: dict[str, Counter] = field(default_factory=dict)  # per stage, how many of each op (``cost.OpCost``)
+    decode_steps: int = 0  # the generation's decode steps (stage "decode"; its prefill is stage "generate")
 
     def ledger_gap(self) -> float:
         """The largest |live - ledger| over the plan's steps, as a share of the ledger's peak."""
