@@ -1,16 +1,17 @@
 """The whole-step cost model against this machine (issue 44): each stage's time predicted from the dry run's trace
 (``dryrun.step`` on meta tensors: per op its FLOPs, bytes and fresh bytes) at the rates micro-benchmarks measure
-here (``dryrun.cost.measure``), beside the same step run for real (``dryrun.real``: CPU tensors, random weights).
+here (``dryrun.calibrate.measure``), beside the same step run for real (``dryrun.real``: CPU tensors, random weights).
 
 Definitions: measured = the median over steps 2.. of the step's stage clocks (``runtime.step``'s laps: the
 rollout is the transition, generation and swap back; scoring; the reference log-probs with the dock's get; the
-update); predicted = the sum over the stage's ops of ``Rates.seconds``; ratio = predicted / measured. Every
-response runs to ``response_len`` in both (an EOS id no one samples). The real step's own trace priced at the same
-rates is printed too: it separates the rate model's error from the dry trace's (the meta tensors run an
-accelerator's kernel choices, not this CPU's).
+update); predicted = the sum over the stage's ops of ``Rates.seconds`` (the dry trace posed as this CPU:
+``StepCase.kernels="cpu"``); ratio = predicted / measured. Every response runs to ``response_len`` in both (an EOS
+id no one samples). The real step's own trace priced at the same rates is printed too: it separates the rate
+model's error from the dry trace's. Two processes: spawned, gloo, a real dock; the rates measured in each rank at
+once (the link an all-reduce's); each figure the slower rank's.
 
-    python bench/cost_model.py                      # qwen3-moe-tiny and qwen3-moe-0.5b, one process
-    python bench/cost_model.py --models qwen3-moe-tiny --steps 6
+    python bench/cost_model.py                      # qwen3-moe-tiny and qwen3-moe-0.5b, one and two processes
+    python bench/cost_model.py --models qwen3-moe-tiny --worlds 2 --steps 6
 """
 
 from __future__ import annotations
@@ -20,62 +21,93 @@ import json
 import statistics
 import time
 
-STAGES = {"rollout": ("transition", "generate", "swap back"), "score": ("score", "advantage"),
+STAGES = {"rollout": ("transition", "generate", "decode", "swap back"), "score": ("score", "advantage"),
           "logprob": ("ref_logprob", "old_logprob"), "update": ("update",)}
 LAPS = {"rollout": "rollout_time_s", "score": "score_time_s", "logprob": "logprob_time_s", "update": "update_time_s"}
+LAYOUTS = {1: ("dp=1", "dp=1"), 2: ("tp=2", "dp=2")}  # the recipe's at world 1 and 2 (a transition every step)
 
 
-def run(model: str, steps: int, rates) -> dict:
+def _rank(rank: int, world: int, case, steps: int, dock) -> tuple:
+    """One rank of the real run: this machine's rates measured (every rank at once: the link, and the memory as
+    the ranks share it), then ``steps`` steps; (the rates, each step's stage clocks, the real trace's ops)."""
+    from rlflow import dryrun
+    from rlflow.dryrun.calibrate import measure
+    rates = measure()
+    own = dryrun.RankTrace(rank)
+    _, outs = dryrun.real(case, rank, dock, steps=steps, watch=dryrun.Watch(own, device="cpu"))
+    return rates, [o.figures.times for o in outs], own.stage_ops
+
+
+def run(model: str, world: int, steps: int) -> dict:
     from rlflow import dryrun
     from rlflow.dryrun import cost
 
-    case = dryrun.StepCase(model, 1, "dp=1", "dp=1", prompts=4, group_size=4, prompt_len=16, response_len=32,
+    case = dryrun.StepCase(model, world, *LAYOUTS[world], prompts=4, group_size=4, prompt_len=16, response_len=32,
                            response_tokens=32, eos=10 ** 9, kernels="cpu")
     t0 = time.perf_counter()
-    dry = cost.predict(dryrun.step(case, 0).stage_ops, rates)
+    traces = [dryrun.step(case, r) for r in range(world)]
     dry_s = time.perf_counter() - t0
-    own = dryrun.RankTrace(0)
-    _, outs = dryrun.real(case, 0, None, steps=steps, watch=dryrun.Watch(own, device="cpu"))
-    real_trace = cost.predict(own.stage_ops, rates)
+    if world == 1:
+        ranks = [_rank(0, 1, case, steps, None)]
+    else:
+        from rlflow.dock.proc_backend import proc_dock
+        from rlflow.runtime.graph import GRPO
+        from rlflow.runtime.launch.local import spawn
+        dock = proc_dock(GRPO.schema, GRPO.consumers, capacity=case.prompts * case.group_size, warehouses=world,
+                         group_size=case.group_size)
+        try:
+            ranks = spawn(_rank, world, case, steps, dock)
+        finally:
+            dock.close()
     rows = {}
     for name, parts in STAGES.items():
-        measured = statistics.median(o.figures.times[LAPS[name]] for o in outs[1:])
-        pred = sum(dry[p].seconds for p in parts if p in dry)
-        pred_real = sum(real_trace[p].seconds for p in parts if p in real_trace)
+        # a stage ends when its slowest rank's does: each figure the largest over the ranks
+        measured = max(statistics.median(t[LAPS[name]] for t in times[1:]) for _, times, _ in ranks)
+        dry = [cost.predict(t.stage_ops, rates) for t, (rates, _, _) in zip(traces, ranks)]
+        real = [cost.predict(ops, rates) for rates, _, ops in ranks]
+        pred, pred_real = (max(sum(p[s].seconds for s in parts if s in p) for p in ps) for ps in (dry, real))
         rows[name] = dict(measured_s=measured, predicted_s=pred, ratio=pred / measured,
                           real_trace_ratio=pred_real / measured,
-                          ops=sum(dry[p].ops for p in parts if p in dry),
-                          real_ops=sum(real_trace[p].ops for p in parts if p in real_trace),
-                          gflops=sum(dry[p].flops for p in parts if p in dry) / 1e9)
-    return dict(model=model, world=1, dry_seconds=dry_s, stages=rows)
+                          ops=sum(dry[0][p].ops for p in parts if p in dry[0]),
+                          real_ops=sum(real[0][p].ops for p in parts if p in real[0]),
+                          gflops=sum(dry[0][p].flops for p in parts if p in dry[0]) / 1e9,
+                          collective_mb=sum(dry[0][p].collective_bytes for p in parts if p in dry[0]) / 1e6)
+    rates = ranks[0][0]
+    return dict(model=model, world=world, layouts=LAYOUTS[world], dry_seconds=dry_s, stages=rows,
+                rates=dict(op_us=rates.op_s * 1e6, mm_gflops=rates.matmul["mm:bfloat16"][-1][1] / 1e9,
+                           copy_gbps=rates.memory[-1][1] / 1e9, link_gbps=rates.link / 1e9,
+                           link_us=rates.link_s * 1e6))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="qwen3-moe-tiny,qwen3-moe-0.5b")
+    ap.add_argument("--worlds", default="1,2", help=f"processes: of {sorted(LAYOUTS)} (train, rollout layouts: "
+                                                    f"{LAYOUTS})")
     ap.add_argument("--steps", type=int, default=4, help="real steps per model; the first (warm-up) is not timed")
     args = ap.parse_args()
     if args.steps < 2:
         ap.error(f"--steps {args.steps}: the first step warms up; at least 2")
-    from rlflow.dryrun import cost
-
-    t0 = time.perf_counter()
-    rates = cost.measure()
-    print(f"rates measured in {time.perf_counter() - t0:.1f} s: an op of rlflow's code issues in "
-          f"{rates.op_s * 1e6:.2f} us; a 1024-side bf16 matmul from cold caches at "
-          f"{rates.matmul['mm:bfloat16'][-1][1] / 1e9:.0f} GFLOP/s; a 256 MiB copy at "
-          f"{rates.memory[-1][1] / 1e9:.0f} GB/s")
+    worlds = [int(w) for w in args.worlds.split(",")]
+    if any(w not in LAYOUTS for w in worlds):
+        ap.error(f"--worlds {args.worlds}: each of {sorted(LAYOUTS)}")
     cases = []
     for model in args.models.split(","):
-        out = run(model, args.steps, rates)
-        cases.append(out)
-        print(f"\n{model}, one process (dry trace priced in {out['dry_seconds']:.0f} s):")
-        print(f"  {'stage':8s} {'measured s':>11s} {'predicted s':>12s} {'ratio':>6s} {'real trace':>11s} "
-              f"{'ops dry/real':>14s} {'GFLOP':>8s}")
-        for name, r in out["stages"].items():
-            print(f"  {name:8s} {r['measured_s']:11.4f} {r['predicted_s']:12.4f} {r['ratio']:6.2f} "
-                  f"{r['real_trace_ratio']:11.2f} {r['ops']:>7d}/{r['real_ops']:<6d} {r['gflops']:8.2f}")
-    print(json.dumps({"rates": rates.name, "op_s": rates.op_s, "cases": cases}))
+        for world in worlds:
+            out = run(model, world, args.steps)
+            cases.append(out)
+            r = out["rates"]
+            print(f"\n{model}, {world} process(es), train {out['layouts'][0]} / rollout {out['layouts'][1]} (dry "
+                  f"traces in {out['dry_seconds']:.0f} s); rates (rank 0): an op issues in {r['op_us']:.2f} us, a "
+                  f"1024-side bf16 matmul from cold caches at {r['mm_gflops']:.0f} GFLOP/s, a 256 MiB copy at "
+                  f"{r['copy_gbps']:.0f} GB/s, an all-reduce at {r['link_gbps']:.2f} GB/s + {r['link_us']:.0f} us:")
+            print(f"  {'stage':8s} {'measured s':>11s} {'predicted s':>12s} {'ratio':>6s} {'real trace':>11s} "
+                  f"{'ops dry/real':>14s} {'GFLOP':>8s} {'coll. MB':>9s}")
+            for name, s in out["stages"].items():
+                print(f"  {name:8s} {s['measured_s']:11.4f} {s['predicted_s']:12.4f} {s['ratio']:6.2f} "
+                      f"{s['real_trace_ratio']:11.2f} {s['ops']:>7d}/{s['real_ops']:<6d} {s['gflops']:8.2f} "
+                      f"{s['collective_mb']:9.2f}", flush=True)
+    print(json.dumps({"bench": "cost_model", "cases": cases}))
 
 
 if __name__ == "__main__":

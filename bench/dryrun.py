@@ -127,7 +127,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--world-check", action="store_true", help="the step for every rank, its collectives compared")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    from rlflow.dryrun.cost import issue_seconds
+    from rlflow.dryrun.calibrate import issue_seconds
     op_s = issue_seconds()
     print(f"the host issues an op of rlflow's code in {op_s * 1e6:.2f} us (measured here: the predictions' host)")
     out = {"op_s": op_s, "cases": [run_case(c, a.world_check, op_s) for c in a.cases]}

@@ -43,7 +43,8 @@ import json
 import math
 from dataclasses import dataclass
 
-from rlflow.dock.cost import Shape, project, streaming
+from rlflow.dock.cost import Shape, streaming
+from rlflow.dryrun.cost import DATASHEETS
 from rlflow.models.config import get_config
 from rlflow.models.sharding import layout
 from rlflow.models.shapes import param_shapes
@@ -142,9 +143,12 @@ def t_train(cfg, devices: int, s: Scenario, hw) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hbm-TBps", type=float, default=4.8, help="HBM bandwidth per device (H200: 4.8)")
-    p.add_argument("--peak-TFLOPs", type=float, default=989.0, help="dense bf16 rate per device (H200: 989)")
-    p.add_argument("--usable-GB", type=float, default=127.0, help="device memory a rank may fill (H200: 141 x 0.9)")
+    h200 = DATASHEETS["h200"]
+    p.add_argument("--hbm-TBps", type=float, default=h200.hbm / 1e12, help="HBM bandwidth per device (H200's)")
+    p.add_argument("--peak-TFLOPs", type=float, default=h200.bf16_flops / 1e12,
+                   help="dense bf16 rate per device (H200's)")
+    p.add_argument("--usable-GB", type=float, default=round(h200.memory * 0.9 / 1e9),
+                   help="device memory a rank may fill (H200's x 0.9)")
     p.add_argument("--mfu", type=float, default=0.35, help="training's and prefill's share of the peak")
     p.add_argument("--decode-eff", type=float, default=0.6, help="decode's share of the HBM bandwidth")
     p.add_argument("--train-flops", type=float, default=6.0,

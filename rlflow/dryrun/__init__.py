@@ -12,7 +12,9 @@ would: the same plans, buckets, packing, collectives, forwards, backwards and op
     world.py    ``mismatched``: a world's traces checked against each other (a hang or corrupt weights)
     run.py      ``transition`` (the allgather-swap alone) and ``step`` (one RL step of ``runtime.step``); ``real``,
                 the same step on real tensors to compare with
-    cost.py     what a traced step costs at a device's rates (``predict``; ``measure``: this device's)
+    cost.py     what a traced step costs at a device's rates (``predict``, ``whole_step``; ``DATASHEETS``:
+                accelerators' published ones)
+    calibrate.py  ``measure``: the rates of the device at hand, by micro-benchmark (its link in a process group)
 
 See docs/dryrun.md.
 """

@@ -8,14 +8,14 @@ weights' bytes, training's by FLOPs), plus the first touch of the fresh memory i
 a CPU the host does the work, so issue and work add up; on an accelerator's queue (``Rates.queued``) an op
 costs the longer of the two. A collective costs ``link_s`` and its bytes at the link's rate. Rates depend on an
 op's size (a small matmul does not reach the peak, a small copy stays in cache): each is a table over sizes,
-interpolated in log-log. ``measure`` fills the tables on the device at hand with micro-benchmarks.
+interpolated in log-log. ``dryrun.calibrate.measure`` fills the tables on the device at hand with micro-benchmarks;
+``DATASHEETS`` holds accelerators' published figures.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -217,104 +217,6 @@ def whole_step(trace, rates: Rates, *, response_len: int, n_micro: int = 1, pp: 
     return out
 
 
-def _timed(fn, min_s: float = 0.05, flush=None) -> float:
-    """Seconds one call of ``fn`` takes: the best of 3 batches of calls lasting at least ``min_s`` each. With
-    ``flush`` (run before each call, untimed): from cold caches, the median of 3 to 50 calls."""
-    fn()
-    if flush is not None:
-        times = []
-        while len(times) < 3 or (sum(times) < min_s and len(times) < 50):
-            flush()
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
-    n, best = 1, math.inf
-    while True:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        dt = time.perf_counter() - t0
-        if dt >= min_s:
-            break
-        n *= 2
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / n)
-    return best
-
-
-def issue_seconds(device: torch.device | str = "cpu", model: str = "qwen3-moe-tiny") -> float:
-    """Seconds per op of rlflow's own code at a size where the work is nothing: ``model``'s forward and backward
-    on one row of two tokens, its time over its ops (Python, torch's dispatch and autograd per op)."""
-    from rlflow.dryrun.trace import RankTrace, Watch  # it counts with this module's ``count``
-    from rlflow.models import decoder
-    from rlflow.models.config import get_config
-    cfg, device = get_config(model), torch.device(device)
-    params = {k: v.to(device).requires_grad_() for k, v in decoder.init_params(cfg, dtype=torch.bfloat16).items()}
-    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-    pos = torch.arange(2, device=device)[None]
-
-    def fwd_bwd():
-        h, aux, _ = decoder.forward(params, cfg, ids, pos)
-        (decoder.logits(params, cfg, h).float().sum() + aux).backward()
-
-    trace = RankTrace(0)
-    with Watch(trace, device=device.type):  # its ops counted as a step's are (``count``)
-        fwd_bwd()
-    return _timed(fwd_bwd) / sum(n for ops in trace.stage_ops.values() for n in ops.values())
-
-
-def measure(device: str = "cpu", *, model: str = "qwen3-moe-tiny", dtypes=("bfloat16", "float32")) -> Rates:
-    """The rates of ``device`` by micro-benchmark: the issue cost of an op of rlflow's code (``model``'s forward
-    and backward at two tokens: ``issue_seconds``), per dtype and ``MATMULS`` kernel matmuls whose smallest
-    dimension is 1 to 1024 (from cold caches), copies of 4 KiB to 256 MiB into memory in use and into fresh
-    memory. A rate is the work over the time less a bare op's call. The link is not measured yet: collectives
-    cost nothing at these rates (one process)."""
-    dev = torch.device(device)
-    op_s = issue_seconds(dev, model)
-    one = torch.ones(1, device=dev)
-    call_s = _timed(lambda: torch.add(one, one))  # a bare op's call from Python: the kernels' timings less it
-    # a model's working set is far beyond the caches: each matmul timed from cold ones (64 MiB written between)
-    junk = torch.zeros(16 << 20, device=dev)
-    flush = lambda: junk.sum()  # noqa: E731  (read: no dirty lines left to write back during the timed call)
-    randn = lambda *shape: torch.randn(*shape, device=dev, dtype=dt)  # noqa: E731
-    matmul = {}
-    for name in dtypes:
-        dt, n = getattr(torch, name), 1024
-        mm, mm_k, mm_n, grouped, grouped_k = [], [], [], [], []
-        for s in (1, 4, 16, 64, 256, 1024):  # the smallest dimension (rows, contraction, columns); the others n
-            # as a model lays them out: a layer's weight [out, in] transposed (few rows: decode; few columns: a
-            # router), the activations transposed against the output's gradient (a weight's gradient)
-            for table, (a, b) in ((mm, (randn(s, n), randn(n, n).t())), (mm_k, (randn(s, n).t(), randn(s, n))),
-                                  (mm_n, (randn(n, n), randn(s, n).t()))):
-                t = _timed(lambda: torch.mm(a, b), flush=flush)
-                table.append((float(s), 2.0 * s * n * n / max(t - call_s, 1e-9)))
-        g, n = 16, 512  # 16 experts of n x n: s rows each, and (the weights' gradient) s rows of contraction each
-        for s in (1, 4, 16, 64, 256):
-            offs = torch.arange(s, g * s + 1, s, device=dev, dtype=torch.int32)
-            a, b = randn(g * s, n), randn(g, n, n).transpose(1, 2)  # the experts' weights [E, out, in] transposed
-            t = _timed(lambda: torch._grouped_mm(a, b, offs), flush=flush)
-            grouped.append((float(s), 2.0 * g * s * n * n / max(t - call_s, 1e-9)))
-            a, b = randn(g * s, n).t(), randn(g * s, n)
-            t = _timed(lambda: torch._grouped_mm(a, b, offs), flush=flush)
-            grouped_k.append((float(s), 2.0 * g * s * n * n / max(t - call_s, 1e-9)))
-        matmul.update({f"{k}:{name}": tuple(v) for k, v in zip(MATMULS, (mm, mm_k, mm_n, grouped, grouped_k))})
-    memory, fresh = [], []
-    for kib in (4, 64, 1024, 16384, 65536, 262144):
-        x = torch.ones(kib * 256, device=dev)
-        y = torch.ones_like(x)
-        t = _timed(lambda: y.copy_(x))
-        memory.append((2.0 * x.nbytes, 2.0 * x.nbytes / max(t - call_s, 1e-9)))
-        # a clone is the copy into fresh memory: its time beyond the copy's is the first touch of its output. On
-        # a CPU, below glibc's largest mmap threshold (32 MiB) freed memory is reused: no first touch
-        if dev.type == "cpu" and x.nbytes > 32 << 20:
-            fresh.append((float(x.nbytes), x.nbytes / max(_timed(lambda: x.clone()) - t, 1e-9)))
-    return Rates(f"measured on {device}", matmul, tuple(memory), tuple(fresh), op_s, link=math.inf, link_s=0.0)
-
-
 @dataclass(frozen=True)
 class Datasheet:
     """An accelerator's published figures (per device) and the shares of them a run is assumed to reach: the
@@ -353,5 +255,5 @@ DATASHEETS = {
 }
 
 
-__all__ = ["DATASHEETS", "Datasheet", "OpCost", "Rates", "StageCost", "count", "issue_seconds", "measure", "op_cost",
+__all__ = ["DATASHEETS", "Datasheet", "OpCost", "Rates", "StageCost", "count", "op_cost",
            "predict", "whole_step"]
