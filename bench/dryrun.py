@@ -66,11 +66,32 @@ def priced(case, steps, sheet, op_s: float) -> dict:
     lo = sum(max(c.issue_s, c.work_s) for c in stages.values())
     hi = sum(c.seconds for c in stages.values())
     tokens = case.prompts * case.group_size * (case.prompt_len + case.response_len)
-    return {"device": sheet.name, "stages_s": {s: [round(max(c.issue_s, c.work_s), 3), round(c.seconds, 3)]
+    return {"device": sheet.name, "roofline_s": roofline(case, sheet), "stages_s": {s: [round(max(c.issue_s, c.work_s), 3), round(c.seconds, 3)]
                                                for s, c in stages.items()},
             "host_bound": [s for s, c in stages.items() if c.issue_s > c.work_s],
             "step_s": [round(lo, 2), round(hi, 2)], "tps": [round(tokens / (case.world * hi), 1),
                                                            round(tokens / (case.world * lo), 1)]}
+
+
+def roofline(case, sheet) -> dict:
+    """``bench/pools_projection.py``'s roofline for the same colocated step at ``sheet``'s figures (its default
+    shares of them): generation and training seconds (the update, the reference's forward and, with remat, the
+    recomputed one), and the swap's."""
+    import argparse as ap
+
+    import pools_projection as pp
+
+    from rlflow.models.config import get_config
+    cfg = get_config(case.model)
+    train, rollout = case.layouts()
+    s = pp.Scenario(case.model, case.model, case.world, case.prompts, case.group_size, case.prompt_len,
+                    case.response_len, (case.train, case.rollout), ())
+    hw = ap.Namespace(hbm=sheet.hbm, peak=sheet.bf16_flops, mfu=0.35, decode_eff=0.6,
+                      train_flops=6 + 2 * case.kl + 2 * case.remat)
+    swap = (2 * pp.Shards.of(train).params * pp.TRAIN_STATE_BYTES / (pp.HOST_GBPS * 1e9)
+            + pp.allgather_swap(train, rollout).bytes_received().max() / sheet.link)
+    return {"gen": round(pp.t_gen(cfg, rollout, s, hw)[0], 2), "train": round(pp.t_train(cfg, case.world, s, hw), 2),
+            "swap": round(float(swap), 2)}
 
 
 def run_case(name: str, world_check: bool, op_s: float) -> dict:
@@ -111,6 +132,8 @@ def run_case(name: str, world_check: bool, op_s: float) -> dict:
               + f"; the step {p['step_s'][0]:g}-{p['step_s'][1]:g} s, {p['tps'][0]:g}-{p['tps'][1]:g} tokens per "
               f"device per second; host-bound (issue over work): {', '.join(p['host_bound']) or 'none'}"
               + (f"; the paper: {PAPER[case.model]}" if case.model in PAPER else ""), flush=True)
+        print(f"    pools_projection's roofline for the same step: "
+              + ", ".join(f"{k} {v:g} s" for k, v in p["roofline_s"].items()), flush=True)
     return {"model": case.model, "world": case.world, "train": str(train.mesh), "rollout": str(rollout.mesh),
             "rows": case.prompts * case.group_size, "tokens": [case.prompt_len, case.response_len], "remat": case.remat,
             "rank_classes": len(classes), "ranks_stepped": len(steps), "stage_peaks": stages,

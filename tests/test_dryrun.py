@@ -348,3 +348,18 @@ def test_the_dry_steps_flops_and_ops_are_the_real_steps_when_its_meta_tensors_po
     efficient = "aten._scaled_dot_product_efficient_attention"
     accelerator = {c.op for c in dryrun.step(dataclasses.replace(case, kernels="meta"), 0).stage_ops["update"]}
     assert efficient in accelerator and efficient not in {c.op for c in own.stage_ops["update"]}
+
+
+def _link(rank: int, world: int) -> tuple[float, float]:
+    from rlflow.dryrun.calibrate import link_seconds
+    return link_seconds(small=1 << 10, large=1 << 20)
+
+
+@pytest.mark.slow
+def test_the_link_is_measured_in_a_process_group_and_free_in_one_process():
+    """``calibrate.link_seconds``: two gloo ranks measure an all-reduce's latency and rate together (finite, and
+    the same order on both ranks); one process has no link: its collectives cost nothing."""
+    from rlflow.dryrun.calibrate import link_seconds
+    assert link_seconds() == (float("inf"), 0.0)
+    for rate, latency in spawn(_link, 2):
+        assert 0 < latency < 0.1 and 1e6 < rate < float("inf"), (rate, latency)
