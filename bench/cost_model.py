@@ -12,6 +12,7 @@ once (the link an all-reduce's); each figure the slower rank's.
 
     python bench/cost_model.py                      # qwen3-moe-tiny and qwen3-moe-0.5b, one and two processes
     python bench/cost_model.py --models qwen3-moe-tiny --worlds 2 --steps 6
+    python bench/cost_model.py --models qwen3-moe-0.5b --worlds 1 --ops 8    # where the rates miss, op by op
 """
 
 from __future__ import annotations
@@ -32,13 +33,34 @@ def _rank(rank: int, world: int, case, steps: int, dock) -> tuple:
     the ranks share it), then ``steps`` steps; (the rates, each step's stage clocks, the real trace's ops)."""
     from rlflow import dryrun
     from rlflow.dryrun.calibrate import measure
-    rates = measure()
+    rates = measure(model=case.model)
     own = dryrun.RankTrace(rank)
     _, outs = dryrun.real(case, rank, dock, steps=steps, watch=dryrun.Watch(own, device="cpu"))
     return rates, [o.figures.times for o in outs], own.stage_ops
 
 
-def run(model: str, world: int, steps: int) -> dict:
+def op_errors(case, rates, top: int) -> dict:
+    """Where the rates miss, one process: the real step's ops timed one by one (a timed ``Watch``, on a second run:
+    the first compiled the shapes' kernels), per stage the ``top`` kinds of op (name, matmul kernel, dtype) whose
+    summed time is furthest from their predicted work (``Rates.work``: the issue left out)."""
+    from rlflow import dryrun
+    dryrun.real(case, 0, None)
+    own = dryrun.RankTrace(0)
+    dryrun.real(case, 0, None, watch=dryrun.Watch(own, device="cpu", timed=True))
+    out = {}
+    for name, parts in STAGES.items():
+        by: dict = {}
+        for p in parts:
+            for c, secs in own.op_seconds.get(p, {}).items():
+                n = own.stage_ops[p][c]
+                m, w, k = by.get((c.op, c.kernel, c.dtype), (0.0, 0.0, 0))
+                by[(c.op, c.kernel, c.dtype)] = (m + secs, w + n * rates.work(c), k + n)
+        out[name] = [dict(op=" ".join(x for x in key if x), ops=k, timed_s=m, work_s=w)
+                     for key, (m, w, k) in sorted(by.items(), key=lambda kv: -abs(kv[1][0] - kv[1][1]))[:top]]
+    return out
+
+
+def run(model: str, world: int, steps: int, top: int = 0) -> dict:
     from rlflow import dryrun
     from rlflow.dryrun import cost
 
@@ -73,7 +95,8 @@ def run(model: str, world: int, steps: int) -> dict:
                           gflops=sum(dry[0][p].flops for p in parts if p in dry[0]) / 1e9,
                           collective_mb=sum(dry[0][p].collective_bytes for p in parts if p in dry[0]) / 1e6)
     rates = ranks[0][0]
-    return dict(model=model, world=world, layouts=LAYOUTS[world], dry_seconds=dry_s, stages=rows,
+    errors = op_errors(case, rates, top) if top and world == 1 else {}
+    return dict(model=model, world=world, layouts=LAYOUTS[world], dry_seconds=dry_s, stages=rows, op_errors=errors,
                 rates=dict(op_us=rates.op_s * 1e6, mm_gflops=rates.matmul["mm:bfloat16"][-1][1] / 1e9,
                            copy_gbps=rates.memory[-1][1] / 1e9, link_gbps=rates.link / 1e9,
                            link_us=rates.link_s * 1e6))
@@ -85,6 +108,9 @@ def main() -> None:
     ap.add_argument("--worlds", default="1,2", help=f"processes: of {sorted(LAYOUTS)} (train, rollout layouts: "
                                                     f"{LAYOUTS})")
     ap.add_argument("--steps", type=int, default=4, help="real steps per model; the first (warm-up) is not timed")
+    ap.add_argument("--ops", type=int, default=0, metavar="N",
+                    help="one process: per stage the N kinds of op whose timed seconds are furthest from their "
+                         "predicted work")
     args = ap.parse_args()
     if args.steps < 2:
         ap.error(f"--steps {args.steps}: the first step warms up; at least 2")
@@ -94,7 +120,7 @@ def main() -> None:
     cases = []
     for model in args.models.split(","):
         for world in worlds:
-            out = run(model, world, args.steps)
+            out = run(model, world, args.steps, args.ops)
             cases.append(out)
             r = out["rates"]
             print(f"\n{model}, {world} process(es), train {out['layouts'][0]} / rollout {out['layouts'][1]} (dry "
@@ -107,6 +133,9 @@ def main() -> None:
                 print(f"  {name:8s} {s['measured_s']:11.4f} {s['predicted_s']:12.4f} {s['ratio']:6.2f} "
                       f"{s['real_trace_ratio']:11.2f} {s['ops']:>7d}/{s['real_ops']:<6d} {s['gflops']:8.2f} "
                       f"{s['collective_mb']:9.2f}", flush=True)
+            for name, kinds in out["op_errors"].items():
+                print(f"  {name}: timed / predicted work, s: " + "; ".join(
+                    f"{k['op']} x{k['ops']} {k['timed_s']:.4f} / {k['work_s']:.4f}" for k in kinds))
     print(json.dumps({"bench": "cost_model", "cases": cases}))
 
 

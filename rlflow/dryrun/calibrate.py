@@ -63,14 +63,15 @@ def issue_seconds(device: torch.device | str = "cpu", model: str = "qwen3-moe-ti
 
 
 def measure(device: str = "cpu", *, model: str = "qwen3-moe-tiny", dtypes=("bfloat16", "float32")) -> Rates:
-    """The rates of ``device`` by micro-benchmark: the issue cost of an op of rlflow's code (``model``'s forward
-    and backward at two tokens: ``issue_seconds``), per dtype and ``MATMULS`` kernel matmuls whose smallest
-    dimension is 1 to 1024 (from cold caches), copies of 4 KiB to 256 MiB into memory in use and into fresh
-    memory, and in a process group of two or more its link (``link_seconds``). A rate is the work over the time
-    less a bare op's call. Every rank of the group calls it at once: its collectives and its contention for the
-    memory are a step's."""
-    dev = torch.device(device)
-    op_s = issue_seconds(dev, model)
+    """The rates of ``device`` by micro-benchmark: the issue cost of an op of rlflow's code (``issue_seconds``), per
+    dtype and ``MATMULS`` kernel matmuls whose smallest dimension is 1 to 1024 (from cold caches; grouped ones in
+    ``model``'s experts' shapes), copies of 4 KiB to 256 MiB into memory in use and into fresh memory, and in a
+    process group of two or more its link (``link_seconds``). A rate is the work over the time less a bare op's
+    call. Every rank of the group calls it at once: its collectives and its contention for the memory are a
+    step's."""
+    from rlflow.models.config import get_config
+    dev, cfg = torch.device(device), get_config(model)
+    op_s = issue_seconds(dev)  # the tiny model's: at two tokens its work is nothing (a 0.5B model's head is not)
     one = torch.ones(1, device=dev)
     call_s = _timed(lambda: torch.add(one, one))  # a bare op's call from Python: the kernels' timings less it
     # a model's working set is far beyond the caches: each matmul timed from cold ones (64 MiB written between)
@@ -88,15 +89,18 @@ def measure(device: str = "cpu", *, model: str = "qwen3-moe-tiny", dtypes=("bflo
                                   (mm_n, (randn(n, n), randn(s, n).t()))):
                 t = _timed(lambda: torch.mm(a, b), flush=flush)
                 table.append((float(s), 2.0 * s * n * n / max(t - call_s, 1e-9)))
-        g, n = 16, 512  # 16 experts of n x n: s rows each, and (the weights' gradient) s rows of contraction each
+        # the model's experts (16 of 512 x 512 for a dense one): s rows each through both projections, and (their
+        # weights' gradients) s rows of contraction each; a rate is the two's FLOPs over their time
+        g, shapes = (cfg.num_experts, ((cfg.hidden_size, 2 * cfg.moe_intermediate_size),
+                                       (cfg.moe_intermediate_size, cfg.hidden_size))) if cfg.is_moe \
+            else (16, ((512, 512), (512, 512)))
         for s in (1, 4, 16, 64, 256):
             offs = torch.arange(s, g * s + 1, s, device=dev, dtype=torch.int32)
-            a, b = randn(g * s, n), randn(g, n, n).transpose(1, 2)  # the experts' weights [E, out, in] transposed
-            t = _timed(lambda: torch._grouped_mm(a, b, offs), flush=flush)
-            grouped.append((float(s), 2.0 * g * s * n * n / max(t - call_s, 1e-9)))
-            a, b = randn(g * s, n).t(), randn(g * s, n)
-            t = _timed(lambda: torch._grouped_mm(a, b, offs), flush=flush)
-            grouped_k.append((float(s), 2.0 * g * s * n * n / max(t - call_s, 1e-9)))
+            for table, pair in ((grouped, lambda k, o: (randn(g * s, k), randn(g, o, k).transpose(1, 2))),
+                                (grouped_k, lambda k, o: (randn(g * s, o).t(), randn(g * s, k)))):
+                t = sum(_timed(lambda: torch._grouped_mm(*ab, offs), flush=flush)
+                        for ab in [pair(k, o) for k, o in shapes]) - 2 * call_s
+                table.append((float(s), sum(2.0 * g * s * k * o for k, o in shapes) / max(t, 1e-9)))
         matmul.update({f"{k}:{name}": tuple(v) for k, v in zip(MATMULS, (mm, mm_k, mm_n, grouped, grouped_k))})
     memory, fresh = [], []
     for kib in (4, 64, 1024, 16384, 65536, 262144):

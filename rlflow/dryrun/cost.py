@@ -109,11 +109,12 @@ def op_cost(func, args, kwargs, out) -> OpCost | None:
     return OpCost(name, dtype, flops, nbytes, fresh, kernel if flops else "", small if flops else 0)
 
 
-def count(stage_ops: dict, stage: str, func, args, kwargs, out) -> None:
-    """Adds one op to ``stage_ops[stage]`` (a ``Counter`` of ``OpCost``)."""
+def count(stage_ops: dict, stage: str, func, args, kwargs, out) -> OpCost | None:
+    """Adds one op to ``stage_ops[stage]`` (a ``Counter`` of ``OpCost``); its cost (None: a view)."""
     c = op_cost(func, args, kwargs, out)
     if c is not None:
         stage_ops.setdefault(stage, Counter())[c] += 1
+    return c
 
 
 @dataclass(frozen=True)

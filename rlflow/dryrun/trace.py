@@ -3,6 +3,7 @@ dispatch mode), in a fake world of the full size (``fake_world``)."""
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections import Counter
 from contextlib import contextmanager
@@ -48,6 +49,8 @@ class RankTrace:
     peak_stage: str | None = None  # the stage the peak was in
     peak_sites: dict[str, int] = field(default_factory=dict)  # the bytes live at the peak by the line that made them
     stage_ops: dict[str, Counter] = field(default_factory=dict)  # per stage, how many of each op (``cost.OpCost``)
+    op_seconds: dict[str, Counter] = field(default_factory=dict)  # a timed watch's: per stage, each ``OpCost``'s
+    # seconds of its calls summed (the op's dispatch and kernel; on an accelerator's queue, its launch alone)
     decode_steps: int = 0  # the generation's decode steps (stage "decode"; its prefill is stage "generate")
 
     def ledger_gap(self) -> float:
@@ -58,11 +61,11 @@ class RankTrace:
 class Watch(TorchDispatchMode):
     """Records c10d ops, each op's cost per stage (``cost.count``) and the live bytes of the device tensors created
     or handed in (``hold``): those on ``device`` (a device type: the dry run's ``meta``; a real run's ``cpu`` to
-    compare with it)."""
+    compare with it). ``timed``: each op's seconds too (``RankTrace.op_seconds``)."""
 
-    def __init__(self, trace: RankTrace, device: str = "meta"):
+    def __init__(self, trace: RankTrace, device: str = "meta", timed: bool = False):
         super().__init__()
-        self.device = device
+        self.device, self.timed = device, timed
         self.trace, self.live, self.host = trace, {}, set()
         self.total = 0  # the bytes of ``live``: an upper bound of what is alive (frees are found by a sweep)
         self.sites: dict = {}  # storage -> the line that made it (the big ones)
@@ -124,8 +127,12 @@ class Watch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        t0 = time.perf_counter() if self.timed else 0.0
         out = func(*args, **kwargs)
-        cost.count(self.trace.stage_ops, self.current or "", func, args, kwargs, out)
+        dt = time.perf_counter() - t0 if self.timed else 0.0
+        c = cost.count(self.trace.stage_ops, self.current or "", func, args, kwargs, out)
+        if self.timed and c is not None:
+            self.trace.op_seconds.setdefault(self.current or "", Counter())[c] += dt
         if func.namespace == "c10d" and not self.quiet:
             tensors = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else [a])
                        if isinstance(t, torch.Tensor)]
