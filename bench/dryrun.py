@@ -88,7 +88,7 @@ def roofline(case, sheet) -> dict:
                     case.response_len, (case.train, case.rollout), ())
     hw = ap.Namespace(hbm=sheet.hbm, peak=sheet.bf16_flops, mfu=0.35, decode_eff=0.6,
                       train_flops=6 + 2 * case.kl + 2 * case.remat)
-    swap = (2 * pp.Shards.of(train).params * pp.TRAIN_STATE_BYTES / (pp.HOST_GBPS * 1e9)
+    swap = (2 * pp.Shards.of(train).params * pp.TRAIN_STATE_BYTES / sheet.host
             + pp.allgather_swap(train, rollout).bytes_received().max() / sheet.link)
     return {"gen": round(pp.t_gen(cfg, rollout, s, hw)[0], 2), "train": round(pp.t_train(cfg, case.world, s, hw), 2),
             "swap": round(float(swap), 2)}

@@ -54,7 +54,6 @@ from rlflow.sharding.mesh import Mesh
 from rlflow.sharding.plan import allgather_swap, push_plan
 
 BF16 = 2
-HOST_GBPS = 50.0  # device <-> host per rank (the swap): PCIe 5 x16's 64 GB/s at about 80%
 TRAIN_STATE_BYTES = 14  # per parameter: bf16 weights, float32 master, two float32 AdamW moments
 PUT = (*ROWS, "rewards", "advantages", VERSIONS)  # what the rollout pool puts (runtime/flow.py DockFlow.put_rows)
 TAKEN = (*ROWS, *dock_columns(GRPO, "off", pools=True))  # what the train pool takes
@@ -157,7 +156,7 @@ def main() -> None:
                         "the old log-probs (several updates per batch) and the reference's (--kl-coef)")
     p.add_argument("--inter-GBps", type=float, default=25.0, help="per-rank link between nodes (the push, the dock)")
     p.add_argument("--intra-GBps", type=float, default=200.0, help="per-rank link within a node (the allgather)")
-    p.add_argument("--host-GBps", type=float, default=HOST_GBPS, help="device <-> host (the swap)")
+    p.add_argument("--host-GBps", type=float, default=h200.host / 1e9, help="device <-> host (the swap)")
     a = p.parse_args()
     hw = argparse.Namespace(hbm=a.hbm_TBps * 1e12, peak=a.peak_TFLOPs * 1e12, mfu=a.mfu, decode_eff=a.decode_eff,
                             train_flops=a.train_flops)

@@ -363,3 +363,21 @@ def test_the_link_is_measured_in_a_process_group_and_free_in_one_process():
     assert link_seconds() == (float("inf"), 0.0)
     for rate, latency in spawn(_link, 2):
         assert 0 < latency < 0.1 and 1e6 < rate < float("inf"), (rate, latency)
+
+
+def test_the_swaps_host_copies_are_the_train_states_bytes_priced_over_the_host_link():
+    """A colocated step swaps the train state (bf16 weights, float32 AdamW moments and master: 14 bytes an element)
+    to the host in its transition and back after generation: the dry trace counts those bytes as host copies
+    (``cost.HOST_COPY``), which a device's host link prices and a CPU's own memory does not."""
+    from rlflow.dryrun import cost
+    from rlflow.dryrun.run import meta_shards
+    case = dryrun.StepCase("qwen3-moe-tiny", 2, "dp=2", "tp=2", prompts=2, group_size=2, prompt_len=6,
+                           response_len=9, response_tokens=3)
+    trace = dryrun.step(case, 0)
+    state = sum(t.numel() for t in meta_shards(case.layouts()[0], 0).values()) * 14
+    moved = {s: sum(n * c.bytes for c, n in ops.items() if c.op == cost.HOST_COPY) for s, ops in trace.stage_ops.items()}
+    assert moved["transition"] == moved["swap back"] == state and sum(moved.values()) == 2 * state
+    free, linked = _rates(), dataclasses.replace(_rates(), host=1e6)
+    for stage in ("transition", "swap back"):
+        a, b = (cost.predict(trace.stage_ops, r)[stage].seconds for r in (free, linked))
+        assert b - a == pytest.approx(state / 1e6)

@@ -45,6 +45,8 @@ class OpCost:
     small: int = 0
 
 
+HOST_COPY = "host.copy"  # a dry run's copy between the device and the host (a swap): its bytes over ``Rates.host``
+
 # by the dimension that is smallest: a matmul's (or a batched one's) rows, contraction or columns; grouped ones'
 # rows per group, or contraction per group (the weights' gradient)
 MATMULS = ("mm", "mm_k", "mm_n", "grouped_mm", "grouped_mm_k")
@@ -133,8 +135,8 @@ class Rates:
     link_s: float  # seconds a collective costs beyond its bytes
     queued: bool = False  # the device runs ops while the host issues the next (an accelerator's stream): an op
     # costs the longer of its issue and its work; on a CPU the host does the work, and the two add up
-
     kernel_s: float = 0.0  # the least time the device spends on a kernel (an accelerator's launch)
+    host: float = math.inf  # bytes/s between the device and the host (a swap; a CPU's own memory: free)
 
     def seconds(self, op: OpCost) -> float:
         work = self.work(op)
@@ -144,6 +146,8 @@ class Rates:
         """The device's time on ``op``, its issue left out."""
         if op.op.startswith("c10d."):
             return self.link_s + op.bytes / self.link
+        if op.op == HOST_COPY:
+            return op.bytes / self.host
         if op.op in _SHAPE_ONLY:
             return 0.0
         t = op.bytes / _rate(self.memory, op.bytes) if op.bytes else 0.0
@@ -210,7 +214,7 @@ def whole_step(trace, rates: Rates, *, response_len: int, n_micro: int = 1, pp: 
     the bubble, (n_micro + pp - 1) / n_micro (a stage idles while the first micro-batches reach it and the last
     leave). The executed decode steps attend over the prompt and their few tokens, not the response's mean length."""
     out = predict(trace.stage_ops, rates)
-    if "decode" in out:
+    if "decode" in out and trace.decode_steps:
         out["decode"] = out["decode"].scaled((response_len - 1) / trace.decode_steps)
     for stage in PIPELINED:
         if stage in out and pp > 1:
@@ -228,6 +232,7 @@ class Datasheet:
     fp32_flops: float
     hbm: float  # memory bandwidth, bytes/s
     link: float  # bytes/s a device's collective moves (the links within its node or pod)
+    host: float  # bytes/s between the device and the host (the swap of the train state)
     link_s: float = 10e-6  # a collective's latency
     kernel_s: float = 2e-6  # the least time a kernel takes
     mfu: float = 0.6  # the share of the peak a large matmul reaches
@@ -242,19 +247,19 @@ class Datasheet:
         matmul = {f"{k}:{d}": mm(self.bf16_flops if d == "bfloat16" else self.fp32_flops)
                   for k in MATMULS for d in ("bfloat16", "float32")}
         return Rates(self.name, matmul, ((1.0, self.hbm * self.hbm_eff),), (), op_s, self.link, self.link_s,
-                     queued=True, kernel_s=self.kernel_s)
+                     queued=True, kernel_s=self.kernel_s, host=self.host)
 
 
 # vendors' figures as published, not checked on a device (none has been lent to this project)
 DATASHEETS = {
     # NVIDIA H200 SXM: 989 TFLOP/s dense bf16, 67 TFLOP/s fp32 (no TF32: torch's default), 4.8 TB/s HBM3e, 141 GB;
-    # NVLink 4 at 450 GB/s each way
-    "h200": Datasheet("NVIDIA H200", 141e9, 989e12, 67e12, 4.8e12, 450e9 * 0.8),
+    # NVLink 4 at 450 GB/s each way; PCIe 5 x16 to the host (64 GB/s)
+    "h200": Datasheet("NVIDIA H200", 141e9, 989e12, 67e12, 4.8e12, 450e9 * 0.8, 64e9 * 0.8),
     # Ascend 910B (Atlas 800T A2 class): about 313 TFLOP/s bf16, 1.6 TB/s HBM, 64 GB; HCCS 8-way mesh at 196 GB/s
-    # each way; fp32 matmuls assumed at a quarter of bf16
-    "910b": Datasheet("Ascend 910B", 64e9, 313e12, 313e12 / 4, 1.6e12, 196e9 * 0.8),
+    # each way; PCIe 4 x16 to the host (32 GB/s); fp32 matmuls assumed at a quarter of bf16
+    "910b": Datasheet("Ascend 910B", 64e9, 313e12, 313e12 / 4, 1.6e12, 196e9 * 0.8, 32e9 * 0.8),
 }
 
 
-__all__ = ["DATASHEETS", "Datasheet", "OpCost", "Rates", "StageCost", "count", "op_cost",
+__all__ = ["DATASHEETS", "HOST_COPY", "Datasheet", "OpCost", "Rates", "StageCost", "count", "op_cost",
            "predict", "whole_step"]

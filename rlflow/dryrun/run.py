@@ -180,7 +180,10 @@ def _uploads(watch: Watch):
     real = execute.to_device
 
     def to_device(t, device):
-        return t.clone() if t.device == META and StorageWeakRef(t.untyped_storage()) in watch.host else real(t, device)
+        if t.device == META and StorageWeakRef(t.untyped_storage()) in watch.host:
+            watch.host_copy(t)
+            return t.clone()
+        return real(t, device)
     execute.to_device = critic.to_device = to_device
     try:
         yield

@@ -101,6 +101,12 @@ class Watch(TorchDispatchMode):
         self.current = name
         self.trace.stage_peaks[name] = max(self.trace.stage_peaks.get(name, 0), self.live_bytes())
 
+    def host_copy(self, t: torch.Tensor) -> None:
+        """``t`` copied between the device and the host (a swap): its bytes counted in the stage's ops
+        (``cost.HOST_COPY``), which on meta tensors no op of the copy shows."""
+        c = cost.OpCost(cost.HOST_COPY, str(t.dtype).removeprefix("torch."), 0, t.untyped_storage().nbytes())
+        self.trace.stage_ops.setdefault(self.current or "", Counter())[c] += 1
+
     def hold(self, tensors, host: bool = False) -> None:
         for t in tensors:
             key = StorageWeakRef(t.untyped_storage())
@@ -185,6 +191,7 @@ class MetaHost:
         with _disable_current_modes():  # made unseen: host memory, not the device's
             h = torch.empty(t.shape, dtype=t.dtype, device=META)
         self.watch.hold([h], host=True)
+        self.watch.host_copy(t)
         return h
 
     def reserve(self, nbytes: int) -> None:  # ``HostArena``'s: nothing to make ready
