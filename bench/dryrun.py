@@ -55,7 +55,9 @@ PRICED = ("transition", "generate", "decode", "swap back", "score", "advantage",
 def priced(case, steps, sheet, op_s: float) -> dict:
     """The step at ``sheet``'s rates (``cost.whole_step``: the decode steps scaled to the whole response, the
     pipeline's stages by its bubble), each stage the slowest stepped rank's: its seconds between the queue's bounds
-    (``StageCost``), the step's, and its tokens (prompt and response) per device per second."""
+    (``StageCost``), the step's, and its tokens (prompt and response) per device per second; and the same with the
+    decode steps at their device work alone (``graph``: a captured decode step's, as vLLM's CUDA / ACL graphs run
+    it, the host's issue gone)."""
     from rlflow.dryrun import cost
     rates = sheet.rates(op_s)
     pp = case.layouts()[0].mesh.pp
@@ -65,12 +67,14 @@ def priced(case, steps, sheet, op_s: float) -> dict:
               if any(s in c for c in costs)}
     lo = sum(max(c.issue_s, c.work_s) for c in stages.values())
     hi = sum(c.seconds for c in stages.values())
+    graph = lo - max(stages["decode"].issue_s, stages["decode"].work_s) + stages["decode"].work_s
     tokens = case.prompts * case.group_size * (case.prompt_len + case.response_len)
-    return {"device": sheet.name, "roofline_s": roofline(case, sheet), "stages_s": {s: [round(max(c.issue_s, c.work_s), 3), round(c.seconds, 3)]
-                                               for s, c in stages.items()},
+    tps = lambda t: round(tokens / (case.world * t), 1)  # noqa: E731
+    return {"device": sheet.name, "roofline_s": roofline(case, sheet),
+            "stages_s": {s: [round(max(c.issue_s, c.work_s), 3), round(c.seconds, 3)] for s, c in stages.items()},
             "host_bound": [s for s, c in stages.items() if c.issue_s > c.work_s],
-            "step_s": [round(lo, 2), round(hi, 2)], "tps": [round(tokens / (case.world * hi), 1),
-                                                           round(tokens / (case.world * lo), 1)]}
+            "step_s": [round(lo, 2), round(hi, 2)], "tps": [tps(hi), tps(lo)],
+            "graph": {"decode_s": round(stages["decode"].work_s, 2), "step_s": round(graph, 2), "tps": tps(graph)}}
 
 
 def roofline(case, sheet) -> dict:
@@ -132,6 +136,9 @@ def run_case(name: str, world_check: bool, op_s: float) -> dict:
               + f"; the step {p['step_s'][0]:g}-{p['step_s'][1]:g} s, {p['tps'][0]:g}-{p['tps'][1]:g} tokens per "
               f"device per second; host-bound (issue over work): {', '.join(p['host_bound']) or 'none'}"
               + (f"; the paper: {PAPER[case.model]}" if case.model in PAPER else ""), flush=True)
+        g = p["graph"]
+        print(f"    the decode steps at their device work alone (a captured graph's): {g['decode_s']:g} s, the step "
+              f"{g['step_s']:g} s, {g['tps']:g} tokens per device per second", flush=True)
         print(f"    pools_projection's roofline for the same step: "
               + ", ".join(f"{k} {v:g} s" for k, v in p["roofline_s"].items()), flush=True)
     return {"model": case.model, "world": case.world, "train": str(train.mesh), "rollout": str(rollout.mesh),
