@@ -368,7 +368,8 @@ def test_the_link_is_measured_in_a_process_group_and_free_in_one_process():
 def test_the_swaps_host_copies_are_the_train_states_bytes_priced_over_the_host_link():
     """A colocated step swaps the train state (bf16 weights, float32 AdamW moments and master: 14 bytes an element)
     to the host in its transition and back after generation: the dry trace counts those bytes as host copies
-    (``cost.HOST_COPY``), which a device's host link prices and a CPU's own memory does not."""
+    (``cost.HOST_COPY``), which a device's host link prices and a CPU's own memory does not. Posed as the CPU
+    (whose real run keeps the state in place) the step moves nothing to the host."""
     from rlflow.dryrun import cost
     from rlflow.dryrun.run import meta_shards
     case = dryrun.StepCase("qwen3-moe-tiny", 2, "dp=2", "tp=2", prompts=2, group_size=2, prompt_len=6,
@@ -381,3 +382,5 @@ def test_the_swaps_host_copies_are_the_train_states_bytes_priced_over_the_host_l
     for stage in ("transition", "swap back"):
         a, b = (cost.predict(trace.stage_ops, r)[stage].seconds for r in (free, linked))
         assert b - a == pytest.approx(state / 1e6)
+    cpu = dryrun.step(dataclasses.replace(case, kernels="cpu"), 0)
+    assert not any(c.op == cost.HOST_COPY for ops in cpu.stage_ops.values() for c in ops)

@@ -87,7 +87,8 @@ _pose = "meta"
 def computes_as(where: torch.Tensor | torch.device) -> str:
     """The device kind whose kernels a tensor's ops (or a device's) take: its device's type, but a meta tensor's
     is the kind a dry run poses it as (``posing``; ``meta``, an accelerator's kernels, unless told). Every
-    choice of a kernel by device in ``rlflow.ops`` asks this."""
+    choice of a kernel by device in ``rlflow.ops`` asks this, and whether a swap moves the train state to the host
+    (``sharding.execute.to_host``: a CPU keeps it in place)."""
     t = where.device.type if isinstance(where, torch.Tensor) else where.type
     return _pose if t == "meta" else t
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlflow.ops.registry import computes_as
 from rlflow.optim import AdamWState, map_state
 from rlflow.sharding import geometry as geo
 from rlflow.sharding.layout import Layout
@@ -241,8 +242,9 @@ def finish_dst(plan: Plan, b: Bucket, out: dict, rank: int) -> dict[str, torch.T
 
 
 def to_host(t: torch.Tensor, arena: HostArena | None = None) -> torch.Tensor:
-    """``t`` in host memory (the same tensor on a CPU): in ``arena`` when given, else a pinned buffer of its own."""
-    if t.device.type == "cpu":
+    """``t`` in host memory (the same tensor on a CPU, or a dry run's posing as one: ``registry.computes_as``): in
+    ``arena`` when given, else a pinned buffer of its own."""
+    if computes_as(t) == "cpu":
         return t
     h = arena.take(t) if arena is not None else torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
     h.copy_(t, non_blocking=True)
@@ -250,7 +252,7 @@ def to_host(t: torch.Tensor, arena: HostArena | None = None) -> torch.Tensor:
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    return t if torch.device(device).type == "cpu" else t.to(device, non_blocking=True)
+    return t if computes_as(torch.device(device)) == "cpu" else t.to(device, non_blocking=True)
 
 
 def _moved(d: dict, move) -> dict:
