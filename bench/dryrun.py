@@ -160,6 +160,12 @@ def main(argv=None) -> dict:
     from rlflow.dryrun.calibrate import issue_seconds
     op_s = issue_seconds()
     print(f"the host issues an op of rlflow's code in {op_s * 1e6:.2f} us (measured here: the predictions' host)")
+    from rlflow.dryrun.cost import DATASHEETS
+    for d in DATASHEETS.values():
+        print(f"{d.name} (published; shares assumed): {d.bf16_flops / 1e12:g} TFLOP/s bf16 ({d.fp32_flops / 1e12:g} "
+              f"fp32) x {d.mfu} from {d.tile} rows, HBM {d.hbm / 1e12:g} TB/s x {d.hbm_eff}, links {d.link / 1e9:g} "
+              f"GB/s + {d.link_s * 1e6:g} us, host {d.host / 1e9:g} GB/s, a kernel at least {d.kernel_s * 1e6:g} us, "
+              f"{d.memory / 1e9:g} GB")
     out = {"op_s": op_s, "cases": [run_case(c, a.world_check, op_s) for c in a.cases]}
     print(json.dumps(out))
     return out
