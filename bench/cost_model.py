@@ -3,8 +3,8 @@
 here (``dryrun.calibrate.measure``), beside the same step run for real (``dryrun.real``: CPU tensors, random weights).
 
 Definitions: measured = the median over steps 2.. of the step's stage clocks (``runtime.step``'s laps: the
-rollout is the transition, generation and swap back; scoring; the reference log-probs with the dock's get; the
-update); predicted = the sum over the stage's ops of ``Rates.seconds`` (the dry trace posed as this CPU:
+rollout is the transition, generation (prefill and decode) and swap back; scoring; the reference log-probs with the
+dock's get; the update); predicted = the sum over the stage's ops of ``Rates.seconds`` (the dry trace posed as this CPU:
 ``StepCase.kernels="cpu"``); ratio = predicted / measured. Every response runs to ``response_len`` in both (an EOS
 id no one samples). The real step's own trace priced at the same rates is printed too: it separates the rate
 model's error from the dry trace's. Two processes: spawned, gloo, a real dock; the rates measured in each rank at
@@ -98,7 +98,8 @@ def run(model: str, world: int, steps: int, top: int = 0) -> dict:
     errors = op_errors(case, rates, top) if top and world == 1 else {}
     return dict(model=model, world=world, layouts=LAYOUTS[world], dry_seconds=dry_s, stages=rows, op_errors=errors,
                 rates=dict(op_us=rates.op_s * 1e6, mm_gflops=rates.matmul["mm:bfloat16"][-1][1] / 1e9,
-                           copy_gbps=rates.memory[-1][1] / 1e9, link_gbps=rates.link / 1e9,
+                           copy_gbps=rates.memory[-1][1] / 1e9,
+                           link_gbps=None if rates.link == float("inf") else rates.link / 1e9,
                            link_us=rates.link_s * 1e6))
 
 
@@ -114,9 +115,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.steps < 2:
         ap.error(f"--steps {args.steps}: the first step warms up; at least 2")
-    worlds = [int(w) for w in args.worlds.split(",")]
-    if any(w not in LAYOUTS for w in worlds):
-        ap.error(f"--worlds {args.worlds}: each of {sorted(LAYOUTS)}")
+    worlds = [w for w in args.worlds.split(",")]
+    if any(not w.isdigit() or int(w) not in LAYOUTS for w in worlds):
+        ap.error(f"--worlds {args.worlds}: a comma-separated list of {sorted(LAYOUTS)}")
+    worlds = [int(w) for w in worlds]
+    if args.ops < 0 or (args.ops and 1 not in worlds):
+        ap.error(f"--ops {args.ops}: a count of op kinds (>= 0), timed in the one-process run (--worlds with 1)")
     cases = []
     for model in args.models.split(","):
         for world in worlds:
@@ -126,7 +130,9 @@ def main() -> None:
             print(f"\n{model}, {world} process(es), train {out['layouts'][0]} / rollout {out['layouts'][1]} (dry "
                   f"traces in {out['dry_seconds']:.0f} s); rates (rank 0): an op issues in {r['op_us']:.2f} us, a "
                   f"1024-side bf16 matmul from cold caches at {r['mm_gflops']:.0f} GFLOP/s, a 256 MiB copy at "
-                  f"{r['copy_gbps']:.0f} GB/s, an all-reduce at {r['link_gbps']:.2f} GB/s + {r['link_us']:.0f} us:")
+                  f"{r['copy_gbps']:.0f} GB/s, " + ("no link (one process):" if r["link_gbps"] is None else
+                                                    f"an all-reduce at {r['link_gbps']:.2f} GB/s + "
+                                                    f"{r['link_us']:.0f} us:"))
             print(f"  {'stage':8s} {'measured s':>11s} {'predicted s':>12s} {'ratio':>6s} {'real trace':>11s} "
                   f"{'ops dry/real':>14s} {'GFLOP':>8s} {'coll. MB':>9s}")
             for name, s in out["stages"].items():

@@ -36,7 +36,11 @@ CASES = {
                         group_size=2, prompt_len=512, response_len=2048, micro_batch=4, remat=True),
     "v3": dict(model="deepseek-r1-671b", world=384, train="pp=8,ep=16,dp=3", rollout="ep=32,tp=2,dp=6", prompts=384,
                group_size=2, prompt_len=1024, response_len=4096, micro_batch=96, remat=True),
+    # a small world to check the bench itself (tests/test_bench_dryrun.py): qwen3-moe-tiny, pp=2 and ep=2 over 4
+    "tiny": dict(model="qwen3-moe-tiny", world=4, train="pp=2,dp=2", rollout="ep=2,dp=2", prompts=4, group_size=2,
+                 prompt_len=16, response_len=64, micro_batch=2, remat=True),
 }
+FULL = ("qwen3-30b", "qwen2.5-32b", "v3")
 
 
 def shape_classes(train, rollout) -> list[int]:
@@ -71,10 +75,14 @@ def priced(case, steps, sheet, op_s: float) -> dict:
     tokens = case.prompts * case.group_size * (case.prompt_len + case.response_len)
     tps = lambda t: round(tokens / (case.world * t), 1)  # noqa: E731
     return {"device": sheet.name, "roofline_s": roofline(case, sheet),
-            "stages_s": {s: [round(max(c.issue_s, c.work_s), 3), round(c.seconds, 3)] for s, c in stages.items()},
+            "stages_s": {s: [_sig(max(c.issue_s, c.work_s)), _sig(c.seconds)] for s, c in stages.items()},
             "host_bound": [s for s, c in stages.items() if c.issue_s > c.work_s],
-            "step_s": [round(lo, 2), round(hi, 2)], "tps": [tps(hi), tps(lo)],
-            "graph": {"decode_s": round(stages["decode"].work_s, 2), "step_s": round(graph, 2), "tps": tps(graph)}}
+            "step_s": [_sig(lo), _sig(hi)], "tps": [tps(hi), tps(lo)],
+            "graph": {"decode_s": _sig(stages["decode"].work_s), "step_s": _sig(graph), "tps": tps(graph)}}
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.4g}")
 
 
 def roofline(case, sheet) -> dict:
@@ -94,8 +102,8 @@ def roofline(case, sheet) -> dict:
                       train_flops=6 + 2 * case.kl + 2 * case.remat)
     swap = (2 * pp.Shards.of(train).params * pp.TRAIN_STATE_BYTES / sheet.host
             + pp.allgather_swap(train, rollout).bytes_received().max() / sheet.link)
-    return {"gen": round(pp.t_gen(cfg, rollout, s, hw)[0], 2), "train": round(pp.t_train(cfg, case.world, s, hw), 2),
-            "swap": round(float(swap), 2)}
+    return {"gen": _sig(pp.t_gen(cfg, rollout, s, hw)[0]), "train": _sig(pp.t_train(cfg, case.world, s, hw)),
+            "swap": _sig(swap)}
 
 
 def run_case(name: str, world_check: bool, op_s: float) -> dict:
@@ -153,7 +161,7 @@ def run_case(name: str, world_check: bool, op_s: float) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=sorted(CASES))
+    ap.add_argument("--cases", nargs="+", default=list(FULL), choices=sorted(CASES))
     ap.add_argument("--world-check", action="store_true", help="the step for every rank, its collectives compared")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)

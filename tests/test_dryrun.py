@@ -376,7 +376,8 @@ def test_the_swaps_host_copies_are_the_train_states_bytes_priced_over_the_host_l
                            response_len=9, response_tokens=3)
     trace = dryrun.step(case, 0)
     state = sum(t.numel() for t in meta_shards(case.layouts()[0], 0).values()) * 14
-    moved = {s: sum(n * c.bytes for c, n in ops.items() if c.op == cost.HOST_COPY) for s, ops in trace.stage_ops.items()}
+    moved = {s: sum(n * c.bytes for c, n in ops.items() if c.op == cost.HOST_COPY)
+             for s, ops in trace.stage_ops.items()}
     assert moved["transition"] == moved["swap back"] == state and sum(moved.values()) == 2 * state
     free, linked = _rates(), dataclasses.replace(_rates(), host=1e6)
     for stage in ("transition", "swap back"):
@@ -384,3 +385,19 @@ def test_the_swaps_host_copies_are_the_train_states_bytes_priced_over_the_host_l
         assert b - a == pytest.approx(state / 1e6)
     cpu = dryrun.step(dataclasses.replace(case, kernels="cpu"), 0)
     assert not any(c.op == cost.HOST_COPY for ops in cpu.stage_ops.values() for c in ops)
+
+
+def test_a_few_executed_decode_steps_price_the_whole_responses_decode():
+    """The dry step runs its few decode steps at the response's middle (``run.decode_marked``'s ``advance``): scaled
+    to the response (``cost.whole_step``), their bytes and time are those of every decode step executed, within 2%
+    (the KV columns attention reads grow with each token: run at the prompt's end, 5% fewer bytes here)."""
+    from rlflow.dryrun import cost
+    R = 33
+    every = dryrun.StepCase("qwen3-moe-tiny", 2, "dp=2", "tp=2", prompts=2, group_size=2, prompt_len=6,
+                            response_len=R, response_tokens=R)
+    want = cost.whole_step(dryrun.step(every, 0), _rates(), response_len=R)["decode"]
+    for executed in (3, 9):
+        got = cost.whole_step(dryrun.step(dataclasses.replace(every, response_tokens=executed), 0), _rates(),
+                              response_len=R)["decode"]
+        assert got.bytes == pytest.approx(want.bytes, rel=0.02) and got.seconds == pytest.approx(want.seconds,
+                                                                                                  rel=0.02), executed

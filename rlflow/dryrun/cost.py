@@ -212,7 +212,8 @@ def whole_step(trace, rates: Rates, *, response_len: int, n_micro: int = 1, pp: 
     steps it executed (``trace.decode_steps``) scaled to a response of ``response_len`` tokens (the first is the
     prefill's), and with ``pp`` pipeline stages over ``n_micro`` micro-batches, the pipelined stages stretched by
     the bubble, (n_micro + pp - 1) / n_micro (a stage idles while the first micro-batches reach it and the last
-    leave). The executed decode steps attend over the prompt and their few tokens, not the response's mean length."""
+    leave). The dry step runs its decode steps at the response's middle (``run.decode_marked``'s ``advance``):
+    their attention spans the whole response's mean."""
     out = predict(trace.stage_ops, rates)
     if "decode" in out and trace.decode_steps:
         out["decode"] = out["decode"].scaled((response_len - 1) / trace.decode_steps)

@@ -11,6 +11,7 @@ case). The reward reads the decoded text's length.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -199,15 +200,20 @@ def _marked(watch: Watch, name: str, fn):
 
 
 @contextmanager
-def decode_marked(watch: Watch):
+def decode_marked(watch: Watch, advance: int = 0):
     """Generation's decode steps counted apart from its prefill: from the first, stage "decode", each counted in
     ``RankTrace.decode_steps`` (a dry run executes a few of a response's tokens; the cost model scales them to the
-    whole length)."""
+    whole length). ``advance``: before the first, every slot's cache is advanced by that many tokens (stand-ins,
+    never written), so that the executed steps attend over as many columns as the whole response's do on average."""
     from rlflow import rollout
     plain = rollout.decode_step
 
     def marked(*args, **kwargs):
         watch.stage("decode")
+        if not watch.trace.decode_steps and advance:
+            cache = inspect.signature(plain).bind(*args, **kwargs).arguments["cache"]
+            cache.lengths_B += advance
+            cache.bound += advance
         watch.trace.decode_steps += 1
         return plain(*args, **kwargs)
     rollout.decode_step = marked
@@ -247,7 +253,9 @@ def step(case: StepCase, rank: int) -> RankTrace:
                             placement=case.placement())
         ctx = dataclasses.replace(staged(ctx, watch), flow=DryFlow(case.response_len))
         ctx.weights.state.arena = MetaHost(watch)
-        with watch, decode_marked(watch):
+        # the executed steps at the response's middle: the whole response's decode steps attend over Tp + 1 ..
+        # Tp + Tr - 1 columns, response_tokens - 1 executed ones from Tp + 1 + advance
+        with watch, decode_marked(watch, advance=(case.response_len - case.response_tokens) // 2):
             watch.stage("state")
             policy = meta_shards(train, rank)
             state = runstate.init(policy, None, kl=case.kl)
