@@ -11,9 +11,11 @@ Per case:
   against the plan's ledger, and every group's members' collectives compared (``dryrun.mismatched``);
 - ``--world-check``: the step for every rank too, its collectives compared over the world (minutes per rank).
 
-The largest peak against an H200 (141 GB) and an Ascend 910B (64 GB). Last line: one JSON object with ``cases``.
+The largest peak against an H200 (141 GB) and an Ascend 910B (64 GB). Each case's step priced at their datasheets'
+rates (``cost.DATASHEETS``, ``cost.whole_step``: predictions from stated inputs, not measurements; docs/dryrun.md),
+with ``bench/pools_projection.py``'s roofline for the same step beside. Last line: one JSON object with ``cases``.
 
-    python bench/dryrun.py                          # the three cases
+    python bench/dryrun.py                          # the three full-size cases
     python bench/dryrun.py --cases qwen3-30b --world-check
 """
 
