@@ -81,12 +81,13 @@ def run(model: str, world: int, steps: int, top: int = 0) -> dict:
             ranks = spawn(_rank, world, case, steps, dock)
         finally:
             dock.close()
+    # each rank's dry and real traces priced at its own rates
+    dry = [cost.predict(t.stage_ops, rates) for t, (rates, _, _) in zip(traces, ranks)]
+    real = [cost.predict(ops, rates) for rates, _, ops in ranks]
     rows = {}
     for name, parts in STAGES.items():
         # a stage ends when its slowest rank's does: each figure the largest over the ranks
         measured = max(statistics.median(t[LAPS[name]] for t in times[1:]) for _, times, _ in ranks)
-        dry = [cost.predict(t.stage_ops, rates) for t, (rates, _, _) in zip(traces, ranks)]
-        real = [cost.predict(ops, rates) for rates, _, ops in ranks]
         pred, pred_real = (max(sum(p[s].seconds for s in parts if s in p) for p in ps) for ps in (dry, real))
         rows[name] = dict(measured_s=measured, predicted_s=pred, ratio=pred / measured,
                           real_trace_ratio=pred_real / measured,

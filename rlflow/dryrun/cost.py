@@ -139,7 +139,10 @@ class Rates:
     host: float = math.inf  # bytes/s between the device and the host (a swap; a CPU's own memory: free)
 
     def seconds(self, op: OpCost) -> float:
-        work = self.work(op)
+        return self.issued(self.work(op))
+
+    def issued(self, work: float) -> float:
+        """An op's seconds from its device work: with its issue added, or on a queue the longer of the two."""
         return max(self.op_s, work) if self.queued else self.op_s + work
 
     def work(self, op: OpCost) -> float:
@@ -197,10 +200,11 @@ def predict(stage_ops: dict, rates: Rates) -> dict[str, StageCost]:
     out = {}
     for stage, ops in stage_ops.items():
         coll = sum(n * c.bytes for c, n in ops.items() if c.op.startswith("c10d."))
+        work = {c: rates.work(c) for c in ops}
         out[stage] = StageCost(sum(ops.values()), sum(n * c.flops for c, n in ops.items()),
                                sum(n * c.bytes for c, n in ops.items()) - coll, coll,
-                               sum(n * rates.seconds(c) for c, n in ops.items()), sum(ops.values()) * rates.op_s,
-                               sum(n * rates.work(c) for c, n in ops.items()))
+                               sum(n * rates.issued(work[c]) for c, n in ops.items()), sum(ops.values()) * rates.op_s,
+                               sum(n * work[c] for c, n in ops.items()))
     return out
 
 

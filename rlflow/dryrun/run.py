@@ -95,10 +95,9 @@ class StepCase:
 
     @property
     def micro_batches(self) -> int:
-        """Micro-batches a data-parallel rank's rows run in (``micro_batch`` samples each over the data-parallel
-        ranks)."""
-        return max(self.prompts * self.group_size // (self.micro_batch or Mesh.parse(self.train, self.world)
-                                                      .data_parallel_size), 1)
+        """Micro-batches a data-parallel rank's rows run in (the run's ``micro_batch_size`` samples each over the
+        data-parallel ranks)."""
+        return max(self.prompts * self.group_size // self.loop_config().micro_batch_size, 1)
 
     def placement(self):
         """Where the step runs: one process runs it alone (the recipe's world 1), else colocated."""
