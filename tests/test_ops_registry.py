@@ -107,7 +107,7 @@ def test_unknown_device_kinds_have_no_fused_entries():
     with pytest.raises(ValueError):
         registry.fused("rmsnorm", "tpu")
     table = registry.table()
-    assert table["moe_experts"].keys() == {"cpu", "cuda", "npu"}
+    assert table["moe_experts"].keys() == {"cpu", "cuda", "npu", "meta"}
     assert table["prefix_attention"].keys() == {"cpu", "cuda", "npu"}
 
 
@@ -161,6 +161,37 @@ def test_cuda_moe_sort_and_index_has_no_host_sync():
     w, idx = torch.softmax(torch.randn(12, 4, generator=g), -1).topk(2, -1)
     f = torch.compile(lambda *a: cuda.moe_experts_nosync(*a, grouped_mm=False), backend="eager", fullgraph=True)
     torch.testing.assert_close(f(x, w, idx, gate_up, down), moe_reference(x, w, idx, gate_up, down), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype, kernel", [(torch.bfloat16, "aten._grouped_mm.default"),
+                                           (torch.float32, "aten.bmm.default")])
+def test_a_dry_runs_experts_take_the_cuda_entrys_kernels_not_one_per_expert(dtype, kernel):
+    """Meta tensors posing as an accelerator (a dry run's default) run CUDA's expert path, forward and backward:
+    one grouped GEMM per projection in bfloat16, the sort-and-index batched matmuls otherwise; as many ops for
+    32 experts as for 4, where the reference's loop issues a few per expert."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def issued(E):
+        N, K, D, Fd = 512, 2, 64, 32  # 512 tokens: not the dense path of few tokens
+        leaf = lambda *s: torch.empty(*s, device="meta", dtype=dtype, requires_grad=True)  # noqa: E731
+        x, gate_up, down = leaf(N, D), leaf(E, 2 * Fd, D), leaf(E, D, Fd)
+        w, idx = torch.empty(N, K, device="meta", dtype=dtype), torch.empty(N, K, device="meta", dtype=torch.long)
+        with Ops() as mode:
+            ops.moe_experts(x, w, idx, gate_up, down).sum().backward()
+        assert gate_up.grad.shape == gate_up.shape and down.grad.shape == down.shape
+        return mode.seen
+
+    few, many = issued(4), issued(32)
+    assert len(few) == len(many) and kernel in few, (len(few), len(many), sorted(set(few)))
 
 
 @settings(max_examples=15)
@@ -226,8 +257,16 @@ class _FakeNPU(types.ModuleType):
         return x.new_zeros(M, x.shape[1]), torch.zeros(M, dtype=torch.int32), torch.zeros(M, dtype=torch.int32)
 
     def npu_grouped_matmul(self, x, weight, **kw):
+        """What the documentation says of one x and one weight, groups by cumulative ends (``group_list``):
+        group_type 0, x's rows in groups, each times its weight [K, N] (split_item 2: one [M, N]); group_type 2,
+        the contraction in groups, x [K, M] and weight [M, N] (split_item 3: one [G, K, N])."""
         self._rec("npu_grouped_matmul", (x, weight), kw)
-        return [x[0].new_zeros(x[0].shape[0], weight[0].shape[-1])]
+        (a,), (b,), ends = x, weight, kw["group_list"].tolist()
+        starts = [0, *ends[:-1]]
+        if kw["group_type"] == 0 and kw["split_item"] == 2:
+            return [torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(zip(starts, ends))])]
+        assert kw["group_type"] == 2 and kw["split_item"] == 3, kw
+        return [torch.stack([a[:, s:e] @ b[s:e] for s, e in zip(starts, ends)])]
 
     def npu_moe_finalize_routing(self, rows, skip1, skip2, bias, scales, src_to_dst, expert_for_row):
         self._rec("npu_moe_finalize_routing", (rows, skip1, skip2, bias, scales, src_to_dst, expert_for_row), {})
@@ -289,7 +328,34 @@ def test_npu_entries_call_torch_npu_with_the_documented_arguments(fake_npu):
     assert torch.equal(kw1["group_list"], torch.bincount(idx.reshape(-1), minlength=E).cumsum(0))
     assert kw1["split_item"] == 2 and kw1["group_type"] == 0
     assert fin[1] is None and fin[2] is None and fin[3] is None and torch.equal(fin[4], wk) and torch.equal(fin[6], idx.int())
-    assert entry("moe_experts")(xs, wk, idx, gate_up.requires_grad_(True), down, prepared) is None  # inference only
+    assert entry("moe_experts")(xs, wk, idx, gate_up.requires_grad_(True), down, prepared) is None  # float32
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_the_npu_experts_train_through_the_grouped_matmul_and_its_two_backward_calls(fake_npu, skew):
+    """Under autograd (bfloat16), the NPU's ``moe_experts`` runs torch's sort and ``npu_grouped_matmul``
+    forward, and two more per projection backward, with the documented arguments; values and gradients are
+    the reference's, with the stand-in computing what the documentation says (``skew``: experts no token chose)."""
+    g = _g(7)
+    N, E, K, D, Fd = 10, 4, 2, 16, 8
+    scores = torch.randn(N, E, generator=g)
+    if skew:
+        scores[:, :K] += 100
+    w, idx = torch.softmax(scores, -1).topk(K, -1)
+    base = [torch.randn(N, D, generator=g), w, torch.randn(E, 2 * Fd, D, generator=g) / 4,
+            torch.randn(E, D, Fd, generator=g) / 4]
+    leaves = [t.bfloat16().requires_grad_(True) for t in base]
+    y = registry.lookup("moe_experts", "npu")(leaves[0], leaves[1], idx, leaves[2], leaves[3], None)
+    dy = torch.randn(N, D, generator=g)
+    grads = torch.autograd.grad(y, leaves, dy.bfloat16())
+    calls = [(c[0], c[2]["group_type"], c[2]["split_item"]) for c in fake_npu.calls]
+    gmm = ("npu_grouped_matmul", 0, 2)
+    assert calls == [gmm, gmm, gmm, ("npu_grouped_matmul", 2, 3), gmm, ("npu_grouped_matmul", 2, 3)], calls
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref = moe_reference(ref_leaves[0], ref_leaves[1], idx, ref_leaves[2], ref_leaves[3])
+    torch.testing.assert_close(y.double(), ref, atol=3e-2, rtol=3e-2)
+    for a, b in zip(grads, torch.autograd.grad(ref, ref_leaves, dy.double())):
+        torch.testing.assert_close(a.double(), b, atol=5e-2, rtol=5e-2)
 
 
 def test_npu_entries_decline_without_torch_npu(monkeypatch):

@@ -148,9 +148,9 @@ def _moe_dense(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, swiglu=None):
 
 
 def _grouped_mm_ok(x: Tensor, down_EDF: Tensor) -> bool:
-    """torch's grouped GEMM (jagged groups by device-side offsets) where it has been measured: the CPU,
-    with rows of D and F elements a multiple of 16 bytes (its kernel's constraint). CUDA has it for
-    bfloat16 on SM >= 80, untested here (no GPU was available), so CUDA takes the loop."""
+    """torch's grouped GEMM (jagged groups by device-side offsets) on the CPU, with rows of D and F elements
+    a multiple of 16 bytes (its kernel's constraint). CUDA's (and a dry run's) is the CUDA backend's entry's
+    choice, the NPU's its own kernel; the loop runs where no entry applies."""
     _, D, Fd = down_EDF.shape
     return (hasattr(F, "grouped_mm") and registry.computes_as(x) == "cpu"  # public from torch 2.10
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16)

@@ -27,18 +27,28 @@ CHUNK_BYTES = 256 * 2**20  # the sort-and-index path's [E, C, max(2F, D)] buffer
 
 
 def grouped_mm_ok(x: Tensor, down_EDF: Tensor) -> bool:
-    """torch's grouped GEMM on CUDA: bfloat16 on SM >= 80, rows of D and F elements a multiple of 16 bytes."""
+    """torch's grouped GEMM on CUDA: on SM >= 80, for the operands ``grouped_mm_takes``."""
+    return (x.device.type == "cuda" and grouped_mm_takes(x, down_EDF)
+            and torch.cuda.get_device_capability(x.device) >= (8, 0))
+
+
+def grouped_mm_takes(x: Tensor, down_EDF: Tensor) -> bool:
+    """The operands CUDA's grouped GEMM takes: bfloat16, rows of D and F elements a multiple of 16 bytes."""
     _, D, Fd = down_EDF.shape
-    return (hasattr(F, "grouped_mm") and x.device.type == "cuda" and x.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    return (hasattr(F, "grouped_mm") and x.dtype == torch.bfloat16
             and (D * x.element_size()) % 16 == 0 and (Fd * x.element_size()) % 16 == 0)
+
+
+def dense_path(idx_NK: Tensor, gate_up_E2FD: Tensor, down_EDF: Tensor) -> bool:
+    """Few tokens on small experts: the reference's dense path, which has no host sync either."""
+    N, K = idx_NK.shape
+    return N <= moe.DENSE_MAX_TOKENS and moe._small(gate_up_E2FD, down_EDF) and N * K >= gate_up_E2FD.shape[0]
 
 
 @registry.fused("moe_experts", "cuda")
 def moe_experts(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, prepared):
-    N, K = idx_NK.shape
-    if N <= moe.DENSE_MAX_TOKENS and moe._small(gate_up_E2FD, down_EDF) and N * K >= gate_up_E2FD.shape[0]:
-        return None  # the reference's dense path: no sync
+    if dense_path(idx_NK, gate_up_E2FD, down_EDF):
+        return None
     return moe_experts_nosync(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF,
                               grouped_mm=grouped_mm_ok(x_ND, down_EDF))
 
@@ -51,7 +61,7 @@ def moe_experts_nosync(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_E2FD:
     N, K = idx_NK.shape
     E, F2, D = gate_up_E2FD.shape
     if grouped_mm:
-        return _grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
+        return grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
     C = max(1, chunk_bytes // max(1, E * max(F2, D) * x_ND.element_size()))
     if N <= C:
         return _sorted_padded(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
@@ -68,12 +78,19 @@ def _sort(idx_NK: Tensor, E: int):
     return order, flat.index_select(0, order), order // K, counts
 
 
-def _grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF):
+def _torch_grouped_mm(a_MK: Tensor, b_EKN: Tensor, ends_E: Tensor) -> Tensor:
+    return F.grouped_mm(a_MK, b_EKN, offs=ends_E.to(torch.int32))
+
+
+def grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, grouped_mm=_torch_grouped_mm):
+    """The (token, slot) pairs sorted by expert on the device, each projection one grouped GEMM
+    ``grouped_mm(rows [M, K] in groups, weights [E, K, N], each group's end [E]) -> [M, N]`` (torch's;
+    the NPU backend passes its own)."""
     order, _, tok, counts = _sort(idx_NK, gate_up_E2FD.shape[0])
-    offs = counts.cumsum(0).to(torch.int32)
+    ends = counts.cumsum(0)
     xs = x_ND.index_select(0, tok)
-    g, u = F.grouped_mm(xs, gate_up_E2FD.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    ys = F.grouped_mm(F.silu(g) * u, down_EDF.transpose(1, 2), offs=offs)
+    g, u = grouped_mm(xs, gate_up_E2FD.transpose(1, 2), ends).chunk(2, dim=-1)
+    ys = grouped_mm(F.silu(g) * u, down_EDF.transpose(1, 2), ends)
     w_sorted = w_NK.reshape(-1).index_select(0, order)
     return torch.zeros_like(x_ND).index_add_(0, tok, ys * w_sorted[:, None])
 

@@ -4,7 +4,9 @@ On meta tensors the references take the paths torch picks for a device it knows 
 accelerator's: SDPA's math path builds the whole [B, H, T, S] scores and keeps them for the backward (2.5 TB
 for a DeepSeek-V3 micro-batch of 2 x 5120 tokens), where a GPU's memory-efficient kernel (the one SDPA runs
 with a mask) keeps the output and a log-sum-exp per query. These entries run those kernels' own aten ops,
-whose meta implementations give the outputs, and the tensors autograd saves, an accelerator's shapes.
+whose meta implementations give the outputs, and the tensors autograd saves, an accelerator's shapes. The
+experts take CUDA's grouped GEMM, one per projection, where a loop over them would issue a few kernels per
+expert (48 layers x 128 experts in a Qwen3-30B-A3B decode step).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from torch import Tensor
 
 from rlflow.ops import registry
+from rlflow.ops.backends import cuda
 from rlflow.ops.attention import cpu_takes_f32, fused_kernel_heads
 
 
@@ -50,3 +53,18 @@ def _cpu(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | Non
     k, v = (k_BKSd, v_BKSd) if H == K else (k_BKSd.repeat_interleave(H // K, 1), v_BKSd.repeat_interleave(H // K, 1))
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q_BHTd, k, v, 0.0, is_causal and mask_B1TS is None, attn_mask=mask_B1TS, scale=scale)[0]
+
+
+@registry.fused("moe_experts", "meta")
+def moe_experts(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, prepared):
+    """CUDA's entry as a GPU of SM >= 80 runs it (``cuda.grouped_mm_ok``): the grouped GEMM where it takes the
+    operands, the sort-and-index path elsewhere, the dense path for few tokens on small experts. Posing as
+    another kind: that kind's entry (the reference where it has none)."""
+    kind = registry.computes_as(x_ND)
+    if kind != "meta":
+        entry = registry.lookup("moe_experts", kind)
+        return None if entry is None else entry(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, prepared)
+    if cuda.dense_path(idx_NK, gate_up_E2FD, down_EDF):
+        return None
+    return cuda.moe_experts_nosync(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF,
+                                   grouped_mm=cuda.grouped_mm_takes(x_ND, down_EDF))

@@ -1,6 +1,8 @@
 """Ascend NPU backend: torch_npu's fused operators. NOT RUN HERE: no NPU (nor torch_npu) was available
 where this was written; tests/test_ops_registry.py checks only the wiring (which torch_npu function each
-op reaches, with which arguments) against a stand-in module, nothing about numerics.
+op reaches, with which arguments) against a stand-in module, nothing about the device's numerics (the
+stand-in's grouped matmul computes what the documentation says, so the experts' gradients are checked
+against our reading of it).
 
 torch_npu is imported on the first call of an entry, only where it is installed; without it every
 entry returns None and the ops run their torch references. Signatures as torch_npu's documentation
@@ -17,7 +19,9 @@ entry returns None and the ops run their torch references. Signatures as torch_n
 - ``npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
   export_for_source_row) -> Tensor``
 
-The MoE routing operators are documented for inference only: those entries decline under autograd.
+The MoE routing operators are documented for inference only: under autograd, ``moe_experts`` sorts the
+tokens in torch and runs ``npu_grouped_matmul`` in an autograd function whose backward is two more of them
+(the input's gradient in the same row groups; the weights' grouped along the contraction, ``group_type=2``).
 ``prefix_attention``'s NPU entry is the CUDA backend's torch path (no per-row copies).
 """
 
@@ -29,7 +33,7 @@ import torch
 from torch import Tensor
 
 from rlflow.ops import registry
-from rlflow.ops.backends import cuda  # noqa: F401  (registers the shared prefix_attention entry for npu too)
+from rlflow.ops.backends import cuda  # also registers the shared prefix_attention entry for npu
 
 
 def _npu():
@@ -102,11 +106,33 @@ def prepare_experts(gate_up_E2FD: Tensor, down_EDF: Tensor) -> tuple:
     return gate_up_E2FD.transpose(1, 2).contiguous(), down_EDF.transpose(1, 2).contiguous()
 
 
+class _GroupedMatmul(torch.autograd.Function):
+    """rows [M, K] in groups (each group's end, cumulative: ``ends`` [E]) times weights [E, K, N] -> [M, N]."""
+
+    @staticmethod
+    def forward(ctx, a_MK: Tensor, b_EKN: Tensor, ends_E: Tensor) -> Tensor:
+        ctx.save_for_backward(a_MK, b_EKN, ends_E)
+        return _npu().npu_grouped_matmul([a_MK], [b_EKN], group_list=ends_E, split_item=2, group_type=0)[0]
+
+    @staticmethod
+    def backward(ctx, dy_MN: Tensor):
+        a_MK, b_EKN, ends_E = ctx.saved_tensors
+        npu = _npu()
+        da = npu.npu_grouped_matmul([dy_MN], [b_EKN.transpose(1, 2)], group_list=ends_E, split_item=2,
+                                    group_type=0)[0]
+        db = npu.npu_grouped_matmul([a_MK.t()], [dy_MN], group_list=ends_E, split_item=3, group_type=2)[0]
+        return da, db.view(b_EKN.shape), None
+
+
 @registry.fused("moe_experts", "npu")
 def moe_experts(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, prepared):
     npu = _npu()
-    if npu is None or _needs_grad(x_ND, w_NK, gate_up_E2FD, down_EDF):
+    if npu is None:
         return None
+    if _needs_grad(x_ND, w_NK, gate_up_E2FD, down_EDF):  # half precision: the grouped matmul's training dtypes
+        if x_ND.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        return cuda.grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, grouped_mm=_GroupedMatmul.apply)
     N, K = idx_NK.shape
     E = gate_up_E2FD.shape[0]
     gu_t, dn_t = prepared if prepared is not None else prepare_experts(gate_up_E2FD, down_EDF)
