@@ -45,15 +45,6 @@ CASES = {
 FULL = ("qwen3-30b", "qwen2.5-32b", "v3")
 
 
-def shape_classes(train, rollout) -> list[int]:
-    """One rank per (train pipeline stage, rollout pipeline stage): layouts split every dim evenly, so those ranks'
-    shards have the same shapes."""
-    seen: dict = {}
-    for r in range(train.mesh.size):
-        seen.setdefault((train.mesh.coords(r)["pp"], rollout.mesh.coords(r)["pp"]), r)
-    return list(seen.values())
-
-
 PAPER = {"deepseek-r1-671b": "200-250 TPS on 384 NPUs (MindSpeed RL, Figure 11: tokens per device per second)"}
 PRICED = ("transition", "generate", "decode", "swap back", "score", "advantage", "ref_logprob", "update")
 
@@ -65,12 +56,9 @@ def priced(case, steps, sheet, op_s: float) -> dict:
     decode steps at their device work alone (``graph``: a captured decode step's, as vLLM's CUDA / ACL graphs run
     it, the host's issue gone)."""
     from rlflow.dryrun import cost
-    rates = sheet.rates(op_s)
-    pp = case.layouts()[0].mesh.pp
-    costs = [cost.whole_step(t, rates, response_len=case.response_len, n_micro=case.micro_batches, pp=pp)
-             for t in steps]
-    stages = {s: max((c[s] for c in costs if s in c), key=lambda x: x.seconds) for s in PRICED
-              if any(s in c for c in costs)}
+    stages = cost.slowest(steps, sheet.rates(op_s), response_len=case.response_len, n_micro=case.micro_batches,
+                          pp=case.layouts()[0].mesh.pp)
+    stages = {s: stages[s] for s in PRICED if s in stages}
     lo = sum(max(c.issue_s, c.work_s) for c in stages.values())
     hi = sum(c.seconds for c in stages.values())
     graph = lo - max(stages["decode"].issue_s, stages["decode"].work_s) + stages["decode"].work_s
@@ -115,7 +103,7 @@ def run_case(name: str, world_check: bool, op_s: float) -> dict:
     t0 = time.perf_counter()
     train, rollout = case.layouts()
     moves = [dryrun.transition(train, rollout, r) for r in range(case.world)]
-    classes = shape_classes(train, rollout)
+    classes = case.shape_classes()
     ranks = range(case.world) if world_check else classes
     steps = []
     for r in ranks:

@@ -33,7 +33,12 @@ nearly the time D devices do, while the train pool has the other devices. With l
 gain nothing but the swap (docs/runtime.md). The peers' published speed-ups (beside) also remove the
 long tail (partial rollout across steps, streaming), which this model leaves out.
 
-    python bench/pools_projection.py
+Beside it, the same colocated step and splits priced from dry traces (``dry_priced``: rlflow's step executed on
+meta tensors for one rank of each shape class, every op priced at the H200's and the 910B's datasheet rates,
+``rlflow.dryrun.cost``): the ops rlflow issues, not a formula's, with the memory each rank peaks at.
+
+    python bench/pools_projection.py                # the roofline for both scenarios, Qwen3-30B-A3B's from dry traces
+    python bench/pools_projection.py --dry          # the roofline alone (seconds)
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from dataclasses import dataclass
 
 from rlflow.dock.cost import Shape, streaming
@@ -48,6 +54,7 @@ from rlflow.dryrun.cost import DATASHEETS
 from rlflow.models.config import get_config
 from rlflow.models.sharding import layout
 from rlflow.models.shapes import param_shapes
+from rlflow.runtime.config import share_problems
 from rlflow.runtime.graph import GRPO, ROWS, VERSIONS
 from rlflow.runtime.step import dock_columns
 from rlflow.sharding.mesh import Mesh
@@ -76,7 +83,9 @@ class Scenario:
 
 
 SCENARIOS = (
-    Scenario("16 devices: Qwen3-30B-A3B", "qwen3-moe-30b-a3b", 16, 128, 8, 512, 2048, ("ep=8,dp=2", "tp=4,dp=4"),
+    # 96 prompts: every split's pools share them evenly (rlflow refuses 128 over 12 ranks: runtime.config's
+    # share_problems)
+    Scenario("16 devices: Qwen3-30B-A3B", "qwen3-moe-30b-a3b", 16, 96, 8, 512, 2048, ("ep=8,dp=2", "tp=4,dp=4"),
              ((4, "ep=4,dp=3", "tp=4"), (8, "ep=8", "tp=4,dp=2"), (12, "ep=4", "tp=4,dp=3"))),
     Scenario("384 devices: DeepSeek-R1-671B", "deepseek-r1-671b", 384, 512, 16, 1024, 4096,
              ("pp=8,ep=16,dp=3", "ep=32,tp=2,dp=6"), ((128, "pp=8,ep=16,dp=2", "ep=32,tp=2,dp=2"),
@@ -141,6 +150,90 @@ def t_train(cfg, devices: int, s: Scenario, hw) -> float:
         devices * hw.peak * hw.mfu)
 
 
+ROLLOUT_STAGES = ("generate", "decode", "score", "advantage")  # a split's rollout pool's (the push lands meanwhile)
+TRAIN_STAGES = ("ref_logprob", "old_logprob", "update")
+COLOCATED_STAGES = ("transition", *ROLLOUT_STAGES[:2], "swap back", *ROLLOUT_STAGES[2:], *TRAIN_STAGES)
+
+
+def dry_priced(s: Scenario, micro: int, inter: float) -> dict:
+    """The colocated step and each split's pools priced from dry traces at the datasheets' rates (``rlflow.dryrun``:
+    rlflow's step executed for one rank of each shape class on meta tensors, priced by ``cost.slowest``): the
+    colocated step's every stage; a split's rollout pool, the generation and scoring of the step's rows on its K
+    devices (a dry step whose two layouts are the pool's rollout layout); its train pool, the reference log-probs
+    and the update on the other D - K (both layouts the pool's train layout); the push at ``inter`` bytes/s. A split's
+    step is max(gen, train + the push beyond them), as the roofline's. Each time a pair of the queue's bounds (the
+    host always ahead; every op waited for) and a third, the first with the decode steps at their device work alone
+    (a captured graph's). Memory: the dry step's peak (a rollout device's in generation), plus on a rollout device
+    the spare copy of its shards the next version lands in, on a train device one push in flight (its shards in
+    bf16). ``micro``: samples a
+    data-parallel rank's micro-batch holds."""
+    from rlflow import dryrun
+    from rlflow.dryrun import cost
+    from rlflow.dryrun.calibrate import issue_seconds
+
+    op_s = issue_seconds()
+    cfg = get_config(s.model)
+
+    def stepped(world: int, train: str, rollout: str, trains: bool = True):
+        # a rollout pool's dry step trains too (``runtime.step``'s schedule), unpriced: in one micro-batch, its fastest
+        case = dryrun.StepCase(s.model, world, train, rollout, prompts=s.prompts, group_size=s.group,
+                               prompt_len=s.prompt_len, response_len=s.response_len, remat=True,
+                               micro_batch=micro * Mesh.parse(train, world).data_parallel_size if trains else
+                               s.prompts * s.group)
+        why = share_problems(case.loop_config(), world, Mesh.parse(train, world))
+        if why:
+            raise ValueError(f"{s.name}: {world} devices ({train} / {rollout}): rlflow refuses it: "
+                             + "; ".join(f"{f} {getattr(case.loop_config(), f)} {w}" for f, w in why))
+        t0 = time.perf_counter()
+        traces = [dryrun.step(case, r) for r in case.shape_classes()]
+        print(f"    dry step on {world} ({train} / {rollout}): {len(traces)} shape class(es) in "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
+        return case, traces
+
+    def priced(case, traces, rates, stages) -> tuple[float, float, float]:
+        got = cost.slowest(traces, rates, response_len=case.response_len, n_micro=case.micro_batches,
+                           pp=case.layouts()[0].mesh.pp)
+        got = {k: got[k] for k in stages if k in got}
+        lo, hi = sum(max(c.issue_s, c.work_s) for c in got.values()), sum(c.seconds for c in got.values())
+        dec = got.get("decode")
+        return lo, hi, lo if dec is None else lo - max(dec.issue_s, dec.work_s) + dec.work_s
+
+    def peak(traces, stages) -> float:
+        return max(t.stage_peaks.get(k, 0) for t in traces for k in stages)
+
+    colocated = stepped(s.devices, *s.colocated)
+    splits = []
+    for K, tl, rl in s.splits:
+        trk, rok = layout(cfg, Mesh.parse(tl, s.devices - K)), layout(cfg, Mesh.parse(rl, K))
+        splits.append((K, tl, rl, stepped(K, rl, rl, trains=False), stepped(s.devices - K, tl, tl),
+                       push_plan(trk, rok).bytes_sent().max() / inter,
+                       Shards.of(rok).params * BF16, Shards.of(trk).params * BF16))
+    out = {}
+    for key, sheet in DATASHEETS.items():
+        rates = sheet.rates(op_s)
+        col = priced(*colocated, rates, COLOCATED_STAGES)
+        col_mem = peak(colocated[1], COLOCATED_STAGES)
+        rows = {"colocated_s": [round(x, 3) for x in col], "colocated_peak_bytes": int(col_mem)}
+        print(f"  {sheet.name}: colocated {col[0]:.1f}-{col[1]:.1f} s ({col[2]:.1f} with decode as a graph); peak "
+              f"{col_mem / 1e9:.0f} GB{'' if col_mem <= sheet.memory else ' (DOES NOT FIT)'}")
+        for K, tl, rl, ro, tr, push_s, spare, in_flight in splits:
+            g, t = priced(*ro, rates, ROLLOUT_STAGES), priced(*tr, rates, TRAIN_STAGES)
+            step = [max(a, b + max(0.0, push_s - max(a, b))) for a, b in zip(g, t)]
+            # a rollout device's: generation's (its dry step swaps a train state back in for the scoring after it)
+            mem_r, mem_t = peak(ro[1], ROLLOUT_STAGES[:2]) + spare, peak(tr[1], TRAIN_STAGES) + in_flight
+            fits = max(mem_r, mem_t) <= sheet.memory
+            print(f"    pools K={K:3d} (rollout {rl}, train {tl}): gen {g[0]:.1f}-{g[1]:.1f} s ({g[2]:.1f}), train "
+                  f"{t[0]:.1f}-{t[1]:.1f} s, push {push_s:.1f} s -> {step[0]:.1f}-{step[1]:.1f} s ({step[2]:.1f}): "
+                  f"{col[0] / step[0]:.2f}-{col[1] / step[1]:.2f}x colocated ({col[2] / step[2]:.2f}x); memory "
+                  f"rollout {mem_r / 1e9:.0f} GB, train {mem_t / 1e9:.0f} GB{'' if fits else ' (DOES NOT FIT)'}")
+            rows[f"pools_K{K}_{rl}"] = {"gen_s": [round(x, 3) for x in g], "train_s": [round(x, 3) for x in t],
+                                        "push_s": round(push_s, 3), "step_s": [round(x, 3) for x in step],
+                                        "rollout_peak_bytes": int(mem_r), "train_peak_bytes": int(mem_t),
+                                        "fits": fits}
+        out[key] = rows
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     h200 = DATASHEETS["h200"]
@@ -157,7 +250,13 @@ def main() -> None:
     p.add_argument("--inter-GBps", type=float, default=25.0, help="per-rank link between nodes (the push, the dock)")
     p.add_argument("--intra-GBps", type=float, default=200.0, help="per-rank link within a node (the allgather)")
     p.add_argument("--host-GBps", type=float, default=h200.host / 1e9, help="device <-> host (the swap)")
+    p.add_argument("--dry", nargs="*", default=[SCENARIOS[0].model], choices=[x.model for x in SCENARIOS],
+                   help="scenarios priced from dry traces too (minutes each; DeepSeek-R1's 8192 rows on 384 devices "
+                        "take hours here); none: the roofline alone")
+    p.add_argument("--dry-micro", type=int, default=8, help="samples in a data-parallel rank's micro-batch (dry)")
     a = p.parse_args()
+    if a.dry_micro < 1:
+        p.error(f"--dry-micro {a.dry_micro}: samples per micro-batch, at least 1")
     hw = argparse.Namespace(hbm=a.hbm_TBps * 1e12, peak=a.peak_TFLOPs * 1e12, mfu=a.mfu, decode_eff=a.decode_eff,
                             train_flops=a.train_flops)
     usable = a.usable_GB * 1e9
@@ -201,6 +300,10 @@ def main() -> None:
                   f"{stream['busiest'] / 2**30:.2f} GiB per step through its busiest process")
             rows[f"pools_K{K}_{rl}_s"] = round(step, 2)
             rows[f"pools_K{K}_{rl}_fits"] = fits
+        if s.model in a.dry:
+            print(f"  from dry traces (rlflow's step on meta tensors) at the datasheets' rates, push over "
+                  f"{a.inter_GBps} GB/s; seconds between the queue's bounds (with decode as a graph):", flush=True)
+            rows["dry"] = dry_priced(s, a.dry_micro, a.inter_GBps * 1e9)
         report[s.name] = rows
     print(f"\nbeside: {PEERS}")
     print(json.dumps({"bench": "pools_projection", **report}))

@@ -249,7 +249,8 @@ def _rates():
 
 def test_an_ops_cost_is_its_flops_and_the_bytes_it_reads_makes_and_writes_in_place():
     """A matmul's FLOPs (2 M K N), its bytes (both inputs read, the output made: fresh); an in-place add reads and
-    writes its tensor with nothing fresh; a view costs nothing; a grouped matmul's FLOPs and rows per group."""
+    writes its tensor with nothing fresh; a view costs nothing; a grouped matmul's FLOPs and rows per group; an
+    indexed write in place (a KV cache's rows) touches the rows it writes, not its whole destination."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from rlflow.dryrun import cost
@@ -267,16 +268,22 @@ def test_an_ops_cost_is_its_flops_and_the_bytes_it_reads_makes_and_writes_in_pla
     a, b = torch.ones(4, 8, device="meta"), torch.ones(8, 16, device="meta")
     ga, gb = torch.ones(12, 8, device="meta", dtype=torch.bfloat16), torch.ones(3, 8, 16, device="meta",
                                                                               dtype=torch.bfloat16)
+    cache, rows = torch.ones(1000, 16, device="meta"), torch.ones(3, 16, device="meta")
+    at = torch.ones(3, dtype=torch.long, device="meta")
     with Costs() as c:
         y = a @ b
         y.add_(1.0)
         y.view(-1)
         torch._grouped_mm(ga, gb, torch.tensor([4, 8, 12], dtype=torch.int32, device="meta"))
-    mm, add, view, grouped = c.ops
+        cache.index_put_((at,), rows)
+        cache.index_add_(0, at, rows)
+    mm, add, view, grouped, put, index_add = c.ops
     assert mm == cost.OpCost("aten.mm", "float32", 2 * 4 * 8 * 16, 4 * (32 + 128 + 64), 4 * 64, "mm", 4)
     assert add.op == "aten.add_" and add.flops == 0 and add.bytes == 2 * 4 * 64 and add.fresh == 0
     assert view is None
     assert grouped.flops == 2 * 12 * 8 * 16 and (grouped.kernel, grouped.small) == ("grouped_mm", 4)
+    assert put.op == "aten.index_put_" and put.bytes == 2 * 3 * 16 * 4 + 3 * 8 and put.fresh == 0
+    assert index_add.bytes == 3 * 3 * 16 * 4 + 3 * 8  # the rows read, the source read, the rows written
 
 
 def test_an_op_costs_its_issue_plus_its_roofline_or_the_longer_of_the_two_on_a_queue():

@@ -28,6 +28,11 @@ _SHAPE_ONLY = {"aten.empty", "aten.empty_strided", "aten.empty_like", "aten.new_
                "aten.lift_fresh", "aten._local_scalar_dense", "aten.sym_size", "aten.sym_stride", "aten.is_same_size",
                "aten.set_", "aten.resize_", "aten.record_stream"}
 
+# in-place writes of indexed rows, by the position of their source: they touch the rows written (their source's
+# bytes, read again where they accumulate), not the whole destination (a decode step's KV cache)
+_INDEXED_WRITES = {"aten.index_put_": (2, False), "aten.index_copy_": (3, False), "aten.index_add_": (3, True),
+                   "aten.scatter_": (3, False), "aten.scatter_add_": (3, True)}
+
 
 @dataclass(frozen=True)
 class OpCost:
@@ -107,6 +112,11 @@ def op_cost(func, args, kwargs, out) -> OpCost | None:
             kernel, small = _mm(q.shape[-2], q.shape[-1], k.shape[-2])
     ins = {id(t): t for t in _tensors((args, tuple(kwargs.values())))}  # each read once; each output written
     nbytes = sum(t.numel() * t.element_size() for t in [*ins.values(), *outs])
+    src = _INDEXED_WRITES.get(name)
+    if src is not None and len(args) > src[0] and isinstance(args[src[0]], torch.Tensor):
+        dest, rows = args[0], args[src[0]].numel() * args[0].element_size()
+        adds = src[1] or (name == "aten.index_put_" and len(args) > 3 and bool(args[3]))  # accumulate=True
+        nbytes += rows * (2 if adds else 1) - 2 * dest.numel() * dest.element_size()
     fresh = sum(t.numel() * t.element_size() for t in outs if id(t) not in ins)
     return OpCost(name, dtype, flops, nbytes, fresh, kernel if flops else "", small if flops else 0)
 
@@ -227,6 +237,14 @@ def whole_step(trace, rates: Rates, *, response_len: int, n_micro: int = 1, pp: 
     return out
 
 
+def slowest(traces, rates: Rates, **step) -> dict[str, StageCost]:
+    """Each stage of a step whose ranks' traces are ``traces`` (one per shape class) at ``rates``: the slowest rank's
+    (``whole_step``'s, with ``step``'s arguments), as a stage ends when its slowest rank's does."""
+    costs = [whole_step(t, rates, **step) for t in traces]
+    return {s: max((c[s] for c in costs if s in c), key=lambda x: x.seconds)
+            for s in dict.fromkeys(s for c in costs for s in c)}
+
+
 @dataclass(frozen=True)
 class Datasheet:
     """An accelerator's published figures (per device) and the shares of them a run is assumed to reach: the
@@ -267,4 +285,4 @@ DATASHEETS = {
 
 
 __all__ = ["DATASHEETS", "HOST_COPY", "Datasheet", "OpCost", "Rates", "StageCost", "count", "op_cost",
-           "predict", "whole_step"]
+           "predict", "slowest", "whole_step"]

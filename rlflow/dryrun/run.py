@@ -93,6 +93,15 @@ class StepCase:
         return tuple(layout(self.model, Mesh.parse(m, self.world), dtype=torch.bfloat16)
                      for m in (self.train, self.rollout))
 
+    def shape_classes(self) -> list[int]:
+        """One rank per (train pipeline stage, rollout pipeline stage): layouts split every dim evenly, so those
+        ranks' shards have the same shapes (and under balanced routing run the same shapes)."""
+        train, rollout = (Mesh.parse(m, self.world) for m in (self.train, self.rollout))
+        seen: dict = {}
+        for r in range(self.world):
+            seen.setdefault((train.coords(r)["pp"], rollout.coords(r)["pp"]), r)
+        return list(seen.values())
+
     @property
     def micro_batches(self) -> int:
         """Micro-batches a data-parallel rank's rows run in (the run's ``micro_batch_size`` samples each over the
