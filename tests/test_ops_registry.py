@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import moe_reference
 
@@ -103,11 +104,11 @@ def test_the_reference_runs_where_the_fused_entry_is_unavailable(monkeypatch):
 
 
 def test_unknown_device_kinds_have_no_fused_entries():
-    assert registry.lookup("rmsnorm", "meta") is None and registry.lookup("rmsnorm", "mps") is None
+    assert registry.lookup("rmsnorm", "mps") is None
     with pytest.raises(ValueError):
         registry.fused("rmsnorm", "tpu")
     table = registry.table()
-    assert table["moe_experts"].keys() == {"cpu", "cuda", "npu", "meta"}
+    assert table["moe_experts"].keys() == table["rmsnorm"].keys() == {"cpu", "cuda", "npu", "meta"}
     assert table["prefix_attention"].keys() == {"cpu", "cuda", "npu"}
 
 
@@ -163,29 +164,61 @@ def test_cuda_moe_sort_and_index_has_no_host_sync():
     torch.testing.assert_close(f(x, w, idx, gate_up, down), moe_reference(x, w, idx, gate_up, down), atol=1e-4, rtol=1e-4)
 
 
+class _Ops(TorchDispatchMode):
+    """The ops dispatched within it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)])
+def test_cuda_rmsnorm_is_torchs_fused_kernel_within_a_rounding_of_the_reference(dtype, rtol):
+    """Values and gradients (the fused kernel rounds once, the reference twice: a unit of the last place in
+    bfloat16; CPU tensors: torch decomposes the kernel here, as it computes); a weight over [heads, d] is declined
+    (it normalizes the last dim alone)."""
+    g = _g(11)
+    x, w = (torch.randn(3, 5, 64, generator=g) * 3).to(dtype), (1 + torch.randn(64, generator=g) / 4).to(dtype)
+    dy = torch.randn(3, 5, 64, generator=g).to(dtype)
+
+    def run(f):
+        leaves = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
+        y = f(*leaves, 1e-6)
+        return [y, *torch.autograd.grad(y, leaves, dy)]
+
+    (y, gx, gw), ref = run(cuda.rmsnorm), run(registry.get_reference("rmsnorm"))
+    for a, b in zip((y, gx, gw), ref):
+        torch.testing.assert_close(a.float(), b.float(), rtol=rtol * (4 if a is gw else 1),
+                                   atol=rtol * b.float().abs().max().item() * (4 if a is gw else 1))
+    assert cuda.rmsnorm(x.view(3, 5, 4, 16), w.view(4, 16), 1e-6) is None
+
+
+def test_a_dry_runs_decode_step_runs_the_fused_rmsnorm():
+    """Under inference mode (a decode step); with autograd, torch's CPU build decomposes the kernel (into the
+    reference's ops: the dry update is priced as the reference's)."""
+    x = torch.empty(8, 64, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(64, device="meta", dtype=torch.bfloat16)
+    with _Ops() as mode, torch.inference_mode():
+        ops.rmsnorm(x, w, 1e-6)
+    assert "aten._fused_rms_norm.default" in mode.seen and "aten.rsqrt.default" not in mode.seen, mode.seen
+
+
 @pytest.mark.parametrize("dtype, kernel", [(torch.bfloat16, "aten._grouped_mm.default"),
                                            (torch.float32, "aten.bmm.default")])
 def test_a_dry_runs_experts_take_the_cuda_entrys_kernels_not_one_per_expert(dtype, kernel):
     """Meta tensors posing as an accelerator (a dry run's default) run CUDA's expert path, forward and backward:
     one grouped GEMM per projection in bfloat16, the sort-and-index batched matmuls otherwise; as many ops for
     32 experts as for 4, where the reference's loop issues a few per expert."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     def issued(E):
         N, K, D, Fd = 512, 2, 64, 32  # 512 tokens: not the dense path of few tokens
         leaf = lambda *s: torch.empty(*s, device="meta", dtype=dtype, requires_grad=True)  # noqa: E731
         x, gate_up, down = leaf(N, D), leaf(E, 2 * Fd, D), leaf(E, D, Fd)
         w, idx = torch.empty(N, K, device="meta", dtype=dtype), torch.empty(N, K, device="meta", dtype=torch.long)
-        with Ops() as mode:
+        with _Ops() as mode:
             ops.moe_experts(x, w, idx, gate_up, down).sum().backward()
         assert gate_up.grad.shape == gate_up.shape and down.grad.shape == down.shape
         return mode.seen

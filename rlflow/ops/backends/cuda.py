@@ -6,6 +6,10 @@
   into a [E, C, D] buffer, C = a chunk's tokens, and batched matmuls). Counts come from index_add, not
   bincount (whose CUDA kernel reads the maximum on the host). Few tokens on small experts keep the
   reference's dense path, which has no sync either.
+- ``rmsnorm``: torch's fused RMSNorm (``aten._fused_rms_norm``: CUDA builds have its kernel and backward) for a
+  weight over the last dim, where the reference issues six kernels (casts, square, mean, rsqrt, two products): a
+  decode step runs a few hundred norms. It rounds once, after the weight's product, where the reference
+  rounds the normalized row before it: within a unit of the last place of the reference in half precision.
 - ``prefix_attention`` (also the NPU's): the shared-prompt attention without copying a prompt's keys and
   values for each of its rows: the rows' queries are grouped by prompt ([P, rows, ...]) and scored
   against the prompt's keys once, their own keys separately, one softmax over both.
@@ -67,6 +71,13 @@ def moe_experts_nosync(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_E2FD:
         return _sorted_padded(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
     return torch.cat([_sorted_padded(x_ND[s:s + C], w_NK[s:s + C], idx_NK[s:s + C], gate_up_E2FD, down_EDF)
                       for s in range(0, N, C)])
+
+
+@registry.fused("rmsnorm", "cuda")
+def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+    if weight.dim() != 1 or x.shape[-1:] != weight.shape or x.dtype != weight.dtype:
+        return None  # a weight over more dims ([heads, d]) normalizes the last alone: the reference's broadcast
+    return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)[0]
 
 
 def _sort(idx_NK: Tensor, E: int):

@@ -6,7 +6,7 @@ for a DeepSeek-V3 micro-batch of 2 x 5120 tokens), where a GPU's memory-efficien
 with a mask) keeps the output and a log-sum-exp per query. These entries run those kernels' own aten ops,
 whose meta implementations give the outputs, and the tensors autograd saves, an accelerator's shapes. The
 experts take CUDA's grouped GEMM, one per projection, where a loop over them would issue a few kernels per
-expert (48 layers x 128 experts in a Qwen3-30B-A3B decode step).
+expert (48 layers x 128 experts in a Qwen3-30B-A3B decode step); RMSNorm CUDA's fused kernel.
 """
 
 from __future__ import annotations
@@ -55,15 +55,30 @@ def _cpu(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | Non
         q_BHTd, k, v, 0.0, is_causal and mask_B1TS is None, attn_mask=mask_B1TS, scale=scale)[0]
 
 
+def _posed(name: str, x: Tensor, *args):
+    """Meta tensors posing as another kind (``registry.posing``): that kind's entry for op ``name`` (None: the
+    reference runs); posing as none, ``...`` (the caller goes on)."""
+    kind = registry.computes_as(x)
+    if kind == "meta":
+        return ...
+    entry = registry.lookup(name, kind)
+    return None if entry is None else entry(x, *args)
+
+
+@registry.fused("rmsnorm", "meta")
+def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+    """CUDA's entry: torch's fused RMSNorm."""
+    out = _posed("rmsnorm", x, weight, eps)
+    return cuda.rmsnorm(x, weight, eps) if out is ... else out
+
+
 @registry.fused("moe_experts", "meta")
 def moe_experts(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, prepared):
     """CUDA's entry as a GPU of SM >= 80 runs it (``cuda.grouped_mm_ok``): the grouped GEMM where it takes the
-    operands, the sort-and-index path elsewhere, the dense path for few tokens on small experts. Posing as
-    another kind: that kind's entry (the reference where it has none)."""
-    kind = registry.computes_as(x_ND)
-    if kind != "meta":
-        entry = registry.lookup("moe_experts", kind)
-        return None if entry is None else entry(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, prepared)
+    operands, the sort-and-index path elsewhere, the dense path for few tokens on small experts."""
+    out = _posed("moe_experts", x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, prepared)
+    if out is not ...:
+        return out
     if cuda.dense_path(idx_NK, gate_up_E2FD, down_EDF):
         return None
     return cuda.moe_experts_nosync(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF,
