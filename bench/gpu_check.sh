@@ -61,7 +61,7 @@ run() {  # run NAME TIMEOUT CMD...: log everything, keep the JSON last line as a
 
 # most valuable first: a step the limit leaves out is one of the last
 if (( HAS_PYTEST )); then
-  run cuda_tests 90 $PY -m pytest -q -m "cuda or not slow" -p no:cacheprovider tests/test_plan_cuda.py tests/test_rollout.py tests/test_hf_parity.py
+  run cuda_tests 90 $PY -m pytest -q -m "cuda or not slow" -p no:cacheprovider tests/test_plan_cuda.py tests/test_ops_cuda.py tests/test_rollout.py tests/test_hf_parity.py
 else
   echo "=== cuda_tests: skipped, pytest is not installed" | tee -a "$LOG"
 fi
