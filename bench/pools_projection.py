@@ -163,9 +163,9 @@ def dry_priced(s: Scenario, micro: int, inter: float) -> dict:
     and the update on the other D - K (both layouts the pool's train layout); the push at ``inter`` bytes/s. A split's
     step is max(gen, train + the push beyond them), as the roofline's. Each time a pair of the queue's bounds (the
     host always ahead; every op waited for) and a third, the first with the decode steps at their device work alone
-    (a captured graph's). Memory: the dry step's peak (a rollout device's in generation), plus on a rollout device
-    the spare copy of its shards the next version lands in, on a train device one push in flight (its shards in
-    bf16). ``micro``: samples a
+    (a captured graph's). Memory: a train device's dry peak plus one push in flight (its shards in bf16); a rollout
+    device's, its generation's less the train state its dry step holds, plus its shards twice (the engine's, and
+    the spare copy the next version lands in). ``micro``: samples a
     data-parallel rank's micro-batch holds."""
     from rlflow import dryrun
     from rlflow.dryrun import cost
@@ -219,8 +219,11 @@ def dry_priced(s: Scenario, micro: int, inter: float) -> dict:
         for K, tl, rl, ro, tr, push_s, spare, in_flight in splits:
             g, t = priced(*ro, rates, ROLLOUT_STAGES), priced(*tr, rates, TRAIN_STAGES)
             step = [max(a, b + max(0.0, push_s - max(a, b))) for a, b in zip(g, t)]
-            # a rollout device's: generation's (its dry step swaps a train state back in for the scoring after it)
-            mem_r, mem_t = peak(ro[1], ROLLOUT_STAGES[:2]) + spare, peak(tr[1], TRAIN_STAGES) + in_flight
+            # a rollout device's: generation's less the train state its dry step holds (identical layouts: no
+            # transition swaps it out), plus its shards twice (the engine's; the spare a next version lands in)
+            held = max(t.stage_peaks[k] - t.stage_peaks["state"] for t in ro[1] for k in ROLLOUT_STAGES[:2])
+            mem_r = held + 2 * spare
+            mem_t = peak(tr[1], TRAIN_STAGES) + in_flight
             fits = max(mem_r, mem_t) <= sheet.memory
             print(f"    pools K={K:3d} (rollout {rl}, train {tl}): gen {g[0]:.1f}-{g[1]:.1f} s ({g[2]:.1f}), train "
                   f"{t[0]:.1f}-{t[1]:.1f} s, push {push_s:.1f} s -> {step[0]:.1f}-{step[1]:.1f} s ({step[2]:.1f}): "
