@@ -72,15 +72,9 @@ def run(model: str, world: int, steps: int, top: int = 0) -> dict:
     if world == 1:
         ranks = [_rank(0, 1, case, steps, None)]
     else:
-        from rlflow.dock.proc_backend import proc_dock
-        from rlflow.runtime.graph import GRPO
         from rlflow.runtime.launch.local import spawn
-        dock = proc_dock(GRPO.schema, GRPO.consumers, capacity=case.prompts * case.group_size, warehouses=world,
-                         group_size=case.group_size)
-        try:
+        with dryrun.real_dock(case, warehouses=world) as dock:
             ranks = spawn(_rank, world, case, steps, dock)
-        finally:
-            dock.close()
     # each rank's dry and real traces priced at its own rates
     dry = [cost.predict(t.stage_ops, rates) for t, (rates, _, _) in zip(traces, ranks)]
     real = [cost.predict(ops, rates) for rates, _, ops in ranks]

@@ -129,14 +129,8 @@ def _real_step(rank: int, world: int, cases, dock) -> list:
 
 
 def _spawn_real(cases):
-    from rlflow.dock.proc_backend import proc_dock
-    from rlflow.runtime.graph import GRPO
-    n = cases[0].prompts * cases[0].group_size
-    dock = proc_dock(GRPO.schema, GRPO.consumers, capacity=n, warehouses=2, group_size=cases[0].group_size)
-    try:
+    with dryrun.real_dock(cases[0]) as dock:
         return spawn(_real_step, WORLD, cases, dock)
-    finally:
-        dock.close()
 
 
 @pytest.mark.slow
@@ -184,15 +178,9 @@ def test_the_dry_steps_memory_peaks_are_the_real_cpu_runs():
     (meta tensors) within 1%. A CPU keeps the train state where it is while the engine generates (an
     accelerator's transition swaps it out to the host): there, the real peak less the swapped state's bytes is
     the dry run's. The transitions themselves (whose CPU runs swap nothing) are the ledger tests' above."""
-    from rlflow.dock.proc_backend import proc_dock
-    from rlflow.runtime.graph import GRPO
     case = STEP_CASES[0]
-    n = case.prompts * case.group_size
-    dock = proc_dock(GRPO.schema, GRPO.consumers, capacity=n, warehouses=2, group_size=case.group_size)
-    try:
+    with dryrun.real_dock(case) as dock:
         real = spawn(_real_peaks, WORLD, case, dock)
-    finally:
-        dock.close()
     for rank in range(WORLD):
         fake = dryrun.step(case, rank).stage_peaks
         got, moved = real[rank]

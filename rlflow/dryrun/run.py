@@ -276,6 +276,20 @@ def step(case: StepCase, rank: int) -> RankTrace:
     return trace
 
 
+@contextmanager
+def real_dock(case: StepCase, warehouses: int = 2):
+    """A transfer dock of processes for one step's rows of ``case`` (what ``real``'s ranks share when there are
+    several), closed on the way out."""
+    from rlflow.dock.proc_backend import proc_dock
+    from rlflow.runtime.graph import GRPO
+    dock = proc_dock(GRPO.schema, GRPO.consumers, capacity=case.prompts * case.group_size, warehouses=warehouses,
+                     group_size=case.group_size)
+    try:
+        yield dock
+    finally:
+        dock.close()
+
+
 def real(case: StepCase, rank: int, dock, *, steps: int = 1, watch: Watch | None = None, seed: int = 0):
     """``steps`` real RL steps of ``case`` on this process's device and process group (rank ``rank`` of
     ``case.world``; CPU tensors, random weights, the real ``dock``), the schedule ``step`` dry-runs: to compare
