@@ -254,8 +254,8 @@ def main() -> None:
     p.add_argument("--intra-GBps", type=float, default=200.0, help="per-rank link within a node (the allgather)")
     p.add_argument("--host-GBps", type=float, default=h200.host / 1e9, help="device <-> host (the swap)")
     p.add_argument("--dry", nargs="*", default=[SCENARIOS[0].model], choices=[x.model for x in SCENARIOS],
-                   help="scenarios priced from dry traces too (minutes each; DeepSeek-R1's 8192 rows on 384 devices "
-                        "take hours here); none: the roofline alone")
+                   help="scenarios priced from dry traces too (Qwen3-30B-A3B's: 6 minutes here; DeepSeek-R1's 8192 "
+                        "rows on 384 devices far longer); none: the roofline alone")
     p.add_argument("--dry-micro", type=int, default=8, help="samples in a data-parallel rank's micro-batch (dry)")
     a = p.parse_args()
     if a.dry_micro < 1:
