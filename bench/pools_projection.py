@@ -165,8 +165,7 @@ def dry_priced(s: Scenario, micro: int, inter: float) -> dict:
     host always ahead; every op waited for) and a third, the first with the decode steps at their device work alone
     (a captured graph's). Memory: a train device's dry peak plus one push in flight (its shards in bf16); a rollout
     device's, its generation's less the train state its dry step holds, plus its shards twice (the engine's, and
-    the spare copy the next version lands in). ``micro``: samples a
-    data-parallel rank's micro-batch holds."""
+    the spare copy the next version lands in). ``micro``: samples a data-parallel rank's micro-batch holds."""
     from rlflow import dryrun
     from rlflow.dryrun import cost
     from rlflow.dryrun.calibrate import issue_seconds
