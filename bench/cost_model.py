@@ -8,11 +8,14 @@ dock's get; the update); predicted = the sum over the stage's ops of ``Rates.sec
 ``StepCase.kernels="cpu"``); ratio = predicted / measured. Every response runs to ``response_len`` in both (an EOS
 id no one samples). The real step's own trace priced at the same rates is printed too: it separates the rate
 model's error from the dry trace's. Two processes: spawned, gloo, a real dock; the rates measured in each rank at
-once (the link an all-reduce's); each figure the slower rank's.
+once (the link an all-reduce's); each figure the slower rank's. ``--pools``: separate pools of one process each
+(``dryrun.real_pools``: rank 0 generates and scores, rank 1 trains, max staleness 1), each stage predicted from the
+one-process dry trace at the rates measured in the rank that runs it, against the pools' own stage clocks.
 
     python bench/cost_model.py                      # qwen3-moe-tiny and qwen3-moe-0.5b, one and two processes
     python bench/cost_model.py --models qwen3-moe-tiny --worlds 2 --steps 6
     python bench/cost_model.py --models qwen3-moe-0.5b --worlds 1 --ops 8    # where the rates miss, op by op
+    python bench/cost_model.py --models qwen3-moe-tiny --worlds 1 --pools    # and separate pools, 1 + 1
 """
 
 from __future__ import annotations
@@ -37,6 +40,48 @@ def _rank(rank: int, world: int, case, steps: int, dock) -> tuple:
     own = dryrun.RankTrace(rank)
     _, outs = dryrun.real(case, rank, dock, steps=steps, watch=dryrun.Watch(own, device="cpu"))
     return rates, [o.figures.times for o in outs], own.stage_ops
+
+
+POOL_STAGES = {"rollout": ("generate", "decode"), "score": ("score", "advantage"), "logprob": ("ref_logprob",),
+               "update": ("update",)}  # a pool's rank runs no transition: its pool has one layout
+
+
+def _pool_rank(rank: int, world: int, case, steps: int, dock) -> tuple:
+    """One rank of the real run on separate pools (rank 0 generates and scores, rank 1 trains): the rates measured
+    (both ranks at once), then ``steps`` steps; (the rates, the train rank's metrics of each step)."""
+    from rlflow import dryrun
+    from rlflow.dryrun.calibrate import measure
+    rates = measure(model=case.model)
+    return rates, dryrun.real_pools(rank, world, case, dock, steps=steps)
+
+
+def run_pools(model: str, steps: int) -> dict:
+    """Separate pools of one process each, at max staleness 1: each stage predicted from the one-process dry trace
+    (the pools run the same shapes: every row on one rank) at the rates measured in the rank that runs it, against
+    the train rank's metrics of the pools' own stage clocks (the rollout pool reports its own); the step against
+    the slower pool's predicted work (what the overlap reaches at best)."""
+    from rlflow import dryrun
+    from rlflow.dryrun import cost
+    from rlflow.runtime.launch.local import spawn
+    from rlflow.runtime.pools import Pools
+
+    case = dryrun.StepCase(model, 1, "dp=1", "dp=1", prompts=4, group_size=4, prompt_len=16, response_len=32,
+                           response_tokens=32, eos=10 ** 9, kernels="cpu")
+    trace = dryrun.step(case, 0)
+    with dryrun.real_dock(case, warehouses=2, steps=2) as dock:
+        (r_rates, _), (t_rates, history) = spawn(_pool_rank, 2, case, steps, dock, pools=Pools(1, 2))
+    by = {"rollout": r_rates, "score": r_rates, "logprob": t_rates, "update": t_rates}
+    rows = {}
+    for name, parts in POOL_STAGES.items():
+        p = cost.predict(trace.stage_ops, by[name])
+        pred = sum(p[s].seconds for s in parts if s in p)
+        measured = statistics.median(h[LAPS[name]] for h in history[1:])
+        rows[name] = dict(measured_s=measured, predicted_s=pred, ratio=pred / measured)
+    bound = max(rows["rollout"]["predicted_s"] + rows["score"]["predicted_s"],
+                rows["logprob"]["predicted_s"] + rows["update"]["predicted_s"])
+    step = statistics.median(h["step_time_s"] for h in history[1:])
+    return dict(model=model, pools="1 + 1, max staleness 1", stages=rows,
+                step=dict(measured_s=step, slower_pool_predicted_s=bound, ratio=bound / step))
 
 
 def op_errors(case, rates, top: int) -> dict:
@@ -104,6 +149,8 @@ def main() -> None:
     ap.add_argument("--worlds", default="1,2", help=f"processes: of {sorted(LAYOUTS)} (train, rollout layouts: "
                                                     f"{LAYOUTS})")
     ap.add_argument("--steps", type=int, default=4, help="real steps per model; the first (warm-up) is not timed")
+    ap.add_argument("--pools", action="store_true", help="also separate pools of one process each (generate and "
+                                                         "score; train), at max staleness 1, per model")
     ap.add_argument("--ops", type=int, default=0, metavar="N",
                     help="one process: per stage the N kinds of op whose timed seconds are furthest from their "
                          "predicted work")
@@ -137,7 +184,18 @@ def main() -> None:
             for name, kinds in out["op_errors"].items():
                 print(f"  {name}: timed / predicted work, s: " + "; ".join(
                     f"{k['op']} x{k['ops']} {k['timed_s']:.4f} / {k['work_s']:.4f}" for k in kinds))
-    print(json.dumps({"bench": "cost_model", "cases": cases}))
+    pooled = []
+    for model in args.models.split(",") if args.pools else ():
+        out = run_pools(model, args.steps)
+        pooled.append(out)
+        print(f"\n{model}, separate pools ({out['pools']}): each stage at the rates of the rank that runs it")
+        print(f"  {'stage':8s} {'measured s':>11s} {'predicted s':>12s} {'ratio':>6s}")
+        for name, r in out["stages"].items():
+            print(f"  {name:8s} {r['measured_s']:11.4f} {r['predicted_s']:12.4f} {r['ratio']:6.2f}")
+        st = out["step"]
+        print(f"  step: measured {st['measured_s']:.4f} s, the slower pool's predicted work "
+              f"{st['slower_pool_predicted_s']:.4f} s ({st['ratio']:.2f})", flush=True)
+    print(json.dumps({"bench": "cost_model", "cases": cases, "pools": pooled}))
 
 
 if __name__ == "__main__":

@@ -162,6 +162,26 @@ def test_the_dry_moe_step_issues_the_real_steps_collectives_but_for_the_routing(
         assert [key(c) for c in fake] == [key(c) for c in real[rank][0]], rank
 
 
+def _pools_rank(rank: int, world: int, case, dock) -> list[dict]:
+    return dryrun.real_pools(rank, world, case, dock, steps=2)
+
+
+@pytest.mark.slow
+def test_a_real_step_on_separate_pools_reports_both_pools_stages_at_the_cases_lengths():
+    """``real_pools``: rank 0 generates and scores, rank 1 trains, through a real dock and the push; the train rank's
+    metrics carry the rollout pool's stage clocks and its own, every response at the case's full length (an EOS no
+    one samples), rows at most one version stale."""
+    from rlflow.runtime.pools import Pools
+    case = dryrun.StepCase("qwen3-moe-tiny", 1, "dp=1", "dp=1", prompts=2, group_size=2, prompt_len=6,
+                           response_len=5, response_tokens=5, eos=10 ** 9, kernels="cpu")
+    with dryrun.real_dock(case, steps=2) as dock:
+        rollout, history = spawn(_pools_rank, 2, case, dock, pools=Pools(1, 2))
+    assert rollout == [] and len(history) == 2
+    for h in history:
+        assert h["rollout_time_s"] > 0 and h["score_time_s"] > 0 and h["update_time_s"] > 0 and h["push_time_s"] > 0
+        assert h["response_tokens"] == 4 * 5 and h["prompt_tokens"] == 4 * 6 and h["staleness"] <= 1
+
+
 def _real_peaks(rank: int, world: int, case, dock) -> tuple[dict, int]:
     """The real step's peak of live CPU bytes per stage (the dry run's watch counting CPU tensors), and the bytes
     of the train state a transition swaps out on an accelerator (on a CPU it stays where it is)."""

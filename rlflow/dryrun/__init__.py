@@ -11,7 +11,8 @@ would: the same plans, buckets, packing, collectives, forwards, backwards and op
                 sizes), and ``Choices``, what the numbers would choose (balanced routing, responses' ends)
     world.py    ``mismatched``: a world's traces checked against each other (a hang or corrupt weights)
     run.py      ``transition`` (the allgather-swap alone) and ``step`` (one RL step of ``runtime.step``); ``real``,
-                the same step on real tensors to compare with (``real_dock``: the dock its ranks share)
+                the same step on real tensors to compare with (``real_dock``: the dock its ranks share;
+                ``real_pools``: the step on separate pools)
     cost.py     what a traced step costs at a device's rates (``predict``, ``whole_step``; ``DATASHEETS``:
                 accelerators' published ones)
     calibrate.py  ``measure``: the rates of the device at hand, by micro-benchmark (its link in a process group)
@@ -19,10 +20,10 @@ would: the same plans, buckets, packing, collectives, forwards, backwards and op
 See docs/dryrun.md.
 """
 
-from rlflow.dryrun.run import DryFlow, StepCase, real, real_dock, staged, step, transition
+from rlflow.dryrun.run import DryFlow, StepCase, real, real_dock, real_pools, staged, step, transition
 from rlflow.dryrun.trace import Collective, RankTrace, Watch, fake_world
 from rlflow.dryrun.values import Choices, Values
 from rlflow.dryrun.world import mismatched
 
 __all__ = ["Choices", "Collective", "DryFlow", "RankTrace", "StepCase", "Values", "Watch", "fake_world", "mismatched",
-           "real", "real_dock", "staged", "step", "transition"]
+           "real", "real_dock", "real_pools", "staged", "step", "transition"]

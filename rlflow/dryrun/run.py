@@ -135,7 +135,11 @@ class StepCase:
 
 
 class _Text:
-    """The dry run's tokenizer: a response's text is one character per token."""
+    """The dry run's tokenizer: one character per token (a prompt's ids 1.., a response's text "x"s)."""
+    bos_id, pad_id = None, 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(range(1, len(text) + 1))
 
     def decode(self, ids) -> str:
         return "x" * len(ids)
@@ -277,13 +281,13 @@ def step(case: StepCase, rank: int) -> RankTrace:
 
 
 @contextmanager
-def real_dock(case: StepCase, warehouses: int = 2):
-    """A transfer dock of processes for one step's rows of ``case`` (what ``real``'s ranks share when there are
-    several), closed on the way out."""
+def real_dock(case: StepCase, warehouses: int = 2, steps: int = 1):
+    """A transfer dock of processes for ``steps`` steps' rows of ``case`` (what ``real``'s ranks share when there
+    are several; separate pools hold their staleness + 1), closed on the way out."""
     from rlflow.dock.proc_backend import proc_dock
     from rlflow.runtime.graph import GRPO
-    dock = proc_dock(GRPO.schema, GRPO.consumers, capacity=case.prompts * case.group_size, warehouses=warehouses,
-                     group_size=case.group_size)
+    dock = proc_dock(GRPO.schema, GRPO.consumers, capacity=case.prompts * case.group_size * steps,
+                     warehouses=warehouses, group_size=case.group_size)
     try:
         yield dock
     finally:
@@ -323,3 +327,31 @@ def real(case: StepCase, rank: int, dock, *, steps: int = 1, watch: Watch | None
         state, out = steps_.step(state, prompts, ctx)
         outs.append(out)
     return state, outs
+
+
+def real_pools(rank: int, world: int, case: StepCase, dock, *, steps: int, staleness: int = 1) -> list[dict]:
+    """``steps`` real RL steps of ``case`` on separate pools of one process each (rank 0 generates and scores, rank
+    1 trains; run under ``launch.spawn(..., pools=Pools(1, 2))``; CPU tensors, random weights, the real ``dock`` of
+    ``staleness`` + 1 steps' rows, every prompt ``case.prompt_len`` real tokens): the train rank's metrics of each
+    step (``loop.train``'s, both pools' stage times), the rollout rank's none."""
+    from rlflow.data import Example, PromptSource
+    from rlflow.models import decoder
+    from rlflow.models.config import get_config
+    from rlflow.models.sharding import layout
+    from rlflow.runtime import loop, pools, state as runstate, step as steps_
+    from rlflow.runtime.placement import Disaggregated
+
+    cfg = get_config(case.model)
+    one = layout(case.model, Mesh.parse("dp=1", 1), dtype=torch.bfloat16)
+    conf = dataclasses.replace(case.loop_config(), steps=steps, max_staleness=staleness)
+    source = PromptSource(examples=[Example("x" * case.prompt_len, "")], seed=0)
+    ctx = steps_.context(cfg, _Text(), _reward, conf, dock=dock, placement=Disaggregated(rollout=one, train=one))
+    try:
+        if pools.joined().pools.pool(rank) == "rollout":
+            loop.train(runstate.init({}, source), ctx)
+            return []
+        state = runstate.init(decoder.init_params(cfg, seed=0, dtype=torch.bfloat16), source, kl=case.kl)
+        return loop.train(state, ctx)[1]
+    finally:
+        if ctx.engine is not None:
+            ctx.engine.close()
