@@ -112,11 +112,15 @@ def moe_experts(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_E2FD: Tensor
 @registry.reference("moe_experts")
 def moe_experts_reference(x_ND: Tensor, w_NK: Tensor, idx_NK: Tensor, gate_up_E2FD: Tensor, down_EDF: Tensor
                           ) -> Tensor:
-    N, K = idx_NK.shape
-    E = gate_up_E2FD.shape[0]
-    if N <= DENSE_MAX_TOKENS and _small(gate_up_E2FD, down_EDF) and N * K >= E:
+    if dense_fits(idx_NK, gate_up_E2FD, down_EDF):
         return _moe_dense(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
     return _moe_grouped(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF)
+
+
+def dense_fits(idx_NK: Tensor, gate_up_E2FD: Tensor, down_EDF: Tensor) -> bool:
+    """Few tokens on small experts, with every expert read anyway (N*K >= E): the dense path (no host sync)."""
+    N, K = idx_NK.shape
+    return N <= DENSE_MAX_TOKENS and _small(gate_up_E2FD, down_EDF) and N * K >= gate_up_E2FD.shape[0]
 
 
 def prepare_experts(gate_up_E2FD: Tensor, down_EDF: Tensor) -> tuple | None:

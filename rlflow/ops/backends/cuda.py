@@ -43,16 +43,10 @@ def grouped_mm_takes(x: Tensor, down_EDF: Tensor) -> bool:
             and (D * x.element_size()) % 16 == 0 and (Fd * x.element_size()) % 16 == 0)
 
 
-def dense_path(idx_NK: Tensor, gate_up_E2FD: Tensor, down_EDF: Tensor) -> bool:
-    """Few tokens on small experts: the reference's dense path, which has no host sync either."""
-    N, K = idx_NK.shape
-    return N <= moe.DENSE_MAX_TOKENS and moe._small(gate_up_E2FD, down_EDF) and N * K >= gate_up_E2FD.shape[0]
-
-
 @registry.fused("moe_experts", "cuda")
 def moe_experts(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, prepared):
-    if dense_path(idx_NK, gate_up_E2FD, down_EDF):
-        return None
+    if moe.dense_fits(idx_NK, gate_up_E2FD, down_EDF):
+        return None  # the reference's dense path: no sync
     return moe_experts_nosync(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF,
                               grouped_mm=grouped_mm_ok(x_ND, down_EDF))
 

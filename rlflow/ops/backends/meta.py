@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlflow.ops import registry
+from rlflow.ops import moe, registry
 from rlflow.ops.backends import cuda
 from rlflow.ops.attention import cpu_takes_f32, fused_kernel_heads
 
@@ -56,30 +56,27 @@ def _cpu(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | Non
 
 
 def _posed(name: str, x: Tensor, *args):
-    """Meta tensors posing as another kind (``registry.posing``): that kind's entry for op ``name`` (None: the
-    reference runs); posing as none, ``...`` (the caller goes on)."""
-    kind = registry.computes_as(x)
-    if kind == "meta":
-        return ...
-    entry = registry.lookup(name, kind)
+    """Meta tensors posing as another kind than meta (``registry.posing``): that kind's entry for op ``name`` (None:
+    it has none, the reference runs)."""
+    entry = registry.lookup(name, registry.computes_as(x))
     return None if entry is None else entry(x, *args)
 
 
 @registry.fused("rmsnorm", "meta")
 def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
     """CUDA's entry: torch's fused RMSNorm."""
-    out = _posed("rmsnorm", x, weight, eps)
-    return cuda.rmsnorm(x, weight, eps) if out is ... else out
+    if registry.computes_as(x) != "meta":
+        return _posed("rmsnorm", x, weight, eps)
+    return cuda.rmsnorm(x, weight, eps)
 
 
 @registry.fused("moe_experts", "meta")
 def moe_experts(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, prepared):
     """CUDA's entry as a GPU of SM >= 80 runs it (``cuda.grouped_mm_ok``): the grouped GEMM where it takes the
     operands, the sort-and-index path elsewhere, the dense path for few tokens on small experts."""
-    out = _posed("moe_experts", x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, prepared)
-    if out is not ...:
-        return out
-    if cuda.dense_path(idx_NK, gate_up_E2FD, down_EDF):
+    if registry.computes_as(x_ND) != "meta":
+        return _posed("moe_experts", x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, prepared)
+    if moe.dense_fits(idx_NK, gate_up_E2FD, down_EDF):
         return None
     return cuda.moe_experts_nosync(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF,
                                    grouped_mm=cuda.grouped_mm_takes(x_ND, down_EDF))
