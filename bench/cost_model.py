@@ -42,8 +42,8 @@ def _rank(rank: int, world: int, case, steps: int, dock) -> tuple:
     return rates, [o.figures.times for o in outs], own.stage_ops
 
 
-POOL_STAGES = {"rollout": ("generate", "decode"), "score": ("score", "advantage"), "logprob": ("ref_logprob",),
-               "update": ("update",)}  # a pool's rank runs no transition: its pool has one layout
+# a pool's rank runs no transition: its pool has one layout
+POOL_STAGES = {name: tuple(s for s in parts if s not in ("transition", "swap back")) for name, parts in STAGES.items()}
 
 
 def _pool_rank(rank: int, world: int, case, steps: int, dock) -> tuple:

@@ -59,9 +59,7 @@ def priced(case, steps, sheet, op_s: float) -> dict:
     stages = cost.slowest(steps, sheet.rates(op_s), response_len=case.response_len, n_micro=case.micro_batches,
                           pp=case.layouts()[0].mesh.pp)
     stages = {s: stages[s] for s in PRICED if s in stages}
-    lo = sum(max(c.issue_s, c.work_s) for c in stages.values())
-    hi = sum(c.seconds for c in stages.values())
-    graph = lo - max(stages["decode"].issue_s, stages["decode"].work_s) + stages["decode"].work_s
+    lo, hi, graph = cost.bounds(stages)
     tokens = case.prompts * case.group_size * (case.prompt_len + case.response_len)
     tps = lambda t: round(tokens / (case.world * t), 1)  # noqa: E731
     return {"device": sheet.name, "roofline_s": roofline(case, sheet),

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
@@ -24,22 +22,16 @@ from rlflow.models.config import get_config
 from rlflow.ops import moe, registry
 from rlflow.ops.backends import cuda
 
+from prefix_attention import median_ms  # bench/'s timing of a call
+
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def _median_ms(fn, repeats: int, device: torch.device) -> float:
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    fn()
-    ts = []
-    for _ in range(repeats):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+def _synced(fn, device: torch.device):
+    """``fn`` that returns once the device's work is done (``median_ms`` times it from the host)."""
+    if device.type != "cuda":
+        return fn
+    return lambda: (fn(), torch.cuda.synchronize(device))[0]
 
 
 def _experts(cfg, N: int, dtype, device, g) -> tuple:
@@ -93,7 +85,7 @@ def main(argv=None) -> dict:
                     y.sum().backward()
                 return y
             torch.testing.assert_close(call().detach(), ref, **tol)
-            times[name] = _median_ms(call, a.repeats, device)
+            times[name] = median_ms(_synced(call, device), a.repeats)
         first = next(iter(times))
         out["experts"][what] = {"tokens": N, "ms": times, f"over_{first}": {k: v / times[first]
                                                                              for k, v in times.items()}}
@@ -110,7 +102,7 @@ def main(argv=None) -> dict:
                     y.sum().backward()
                 return y
             torch.testing.assert_close(call().detach(), fns["reference"]().detach(), **tol)
-            times[name] = _median_ms(call, a.repeats, device)
+            times[name] = median_ms(_synced(call, device), a.repeats)
         out["rmsnorm"][what] = {"tokens": N, "ms": times, "reference_over_fused": times["reference"] / times["fused"]}
     for part in ("experts", "rmsnorm"):
         for what, r in out[part].items():

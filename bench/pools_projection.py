@@ -192,10 +192,7 @@ def dry_priced(s: Scenario, micro: int, inter: float) -> dict:
     def priced(case, traces, rates, stages) -> tuple[float, float, float]:
         got = cost.slowest(traces, rates, response_len=case.response_len, n_micro=case.micro_batches,
                            pp=case.layouts()[0].mesh.pp)
-        got = {k: got[k] for k in stages if k in got}
-        lo, hi = sum(max(c.issue_s, c.work_s) for c in got.values()), sum(c.seconds for c in got.values())
-        dec = got.get("decode")
-        return lo, hi, lo if dec is None else lo - max(dec.issue_s, dec.work_s) + dec.work_s
+        return cost.bounds({k: got[k] for k in stages if k in got})
 
     def peak(traces, stages) -> float:
         return max(t.stage_peaks.get(k, 0) for t in traces for k in stages)

@@ -21,7 +21,7 @@ from rlflow.ops.attention import prefix_attention_reference
 from rlflow.ops.backends import cpu
 
 
-def _median_ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int) -> float:
     fn()
     ts = []
     for _ in range(repeats):
@@ -56,15 +56,15 @@ def main(argv=None) -> dict:
     qk, v = torch.randn(N, H + K, d, generator=g), torch.randn(N, K, d, generator=g)
     o, lse = cpu.ops.prefix_attention(qk, v, H, *plan)
     do = torch.randn(o.shape, generator=g)
-    fwd = _median_ms(lambda: cpu.ops.prefix_attention(qk, v, H, *plan), a.repeats)
-    bwd = _median_ms(lambda: cpu.ops.prefix_attention_backward(qk, v, H, *plan, o, lse, do), a.repeats)
+    fwd = median_ms(lambda: cpu.ops.prefix_attention(qk, v, H, *plan), a.repeats)
+    bwd = median_ms(lambda: cpu.ops.prefix_attention_backward(qk, v, H, *plan, o, lse, do), a.repeats)
     layout = PrefixLayout(pv, rv, counts)
     qk_g, v_g = qk.clone().requires_grad_(True), v.clone().requires_grad_(True)
 
     def torch_fwd_bwd():
         out = prefix_attention_reference(qk_g, v_g, H, layout)
         out.backward(do)
-    ref = _median_ms(torch_fwd_bwd, max(3, a.repeats // 5))
+    ref = median_ms(torch_fwd_bwd, max(3, a.repeats // 5))
     res = dict(shape=dict(P=P, Tp=Tp, B=B, R=R, H=H, K=K, d=d), kernel_fwd_ms=round(fwd, 3), kernel_bwd_ms=round(bwd, 3),
                torch_fwd_bwd_ms=round(ref, 3), ratio=round(ref / (fwd + bwd), 2), threads=torch.get_num_threads())
     print(f"prefix attention, d={d}: kernel forward {fwd:.3f} ms, backward {bwd:.3f} ms; torch path forward + "

@@ -245,6 +245,16 @@ def slowest(traces, rates: Rates, **step) -> dict[str, StageCost]:
             for s in dict.fromkeys(s for c in costs for s in c)}
 
 
+def bounds(stages: dict[str, StageCost]) -> tuple[float, float, float]:
+    """A step of ``stages`` on a queue: between the longer of each stage's summed issue and work (the host always
+    ahead) and the sum of each op's longer one (every op waited for), and the first with the decode steps at their
+    device work alone (a captured graph's, the host's issue gone)."""
+    lo = sum(max(c.issue_s, c.work_s) for c in stages.values())
+    hi = sum(c.seconds for c in stages.values())
+    dec = stages.get("decode")
+    return lo, hi, lo if dec is None else lo - max(dec.issue_s, dec.work_s) + dec.work_s
+
+
 @dataclass(frozen=True)
 class Datasheet:
     """An accelerator's published figures (per device) and the shares of them a run is assumed to reach: the
@@ -285,4 +295,4 @@ DATASHEETS = {
 
 
 __all__ = ["DATASHEETS", "HOST_COPY", "Datasheet", "OpCost", "Rates", "StageCost", "count", "op_cost",
-           "predict", "slowest", "whole_step"]
+           "bounds", "predict", "slowest", "whole_step"]
