@@ -8,7 +8,9 @@ dock's get; the update); predicted = the sum over the stage's ops of ``Rates.sec
 ``StepCase.kernels="cpu"``); ratio = predicted / measured. Every response runs to ``response_len`` in both (an EOS
 id no one samples). The real step's own trace priced at the same rates is printed too: it separates the rate
 model's error from the dry trace's. Two processes: spawned, gloo, a real dock; the rates measured in each rank at
-once (the link an all-reduce's); each figure the slower rank's. ``--pools``: separate pools of one process each
+once (the link an all-reduce's); each figure the slower rank's. The real runs route as the dry run does
+(``dryrun.balanced_routing``: every expert as many tokens); ``--routing model``: by their random-init routers.
+``--pools``: separate pools of one process each
 (``dryrun.real_pools``: rank 0 generates and scores, rank 1 trains, max staleness 1), each stage predicted from the
 one-process dry trace at the rates measured in the rank that runs it, against the pools' own stage clocks.
 
@@ -31,14 +33,23 @@ LAPS = {"rollout": "rollout_time_s", "score": "score_time_s", "logprob": "logpro
 LAYOUTS = {1: ("dp=1", "dp=1"), 2: ("tp=2", "dp=2")}  # the recipe's at world 1 and 2 (a transition every step)
 
 
-def _rank(rank: int, world: int, case, steps: int, dock) -> tuple:
+def _routed(routing: str):
+    """The real run's routing: the dry run's (balanced), or the random-init model's own."""
+    from contextlib import nullcontext
+
+    from rlflow import dryrun
+    return dryrun.balanced_routing() if routing == "balanced" else nullcontext()
+
+
+def _rank(rank: int, world: int, case, steps: int, dock, routing: str) -> tuple:
     """One rank of the real run: this machine's rates measured (every rank at once: the link, and the memory as
     the ranks share it), then ``steps`` steps; (the rates, each step's stage clocks, the real trace's ops)."""
     from rlflow import dryrun
     from rlflow.dryrun.calibrate import measure
     rates = measure(model=case.model)
     own = dryrun.RankTrace(rank)
-    _, outs = dryrun.real(case, rank, dock, steps=steps, watch=dryrun.Watch(own, device="cpu"))
+    with _routed(routing):
+        _, outs = dryrun.real(case, rank, dock, steps=steps, watch=dryrun.Watch(own, device="cpu"))
     return rates, [o.figures.times for o in outs], own.stage_ops
 
 
@@ -46,16 +57,17 @@ def _rank(rank: int, world: int, case, steps: int, dock) -> tuple:
 POOL_STAGES = {name: tuple(s for s in parts if s not in ("transition", "swap back")) for name, parts in STAGES.items()}
 
 
-def _pool_rank(rank: int, world: int, case, steps: int, dock) -> tuple:
+def _pool_rank(rank: int, world: int, case, steps: int, dock, routing: str) -> tuple:
     """One rank of the real run on separate pools (rank 0 generates and scores, rank 1 trains): the rates measured
     (both ranks at once), then ``steps`` steps; (the rates, the train rank's metrics of each step)."""
     from rlflow import dryrun
     from rlflow.dryrun.calibrate import measure
     rates = measure(model=case.model)
-    return rates, dryrun.real_pools(rank, world, case, dock, steps=steps)
+    with _routed(routing):
+        return rates, dryrun.real_pools(rank, world, case, dock, steps=steps)
 
 
-def run_pools(model: str, steps: int) -> dict:
+def run_pools(model: str, steps: int, routing: str = "balanced") -> dict:
     """Separate pools of one process each, at max staleness 1: each stage predicted from the one-process dry trace
     (the pools run the same shapes: every row on one rank) at the rates measured in the rank that runs it, against
     the train rank's metrics of the pools' own stage clocks (the rollout pool reports its own); the step against
@@ -69,7 +81,7 @@ def run_pools(model: str, steps: int) -> dict:
                            response_tokens=32, eos=10 ** 9, kernels="cpu")
     trace = dryrun.step(case, 0)
     with dryrun.real_dock(case, warehouses=2, steps=2) as dock:
-        (r_rates, _), (t_rates, history) = spawn(_pool_rank, 2, case, steps, dock, pools=Pools(1, 2))
+        (r_rates, _), (t_rates, history) = spawn(_pool_rank, 2, case, steps, dock, routing, pools=Pools(1, 2))
     by = {"rollout": r_rates, "score": r_rates, "logprob": t_rates, "update": t_rates}
     rows = {}
     for name, parts in POOL_STAGES.items():
@@ -80,18 +92,19 @@ def run_pools(model: str, steps: int) -> dict:
     bound = max(rows["rollout"]["predicted_s"] + rows["score"]["predicted_s"],
                 rows["logprob"]["predicted_s"] + rows["update"]["predicted_s"])
     step = statistics.median(h["step_time_s"] for h in history[1:])
-    return dict(model=model, pools="1 + 1, max staleness 1", stages=rows,
+    return dict(model=model, pools="1 + 1, max staleness 1", routing=routing, stages=rows,
                 step=dict(measured_s=step, slower_pool_predicted_s=bound, ratio=bound / step))
 
 
-def op_errors(case, rates, top: int) -> dict:
+def op_errors(case, rates, top: int, routing: str) -> dict:
     """Where the rates miss, one process: the real step's ops timed one by one (a timed ``Watch``, on a second run:
     the first compiled the shapes' kernels), per stage the ``top`` kinds of op (name, matmul kernel, dtype) whose
     summed time is furthest from their predicted work (``Rates.work``: the issue left out)."""
     from rlflow import dryrun
-    dryrun.real(case, 0, None)
     own = dryrun.RankTrace(0)
-    dryrun.real(case, 0, None, watch=dryrun.Watch(own, device="cpu", timed=True))
+    with _routed(routing):
+        dryrun.real(case, 0, None)
+        dryrun.real(case, 0, None, watch=dryrun.Watch(own, device="cpu", timed=True))
     out = {}
     for name, parts in STAGES.items():
         by: dict = {}
@@ -105,7 +118,7 @@ def op_errors(case, rates, top: int) -> dict:
     return out
 
 
-def run(model: str, world: int, steps: int, top: int = 0) -> dict:
+def run(model: str, world: int, steps: int, top: int = 0, routing: str = "balanced") -> dict:
     from rlflow import dryrun
     from rlflow.dryrun import cost
 
@@ -115,11 +128,11 @@ def run(model: str, world: int, steps: int, top: int = 0) -> dict:
     traces = [dryrun.step(case, r) for r in range(world)]
     dry_s = time.perf_counter() - t0
     if world == 1:
-        ranks = [_rank(0, 1, case, steps, None)]
+        ranks = [_rank(0, 1, case, steps, None, routing)]
     else:
         from rlflow.runtime.launch.local import spawn
         with dryrun.real_dock(case, warehouses=world) as dock:
-            ranks = spawn(_rank, world, case, steps, dock)
+            ranks = spawn(_rank, world, case, steps, dock, routing)
     # each rank's dry and real traces priced at its own rates
     dry = [cost.predict(t.stage_ops, rates) for t, (rates, _, _) in zip(traces, ranks)]
     real = [cost.predict(ops, rates) for rates, _, ops in ranks]
@@ -135,8 +148,9 @@ def run(model: str, world: int, steps: int, top: int = 0) -> dict:
                           gflops=sum(dry[0][p].flops for p in parts if p in dry[0]) / 1e9,
                           collective_mb=sum(dry[0][p].collective_bytes for p in parts if p in dry[0]) / 1e6)
     rates = ranks[0][0]
-    errors = op_errors(case, rates, top) if top and world == 1 else {}
-    return dict(model=model, world=world, layouts=LAYOUTS[world], dry_seconds=dry_s, stages=rows, op_errors=errors,
+    errors = op_errors(case, rates, top, routing) if top and world == 1 else {}
+    return dict(model=model, world=world, routing=routing, layouts=LAYOUTS[world], dry_seconds=dry_s, stages=rows,
+                op_errors=errors,
                 rates=dict(op_us=rates.op_s * 1e6, mm_gflops=rates.matmul["mm:bfloat16"][-1][1] / 1e9,
                            copy_gbps=rates.memory[-1][1] / 1e9,
                            link_gbps=None if rates.link == float("inf") else rates.link / 1e9,
@@ -148,6 +162,8 @@ def main() -> None:
     ap.add_argument("--models", default="qwen3-moe-tiny,qwen3-moe-0.5b")
     ap.add_argument("--worlds", default="1,2", help=f"processes: of {sorted(LAYOUTS)} (train, rollout layouts: "
                                                     f"{LAYOUTS})")
+    ap.add_argument("--routing", choices=("balanced", "model"), default="balanced",
+                    help="the real runs' MoE routing: the dry run's (balanced), or their random-init routers'")
     ap.add_argument("--steps", type=int, default=4, help="real steps per model; the first (warm-up) is not timed")
     ap.add_argument("--pools", action="store_true", help="also separate pools of one process each (generate and "
                                                          "score; train), at max staleness 1, per model")
@@ -166,7 +182,7 @@ def main() -> None:
     cases = []
     for model in args.models.split(","):
         for world in worlds:
-            out = run(model, world, args.steps, args.ops)
+            out = run(model, world, args.steps, args.ops, args.routing)
             cases.append(out)
             r = out["rates"]
             print(f"\n{model}, {world} process(es), train {out['layouts'][0]} / rollout {out['layouts'][1]} (dry "
@@ -186,7 +202,7 @@ def main() -> None:
                     f"{k['op']} x{k['ops']} {k['timed_s']:.4f} / {k['work_s']:.4f}" for k in kinds))
     pooled = []
     for model in args.models.split(",") if args.pools else ():
-        out = run_pools(model, args.steps)
+        out = run_pools(model, args.steps, args.routing)
         pooled.append(out)
         print(f"\n{model}, separate pools ({out['pools']}): each stage at the rates of the rank that runs it")
         print(f"  {'stage':8s} {'measured s':>11s} {'predicted s':>12s} {'ratio':>6s}")

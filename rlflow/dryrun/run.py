@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _disable_current_modes
 
 from rlflow.batch import PromptBatch, RolloutBatch
 from rlflow.dryrun.trace import META, MetaHost, RankTrace, Watch, fake_world
-from rlflow.dryrun.values import Choices, Values
+from rlflow.dryrun.values import Choices, Values, balanced
 from rlflow.ops.registry import posing
 from rlflow.optim import AdamWState
 from rlflow.sharding import dist as sdist, execute
@@ -292,6 +293,34 @@ def real_dock(case: StepCase, warehouses: int = 2, steps: int = 1):
         yield dock
     finally:
         dock.close()
+
+
+@contextmanager
+def balanced_routing():
+    """Within the block, a real run's MoE layers send their tokens where a dry run's go (``values.balanced``: token n's
+    k-th slot to expert (n K + k) mod E), each slot weighed as the router weighed its own choice: what a real run
+    costs under the dry run's routing, issuing no op of its own (a benchmark's forced load balancing, as
+    Megatron-Core's ``moe_router_force_load_balancing``). A random-init router is far from balanced on a few
+    correlated rows (docs/dryrun.md), and a grouped matmul's time follows its groups."""
+    from rlflow.models import decoder
+    plain = decoder.route, decoder.route_grouped
+    made: dict = {}  # (N, K, E, device) -> the choices, made once (unseen by a watch: no op a step issues)
+
+    def forced(fn):
+        def run(x_ND, gate_ED, *args, **kwargs):
+            w_NK, idx_NK, aux = fn(x_ND, gate_ED, *args, **kwargs)
+            key = (*idx_NK.shape, gate_ED.shape[0], idx_NK.device)
+            if key not in made:
+                with _disable_current_modes():
+                    made[key] = balanced(*key[:3]).to(idx_NK.device)
+            return w_NK, made[key], aux
+        return run
+
+    decoder.route, decoder.route_grouped = forced(plain[0]), forced(plain[1])
+    try:
+        yield
+    finally:
+        decoder.route, decoder.route_grouped = plain
 
 
 def real(case: StepCase, rank: int, dock, *, steps: int = 1, watch: Watch | None = None, seed: int = 0):

@@ -49,6 +49,12 @@ _EMPTY = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.
 _RED = {int(dist.ReduceOp.RedOpType.SUM): "sum", int(dist.ReduceOp.RedOpType.PRODUCT): "prod"}
 
 
+def balanced(rows: int, k: int, n: int) -> torch.Tensor:
+    """[rows, k] choices among ``n``: row r's j-th is (r k + j) mod n, distinct within a row (k <= n) and every index
+    as often (balanced routing: the dry run's, and a real run's under ``run.balanced_routing``)."""
+    return (torch.arange(rows)[:, None] * k + torch.arange(k)) % n
+
+
 @dataclass
 class Choices:
     """What the numbers would choose. ``vocab``: the model's vocabulary (an argmax over it is a sampled token);
@@ -70,8 +76,7 @@ class Choices:
         kept = out.dim() == x.dim()  # a reduction without keepdim drops the dim
         n, k = max(x.shape[dim], 1), out.shape[dim] if kept else 1
         moved = out.movedim(dim, -1).shape if kept else (*out.shape, 1)
-        # row r's j-th choice is (r k + j) mod n: distinct within a row, every index as often (balanced routing)
-        v = (torch.arange(out.numel() // max(k, 1))[:, None] * k + torch.arange(k)) % n
+        v = balanced(out.numel() // max(k, 1), k, n)
         v = v.reshape(moved).movedim(-1, dim) if kept else v.reshape(out.shape)
         return v.to(out.dtype)
 
@@ -262,4 +267,4 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
     return out
 
 
-__all__ = ["CAP", "Choices", "Values"]
+__all__ = ["CAP", "Choices", "Values", "balanced"]
