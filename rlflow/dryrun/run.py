@@ -323,6 +323,13 @@ def balanced_routing():
         decoder.route, decoder.route_grouped = plain
 
 
+def _as_the_recipe() -> None:
+    """A real run's process as the recipe's on a CPU (``recipe.pieces.load_model``): freed host memory kept for
+    reuse (``device.keep_host_memory``), where glibc would hand it back and fault it in afresh every step."""
+    from rlflow import device
+    device.keep_host_memory()
+
+
 def real(case: StepCase, rank: int, dock, *, steps: int = 1, watch: Watch | None = None, seed: int = 0):
     """``steps`` real RL steps of ``case`` on this process's device and process group (rank ``rank`` of
     ``case.world``; CPU tensors, random weights, the real ``dock``), the schedule ``step`` dry-runs: to compare
@@ -333,6 +340,7 @@ def real(case: StepCase, rank: int, dock, *, steps: int = 1, watch: Watch | None
     from rlflow.parallel.context import shard_params
     from rlflow.runtime import state as runstate, step as steps_
 
+    _as_the_recipe()
     cfg = get_config(case.model)
     train = case.layouts()[0]
     ctx = steps_.context(cfg, _Text(), _reward, dataclasses.replace(case.loop_config(), steps=steps), dock=dock,
@@ -370,6 +378,7 @@ def real_pools(rank: int, world: int, case: StepCase, dock, *, steps: int, stale
     from rlflow.runtime import loop, pools, state as runstate, step as steps_
     from rlflow.runtime.placement import Disaggregated
 
+    _as_the_recipe()
     cfg = get_config(case.model)
     one = layout(case.model, Mesh.parse("dp=1", 1), dtype=torch.bfloat16)
     conf = dataclasses.replace(case.loop_config(), steps=steps, max_staleness=staleness)
