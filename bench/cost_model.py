@@ -41,12 +41,20 @@ def _routed(routing: str):
     return dryrun.balanced_routing() if routing == "balanced" else nullcontext()
 
 
+def _measure(model: str):
+    """This machine's rates (``calibrate.measure``), measured in a process kept as the recipe's and ``dryrun.real``'s
+    (freed host memory kept: ``device.keep_host_memory``), as the step they predict runs."""
+    from rlflow import device
+    from rlflow.dryrun.calibrate import measure
+    device.keep_host_memory()
+    return measure(model=model)
+
+
 def _rank(rank: int, world: int, case, steps: int, dock, routing: str) -> tuple:
     """One rank of the real run: this machine's rates measured (every rank at once: the link, and the memory as
     the ranks share it), then ``steps`` steps; (the rates, each step's stage clocks, the real trace's ops)."""
     from rlflow import dryrun
-    from rlflow.dryrun.calibrate import measure
-    rates = measure(model=case.model)
+    rates = _measure(case.model)
     own = dryrun.RankTrace(rank)
     with _routed(routing):
         _, outs = dryrun.real(case, rank, dock, steps=steps, watch=dryrun.Watch(own, device="cpu"))
@@ -61,8 +69,7 @@ def _pool_rank(rank: int, world: int, case, steps: int, dock, routing: str) -> t
     """One rank of the real run on separate pools (rank 0 generates and scores, rank 1 trains): the rates measured
     (both ranks at once), then ``steps`` steps; (the rates, the train rank's metrics of each step)."""
     from rlflow import dryrun
-    from rlflow.dryrun.calibrate import measure
-    rates = measure(model=case.model)
+    rates = _measure(case.model)
     with _routed(routing):
         return rates, dryrun.real_pools(rank, world, case, dock, steps=steps)
 
