@@ -42,11 +42,11 @@ def _routed(routing: str):
 
 
 def _measure(model: str):
-    """This machine's rates (``calibrate.measure``), measured in a process kept as the recipe's and ``dryrun.real``'s
-    (freed host memory kept: ``device.keep_host_memory``), as the step they predict runs."""
-    from rlflow import device
+    """This machine's rates (``calibrate.measure``), measured in a process kept as the recipe's
+    (``dryrun.as_the_recipe``), as the step they predict runs."""
+    from rlflow import dryrun
     from rlflow.dryrun.calibrate import measure
-    device.keep_host_memory()
+    dryrun.as_the_recipe()
     return measure(model=model)
 
 

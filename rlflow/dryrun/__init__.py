@@ -12,7 +12,8 @@ would: the same plans, buckets, packing, collectives, forwards, backwards and op
     world.py    ``mismatched``: a world's traces checked against each other (a hang or corrupt weights)
     run.py      ``transition`` (the allgather-swap alone) and ``step`` (one RL step of ``runtime.step``); ``real``,
                 the same step on real tensors to compare with (``real_dock``: the dock its ranks share;
-                ``real_pools``: the step on separate pools; ``balanced_routing``: routed as the dry run routes)
+                ``real_pools``: the step on separate pools; ``balanced_routing``: routed as the dry run routes;
+                ``as_the_recipe``: the process's host memory kept as the recipe's)
     cost.py     what a traced step costs at a device's rates (``predict``, ``whole_step``; ``DATASHEETS``:
                 accelerators' published ones)
     calibrate.py  ``measure``: the rates of the device at hand, by micro-benchmark (its link in a process group)
@@ -20,11 +21,12 @@ would: the same plans, buckets, packing, collectives, forwards, backwards and op
 See docs/dryrun.md.
 """
 
-from rlflow.dryrun.run import (DryFlow, StepCase, balanced_routing, real, real_dock, real_pools, staged, step,
-                               transition)
+from rlflow.dryrun.run import (DryFlow, StepCase, as_the_recipe, balanced_routing, real, real_dock, real_pools, staged,
+                               step, transition)
 from rlflow.dryrun.trace import Collective, RankTrace, Watch, fake_world
 from rlflow.dryrun.values import Choices, Values
 from rlflow.dryrun.world import mismatched
 
-__all__ = ["Choices", "Collective", "DryFlow", "RankTrace", "StepCase", "Values", "Watch", "balanced_routing",
-           "fake_world", "mismatched", "real", "real_dock", "real_pools", "staged", "step", "transition"]
+__all__ = ["Choices", "Collective", "DryFlow", "RankTrace", "StepCase", "Values", "Watch", "as_the_recipe",
+           "balanced_routing", "fake_world", "mismatched", "real", "real_dock", "real_pools", "staged", "step",
+           "transition"]

@@ -323,9 +323,10 @@ def balanced_routing():
         decoder.route, decoder.route_grouped = plain
 
 
-def _as_the_recipe() -> None:
-    """A real run's process as the recipe's on a CPU (``recipe.pieces.load_model``): freed host memory kept for
-    reuse (``device.keep_host_memory``), where glibc would hand it back and fault it in afresh every step."""
+def as_the_recipe() -> None:
+    """This process as the recipe's on a CPU (``recipe.pieces.load_model``): freed host memory kept for reuse
+    (``device.keep_host_memory``), where glibc would hand it back and fault it in afresh every step. ``real`` and
+    ``real_pools`` start with it; a bench measuring this machine's rates for them calls it first."""
     from rlflow import device
     device.keep_host_memory()
 
@@ -340,7 +341,7 @@ def real(case: StepCase, rank: int, dock, *, steps: int = 1, watch: Watch | None
     from rlflow.parallel.context import shard_params
     from rlflow.runtime import state as runstate, step as steps_
 
-    _as_the_recipe()
+    as_the_recipe()
     cfg = get_config(case.model)
     train = case.layouts()[0]
     ctx = steps_.context(cfg, _Text(), _reward, dataclasses.replace(case.loop_config(), steps=steps), dock=dock,
@@ -378,7 +379,7 @@ def real_pools(rank: int, world: int, case: StepCase, dock, *, steps: int, stale
     from rlflow.runtime import loop, pools, state as runstate, step as steps_
     from rlflow.runtime.placement import Disaggregated
 
-    _as_the_recipe()
+    as_the_recipe()
     cfg = get_config(case.model)
     one = layout(case.model, Mesh.parse("dp=1", 1), dtype=torch.bfloat16)
     conf = dataclasses.replace(case.loop_config(), steps=steps, max_staleness=staleness)
