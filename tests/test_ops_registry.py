@@ -391,6 +391,32 @@ def test_the_npu_experts_train_through_the_grouped_matmul_and_its_two_backward_c
         torch.testing.assert_close(a.double(), b, atol=5e-2, rtol=5e-2)
 
 
+@pytest.mark.parametrize("K", [4, 1])
+def test_the_npu_attention_takes_mlas_narrower_values_padded_to_the_queries_width(monkeypatch, K):
+    """DeepSeek's values (128 wide against 192 for its queries; ``K``: MLA's absorbed decode attends one latent
+    head) reach the fused kernel padded with zeros and come back sliced: the reference's attention and its
+    gradients, with a stand-in computing what the documentation says (True in ``atten_mask``: may NOT attend)."""
+    widths = []
+
+    def fusion(q, k, v, head_num, layout, *, atten_mask=None, scale=1.0, keep_prob=1.0):
+        widths.append(v.shape[-1])
+        rep = head_num // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        return (torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~atten_mask, scale=scale),)
+
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu_fusion_attention=fusion))
+    g = _g(11)
+    q, k, v = (torch.randn(2, h, 5, w, generator=g, requires_grad=True) for h, w in ((4, 24), (K, 24), (K, 16)))
+    mask = ops.causal_padding_mask(torch.tensor([[True] * 5, [False, True, True, True, True]]), 0, 5)
+    out = registry.lookup("attention", "npu")(q, k, v, mask, scale=0.3)
+    ref = registry.get_reference("attention")(q, k, v, mask, scale=0.3)
+    assert widths == [24] and out.shape == (2, 4, 5, 16)
+    torch.testing.assert_close(out, ref)
+    dy = torch.randn(out.shape, generator=g)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), dy), torch.autograd.grad(ref, (q, k, v), dy)):
+        torch.testing.assert_close(a, b)
+
+
 def test_npu_entries_decline_without_torch_npu(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # import raises ImportError
     x, w = torch.randn(2, 16), torch.randn(16)

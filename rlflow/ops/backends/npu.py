@@ -74,9 +74,13 @@ def apply_rope(x_THd: Tensor, cos_Td: Tensor, sin_Td: Tensor) -> Tensor | None:
 def attention(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor | None, *,
               is_causal: bool = False, scale: float | None = None) -> Tensor | None:
     npu = _npu()
-    if npu is None or v_BKSd.shape[-1] != q_BHTd.shape[-1]:  # MLA's value width: left to the reference
-        return None
     B, H, T, d = q_BHTd.shape
+    dv = v_BKSd.shape[-1]
+    if npu is None or dv > d:
+        return None
+    if dv < d:  # MLA's narrower values (DeepSeek: 128 against 192) padded with zeros to the queries' width, as
+        # MindSpeed does for the fused kernel: the output's extra columns are zeros, sliced off
+        v_BKSd = torch.nn.functional.pad(v_BKSd, (0, d - dv))
     S = k_BKSd.shape[2]
     if mask_B1TS is not None:
         masked = ~mask_B1TS
@@ -84,9 +88,9 @@ def attention(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor 
         masked = torch.ones(T, S, dtype=torch.bool, device=q_BHTd.device).triu(1)
     else:
         masked = None
-    return npu.npu_fusion_attention(q_BHTd, k_BKSd, v_BKSd, H, "BNSD", atten_mask=masked,
-                                    scale=d ** -0.5 if scale is None else scale,
-                                    keep_prob=1.0)[0]
+    out = npu.npu_fusion_attention(q_BHTd, k_BKSd, v_BKSd, H, "BNSD", atten_mask=masked,
+                                   scale=d ** -0.5 if scale is None else scale, keep_prob=1.0)[0]
+    return out if dv == d else out[..., :dv]
 
 
 @registry.fused("route_logits", "npu")
