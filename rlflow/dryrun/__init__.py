@@ -17,6 +17,9 @@ would: the same plans, buckets, packing, collectives, forwards, backwards and op
     cost.py     what a traced step costs at a device's rates (``predict``, ``whole_step``; ``DATASHEETS``:
                 accelerators' published ones)
     calibrate.py  ``measure``: the rates of the device at hand, by micro-benchmark (its link in a process group)
+    npu.py      ``model_program``: a model's forward, backward and generation as an NPU runs them (the NPU
+                backend's entries, torch_npu stood in for), on fake tensors of a fake ``npu`` device (a process
+                of its own: ``python -m rlflow.dryrun.npu``)
 
 See docs/dryrun.md.
 """

@@ -1,0 +1,75 @@
+"""The NPU's program on fake ``npu`` tensors (``rlflow/dryrun/npu.py``): the model trains and generates through
+the NPU backend's entries (torch_npu's operators, stood in for) on a device of type npu, at the tiny presets and
+at Qwen3-30B-A3B's full size, every weight's gradient as on the CPU. Each run in a process of its own: the fake
+device renames the process's PrivateUse1 key for good."""
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+import torch
+
+from rlflow.models import decoder
+from rlflow.models.config import get_config
+
+
+def _programs(cases) -> list[dict]:
+    from rlflow.dryrun.npu import model_program
+    return [model_program(model, **kw) for model, kw in cases]
+
+
+def _spawned(cases) -> list[dict]:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_programs, cases).result(timeout=600)
+
+
+def _without_grad_on_the_cpu(model: str) -> list[str]:
+    """The weights a real forward and backward on the CPU leaves without a gradient (DeepSeek's routing bias)."""
+    cfg = get_config(model)
+    params = {k: v.requires_grad_() for k, v in decoder.init_params(cfg, dtype=torch.float32).items()}
+    ids, pos = torch.zeros(2, 8, dtype=torch.long), torch.arange(8).expand(2, 8)
+    h, aux, _ = decoder.forward(params, cfg, ids, pos)
+    (decoder.logits(params, cfg, h).sum() + aux).backward()
+    return sorted(k for k, v in params.items() if v.grad is None)
+
+
+@pytest.fixture(scope="module")
+def programs():
+    cases = [("qwen3-moe-tiny", {}), ("deepseek-tiny", {}), ("llama-tiny", {}),
+             ("qwen3-moe-30b-a3b", dict(rows=1, tokens=4096, decode_steps=1))]
+    return dict(zip([m for m, _ in cases], _spawned(cases)))
+
+
+def test_a_moe_model_trains_and_generates_through_the_npu_entries(programs):
+    """Every layer's norms, rotary, attention and grouped matmuls (two forward, four backward) on the NPU's
+    operators in training; in generation its routing operators too, once per layer and forward."""
+    out, cfg = programs["qwen3-moe-tiny"], get_config("qwen3-moe-tiny")
+    L, forwards = cfg.num_hidden_layers, 1 + 2  # the prefill and two decode steps
+    train, gen = out["calls"]["train"], out["calls"]["generate"]
+    assert train["npu_fusion_attention"] == train["npu_rotary_mul"] == L
+    assert train["npu_grouped_matmul"] == 6 * L and train["npu_rms_norm"] > 2 * L
+    assert gen["npu_fusion_attention"] == gen["npu_moe_init_routing"] == gen["npu_moe_finalize_routing"] == L * forwards
+    assert gen["npu_moe_gating_top_k_softmax"] == L * forwards and gen["npu_grouped_matmul"] == 2 * L * forwards
+    assert out["decoded_device"] == "npu:0"
+    assert out["bad_grads"] == [] and out["without_grad"] == _without_grad_on_the_cpu("qwen3-moe-tiny") == []
+
+
+@pytest.mark.parametrize("model", ["deepseek-tiny", "llama-tiny"])
+def test_every_weight_has_the_gradient_the_cpu_gives_it(programs, model):
+    """MLA (DeepSeek: its narrower values padded into the fused attention, its routing bias untrained) and a
+    dense model; every layer's attention the NPU's, in training and in each forward of generation."""
+    out, L = programs[model], get_config(model).num_hidden_layers
+    assert out["bad_grads"] == [] and out["without_grad"] == _without_grad_on_the_cpu(model)
+    calls = out["calls"]
+    assert calls["train"]["npu_fusion_attention"] == L and calls["generate"]["npu_fusion_attention"] == 3 * L
+    assert out["decoded_device"] == "npu:0"
+
+
+def test_qwen3_30b_a3b_runs_at_full_size_and_its_training_peak_holds_weights_gradients_and_activations(programs):
+    out, cfg = programs["qwen3-moe-30b-a3b"], get_config("qwen3-moe-30b-a3b")
+    assert out["calls"]["train"]["npu_grouped_matmul"] == 6 * cfg.num_hidden_layers
+    assert out["bad_grads"] == [] and out["without_grad"] == []
+    weights = out["weight_bytes"]
+    assert 60e9 < weights < 62e9  # 30.5 B parameters in bfloat16
+    assert 2 * weights < out["peak_bytes"]["train"] < 2 * weights + 20e9  # one row of 4096 tokens' activations
+    assert weights < out["peak_bytes"]["generate"] < weights + 10e9  # its KV cache and one forward's
