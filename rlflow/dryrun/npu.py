@@ -41,8 +41,19 @@ def fake_device() -> None:
     if name != "privateuseone" or (real is not None and not isinstance(real, FakeTorchNPU)):
         raise RuntimeError(f"dryrun.npu: this process's PrivateUse1 device is {name!r} already (torch_npu "
                            "imported?): a fake npu device needs a process of its own")
-    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
-    _setup_privateuseone_for_python_backend(rename=NPU)
+    from torch.utils.backend_registration import _DummyBackendModule, _setup_privateuseone_for_python_backend
+
+    class Backend(_DummyBackendModule):
+        """``torch.npu``: a device no kernel runs on (not "available": rlflow's device choice stays the CPU's, and
+        FakeTensorMode computes no constant on it), nothing to wait for."""
+
+        def is_available(self) -> bool:
+            return False
+
+        def synchronize(self, device=None) -> None:
+            pass
+
+    _setup_privateuseone_for_python_backend(rename=NPU, backend_module=Backend())
     _made = True
 
 
@@ -128,9 +139,11 @@ class FakeTorchNPU(types.ModuleType):
         return out, smax, ssum, q.new_empty(0), 0, 0, 0
 
     def npu_moe_gating_top_k_softmax(self, x, finished=None, k=1):
+        """The experts chosen by a top-k over the softmax, as torch computes it: in a dry step the values mode
+        chooses them as the meta run's (``values.Choices``), and the experts' split sizes follow."""
         self._called("npu_moe_gating_top_k_softmax", x, finished)
-        shape = (*x.shape[:-1], k)
-        return (x.new_empty(shape), x.new_empty(shape, dtype=torch.int32), x.new_empty(shape, dtype=torch.int32))
+        y, idx = torch.softmax(x, -1).topk(k, -1)
+        return y, idx.to(torch.int32), x.new_empty(idx.shape, dtype=torch.int32)
 
     def npu_moe_init_routing(self, x, row_idx, expert_idx, active_num):
         self._called("npu_moe_init_routing", x, row_idx, expert_idx)
@@ -158,13 +171,14 @@ class FakeTorchNPU(types.ModuleType):
 @contextmanager
 def program():
     """Within the block, ``torch_npu`` is a ``FakeTorchNPU`` (yielded) and tensors are fake, the ``npu`` device
-    this process's fake one (``fake_device``)."""
+    this process's fake one (``fake_device``); a real tensor an op takes is made fake (a CPU tensor copied to the
+    device)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     fake_device()
     before, fake = sys.modules.get("torch_npu"), FakeTorchNPU()
     sys.modules["torch_npu"] = fake
     try:
-        with FakeTensorMode():
+        with FakeTensorMode(allow_non_fake_inputs=True):
             yield fake
     finally:
         if before is None:

@@ -31,10 +31,10 @@ from rlflow.sharding.mesh import Mesh
 from rlflow.sharding.plan import allgather_swap
 
 
-def meta_shards(layout, rank: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s shards of ``layout`` (those of its pipeline stage) as meta tensors."""
+def meta_shards(layout, rank: int, device: torch.device = META) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s shards of ``layout`` (those of its pipeline stage) as meta tensors (or on ``device``)."""
     stage = layout.mesh.coords(rank)["pp"]
-    return {p.name: torch.empty(p.local_shape(layout.mesh), dtype=p.dtype, device=META)
+    return {p.name: torch.empty(p.local_shape(layout.mesh), dtype=p.dtype, device=device)
             for p in layout.params if p.stage == stage}
 
 
@@ -88,6 +88,18 @@ class StepCase:
     eos: int = 1
     kernels: str = "meta"  # the device kind whose program the meta tensors run (``ops.registry.posing``): meta is
     # an accelerator's kernels in shapes; "cpu" this machine's, to compare a dry run's cost with a real one
+    device: str = "meta"  # the dry tensors': meta, or "npu": fake tensors of a fake NPU running the NPU backend's
+    # entries (``dryrun.npu``; it renames the process's PrivateUse1 device: a process of its own)
+
+    @property
+    def dry_device(self) -> torch.device:
+        """The dry tensors' device (``npu``: this process's fake one made first, ``dryrun.npu.fake_device``)."""
+        if self.device not in ("meta", "npu"):
+            raise ValueError(f"StepCase.device {self.device!r}: expected 'meta' or 'npu'")
+        if self.device == "npu":
+            from rlflow.dryrun.npu import fake_device
+            fake_device()
+        return torch.device(self.device)
 
     def layouts(self):
         from rlflow.models.sharding import layout
@@ -160,8 +172,8 @@ class DryFlow:
     rows over the train mesh's data-parallel parts) is made of the rows it put itself, each response padded to
     ``response_len`` and every token real."""
 
-    def __init__(self, response_len: int):
-        self.response_len = response_len
+    def __init__(self, response_len: int, device: torch.device = META):
+        self.response_len, self.device = response_len, device
 
     def begin(self, prompts: PromptBatch, group_size: int, slot: int | None = None) -> None:
         self.n, self.G = prompts.size * group_size, group_size
@@ -171,13 +183,13 @@ class DryFlow:
 
     def get(self, consumer: str, columns: list[str], mesh, rank: int):
         n = self.n // (1 if mesh is None else mesh.data_parallel_size)
-        pick = torch.arange(n, device=META) % self.rows.size
+        pick = torch.arange(n, device=self.device) % self.rows.size
         rows = self.rows.select(pick)
         pad = self.response_len - rows.response_ids_BTr.shape[1]
         full = {k: torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, pad))
                 for k, v in rows.tensors().items() if k.endswith(("_BTr", "_BTrMK"))}
-        full["response_mask_BTr"] = torch.ones(n, self.response_len, dtype=torch.bool, device=META)
-        index = torch.arange(n, device=META)  # the picked rows come in whole groups of G: row i is of prompt i // G
+        full["response_mask_BTr"] = torch.ones(n, self.response_len, dtype=torch.bool, device=self.device)
+        index = torch.arange(n, device=self.device)  # the picked rows come in whole groups of G: row i is of prompt i // G
         rows = rows.replace(**full, index_B=index, group_B=index // self.G)
         return rows, {c: self.cols[c][pick] for c in columns if c in self.cols}
 
@@ -196,7 +208,7 @@ def _uploads(watch: Watch):
     def to_device(t, device):
         if t.device == META and StorageWeakRef(t.untyped_storage()) in watch.host:
             watch.host_copy(t)
-            return t.clone()
+            return t.clone() if torch.device(device) == META else torch.empty(t.shape, dtype=t.dtype, device=device)
         return real(t, device)
     execute.to_device = critic.to_device = to_device
     try:
@@ -259,26 +271,36 @@ def step(case: StepCase, rank: int) -> RankTrace:
     train = case.layouts()[0]
     trace = RankTrace(rank)
     choices = Choices(cfg.vocab_size, case.eos, case.response_tokens)
-    watch = Watch(trace)
-    # the watch inside the values: it sees the ops the step issues, and the meta outputs the values made
-    with fake_world(rank, case.world), Values(choices) as values, _uploads(watch), posing(case.kernels):
-        ctx = steps.context(cfg, _Text(), _reward, case.loop_config(), device=META, dock=_NoDock(),
+    dev = case.dry_device
+    watch = Watch(trace, device=dev.type)
+    # the watch inside the values: it sees the ops the step issues, and the dry outputs the values made
+    with _fake_device(dev), fake_world(rank, case.world, dev.type), Values(choices, device=dev.type) as values, \
+            _uploads(watch), posing(case.kernels):
+        ctx = steps.context(cfg, _Text(), _reward, case.loop_config(), device=dev, dock=_NoDock(),
                             placement=case.placement())
-        ctx = dataclasses.replace(staged(ctx, watch), flow=DryFlow(case.response_len))
+        ctx = dataclasses.replace(staged(ctx, watch), flow=DryFlow(case.response_len, dev))
         ctx.weights.state.arena = MetaHost(watch)
         # the executed steps at the response's middle: the whole response's decode steps attend over Tp + 1 ..
         # Tp + Tr - 1 columns, response_tokens - 1 executed ones from Tp + 1 + advance
         with watch, decode_marked(watch, advance=(case.response_len - case.response_tokens) // 2):
             watch.stage("state")
-            policy = meta_shards(train, rank)
+            policy = meta_shards(train, rank, dev)
             state = runstate.init(policy, None, kl=case.kl)
             del policy
-            prompts = case.prompt_batch(cfg.vocab_size).to(META)
+            prompts = case.prompt_batch(cfg.vocab_size).to(dev)
             watch.stage("transition")
             state, _ = steps.step(state, prompts, ctx)
             watch.stage("end")
     trace.unknown_reads = dict(values.unknown_reads)
     return trace
+
+
+def _fake_device(dev: torch.device):
+    """A fake NPU's tensors within the block (``dryrun.npu.program``), or none for meta ones."""
+    if dev.type == "meta":
+        return nullcontext()
+    from rlflow.dryrun.npu import program
+    return program()
 
 
 @contextmanager

@@ -202,12 +202,14 @@ class MetaHost:
 
 
 @contextmanager
-def fake_world(rank: int, world: int):
-    """torch.distributed's ``fake`` backend as rank ``rank`` of ``world`` for the block (no peers, no memory)."""
+def fake_world(rank: int, world: int, device: str = "meta"):
+    """torch.distributed's ``fake`` backend as rank ``rank`` of ``world`` for the block (no peers, no memory), for
+    tensors on the CPU, meta and ``device`` (a fake accelerator's type)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
     if dist.is_initialized():
         raise RuntimeError("fake_world: torch.distributed is initialised already in this process")
-    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
+    devices = dict.fromkeys(("cpu", "meta", device))
+    dist.init_process_group(",".join(f"{d}:fake" for d in devices), store=FakeStore(), rank=rank, world_size=world)
     sdist.clear_groups()
     real = {n: getattr(dist, n) for n in _OBJECTS}
     for n in _OBJECTS:

@@ -23,18 +23,20 @@ check passes) and is counted per call site (``unknown_reads``): a read that stee
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from rlflow.dryrun.trace import call_site
 
-META, CPU = torch.device("meta"), torch.device("cpu")
+CPU = torch.device("cpu")
 CAP = 1 << 22  # elements: the largest value kept (an int64 [64, 65536] is 32 MB)
 aten = torch.ops.aten
 # the host reads of device data (inference mode dispatches ``to`` itself, not ``_to_copy``)
@@ -82,18 +84,20 @@ class Choices:
 
 
 class Values(TorchDispatchMode):
-    """Values of small meta tensors (module docstring); ``choices``: what an index drawn from the numbers is."""
+    """Values of small meta tensors (module docstring); ``choices``: what an index drawn from the numbers is.
+    ``device``: the dry run's device type, ``meta``, or a fake accelerator's (``npu``: its tensors
+    ``FakeTensorMode``'s, entered before this mode; an op on CPU tensors alone then runs on them, outside it)."""
 
-    def __init__(self, choices: Choices, unknown: float = 0.0):
+    def __init__(self, choices: Choices, unknown: float = 0.0, device: str = "meta"):
         super().__init__()
-        self.choices, self.unknown = choices, unknown
+        self.choices, self.unknown, self.device = choices, unknown, device
         self._v = WeakTensorKeyDictionary()
         self._poisoned: dict[StorageWeakRef, bool] = {}
         self.unknown_reads: dict[str, int] = {}  # call site -> count
 
     def value(self, t):
         """The value of meta tensor ``t``, or None (unknown, or its storage written by an op no value follows)."""
-        if not isinstance(t, torch.Tensor) or t.device != META:
+        if not _dry(t):
             return t
         key = StorageWeakRef(t.untyped_storage())
         if key in self._poisoned:
@@ -101,6 +105,10 @@ class Values(TorchDispatchMode):
                 return None
             del self._poisoned[key]
         return self._v.get(t)
+
+    def _real(self):
+        """Where values are computed: on real CPU tensors, outside a fake accelerator's ``FakeTensorMode``."""
+        return nullcontext() if self.device == "meta" else _disable_current_modes()
 
     def _poison(self, t: torch.Tensor) -> None:
         self._poisoned[StorageWeakRef(t.untyped_storage())] = True
@@ -123,13 +131,18 @@ class Values(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         metas = _metas(args, kwargs)
-        if func in _READS and metas and _to_host(func, args, kwargs):
-            return self._read(func, args, kwargs)
+        if self.device != "meta" and not metas and not _made_on(self.device, args, kwargs):
+            with self._real():  # CPU tensors stay real, as beside meta ones
+                return func(*args, **kwargs)
+        if func in _READS and metas and _to_host(func, args, kwargs, self.device):
+            with self._real():
+                return self._read(func, args, kwargs)
         if func.namespace == "c10d":
             out = func(*args, **kwargs)
-            self._collective(func, args)
+            with self._real():
+                self._collective(func, args)
             return out
-        if func is aten.copy_.default and args[0].device == META and self.value(args[0]) is None:
+        if func is aten.copy_.default and _dry(args[0]) and self.value(args[0]) is None:
             return self._copy_into(args[0], args[1])
         known = func not in _EMPTY and all(self.value(t) is not None for t in metas)
         try:
@@ -140,21 +153,23 @@ class Values(TorchDispatchMode):
             out = None
         outs = _metas(out if isinstance(out, (list, tuple)) else (out,), {})
         if known and (out is None or (outs and all(o.numel() <= CAP for o in outs))):
-            vout = func(*tree_map(_on_cpu(self), args), **tree_map(_on_cpu(self), kwargs))
+            with self._real():
+                vout = func(*tree_map(_on_cpu(self), args), **tree_map(_on_cpu(self), kwargs))
             if out is None:
-                out = tree_map(lambda v: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=META)
+                out = tree_map(lambda v: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=self.device)
                                if isinstance(v, torch.Tensor) else v, vout)
             for o, v in zip(tree_flatten(out)[0], tree_flatten(vout)[0]):
-                if isinstance(o, torch.Tensor) and o.device == META and isinstance(v, torch.Tensor):
+                if _dry(o) and isinstance(v, torch.Tensor):
                     self._v[o] = v
         elif func in _CHOSEN and metas and not known:
             x, dim = args[0], _dim(func, args, kwargs)
             for o in outs:
                 if not o.dtype.is_floating_point and o.numel() <= CAP:
-                    self._v[o] = self.choices.chosen(func, x, o, dim)
+                    with self._real():
+                        self._v[o] = self.choices.chosen(func, x, o, dim)
         if not known:  # what it wrote in place no value follows
             for t in _written(func, args, kwargs):
-                if t.device == META:
+                if _dry(t):
                     self._poison(t)
         return out
 
@@ -163,7 +178,8 @@ class Values(TorchDispatchMode):
         out = dst.copy_(src)
         v = self.value(src)
         if v is not None and dst.numel() <= CAP:
-            self._v[dst] = v.to(dst.dtype).expand(dst.shape).clone()
+            with self._real():
+                self._v[dst] = v.to(dst.dtype).expand(dst.shape).clone()
         return out
 
     def _collective(self, func, args) -> None:
@@ -202,31 +218,41 @@ class Values(TorchDispatchMode):
         if v is None:
             return self._drop(out)
         got = how(v)
-        if out.device == META:
+        if _dry(out):
             if out.numel() <= CAP:
                 self._v[out] = got.reshape(out.shape).to(out.dtype)
         else:
             out.copy_(got.reshape(out.shape))
 
     def _drop(self, t: torch.Tensor) -> None:
-        if t.device == META:
+        if _dry(t):
             self._poison(t)
 
 
-def _to_host(func, args, kwargs) -> bool:
+def _dry(t) -> bool:
+    """A tensor of the dry run: a meta one, or a fake one (``FakeTensorMode``'s: a fake accelerator's)."""
+    return isinstance(t, torch.Tensor) and (t.device.type == "meta" or isinstance(t, FakeTensor))
+
+
+def _made_on(device: str, args, kwargs) -> bool:
+    """Whether an op makes a tensor on the dry run's ``device`` (type): a factory's or a copy's device argument."""
+    return any(isinstance(a, torch.device) and a.type == device for a in (*args, *kwargs.values()))
+
+
+def _to_host(func, args, kwargs, device: str = "meta") -> bool:
     if func is aten._local_scalar_dense.default:
         return True
     if func is aten.copy_.default:
-        return args[0].device != META and args[1].device == META
+        return not _dry(args[0]) and _dry(args[1])
     dev = kwargs.get("device", next((a for a in args[1:] if isinstance(a, torch.device)), None))
-    return dev is not None and torch.device(dev) != META
+    return dev is not None and torch.device(dev).type not in ("meta", device)
 
 
 def _on_cpu(mode: Values):
     def swap(a):
-        if isinstance(a, torch.Tensor) and a.device == META:
+        if _dry(a):
             return mode.value(a)
-        if isinstance(a, torch.device) and a.type == "meta":
+        if isinstance(a, torch.device) and a.type in ("meta", mode.device):
             return CPU
         return a
     return swap
@@ -242,14 +268,14 @@ def _dim(func, args, kwargs) -> int:
 
 
 def _metas(args, kwargs) -> list[torch.Tensor]:
-    """The meta tensors among an op's arguments (a list of them counts: ``cat``, the collectives')."""
+    """The dry run's tensors (``_dry``) among an op's arguments (a list of them counts: ``cat``, the collectives')."""
     out = []
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor):
-            if a.device.type == "meta":
+            if _dry(a):
                 out.append(a)
         elif isinstance(a, (list, tuple)):
-            out += [t for t in a if isinstance(t, torch.Tensor) and t.device.type == "meta"]
+            out += [t for t in a if _dry(t)]
     return out
 
 
