@@ -10,8 +10,9 @@ would: the same plans, buckets, packing, collectives, forwards, backwards and op
     values.py   ``Values``: the values of small meta tensors the step reads on the host (token counts, split
                 sizes), and ``Choices``, what the numbers would choose (balanced routing, responses' ends)
     world.py    ``mismatched``: a world's traces checked against each other (a hang or corrupt weights)
-    run.py      ``transition`` (the allgather-swap alone) and ``step`` (one RL step of ``runtime.step``); ``real``,
-                the same step on real tensors to compare with (``real_dock``: the dock its ranks share;
+    run.py      ``transition`` (the allgather-swap alone) and ``step`` (one RL step of ``runtime.step``; on meta
+                tensors, or a fake NPU's: ``StepCase.device``)
+    real.py     ``real``: the same step on real tensors to compare with (``real_dock``: the dock its ranks share;
                 ``real_pools``: the step on separate pools; ``balanced_routing``: routed as the dry run routes;
                 ``as_the_recipe``: the process's host memory kept as the recipe's)
     cost.py     what a traced step costs at a device's rates (``predict``, ``whole_step``; ``DATASHEETS``:
@@ -24,8 +25,8 @@ would: the same plans, buckets, packing, collectives, forwards, backwards and op
 See docs/dryrun.md.
 """
 
-from rlflow.dryrun.run import (DryFlow, StepCase, as_the_recipe, balanced_routing, real, real_dock, real_pools, staged,
-                               step, transition)
+from rlflow.dryrun.real import as_the_recipe, balanced_routing, real, real_dock, real_pools
+from rlflow.dryrun.run import DryFlow, StepCase, staged, step, transition
 from rlflow.dryrun.trace import Collective, RankTrace, Watch, fake_world
 from rlflow.dryrun.values import Choices, Values
 from rlflow.dryrun.world import mismatched

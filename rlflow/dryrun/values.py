@@ -53,7 +53,7 @@ _RED = {int(dist.ReduceOp.RedOpType.SUM): "sum", int(dist.ReduceOp.RedOpType.PRO
 
 def balanced(rows: int, k: int, n: int) -> torch.Tensor:
     """[rows, k] choices among ``n``: row r's j-th is (r k + j) mod n, distinct within a row (k <= n) and every index
-    as often (balanced routing: the dry run's, and a real run's under ``run.balanced_routing``)."""
+    as often (balanced routing: the dry run's, and a real run's under ``real.balanced_routing``)."""
     return (torch.arange(rows)[:, None] * k + torch.arange(k)) % n
 
 
