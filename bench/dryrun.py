@@ -9,7 +9,10 @@ Per case:
   of live device bytes per stage;
 - **the transition** (``dryrun.transition``) for every rank (cheap): its live bytes after every plan step
   against the plan's ledger, and every group's members' collectives compared (``dryrun.mismatched``);
-- ``--world-check``: the step for every rank too, its collectives compared over the world (minutes per rank).
+- ``--world-check``: the step for every rank too, its collectives compared over the world (minutes per rank);
+- ``--device npu``: the step on a fake NPU's tensors running the NPU backend's entries (``dryrun.npu``: torch_npu's
+  operators stood in for, shaped as its meta registrations shape them), where meta tensors run CUDA's kernels in
+  shapes: its memory and collectives, not priced.
 
 The largest peak against an H200 (141 GB) and an Ascend 910B (64 GB). Each case's step priced at their datasheets'
 rates (``cost.DATASHEETS``, ``cost.whole_step``: predictions from stated inputs, not measurements; docs/dryrun.md),
@@ -17,6 +20,7 @@ with ``bench/pools_projection.py``'s roofline for the same step beside. Last lin
 
     python bench/dryrun.py                          # the three full-size cases
     python bench/dryrun.py --cases qwen3-30b --world-check
+    python bench/dryrun.py --device npu             # the same cases as an Ascend NPU's program
 """
 
 from __future__ import annotations
@@ -94,10 +98,10 @@ def roofline(case, sheet) -> dict:
             "swap": _sig(swap)}
 
 
-def run_case(name: str, world_check: bool, op_s: float) -> dict:
+def run_case(name: str, world_check: bool, op_s: float, device: str = "meta") -> dict:
     from rlflow import dryrun
 
-    case = dryrun.StepCase(**CASES[name])
+    case = dryrun.StepCase(**CASES[name], device=device)
     t0 = time.perf_counter()
     train, rollout = case.layouts()
     moves = [dryrun.transition(train, rollout, r) for r in range(case.world)]
@@ -115,8 +119,10 @@ def run_case(name: str, world_check: bool, op_s: float) -> dict:
     unknown = sorted({k for t in steps for k in t.unknown_reads})
     secs = time.perf_counter() - t0
     from rlflow.dryrun.cost import DATASHEETS
-    predictions = [priced(case, steps, sheet, op_s) for sheet in DATASHEETS.values()]
-    print(f"{case.model} on {case.world}: train {train.mesh} -> rollout {rollout.mesh}; {case.prompts} prompts x "
+    # a fake NPU's trace holds the stood-in torch_npu operators as the aten ops that shape their outputs (no FLOPs):
+    # the step is priced from meta traces only
+    predictions = [priced(case, steps, sheet, op_s) for sheet in DATASHEETS.values()] if device == "meta" else []
+    print(f"{case.model} on {case.world} ({device} tensors): train {train.mesh} -> rollout {rollout.mesh}; {case.prompts} prompts x "
           f"{case.group_size}, {case.prompt_len} + {case.response_len} tokens, remat {case.remat}; the step for "
           f"{'every rank' if world_check else f'{len(classes)} shape classes'}, the transition for every rank: "
           f"largest peak {peak / 1e9:.2f} GB (per stage: "
@@ -126,6 +132,9 @@ def run_case(name: str, world_check: bool, op_s: float) -> dict:
           f"{'matched' if not bad else bad[:3]} ({'step and transition' if world_check else 'transition'}); host reads "
           f"of unknown values at {unknown}; fits H200 {peak <= H200}, 910B {peak <= ASCEND_910B}; {secs:.0f} s",
           flush=True)
+    if device != "meta":
+        print("  not priced: the stood-in torch_npu operators carry no FLOPs in the trace (`--device meta` prices the "
+              "step)", flush=True)
     for p in predictions:
         print(f"  predicted on {p['device']} (s, between the queue's bounds): "
               + ", ".join(f"{s} {lo:g}-{hi:g}" for s, (lo, hi) in p["stages_s"].items())
@@ -137,7 +146,7 @@ def run_case(name: str, world_check: bool, op_s: float) -> dict:
               f"{g['step_s']:g} s, {g['tps']:g} tokens per device per second", flush=True)
         print(f"    pools_projection's roofline for the same step: "
               + ", ".join(f"{k} {v:g} s" for k, v in p["roofline_s"].items()), flush=True)
-    return {"model": case.model, "world": case.world, "train": str(train.mesh), "rollout": str(rollout.mesh),
+    return {"model": case.model, "world": case.world, "device": device, "train": str(train.mesh), "rollout": str(rollout.mesh),
             "rows": case.prompts * case.group_size, "tokens": [case.prompt_len, case.response_len], "remat": case.remat,
             "rank_classes": len(classes), "ranks_stepped": len(steps), "stage_peaks": stages,
             "peak_bytes_max": peak, "ledger_bytes_max": max(t.ledger_peak_bytes for t in moves),
@@ -151,8 +160,13 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="+", default=list(FULL), choices=sorted(CASES))
     ap.add_argument("--world-check", action="store_true", help="the step for every rank, its collectives compared")
+    ap.add_argument("--device", choices=("meta", "npu"), default="meta",
+                    help="the step's tensors: meta (CUDA's kernels in shapes) or a fake NPU's (the NPU backend's)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if a.device == "npu":  # before this process's first backward (``issue_seconds``'): autograd sizes its queues
+        from rlflow.dryrun.npu import fake_device  # per device once
+        fake_device()
     from rlflow.dryrun.calibrate import issue_seconds
     op_s = issue_seconds()
     print(f"the host issues an op of rlflow's code in {op_s * 1e6:.2f} us (measured here: the predictions' host)")
@@ -162,7 +176,7 @@ def main(argv=None) -> dict:
               f"fp32) x {d.mfu} from {d.tile} rows, HBM {d.hbm / 1e12:g} TB/s x {d.hbm_eff}, links {d.link / 1e9:g} "
               f"GB/s + {d.link_s * 1e6:g} us, host {d.host / 1e9:g} GB/s, a kernel at least {d.kernel_s * 1e6:g} us, "
               f"{d.memory / 1e9:g} GB")
-    out = {"op_s": op_s, "cases": [run_case(c, a.world_check, op_s) for c in a.cases]}
+    out = {"op_s": op_s, "cases": [run_case(c, a.world_check, op_s, a.device) for c in a.cases]}
     print(json.dumps(out))
     return out
 

@@ -21,7 +21,7 @@ import sys
 import time
 import types
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -32,7 +32,8 @@ _made = False
 
 
 def fake_device() -> None:
-    """This process's PrivateUse1 device named ``npu``, with torch's Python device guard (once per process)."""
+    """This process's PrivateUse1 device named ``npu``, with torch's Python device guard (once per process, before
+    its first backward: autograd sizes its per-device queues once, and a device named later has none)."""
     global _made
     if _made:
         return
@@ -45,13 +46,26 @@ def fake_device() -> None:
 
     class Backend(_DummyBackendModule):
         """``torch.npu``: a device no kernel runs on (not "available": rlflow's device choice stays the CPU's, and
-        FakeTensorMode computes no constant on it), nothing to wait for."""
+        FakeTensorMode computes no constant on it), nothing to wait for, a random state nothing draws from (what
+        activation checkpointing saves and restores around a recomputation), autocast's dtypes."""
 
         def is_available(self) -> bool:
             return False
 
         def synchronize(self, device=None) -> None:
             pass
+
+        def device(self, index):
+            return nullcontext()
+
+        def get_rng_state(self, device=None) -> torch.Tensor:
+            return torch.zeros(16, dtype=torch.uint8)
+
+        def set_rng_state(self, state, device=None) -> None:
+            pass
+
+        def get_amp_supported_dtype(self) -> list:  # autocast's question (checkpointing asks it)
+            return [torch.float16, torch.bfloat16]
 
     _setup_privateuseone_for_python_backend(rename=NPU, backend_module=Backend())
     _made = True
