@@ -73,3 +73,33 @@ def test_qwen3_30b_a3b_runs_at_full_size_and_its_training_peak_holds_weights_gra
     assert 60e9 < weights < 62e9  # 30.5 B parameters in bfloat16
     assert 2 * weights < out["peak_bytes"]["train"] < 2 * weights + 20e9  # one row of 4096 tokens' activations
     assert weights < out["peak_bytes"]["generate"] < weights + 10e9  # its KV cache and one forward's
+
+
+STEP = dict(model="qwen3-moe-tiny", world=4, train="tp=2,ep=2", rollout="tp=2", prompts=4, group_size=2,
+            prompt_len=16, response_len=32, micro_batch=2, remat=True)
+
+
+def _npu_steps(ranks) -> list:
+    from rlflow import dryrun
+    return [dryrun.step(dryrun.StepCase(**STEP, device="npu"), r) for r in ranks]
+
+
+def test_the_step_on_a_fake_npu_runs_the_npu_program_and_issues_the_meta_steps_collectives():
+    """The whole step (transition, generation, the dock, log-probs, the update with checkpointing) on a fake NPU's
+    tensors: every rank's collectives those of the meta step (which the real step on gloo issues:
+    tests/test_dryrun.py), all-to-all splits included (the fake gating's choices are the values mode's), its
+    attention the NPU's (no SDPA kernel in its trace, as in the meta one)."""
+    from rlflow import dryrun
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        npu = pool.submit(_npu_steps, range(STEP["world"])).result(timeout=600)
+    meta = [dryrun.step(dryrun.StepCase(**STEP), r) for r in range(STEP["world"])]
+    assert dryrun.mismatched(npu) == []
+    for a, b in zip(npu, meta):
+        assert a.collectives == b.collectives and any(c.op == "alltoall_base_" for c in a.collectives)
+        assert a.unknown_reads.keys() == b.unknown_reads.keys()
+
+    def ops(trace):
+        return {c.op for stage in trace.stage_ops.values() for c in stage}
+    sdpa = "aten._scaled_dot_product_efficient_attention"
+    assert sdpa in ops(meta[0]) and sdpa not in ops(npu[0])
+    assert npu[0].stage_peaks.keys() == meta[0].stage_peaks.keys() and npu[0].peak_stage == "update"
