@@ -348,20 +348,21 @@ def test_npu_entries_call_torch_npu_with_the_documented_arguments(fake_npu):
 
     N, E, D, Fd = 6, 4, 16, 8
     xs, gate_up, down = torch.randn(N, D, generator=g), torch.randn(E, 2 * Fd, D, generator=g), torch.randn(E, D, Fd, generator=g)
-    prepared = entry("prepare_experts")(gate_up, down)
+    assert entry("prepare_experts") is None  # nothing to prepare: the weights go as transposed views
     fake_npu.calls.clear()
     with torch.inference_mode():
-        entry("moe_experts")(xs, wk, idx, gate_up, down, prepared)
+        entry("moe_experts")(xs, wk, idx, gate_up, down, None)
     assert [c[0] for c in fake_npu.calls] == ["npu_moe_init_routing", "npu_grouped_matmul", "npu_grouped_matmul",
                                               "npu_moe_finalize_routing"]
     (_, (a, row_idx, eidx, active), _), (_, (x1, w1), kw1), (_, (x2, w2), _), (_, fin, _) = fake_npu.calls
     assert a is xs and active == N and eidx.dtype == torch.int32 and torch.equal(eidx, idx.int())
     assert torch.equal(row_idx, torch.arange(N * 2, dtype=torch.int32).view(2, N).t())  # the documented layout
     assert w1[0].shape == (E, D, 2 * Fd) and w2[0].shape == (E, Fd, D) and x2[0].shape == (N * 2, Fd)
+    assert w1[0].data_ptr() == gate_up.data_ptr() and w2[0].data_ptr() == down.data_ptr()  # views: no copy
     assert torch.equal(kw1["group_list"], torch.bincount(idx.reshape(-1), minlength=E).cumsum(0))
     assert kw1["split_item"] == 2 and kw1["group_type"] == 0
     assert fin[1] is None and fin[2] is None and fin[3] is None and torch.equal(fin[4], wk) and torch.equal(fin[6], idx.int())
-    assert entry("moe_experts")(xs, wk, idx, gate_up.requires_grad_(True), down, prepared) is None  # float32
+    assert entry("moe_experts")(xs, wk, idx, gate_up.requires_grad_(True), down, None) is None  # float32
 
 
 @pytest.mark.parametrize("skew", [False, True])
