@@ -135,7 +135,7 @@ def moe_experts(x_ND, w_NK, idx_NK, gate_up_E2FD, down_EDF, prepared):
     E = gate_up_E2FD.shape[0]
     # the grouped matmul's layout (x @ w: gate_up [E, D, 2F], down [E, F, D]) as transposed views, which the kernel
     # takes (MindSpeed-MM's GMM passes one in its backward, as ``_GroupedMatmul`` does): a contiguous copy would
-    # hold every expert's weights twice through a generation (dryrun.npu: +14.7 GB a Qwen3-30B-A3B tp=4 rank)
+    # hold every expert's weights twice through a generation (docs/dryrun.md)
     gu_t, dn_t = gate_up_E2FD.transpose(1, 2), down_EDF.transpose(1, 2)
     idx32 = idx_NK.to(torch.int32)
     row_idx = torch.arange(N * K, dtype=torch.int32, device=x_ND.device).view(K, N).t().contiguous()
