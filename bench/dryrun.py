@@ -11,8 +11,8 @@ Per case:
   against the plan's ledger, and every group's members' collectives compared (``dryrun.mismatched``);
 - ``--world-check``: the step for every rank too, its collectives compared over the world (minutes per rank);
 - ``--device npu``: the step on a fake NPU's tensors running the NPU backend's entries (``dryrun.npu``: torch_npu's
-  operators stood in for, shaped as its meta registrations shape them), where meta tensors run CUDA's kernels in
-  shapes: its memory and collectives, not priced.
+  operators stood in for, shaped as its meta registrations shape them, one op each with its FLOPs:
+  ``dryrun.npu_kernels``), where meta tensors run CUDA's kernels in shapes.
 
 The largest peak against an H200 (141 GB) and an Ascend 910B (64 GB). Each case's step priced at their datasheets'
 rates (``cost.DATASHEETS``, ``cost.whole_step``: predictions from stated inputs, not measurements; docs/dryrun.md),
@@ -119,9 +119,7 @@ def run_case(name: str, world_check: bool, op_s: float, device: str = "meta") ->
     unknown = sorted({k for t in steps for k in t.unknown_reads})
     secs = time.perf_counter() - t0
     from rlflow.dryrun.cost import DATASHEETS
-    # a fake NPU's trace holds the stood-in torch_npu operators as the aten ops that shape their outputs (no FLOPs):
-    # the step is priced from meta traces only
-    predictions = [priced(case, steps, sheet, op_s) for sheet in DATASHEETS.values()] if device == "meta" else []
+    predictions = [priced(case, steps, sheet, op_s) for sheet in DATASHEETS.values()]
     print(f"{case.model} on {case.world} ({device} tensors): train {train.mesh} -> rollout {rollout.mesh}; {case.prompts} prompts x "
           f"{case.group_size}, {case.prompt_len} + {case.response_len} tokens, remat {case.remat}; the step for "
           f"{'every rank' if world_check else f'{len(classes)} shape classes'}, the transition for every rank: "
@@ -132,9 +130,6 @@ def run_case(name: str, world_check: bool, op_s: float, device: str = "meta") ->
           f"{'matched' if not bad else bad[:3]} ({'step and transition' if world_check else 'transition'}); host reads "
           f"of unknown values at {unknown}; fits H200 {peak <= H200}, 910B {peak <= ASCEND_910B}; {secs:.0f} s",
           flush=True)
-    if device != "meta":
-        print("  not priced: the stood-in torch_npu operators carry no FLOPs in the trace (`--device meta` prices the "
-              "step)", flush=True)
     for p in predictions:
         print(f"  predicted on {p['device']} (s, between the queue's bounds): "
               + ", ".join(f"{s} {lo:g}-{hi:g}" for s, (lo, hi) in p["stages_s"].items())

@@ -88,7 +88,7 @@ def test_the_step_on_a_fake_npu_runs_the_npu_program_and_issues_the_meta_steps_c
     """The whole step (transition, generation, the dock, log-probs, the update with checkpointing) on a fake NPU's
     tensors: every rank's collectives those of the meta step (which the real step on gloo issues:
     tests/test_dryrun.py), all-to-all splits included (the fake gating's choices are the values mode's), its
-    attention the NPU's (no SDPA kernel in its trace, as in the meta one)."""
+    attention the NPU's (no SDPA kernel in its trace, as in the meta one), each NPU kernel one op with its FLOPs."""
     from rlflow import dryrun
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         npu = pool.submit(_npu_steps, range(STEP["world"])).result(timeout=600)
@@ -102,4 +102,10 @@ def test_the_step_on_a_fake_npu_runs_the_npu_program_and_issues_the_meta_steps_c
         return {c.op for stage in trace.stage_ops.values() for c in stage}
     sdpa = "aten._scaled_dot_product_efficient_attention"
     assert sdpa in ops(meta[0]) and sdpa not in ops(npu[0])
+    # the trace prices as the device's program: the transition's ops the meta step's (a fake tensor's metadata
+    # queries and element-wise host reads not counted), the NPU's kernels one op each with their FLOPs
+    assert npu[0].stage_ops["transition"] == meta[0].stage_ops["transition"]
+    flops = {c.op: c.flops for c in npu[0].stage_ops["update"] if c.op.startswith("rlflow_npu.")}
+    assert flops["rlflow_npu.fusion_attention_grad"] > flops["rlflow_npu.fusion_attention"] > 0
+    assert flops["rlflow_npu.grouped_matmul"] > 0 and flops["rlflow_npu.rms_norm"] == 0
     assert npu[0].stage_peaks.keys() == meta[0].stage_peaks.keys() and npu[0].peak_stage == "update"

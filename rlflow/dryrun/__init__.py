@@ -20,7 +20,8 @@ would: the same plans, buckets, packing, collectives, forwards, backwards and op
     calibrate.py  ``measure``: the rates of the device at hand, by micro-benchmark (its link in a process group)
     npu.py      ``model_program``: a model's forward, backward and generation as an NPU runs them (the NPU
                 backend's entries, torch_npu stood in for), on fake tensors of a fake ``npu`` device (a process
-                of its own: ``python -m rlflow.dryrun.npu``)
+                of its own: ``python -m rlflow.dryrun.npu``); the whole step on it: ``StepCase(device="npu")``
+    npu_kernels.py  the stood-in NPU kernels as ``torch.library`` ops (shapes, and FLOPs for the cost model)
 
 See docs/dryrun.md.
 """

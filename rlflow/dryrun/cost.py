@@ -50,6 +50,10 @@ class OpCost:
     small: int = 0
 
 
+# ops of other libraries whose FLOPs torch does not count: name -> fn(args, out) -> (FLOPs, ``MATMULS`` kernel,
+# smallest dimension) (``dryrun.npu_kernels``' stood-in NPU kernels register theirs)
+FLOPS: dict = {}
+
 HOST_COPY = "host.copy"  # a dry run's copy between the device and the host (a swap): its bytes over ``Rates.host``
 
 # by the dimension that is smallest: a matmul's (or a batched one's) rows, contraction or columns; grouped ones'
@@ -57,7 +61,7 @@ HOST_COPY = "host.copy"  # a dry run's copy between the device and the host (a s
 MATMULS = ("mm", "mm_k", "mm_n", "grouped_mm", "grouped_mm_k")
 
 
-def _mm(m: int, k: int, n: int) -> tuple[str, int]:
+def mm_kernel(m: int, k: int, n: int) -> tuple[str, int]:
     """A matmul's kernel (``MATMULS``) and smallest dimension from its rows, contraction and columns."""
     small = min(m, k, n)
     return ("mm" if small == m else "mm_k" if small == k else "mm_n"), small
@@ -72,8 +76,9 @@ def _tensors(x):
 
 
 def op_cost(func, args, kwargs, out) -> OpCost | None:
-    """The cost of one dispatched op; None for a view (it moves nothing and is not dispatched to a device)."""
-    if func.is_view:
+    """The cost of one dispatched op; None for a view (it moves nothing and is not dispatched to a device) and a
+    metadata query (``prim.device``: a fake tensor's device asked through the dispatch)."""
+    if func.is_view or func.namespace == "prim":
         return None
     name = str(func._overloadpacket)
     outs = list(_tensors(out))
@@ -83,7 +88,9 @@ def op_cost(func, args, kwargs, out) -> OpCost | None:
     if name in _SHAPE_ONLY:
         return OpCost(name, dtype, 0, 0)
     flops, kernel, small = 0, "", 0
-    if name == "aten._grouped_mm":  # (a, b, offs, ..): each of a's rows times one group's [K, N]; torch counts none
+    if name in FLOPS:
+        flops, kernel, small = FLOPS[name](args, out)
+    elif name == "aten._grouped_mm":  # (a, b, offs, ..): each of a's rows times one group's [K, N]; torch counts none
         a, b = args[0], args[1]
         flops = 2 * a.numel() * b.shape[-1]
         if b.dim() == 3:  # a [M, K] rows in groups, b [G, K, N]
@@ -93,23 +100,23 @@ def op_cost(func, args, kwargs, out) -> OpCost | None:
     elif name in ("aten.linear", "aten.matmul"):  # whole under inference mode (undecomposed): torch counts none
         flops = 2 * outs[0].numel() * args[0].shape[-1]
         rows = outs[0].numel() // outs[0].shape[-1] if name == "aten.linear" else outs[0].shape[-2]  # matmul: batched
-        kernel, small = _mm(rows if outs[0].dim() > 1 else 1, args[0].shape[-1], outs[0].shape[-1])
+        kernel, small = mm_kernel(rows if outs[0].dim() > 1 else 1, args[0].shape[-1], outs[0].shape[-1])
     elif name in ("aten._scaled_dot_product_flash_attention_for_cpu", "aten.scaled_dot_product_attention"):
         # (q, k, v, ..): the CPU's kernel, and SDPA whole under inference mode; torch counts neither
         flops = sdpa_flop_count(*(a.shape for a in args[:3]))
-        kernel, small = _mm(args[0].shape[-2], args[0].shape[-1], args[1].shape[-2])
+        kernel, small = mm_kernel(args[0].shape[-2], args[0].shape[-1], args[1].shape[-2])
     elif name == "aten._scaled_dot_product_flash_attention_for_cpu_backward":  # (grad_out, q, k, v, ..)
         flops = sdpa_backward_flop_count(*(a.shape for a in args[:4]))
-        kernel, small = _mm(args[1].shape[-2], args[1].shape[-1], args[2].shape[-2])
+        kernel, small = mm_kernel(args[1].shape[-2], args[1].shape[-1], args[2].shape[-2])
     elif func._overloadpacket in flop_registry:
         flops = int(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
         mats = [t for t in _tensors(args) if t.dim() >= 2][-2:] if name.startswith(("aten.mm", "aten.bmm", "aten.addmm",
                                                                                   "aten.baddbmm")) else []
         if len(mats) == 2:  # (a, b), (bias, a, b): a [.., M, K], b [.., K, N]
-            kernel, small = _mm(mats[0].shape[-2], mats[0].shape[-1], mats[1].shape[-1])
+            kernel, small = mm_kernel(mats[0].shape[-2], mats[0].shape[-1], mats[1].shape[-1])
         elif func._overloadpacket in _ATTENTION:  # (q, k, ..) or (grad_out, q, k, ..): [B, H, T, d], [B, H, S, d]
             q, k = [t for t in _tensors(args) if t.dim() == 4][-3 if "backward" in name else 0:][:2]
-            kernel, small = _mm(q.shape[-2], q.shape[-1], k.shape[-2])
+            kernel, small = mm_kernel(q.shape[-2], q.shape[-1], k.shape[-2])
     ins = {id(t): t for t in _tensors((args, tuple(kwargs.values())))}  # each read once; each output written
     nbytes = sum(t.numel() * t.element_size() for t in [*ins.values(), *outs])
     src = _INDEXED_WRITES.get(name)
@@ -294,5 +301,5 @@ DATASHEETS = {
 }
 
 
-__all__ = ["DATASHEETS", "HOST_COPY", "Datasheet", "OpCost", "Rates", "StageCost", "count", "op_cost",
-           "bounds", "predict", "slowest", "whole_step"]
+__all__ = ["DATASHEETS", "FLOPS", "HOST_COPY", "Datasheet", "OpCost", "Rates", "StageCost", "count", "op_cost",
+           "bounds", "mm_kernel", "predict", "slowest", "whole_step"]

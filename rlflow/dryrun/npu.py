@@ -25,6 +25,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from rlflow.dryrun import npu_kernels as kernels
 from rlflow.dryrun.cost import _tensors
 
 NPU = "npu"  # the device type the fake device registers
@@ -72,40 +73,34 @@ def fake_device() -> None:
 
 
 class _Attention(torch.autograd.Function):
-    """``npu_fusion_attention`` in layout BNSD: the output and the softmax's max and sum per query ([B, N, S1,
-    8] float32 each, torch_npu's meta shapes), what its backward (``npu_fusion_attention_grad``) reads."""
+    """``npu_fusion_attention`` (BNSD): its backward (``npu_fusion_attention_grad``) reads the inputs, the output
+    and the softmax's max and sum."""
 
     @staticmethod
     def forward(ctx, q, k, v, head_num: int, mask):
-        B, S1 = q.shape[0], q.shape[2]
-        out = torch.empty_like(q)
-        smax, ssum = (q.new_empty(B, head_num, S1, 8, dtype=torch.float32) for _ in range(2))
+        out, smax, ssum = kernels.fusion_attention(q, k, v, head_num, mask)
         ctx.save_for_backward(q, k, v, out, smax, ssum, mask)
         ctx.mark_non_differentiable(smax, ssum)
         return out, smax, ssum
 
     @staticmethod
     def backward(ctx, dout, *_):
-        q, k, v = ctx.saved_tensors[:3]
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None
+        return (*kernels.fusion_attention_grad(dout, *ctx.saved_tensors), None, None)
 
 
 class _RmsNorm(torch.autograd.Function):
-    """``npu_rms_norm``: the output and the reciprocal RMS (float32, the normalized dims kept as ones), which its
-    backward reads with the input and the weight."""
+    """``npu_rms_norm``: its backward reads the input, the weight and the reciprocal RMS."""
 
     @staticmethod
     def forward(ctx, x, gamma):
-        lead = x.shape[:x.dim() - gamma.dim()]
-        rstd = x.new_empty(*lead, *[1] * gamma.dim(), dtype=torch.float32)
+        y, rstd = kernels.rms_norm(x, gamma)
         ctx.save_for_backward(x, gamma, rstd)
         ctx.mark_non_differentiable(rstd)
-        return torch.empty_like(x), rstd
+        return y, rstd
 
     @staticmethod
     def backward(ctx, dy, _):
-        x, gamma, _ = ctx.saved_tensors
-        return torch.empty_like(x), torch.empty_like(gamma)
+        return kernels.rms_norm_grad(dy, *ctx.saved_tensors)
 
 
 class _RotaryMul(torch.autograd.Function):
@@ -114,12 +109,12 @@ class _RotaryMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, r1, r2):
         ctx.save_for_backward(x, r1, r2)
-        return torch.empty_like(x)
+        return kernels.rotary_mul(x, r1, r2)
 
     @staticmethod
     def backward(ctx, dy):
-        x, r1, r2 = ctx.saved_tensors
-        return tuple(torch.empty_like(t) if need else None for t, need in zip((x, r1, r2), ctx.needs_input_grad))
+        grads = kernels.rotary_mul_grad(dy, *ctx.saved_tensors)
+        return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad))
 
 
 class FakeTorchNPU(types.ModuleType):
@@ -161,25 +156,24 @@ class FakeTorchNPU(types.ModuleType):
 
     def npu_moe_init_routing(self, x, row_idx, expert_idx, active_num):
         self._called("npu_moe_init_routing", x, row_idx, expert_idx)
-        N, K = expert_idx.shape
-        return (x.new_empty(min(N, active_num) * K, x.shape[-1]), x.new_empty(N * K, dtype=torch.int32),
-                x.new_empty(N * K, dtype=torch.int32))
+        return kernels.moe_init_routing(x, row_idx, expert_idx, active_num)
 
     def npu_grouped_matmul(self, x, weight, *, group_list, split_item, group_type, **_):
         """One x and one weight: group_type 0 (x's rows in groups, weight [E, K, N]) -> [[M, N]]; group_type 2 (the
         contraction in groups, x [K, M], weight [M, N]) -> [[G, K, N]]."""
         self._called("npu_grouped_matmul", x, weight, group_list)
         (a,), (b,) = x, weight
-        if (group_type, split_item) == (0, 2):
-            return [a.new_empty(a.shape[0], b.shape[-1])]
-        if (group_type, split_item) == (2, 3):
-            return [a.new_empty(group_list.numel(), a.shape[0], b.shape[-1])]
+        if (group_type, split_item) in ((0, 2), (2, 3)):
+            return [kernels.grouped_matmul(a, b, group_list, group_type)]
         raise NotImplementedError(f"FakeTorchNPU.npu_grouped_matmul: group_type {group_type}, split_item "
                                   f"{split_item}")
 
     def npu_moe_finalize_routing(self, rows, skip1, skip2, bias, scales, src_to_dst, expert_for_row):
         self._called("npu_moe_finalize_routing", rows, skip1, skip2, bias, scales, src_to_dst, expert_for_row)
-        return rows.new_empty(scales.shape[0], rows.shape[1])
+        if skip1 is not None or skip2 is not None or bias is not None:
+            raise NotImplementedError("FakeTorchNPU.npu_moe_finalize_routing: skip1, skip2 and bias (rlflow passes "
+                                      "None)")
+        return kernels.moe_finalize_routing(rows, scales, src_to_dst, expert_for_row)
 
 
 @contextmanager
@@ -187,14 +181,23 @@ def program():
     """Within the block, ``torch_npu`` is a ``FakeTorchNPU`` (yielded) and tensors are fake, the ``npu`` device
     this process's fake one (``fake_device``); a real tensor an op takes is made fake (a CPU tensor copied to the
     device)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     fake_device()
     before, fake = sys.modules.get("torch_npu"), FakeTorchNPU()
     sys.modules["torch_npu"] = fake
+    elementwise = FakeTensor.tolist
+
+    def tolist(t):
+        """One copy to the host, as a device's ``tolist`` is (a fake tensor's reads it element by element: an op
+        each in a trace); the copy is a real CPU tensor where a dry run's values mode knows its value."""
+        host = t.cpu()
+        return elementwise(host) if isinstance(host, FakeTensor) else host.tolist()
+    FakeTensor.tolist = tolist
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
             yield fake
     finally:
+        FakeTensor.tolist = elementwise
         if before is None:
             sys.modules.pop("torch_npu", None)
         else:

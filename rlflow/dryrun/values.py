@@ -130,6 +130,8 @@ class Values(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace == "prim":  # a metadata query (a fake tensor's device): no value to follow
+            return func(*args, **kwargs)
         metas = _metas(args, kwargs)
         if self.device != "meta" and not metas and not _made_on(self.device, args, kwargs):
             with self._real():  # CPU tensors stay real, as beside meta ones
