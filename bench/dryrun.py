@@ -120,8 +120,8 @@ def run_case(name: str, world_check: bool, op_s: float, device: str = "meta") ->
     secs = time.perf_counter() - t0
     from rlflow.dryrun.cost import DATASHEETS
     predictions = [priced(case, steps, sheet, op_s) for sheet in DATASHEETS.values()]
-    print(f"{case.model} on {case.world} ({device} tensors): train {train.mesh} -> rollout {rollout.mesh}; {case.prompts} prompts x "
-          f"{case.group_size}, {case.prompt_len} + {case.response_len} tokens, remat {case.remat}; the step for "
+    print(f"{case.model} on {case.world} ({device} tensors): train {train.mesh} -> rollout {rollout.mesh}; "
+          f"{case.prompts} prompts x {case.group_size}, {case.prompt_len} + {case.response_len} tokens, remat {case.remat}; the step for "
           f"{'every rank' if world_check else f'{len(classes)} shape classes'}, the transition for every rank: "
           f"largest peak {peak / 1e9:.2f} GB (per stage: "
           f"{', '.join(f'{s} {b / 1e9:.2f}' for s, b in stages.items())}); transition ledger "
@@ -141,7 +141,8 @@ def run_case(name: str, world_check: bool, op_s: float, device: str = "meta") ->
               f"{g['step_s']:g} s, {g['tps']:g} tokens per device per second", flush=True)
         print(f"    pools_projection's roofline for the same step: "
               + ", ".join(f"{k} {v:g} s" for k, v in p["roofline_s"].items()), flush=True)
-    return {"model": case.model, "world": case.world, "device": device, "train": str(train.mesh), "rollout": str(rollout.mesh),
+    return {"model": case.model, "world": case.world, "device": device, "train": str(train.mesh),
+            "rollout": str(rollout.mesh),
             "rows": case.prompts * case.group_size, "tokens": [case.prompt_len, case.response_len], "remat": case.remat,
             "rank_classes": len(classes), "ranks_stepped": len(steps), "stage_peaks": stages,
             "peak_bytes_max": peak, "ledger_bytes_max": max(t.ledger_peak_bytes for t in moves),

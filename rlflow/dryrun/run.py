@@ -188,7 +188,8 @@ class DryFlow:
         full = {k: torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, pad))
                 for k, v in rows.tensors().items() if k.endswith(("_BTr", "_BTrMK"))}
         full["response_mask_BTr"] = torch.ones(n, self.response_len, dtype=torch.bool, device=self.device)
-        index = torch.arange(n, device=self.device)  # the picked rows come in whole groups of G: row i is of prompt i // G
+        index = torch.arange(n, device=self.device)  # the picked rows come in whole groups of G: row i is of
+        # prompt i // G
         rows = rows.replace(**full, index_B=index, group_B=index // self.G)
         return rows, {c: self.cols[c][pick] for c in columns if c in self.cols}
 
@@ -199,7 +200,7 @@ class DryFlow:
 @contextmanager
 def _uploads(watch: Watch):
     """A swap-in copies host memory to the device; on meta both are meta and ``Tensor.to`` would hand back the
-    host tensor itself, uncounted: in the dry run the copy is a fresh device tensor (``sharding.execute`` and
+    host tensor itself, uncounted: in the dry run the copy is a fresh device tensor (on a fake NPU, of its device) (``sharding.execute`` and
     the critic's swap move tensors back through ``execute.to_device``)."""
     from rlflow.algos import critic
     real = execute.to_device
@@ -259,10 +260,11 @@ def staged(ctx, watch: Watch):
 
 
 def step(case: StepCase, rank: int) -> RankTrace:
-    """Rank ``rank``'s one RL step of ``case`` (``runtime.step.step``, colocated, GRPO) on meta tensors in a fake
-    world of ``case.world``: the transition, generation (prefill and ``response_tokens`` draws), the swap back,
-    scoring, the dock, the reference and old log-probs and the update with its AdamW step. Its trace has the
-    collectives, the peak of live device bytes per stage (``stage_peaks``) and the host reads no value knew."""
+    """Rank ``rank``'s one RL step of ``case`` (``runtime.step.step``, colocated, GRPO) on meta tensors (or a fake
+    NPU's: ``case.device``) in a fake world of ``case.world``: the transition, generation (prefill and
+    ``response_tokens`` draws), the swap back, scoring, the dock, the reference and old log-probs and the update
+    with its AdamW step. Its trace has the collectives, the peak of live device bytes per stage (``stage_peaks``)
+    and the host reads no value knew."""
     from rlflow.models.config import get_config
     from rlflow.runtime import state as runstate, step as steps
 

@@ -16,6 +16,9 @@ mode that gives small meta tensors a *value*, a CPU tensor computed alongside by
 - an in-place op that a value cannot follow (a meta input without one) poisons the storage it writes: any later
   read of a value there is an error, never a stale number.
 
+The same holds for a fake accelerator's tensors (``FakeTensorMode``'s, a dry run on a fake NPU: ``device``), where
+the ops on CPU tensors alone run for real, outside the fake mode, as they do beside meta tensors.
+
 A host read (``item``, ``tolist``, ``bool``, a copy to the CPU) of a meta tensor returns its value; of one without
 a value it returns ``unknown`` (0.0 by default: the update's figures, a loss; a flag reads True: a finiteness
 check passes) and is counted per call site (``unknown_reads``): a read that steers the computation shows there.
@@ -96,7 +99,8 @@ class Values(TorchDispatchMode):
         self.unknown_reads: dict[str, int] = {}  # call site -> count
 
     def value(self, t):
-        """The value of meta tensor ``t``, or None (unknown, or its storage written by an op no value follows)."""
+        """The value of dry tensor ``t`` (meta, or fake), or None (unknown, or its storage written by an op no value
+        follows)."""
         if not _dry(t):
             return t
         key = StorageWeakRef(t.untyped_storage())
