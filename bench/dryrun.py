@@ -121,7 +121,8 @@ def run_case(name: str, world_check: bool, op_s: float, device: str = "meta") ->
     from rlflow.dryrun.cost import DATASHEETS
     predictions = [priced(case, steps, sheet, op_s) for sheet in DATASHEETS.values()]
     print(f"{case.model} on {case.world} ({device} tensors): train {train.mesh} -> rollout {rollout.mesh}; "
-          f"{case.prompts} prompts x {case.group_size}, {case.prompt_len} + {case.response_len} tokens, remat {case.remat}; the step for "
+          f"{case.prompts} prompts x {case.group_size}, {case.prompt_len} + {case.response_len} tokens, remat "
+          f"{case.remat}; the step for "
           f"{'every rank' if world_check else f'{len(classes)} shape classes'}, the transition for every rank: "
           f"largest peak {peak / 1e9:.2f} GB (per stage: "
           f"{', '.join(f'{s} {b / 1e9:.2f}' for s, b in stages.items())}); transition ledger "

@@ -200,8 +200,8 @@ class DryFlow:
 @contextmanager
 def _uploads(watch: Watch):
     """A swap-in copies host memory to the device; on meta both are meta and ``Tensor.to`` would hand back the
-    host tensor itself, uncounted: in the dry run the copy is a fresh device tensor (on a fake NPU, of its device) (``sharding.execute`` and
-    the critic's swap move tensors back through ``execute.to_device``)."""
+    host tensor itself, uncounted: in the dry run the copy is a fresh device tensor (on a fake NPU, of its device;
+    ``sharding.execute`` and the critic's swap move tensors back through ``execute.to_device``)."""
     from rlflow.algos import critic
     real = execute.to_device
 
