@@ -7,12 +7,14 @@ Here the model runs as an NPU would run it: its tensors are ``FakeTensorMode``'s
 no storage) on a device of type ``npu`` (torch's PrivateUse1 key renamed, as torch_npu renames it, with torch's
 device guard of Python: a CPU build of torch has no CUDA guard, and autograd aborts the process on a fake
 ``cuda`` tensor), the registry picks the NPU entries as for a real NPU tensor, and ``FakeTorchNPU`` stands in
-for torch_npu: each operator rlflow calls, its outputs shaped as torch_npu's own meta registrations shape them,
-differentiable where torch_npu's are, saving for its backward what torch_npu's saves. A tensor left on the
-CPU in the model's way fails here as on the device (FakeTensorMode refuses to mix devices).
+for torch_npu: each operator rlflow calls, one kernel of ``npu_kernels`` (its outputs shaped as torch_npu's own
+meta registrations shape them, its FLOPs counted), differentiable where torch_npu's are, saving for its backward
+what torch_npu's saves. A tensor left on the CPU in the model's way fails here as on the device (FakeTensorMode
+refuses to mix devices). ``model_program`` runs the model alone; ``run.step`` the whole step with
+``StepCase(device="npu")``; both within ``program``.
 
-``fake_device`` renames the process's PrivateUse1 device for the rest of its life (torch allows it once):
-``model_program`` runs in a process of its own (tests spawn one).
+``fake_device`` renames the process's PrivateUse1 device for the rest of its life (torch allows it once): a run
+on it takes a process of its own (tests spawn one; ``bench/dryrun.py --device npu`` is one).
 """
 
 from __future__ import annotations
