@@ -1,7 +1,6 @@
 """The whole-step cost model against this machine (issue 44): each stage's time predicted from the dry run's trace
 (``dryrun.step`` on meta tensors: per op its FLOPs, bytes and fresh bytes) at the rates micro-benchmarks measure
-here (``dryrun.calibrate.measure``: before and after the real steps, the faster of the two per rate,
-``calibrate.fastest``), beside the same step run for real (``dryrun.real``: CPU tensors, random weights).
+here (``dryrun.calibrate.measure``), beside the same step run for real (``dryrun.real``: CPU tensors, random weights).
 
 Definitions: measured = the median over steps 2.. of the step's stage clocks (``runtime.step``'s laps: the
 rollout is the transition, generation (prefill and decode) and swap back; scoring; the reference log-probs with the
@@ -44,8 +43,7 @@ def _routed(routing: str):
 
 def _measure(model: str):
     """This machine's rates (``calibrate.measure``), measured in a process kept as the recipe's
-    (``dryrun.as_the_recipe``), as the step they predict runs. A rank measures them before and after its steps and
-    keeps the fastest of the two (``calibrate.fastest``), as the steps' median leaves out a disturbed step."""
+    (``dryrun.as_the_recipe``), as the step they predict runs."""
     from rlflow import dryrun
     from rlflow.dryrun.calibrate import measure
     dryrun.as_the_recipe()
@@ -54,14 +52,13 @@ def _measure(model: str):
 
 def _rank(rank: int, world: int, case, steps: int, dock, routing: str) -> tuple:
     """One rank of the real run: this machine's rates measured (every rank at once: the link, and the memory as
-    the ranks share it) around ``steps`` steps; (the rates, each step's stage clocks, the real trace's ops)."""
+    the ranks share it), then ``steps`` steps; (the rates, each step's stage clocks, the real trace's ops)."""
     from rlflow import dryrun
-    from rlflow.dryrun.calibrate import fastest
-    before = _measure(case.model)
+    rates = _measure(case.model)
     own = dryrun.RankTrace(rank)
     with _routed(routing):
         _, outs = dryrun.real(case, rank, dock, steps=steps, watch=dryrun.Watch(own, device="cpu"))
-    return fastest(before, _measure(case.model)), [o.figures.times for o in outs], own.stage_ops
+    return rates, [o.figures.times for o in outs], own.stage_ops
 
 
 # a pool's rank runs no transition: its pool has one layout
@@ -70,13 +67,11 @@ POOL_STAGES = {name: tuple(s for s in parts if s not in ("transition", "swap bac
 
 def _pool_rank(rank: int, world: int, case, steps: int, dock, routing: str) -> tuple:
     """One rank of the real run on separate pools (rank 0 generates and scores, rank 1 trains): the rates measured
-    (both ranks at once) around ``steps`` steps; (the rates, the train rank's metrics of each step)."""
+    (both ranks at once), then ``steps`` steps; (the rates, the train rank's metrics of each step)."""
     from rlflow import dryrun
-    from rlflow.dryrun.calibrate import fastest
-    before = _measure(case.model)
+    rates = _measure(case.model)
     with _routed(routing):
-        history = dryrun.real_pools(rank, world, case, dock, steps=steps)
-    return fastest(before, _measure(case.model)), history
+        return rates, dryrun.real_pools(rank, world, case, dock, steps=steps)
 
 
 def run_pools(model: str, steps: int, routing: str = "balanced") -> dict:

@@ -449,17 +449,3 @@ def test_a_few_executed_decode_steps_price_the_whole_responses_decode():
                               response_len=R)["decode"]
         assert got.bytes == pytest.approx(want.bytes, rel=0.02) and got.seconds == pytest.approx(want.seconds,
                                                                                                   rel=0.02), executed
-
-
-def test_the_fastest_of_two_measurements_takes_each_rate_at_its_best():
-    """``calibrate.fastest``: per table entry the higher rate, the cheaper issue and link latency, the faster link."""
-    from rlflow.dryrun.calibrate import fastest
-    from rlflow.dryrun.cost import Rates
-    a = Rates("a", {"mm:bfloat16": ((1.0, 10.0), (64.0, 50.0))}, ((4.0, 1.0), (8.0, 4.0)), ((8.0, 2.0),), 2e-6,
-              link=5.0, link_s=1e-4)
-    b = Rates("b", {"mm:bfloat16": ((1.0, 20.0), (64.0, 30.0))}, ((4.0, 3.0), (8.0, 2.0)), ((8.0, 1.0),), 3e-6,
-              link=4.0, link_s=5e-5)
-    r = fastest(a, b)
-    assert r.matmul == {"mm:bfloat16": ((1.0, 20.0), (64.0, 50.0))}
-    assert r.memory == ((4.0, 3.0), (8.0, 4.0)) and r.fresh == ((8.0, 2.0),)
-    assert (r.op_s, r.link, r.link_s) == (2e-6, 5.0, 5e-5)

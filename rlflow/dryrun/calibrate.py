@@ -1,6 +1,6 @@
 """The rates of the device at hand (``cost.Rates``), by micro-benchmark: what issuing an op of rlflow's code costs
 (``issue_seconds``), matmuls by kernel, dtype and smallest dimension from cold caches, copies into memory in use and
-into fresh memory, and the link of the process group (``link_seconds``): ``measure``; ``fastest`` of several."""
+into fresh memory, and the link of the process group (``link_seconds``): ``measure``."""
 
 from __future__ import annotations
 
@@ -116,19 +116,6 @@ def measure(device: str = "cpu", *, model: str = "qwen3-moe-tiny", dtypes=("bflo
     return Rates(f"measured on {device}", matmul, tuple(memory), tuple(fresh), op_s, link=link, link_s=link_s)
 
 
-def fastest(*measured: Rates) -> Rates:
-    """Per entry the fastest of several ``measure``s of one device (taken around the work they price): a busy
-    machine only slows a micro-benchmark, so the fastest is the least disturbed."""
-    first = measured[0]
-
-    def table(pick):
-        return tuple((size, max(pick(r)[i][1] for r in measured)) for i, (size, _) in enumerate(pick(first)))
-    return Rates(first.name, {k: table(lambda r, k=k: r.matmul[k]) for k in first.matmul},
-                 table(lambda r: r.memory), table(lambda r: r.fresh), min(r.op_s for r in measured),
-                 link=max(r.link for r in measured), link_s=min(r.link_s for r in measured), queued=first.queued,
-                 kernel_s=first.kernel_s, host=max(r.host for r in measured))
-
-
 def link_seconds(device: torch.device | str = "cpu", small: int = 1 << 10, large: int = 64 << 20
                  ) -> tuple[float, float]:
     """(bytes/s, seconds beyond its bytes) of the default process group's all-reduce of tensors on ``device``: the
@@ -154,4 +141,4 @@ def _fixed(fn, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-__all__ = ["fastest", "issue_seconds", "link_seconds", "measure"]
+__all__ = ["issue_seconds", "link_seconds", "measure"]
