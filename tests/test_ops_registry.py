@@ -392,26 +392,57 @@ def test_the_npu_experts_train_through_the_grouped_matmul_and_its_two_backward_c
         torch.testing.assert_close(a.double(), b, atol=5e-2, rtol=5e-2)
 
 
+def _computing_fusion(calls):
+    """A stand-in ``npu_fusion_attention`` computing what the documentation says (BNSD or BSND; True in
+    ``atten_mask``: may NOT attend), recording (layout, q, k, v) of each call."""
+    def fusion(q, k, v, head_num, layout, *, atten_mask=None, scale=1.0, keep_prob=1.0):
+        calls.append((layout, q, k, v))
+        if layout == "BSND":
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        rep = head_num // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if atten_mask is None else ~atten_mask, scale=scale)
+        return (out.transpose(1, 2).contiguous() if layout == "BSND" else out,)
+    return fusion
+
+
+def test_the_npu_attention_takes_projections_as_they_lie(monkeypatch):
+    """Queries, keys and values that are views of [B, S, N, d] projections (each token's heads side by side, rows
+    of a fused projection) go to the kernel as BSND, uncopied, and its output comes back a view in the layout the
+    output projection reads: the reference's attention and gradients; a KV cache's [B, N, S, d] keys go as BNSD."""
+    calls = []
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu_fusion_attention=_computing_fusion(calls)))
+    g = _g(12)
+    qkv = torch.randn(2, 5, 4 + 2 + 2, 16, generator=g, requires_grad=True)  # a fused projection's rows
+    q, k, v = (t.transpose(1, 2) for t in qkv.split([4, 2, 2], dim=2))
+    mask = ops.causal_padding_mask(torch.tensor([[True] * 5, [False, True, True, True, True]]), 0, 5)
+    out = registry.lookup("attention", "npu")(q, k, v, mask, scale=0.3)
+    ref = registry.get_reference("attention")(q, k, v, mask, scale=0.3)
+    (layout, a, b, c), = calls
+    assert layout == "BSND" and [t.data_ptr() for t in (a, b, c)] == [t.data_ptr() for t in (q, k, v)]
+    assert out.shape == (2, 4, 5, 16) and out.transpose(1, 2).is_contiguous()
+    torch.testing.assert_close(out, ref)
+    dy = torch.randn(out.shape, generator=g)
+    torch.testing.assert_close(torch.autograd.grad(out, qkv, dy)[0], torch.autograd.grad(ref, qkv, dy)[0])
+    cache = torch.randn(2, 2, 7, 16, generator=g)  # [B, K, S, d]
+    registry.lookup("attention", "npu")(q[:, :, -1:], cache, cache, None)
+    assert calls[-1][0] == "BNSD"
+
+
 @pytest.mark.parametrize("K", [4, 1])
 def test_the_npu_attention_takes_mlas_narrower_values_padded_to_the_queries_width(monkeypatch, K):
     """DeepSeek's values (128 wide against 192 for its queries; ``K``: MLA's absorbed decode attends one latent
     head) reach the fused kernel padded with zeros and come back sliced: the reference's attention and its
     gradients, with a stand-in computing what the documentation says (True in ``atten_mask``: may NOT attend)."""
-    widths = []
-
-    def fusion(q, k, v, head_num, layout, *, atten_mask=None, scale=1.0, keep_prob=1.0):
-        widths.append(v.shape[-1])
-        rep = head_num // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        return (torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=~atten_mask, scale=scale),)
-
-    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu_fusion_attention=fusion))
+    calls = []
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu_fusion_attention=_computing_fusion(calls)))
     g = _g(11)
     q, k, v = (torch.randn(2, h, 5, w, generator=g, requires_grad=True) for h, w in ((4, 24), (K, 24), (K, 16)))
     mask = ops.causal_padding_mask(torch.tensor([[True] * 5, [False, True, True, True, True]]), 0, 5)
     out = registry.lookup("attention", "npu")(q, k, v, mask, scale=0.3)
     ref = registry.get_reference("attention")(q, k, v, mask, scale=0.3)
-    assert widths == [24] and out.shape == (2, 4, 5, 16)
+    assert [c[3].shape[-1] for c in calls] == [24] and out.shape == (2, 4, 5, 16)
     torch.testing.assert_close(out, ref)
     dy = torch.randn(out.shape, generator=g)
     for a, b in zip(torch.autograd.grad(out, (q, k, v), dy), torch.autograd.grad(ref, (q, k, v), dy)):

@@ -75,19 +75,21 @@ def fake_device() -> None:
 
 
 class _Attention(torch.autograd.Function):
-    """``npu_fusion_attention`` (BNSD): its backward (``npu_fusion_attention_grad``) reads the inputs, the output
+    """``npu_fusion_attention`` (BNSD or BSND): its backward (``npu_fusion_attention_grad``) reads the inputs, the output
     and the softmax's max and sum."""
 
     @staticmethod
-    def forward(ctx, q, k, v, head_num: int, mask):
-        out, smax, ssum = kernels.fusion_attention(q, k, v, head_num, mask)
+    def forward(ctx, q, k, v, head_num: int, layout: str, mask):
+        out, smax, ssum = kernels.fusion_attention(q, k, v, head_num, layout, mask)
+        ctx.layout = layout
         ctx.save_for_backward(q, k, v, out, smax, ssum, mask)
         ctx.mark_non_differentiable(smax, ssum)
         return out, smax, ssum
 
     @staticmethod
     def backward(ctx, dout, *_):
-        return (*kernels.fusion_attention_grad(dout, *ctx.saved_tensors), None, None)
+        *saved, mask = ctx.saved_tensors
+        return (*kernels.fusion_attention_grad(dout, *saved, ctx.layout, mask), None, None, None)
 
 
 class _RmsNorm(torch.autograd.Function):
@@ -143,10 +145,10 @@ class FakeTorchNPU(types.ModuleType):
 
     def npu_fusion_attention(self, q, k, v, head_num, input_layout, *, atten_mask=None, **_):
         self._called("npu_fusion_attention", q, k, v, atten_mask)
-        if input_layout != "BNSD":
+        if input_layout not in ("BNSD", "BSND"):
             raise NotImplementedError(f"FakeTorchNPU.npu_fusion_attention: input_layout {input_layout!r} (rlflow "
-                                      "passes BNSD)")
-        out, smax, ssum = _Attention.apply(q, k, v, head_num, atten_mask)
+                                      "passes BNSD or BSND)")
+        out, smax, ssum = _Attention.apply(q, k, v, head_num, input_layout, atten_mask)
         return out, smax, ssum, q.new_empty(0), 0, 0, 0
 
     def npu_moe_gating_top_k_softmax(self, x, finished=None, k=1):

@@ -1,6 +1,7 @@
 """The kernels of the stood-in torch_npu (``dryrun.npu.FakeTorchNPU``) as ``torch.library`` ops of namespace
-``rlflow_npu``: each one op in a trace, as on the device one kernel, its outputs shaped as torch_npu's meta
-registrations shape them (a fake implementation: no kernel runs anywhere; called on real tensors they raise) and
+``rlflow_npu``: each one op in a trace, as on the device one kernel, its outputs shaped (and strided: an
+element-wise kernel's output is laid out as its input, ``empty_like``) as torch_npu's meta registrations shape them
+(a fake implementation: no kernel runs anywhere; called on real tensors they raise) and
 its FLOPs counted by ``cost.FLOPS`` (attention and the grouped matmul; the rest move bytes), so that a fake NPU's
 trace prices as the device's program."""
 
@@ -26,34 +27,36 @@ def _op(name: str, fake):
     return op
 
 
-def _fusion_attention(q: Tensor, k: Tensor, v: Tensor, head_num: int, mask: Optional[Tensor]
+def _fusion_attention(q: Tensor, k: Tensor, v: Tensor, head_num: int, layout: str, mask: Optional[Tensor]
                       ) -> tuple[Tensor, Tensor, Tensor]:
-    """BNSD: the output and the softmax's max and sum per query ([B, N, S1, 8] float32 each)."""
-    stats = (q.shape[0], head_num, q.shape[2], 8)
-    return q.new_empty(q.shape), q.new_empty(stats, dtype=torch.float32), q.new_empty(stats, dtype=torch.float32)
+    """BNSD or BSND: the output (in the query's layout) and the softmax's max and sum per query ([B, N, S1, 8]
+    float32 each)."""
+    stats = (q.shape[0], head_num, q.shape[2 if layout == "BNSD" else 1], 8)
+    return (torch.empty_like(q).contiguous(), q.new_empty(stats, dtype=torch.float32),
+            q.new_empty(stats, dtype=torch.float32))
 
 
 def _fusion_attention_grad(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, smax: Tensor, ssum: Tensor,
-                           mask: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+                           layout: str, mask: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _rms_norm(x: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
     """The output and the reciprocal RMS (float32, the normalized dims kept as ones)."""
     lead = x.shape[:x.dim() - gamma.dim()]
-    return x.new_empty(x.shape), x.new_empty((*lead, *[1] * gamma.dim()), dtype=torch.float32)
+    return torch.empty_like(x), x.new_empty((*lead, *[1] * gamma.dim()), dtype=torch.float32)
 
 
 def _rms_norm_grad(dy: Tensor, x: Tensor, gamma: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
-    return x.new_empty(x.shape), gamma.new_empty(gamma.shape)
+    return torch.empty_like(x), torch.empty_like(gamma)
 
 
 def _rotary_mul(x: Tensor, r1: Tensor, r2: Tensor) -> Tensor:
-    return x.new_empty(x.shape)
+    return torch.empty_like(x)
 
 
 def _rotary_mul_grad(dy: Tensor, x: Tensor, r1: Tensor, r2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return x.new_empty(x.shape), r1.new_empty(r1.shape), r2.new_empty(r2.shape)
+    return torch.empty_like(x), torch.empty_like(r1), torch.empty_like(r2)
 
 
 def _grouped_matmul(x: Tensor, weight: Tensor, group_list: Tensor, group_type: int) -> Tensor:
@@ -86,21 +89,24 @@ moe_init_routing = _op("moe_init_routing", _moe_init_routing)
 moe_finalize_routing = _op("moe_finalize_routing", _moe_finalize_routing)
 
 
-def _heads(q: Tensor, k: Tensor, v: Tensor):
-    """The attention's shapes with the key and value heads as many as the query's (the kernel's work)."""
-    B, N, S1, d = q.shape
-    return (B, N, S1, d), (B, N, k.shape[2], d), (B, N, v.shape[2], v.shape[3])
+def _bnsd(t: Tensor, layout: str) -> tuple[int, ...]:
+    return tuple(t.shape) if layout == "BNSD" else (t.shape[0], t.shape[2], t.shape[1], t.shape[3])
+
+
+def _heads(q: Tensor, k: Tensor, v: Tensor, layout: str):
+    """The attention's BNSD shapes with the key and value heads as many as the query's (the kernel's work)."""
+    (B, N, S1, d), (_, _, S2, _), (_, _, _, dv) = (_bnsd(t, layout) for t in (q, k, v))
+    return (B, N, S1, d), (B, N, S2, d), (B, N, S2, dv)
 
 
 def _attention_flops(args, out) -> tuple[int, str, int]:
-    q, k, v = args[:3]
-    return sdpa_flop_count(*_heads(q, k, v)), *cost.mm_kernel(q.shape[2], q.shape[3], k.shape[2])
+    qs, ks, vs = _heads(*args[:3], args[4])
+    return sdpa_flop_count(qs, ks, vs), *cost.mm_kernel(qs[2], qs[3], ks[2])
 
 
 def _attention_grad_flops(args, out) -> tuple[int, str, int]:
-    dout, q, k, v = args[:4]
-    qs, ks, vs = _heads(q, k, v)
-    return sdpa_backward_flop_count(dout.shape, qs, ks, vs), *cost.mm_kernel(q.shape[2], q.shape[3], k.shape[2])
+    qs, ks, vs = _heads(*args[1:4], args[7])
+    return sdpa_backward_flop_count((*qs[:3], vs[3]), qs, ks, vs), *cost.mm_kernel(qs[2], qs[3], ks[2])
 
 
 def _grouped_flops(args, out) -> tuple[int, str, int]:
