@@ -18,9 +18,10 @@ def _programs(cases) -> list[dict]:
     return [model_program(model, **kw) for model, kw in cases]
 
 
-def _spawned(cases) -> list[dict]:
+def _spawned(fn, *args):
+    """``fn(*args)`` in a process of its own (the fake device renames its PrivateUse1 key)."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_programs, cases).result(timeout=600)
+        return pool.submit(fn, *args).result(timeout=600)
 
 
 def _without_grad_on_the_cpu(model: str) -> list[str]:
@@ -37,7 +38,7 @@ def _without_grad_on_the_cpu(model: str) -> list[str]:
 def programs():
     cases = [("qwen3-moe-tiny", {}), ("deepseek-tiny", {}), ("llama-tiny", {}),
              ("qwen3-moe-30b-a3b", dict(rows=1, tokens=4096, decode_steps=1))]
-    return dict(zip([m for m, _ in cases], _spawned(cases)))
+    return dict(zip([m for m, _ in cases], _spawned(_programs, cases)))
 
 
 def test_a_moe_model_trains_and_generates_through_the_npu_entries(programs):
@@ -90,8 +91,7 @@ def test_the_step_on_a_fake_npu_runs_the_npu_program_and_issues_the_meta_steps_c
     tests/test_dryrun.py), all-to-all splits included (the fake gating's choices are the values mode's), its
     attention the NPU's (no SDPA kernel in its trace, as in the meta one), each NPU kernel one op with its FLOPs."""
     from rlflow import dryrun
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        npu = pool.submit(_npu_steps, range(STEP["world"])).result(timeout=600)
+    npu = _spawned(_npu_steps, range(STEP["world"]))
     meta = [dryrun.step(dryrun.StepCase(**STEP), r) for r in range(STEP["world"])]
     assert dryrun.mismatched(npu) == []
     for a, b in zip(npu, meta):

@@ -89,16 +89,15 @@ def attention(q_BHTd: Tensor, k_BKSd: Tensor, v_BKSd: Tensor, mask_B1TS: Tensor 
     else:
         masked = None
     scale = d ** -0.5 if scale is None else scale
-    if all(t.stride(3) == 1 and t.stride(1) == t.shape[3] for t in (q_BHTd, k_BKSd, v_BKSd)):
-        # views of [B, S, N, d] projections, each token's heads side by side (training, prefill): given as they lie
-        # (BSND), the kernel's output comes back in that layout, which the output projection reads as it is; BNSD
-        # would come back [B, N, S, d] and be copied for that projection (a [T, D] activation more a layer, kept
-        # for the backward)
-        out = npu.npu_fusion_attention(*(t.transpose(1, 2) for t in (q_BHTd, k_BKSd, v_BKSd)), H, "BSND",
-                                       atten_mask=masked, scale=scale, keep_prob=1.0)[0].transpose(1, 2)
-    else:  # a KV cache's keys and values [B, N, S, d]
-        out = npu.npu_fusion_attention(q_BHTd, k_BKSd, v_BKSd, H, "BNSD", atten_mask=masked, scale=scale,
-                                       keep_prob=1.0)[0]
+    # views of [B, S, N, d] projections, each token's heads side by side (training, prefill): given as they lie
+    # (BSND), the kernel's output comes back in that layout, which the output projection reads as it is; BNSD would
+    # come back [B, N, S, d] and be copied for that projection (a [T, D] activation more a layer, kept for the
+    # backward). A KV cache's keys and values [B, N, S, d] go as BNSD
+    bsnd = all(t.stride(3) == 1 and t.stride(1) == t.shape[3] for t in (q_BHTd, k_BKSd, v_BKSd))
+    qkv = [t.transpose(1, 2) if bsnd else t for t in (q_BHTd, k_BKSd, v_BKSd)]
+    out = npu.npu_fusion_attention(*qkv, H, "BSND" if bsnd else "BNSD", atten_mask=masked, scale=scale,
+                                   keep_prob=1.0)[0]
+    out = out.transpose(1, 2) if bsnd else out
     return out if dv == d else out[..., :dv]
 
 
