@@ -16,7 +16,7 @@ one-process dry trace at the rates measured in the rank that runs it, against th
 
     python bench/cost_model.py                      # qwen3-moe-tiny and qwen3-moe-0.5b, one and two processes
     python bench/cost_model.py --models qwen3-moe-tiny --worlds 2 --steps 6
-    python bench/cost_model.py --models qwen3-moe-0.5b --worlds 1 --ops 8    # where the rates miss, op by op
+    python bench/cost_model.py --models qwen3-moe-0.5b --worlds 2 --ops 8    # where the rates miss, op by op
     python bench/cost_model.py --models qwen3-moe-tiny --worlds 1 --pools    # and separate pools, 1 + 1
 """
 
@@ -50,15 +50,24 @@ def _measure(model: str):
     return measure(model=model)
 
 
-def _rank(rank: int, world: int, case, steps: int, dock, routing: str) -> tuple:
+def _rank(rank: int, world: int, case, steps: int, dock, routing: str, top: int = 0) -> tuple:
     """One rank of the real run: this machine's rates measured (every rank at once: the link, and the memory as
-    the ranks share it), then ``steps`` steps; (the rates, each step's stage clocks, the real trace's ops)."""
+    the ranks share it), then ``steps`` steps; (the rates, each step's stage clocks, the real trace's ops, and with
+    ``top`` where the rates miss: ``op_errors`` of one more step, its ops timed one by one)."""
     from rlflow import dryrun
     rates = _measure(case.model)
     own = dryrun.RankTrace(rank)
     with _routed(routing):
         _, outs = dryrun.real(case, rank, dock, steps=steps, watch=dryrun.Watch(own, device="cpu"))
-    return rates, [o.figures.times for o in outs], own.stage_ops
+        if top:  # the steps above compiled the shapes' kernels
+            timed = dryrun.RankTrace(rank)
+            _, (out,) = dryrun.real(case, rank, dock, watch=dryrun.Watch(timed, device="cpu", timed=True))
+    errors = {}
+    if top:
+        errors = op_errors(timed, rates, top)
+        for name, e in errors.items():
+            e["clock_s"] = out.figures.times[LAPS[name]]
+    return rates, [o.figures.times for o in outs], own.stage_ops, errors
 
 
 # a pool's rank runs no transition: its pool has one layout
@@ -103,25 +112,25 @@ def run_pools(model: str, steps: int, routing: str = "balanced") -> dict:
                 step=dict(measured_s=step, slower_pool_predicted_s=bound, ratio=bound / step))
 
 
-def op_errors(case, rates, top: int, routing: str) -> dict:
-    """Where the rates miss, one process: the real step's ops timed one by one (a timed ``Watch``, on a second run:
-    the first compiled the shapes' kernels), per stage the ``top`` kinds of op (name, matmul kernel, dtype) whose
-    summed time is furthest from their predicted work (``Rates.work``: the issue left out)."""
-    from rlflow import dryrun
-    own = dryrun.RankTrace(0)
-    with _routed(routing):
-        dryrun.real(case, 0, None)
-        dryrun.real(case, 0, None, watch=dryrun.Watch(own, device="cpu", timed=True))
+def op_errors(own, rates, top: int) -> dict:
+    """Where the rates miss: per stage of ``own`` (a timed ``Watch``'s trace of a real step, its ops timed one by
+    one; a collective's time is its issue alone: the transfer and the wait for the peers come in the ``Work``'s
+    wait, outside the op) the stage's clock and its ops' timed and predicted seconds summed (the clock's time
+    outside the ops: collectives' waits, Python between ops), and the ``top`` kinds of op (name, matmul kernel,
+    dtype) whose summed time is furthest from their predicted work (``Rates.work``: the issue left out)."""
     out = {}
     for name, parts in STAGES.items():
         by: dict = {}
+        timed = predicted = 0.0
         for p in parts:
             for c, secs in own.op_seconds.get(p, {}).items():
                 n = own.stage_ops[p][c]
                 m, w, k = by.get((c.op, c.kernel, c.dtype), (0.0, 0.0, 0))
                 by[(c.op, c.kernel, c.dtype)] = (m + secs, w + n * rates.work(c), k + n)
-        out[name] = [dict(op=" ".join(x for x in key if x), ops=k, timed_s=m, work_s=w)
-                     for key, (m, w, k) in sorted(by.items(), key=lambda kv: -abs(kv[1][0] - kv[1][1]))[:top]]
+                timed, predicted = timed + secs, predicted + n * rates.seconds(c)
+        out[name] = dict(timed_s=timed, predicted_s=predicted, kinds=[
+            dict(op=" ".join(x for x in key if x), ops=k, timed_s=m, work_s=w)
+            for key, (m, w, k) in sorted(by.items(), key=lambda kv: -abs(kv[1][0] - kv[1][1]))[:top]])
     return out
 
 
@@ -135,18 +144,18 @@ def run(model: str, world: int, steps: int, top: int = 0, routing: str = "balanc
     traces = [dryrun.step(case, r) for r in range(world)]
     dry_s = time.perf_counter() - t0
     if world == 1:
-        ranks = [_rank(0, 1, case, steps, None, routing)]
+        ranks = [_rank(0, 1, case, steps, None, routing, top)]
     else:
         from rlflow.runtime.launch.local import spawn
         with dryrun.real_dock(case, warehouses=world) as dock:
-            ranks = spawn(_rank, world, case, steps, dock, routing)
+            ranks = spawn(_rank, world, case, steps, dock, routing, top)
     # each rank's dry and real traces priced at its own rates
-    dry = [cost.predict(t.stage_ops, rates) for t, (rates, _, _) in zip(traces, ranks)]
-    real = [cost.predict(ops, rates) for rates, _, ops in ranks]
+    dry = [cost.predict(t.stage_ops, rates) for t, (rates, *_) in zip(traces, ranks)]
+    real = [cost.predict(ops, rates) for rates, _, ops, _ in ranks]
     rows = {}
     for name, parts in STAGES.items():
         # a stage ends when its slowest rank's does: each figure the largest over the ranks
-        measured = max(statistics.median(t[LAPS[name]] for t in times[1:]) for _, times, _ in ranks)
+        measured = max(statistics.median(t[LAPS[name]] for t in times[1:]) for _, times, *_ in ranks)
         pred, pred_real = (max(sum(p[s].seconds for s in parts if s in p) for p in ps) for ps in (dry, real))
         rows[name] = dict(measured_s=measured, predicted_s=pred, ratio=pred / measured,
                           real_trace_ratio=pred_real / measured,
@@ -155,9 +164,8 @@ def run(model: str, world: int, steps: int, top: int = 0, routing: str = "balanc
                           gflops=sum(dry[0][p].flops for p in parts if p in dry[0]) / 1e9,
                           collective_mb=sum(dry[0][p].collective_bytes for p in parts if p in dry[0]) / 1e6)
     rates = ranks[0][0]
-    errors = op_errors(case, rates, top, routing) if top and world == 1 else {}
     return dict(model=model, world=world, routing=routing, layouts=LAYOUTS[world], dry_seconds=dry_s, stages=rows,
-                op_errors=errors,
+                op_errors=[r[3] for r in ranks],
                 rates=dict(op_us=rates.op_s * 1e6, mm_gflops=rates.matmul["mm:bfloat16"][-1][1] / 1e9,
                            copy_gbps=rates.memory[-1][1] / 1e9,
                            link_gbps=None if rates.link == float("inf") else rates.link / 1e9,
@@ -175,8 +183,8 @@ def main() -> None:
     ap.add_argument("--pools", action="store_true", help="also separate pools of one process each (generate and "
                                                          "score; train), at max staleness 1, per model")
     ap.add_argument("--ops", type=int, default=0, metavar="N",
-                    help="one process: per stage the N kinds of op whose timed seconds are furthest from their "
-                         "predicted work")
+                    help="per rank and stage the N kinds of op whose timed seconds (one more step, its ops timed one "
+                         "by one) are furthest from their predicted work")
     args = ap.parse_args()
     if args.steps < 2:
         ap.error(f"--steps {args.steps}: the first step warms up; at least 2")
@@ -184,8 +192,8 @@ def main() -> None:
     if any(not w.isdigit() or int(w) not in LAYOUTS for w in worlds):
         ap.error(f"--worlds {args.worlds}: a comma-separated list of {sorted(LAYOUTS)}")
     worlds = [int(w) for w in worlds]
-    if args.ops < 0 or (args.ops and 1 not in worlds):
-        ap.error(f"--ops {args.ops}: a count of op kinds (>= 0), timed in the one-process run (--worlds with 1)")
+    if args.ops < 0:
+        ap.error(f"--ops {args.ops}: a count of op kinds (>= 0)")
     cases = []
     for model in args.models.split(","):
         for world in worlds:
@@ -204,9 +212,12 @@ def main() -> None:
                 print(f"  {name:8s} {s['measured_s']:11.4f} {s['predicted_s']:12.4f} {s['ratio']:6.2f} "
                       f"{s['real_trace_ratio']:11.2f} {s['ops']:>7d}/{s['real_ops']:<6d} {s['gflops']:8.2f} "
                       f"{s['collective_mb']:9.2f}", flush=True)
-            for name, kinds in out["op_errors"].items():
-                print(f"  {name}: timed / predicted work, s: " + "; ".join(
-                    f"{k['op']} x{k['ops']} {k['timed_s']:.4f} / {k['work_s']:.4f}" for k in kinds))
+            for rank, errors in enumerate(out["op_errors"]):
+                for name, e in errors.items():
+                    print(f"  {name} (rank {rank}): its clock {e['clock_s']:.4f} s (its ops timed one by one), the "
+                          f"ops timed {e['timed_s']:.4f} s, predicted {e['predicted_s']:.4f} s; timed / predicted "
+                          f"work, s: " + "; ".join(f"{k['op']} x{k['ops']} {k['timed_s']:.4f} / {k['work_s']:.4f}"
+                                                   for k in e["kinds"]))
     pooled = []
     for model in args.models.split(",") if args.pools else ():
         out = run_pools(model, args.steps, args.routing)

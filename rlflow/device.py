@@ -88,7 +88,7 @@ def synchronize() -> None:
 
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-_MMAP_THRESHOLD = 32 * 2**20  # HEAP_MAX_SIZE / 2 on 64-bit: the most any 64-bit glibc accepts
+MMAP_THRESHOLD = 32 * 2**20  # HEAP_MAX_SIZE / 2 on 64-bit: the most any 64-bit glibc accepts
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,5 +117,5 @@ def keep_host_memory() -> bool:
     except (OSError, AttributeError):
         return False
     done = [mallopt(param, value) == 1 for param, value in (
-        (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 64 * 2**20))]
+        (_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 64 * 2**20))]
     return all(done)

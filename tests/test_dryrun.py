@@ -291,7 +291,8 @@ def _rates():
 def test_an_ops_cost_is_its_flops_and_the_bytes_it_reads_makes_and_writes_in_place():
     """A matmul's FLOPs (2 M K N), its bytes (both inputs read, the output made: fresh); an in-place add reads and
     writes its tensor with nothing fresh; a view costs nothing; a grouped matmul's FLOPs and rows per group; an
-    indexed write in place (a KV cache's rows) touches the rows it writes, not its whole destination."""
+    indexed write in place (a KV cache's rows) touches the rows it writes, not its whole destination; an empty
+    tensor moves nothing and makes its bytes (their first touch comes with whichever op writes it first)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from rlflow.dryrun import cost
@@ -318,22 +319,24 @@ def test_an_ops_cost_is_its_flops_and_the_bytes_it_reads_makes_and_writes_in_pla
         torch._grouped_mm(ga, gb, torch.tensor([4, 8, 12], dtype=torch.int32, device="meta"))
         cache.index_put_((at,), rows)
         cache.index_add_(0, at, rows)
-    mm, add, view, grouped, put, index_add = c.ops
+        torch.empty(1000, 16, device="meta")
+    mm, add, view, grouped, put, index_add, empty = c.ops
     assert mm == cost.OpCost("aten.mm", "float32", 2 * 4 * 8 * 16, 4 * (32 + 128 + 64), 4 * 64, "mm", 4)
     assert add.op == "aten.add_" and add.flops == 0 and add.bytes == 2 * 4 * 64 and add.fresh == 0
     assert view is None
     assert grouped.flops == 2 * 12 * 8 * 16 and (grouped.kernel, grouped.small) == ("grouped_mm", 4)
     assert put.op == "aten.index_put_" and put.bytes == 2 * 3 * 16 * 4 + 3 * 8 and put.fresh == 0
     assert index_add.bytes == 3 * 3 * 16 * 4 + 3 * 8  # the rows read, the source read, the rows written
+    assert empty == cost.OpCost("aten.empty", "float32", 0, 0, 4 * 16000)
 
 
 def test_an_op_costs_its_issue_plus_its_roofline_or_the_longer_of_the_two_on_a_queue():
     """Issue plus the longer of FLOPs (at the rate of the matmul's smallest dimension, interpolated in log-log)
-    and bytes, plus fresh memory's first touch above the table's first size; a collective its latency and bytes;
-    on a queue the longer of issue and work."""
+    and bytes, plus fresh memory's first touch above ``fresh_from`` (an empty tensor's too: no kernel, but its
+    pages); a collective its latency and bytes; on a queue the longer of issue and work."""
     from rlflow.dryrun import cost
     r = cost.Rates("test", {"mm:float32": ((1.0, 1e8), (100.0, 1e9))}, ((1.0, 1e8),), ((1 << 20, 1e7),), op_s=1e-3,
-                   link=1e6, link_s=1e-2)
+                   link=1e6, link_s=1e-2, fresh_from=1 << 19)
     compute = cost.OpCost("aten.mm", "float32", flops=10 ** 7, bytes=10 ** 5, kernel="mm", small=100)  # 10 ms, 1 ms
     skinny = dataclasses.replace(compute, small=10)  # between the table's sizes: 10^8.5 FLOP/s
     memory = cost.OpCost("aten.add", "float32", flops=0, bytes=10 ** 6, fresh=1 << 20)  # 10 ms + 105 ms fresh
@@ -343,6 +346,8 @@ def test_an_op_costs_its_issue_plus_its_roofline_or_the_longer_of_the_two_on_a_q
     assert r.seconds(skinny) == pytest.approx(1e-3 + 1e7 / 10 ** 8.5)
     assert r.seconds(memory) == pytest.approx(1e-3 + 1e-2 + (1 << 20) / 1e7)
     assert r.seconds(small) == pytest.approx(1e-3 + 1e-2)
+    made, reused = (cost.OpCost("aten.empty", "float32", flops=0, bytes=0, fresh=n) for n in (1 << 20, 1 << 10))
+    assert (r.seconds(made), r.seconds(reused)) == pytest.approx((1e-3 + (1 << 20) / 1e7, 1e-3))
     assert r.seconds(coll) == pytest.approx(1e-3 + 1e-2 + 1e-2)
     queued = dataclasses.replace(r, queued=True, op_s=5e-2)
     assert queued.seconds(compute) == pytest.approx(5e-2)
@@ -350,6 +355,7 @@ def test_an_op_costs_its_issue_plus_its_roofline_or_the_longer_of_the_two_on_a_q
     fast = dataclasses.replace(queued, op_s=2e-3, kernel_s=1e-4)
     empty = cost.OpCost("aten.add", "float32", flops=0, bytes=8)  # a kernel's least time, not its 8 bytes'
     assert fast.work(empty) == pytest.approx(1e-4) and fast.seconds(empty) == pytest.approx(2e-3)
+    assert dataclasses.replace(fast, fresh=()).work(made) == 0  # an accelerator's: no kernel, memory cached
     stage = cost.predict({"s": collections.Counter({compute: 1, empty: 10})}, fast)["s"]
     assert (stage.issue_s, stage.work_s, stage.seconds) == pytest.approx((11 * 2e-3, 1e-2 + 10 * 1e-4,
                                                                           1e-2 + 10 * 2e-3))

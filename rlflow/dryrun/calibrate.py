@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from rlflow.device import MMAP_THRESHOLD
 from rlflow.dryrun.cost import MATMULS, Rates
 from rlflow.dryrun.trace import RankTrace, Watch
 
@@ -103,17 +104,20 @@ def measure(device: str = "cpu", *, model: str = "qwen3-moe-tiny", dtypes=("bflo
                 table.append((float(s), sum(2.0 * g * s * k * o for k, o in shapes) / max(t, 1e-9)))
         matmul.update({f"{k}:{name}": tuple(v) for k, v in zip(MATMULS, (mm, mm_k, mm_n, grouped, grouped_k))})
     memory, fresh = [], []
+    # on a CPU glibc maps a block above its mmap threshold afresh at each allocation (at most 32 MiB; exactly that
+    # in a process keeping its memory, ``device.keep_host_memory``, as the recipe's): smaller ones reuse freed memory
+    fresh_from = float(MMAP_THRESHOLD) if dev.type == "cpu" else math.inf
     for kib in (4, 64, 1024, 16384, 65536, 262144):
         x = torch.ones(kib * 256, device=dev)
         y = torch.ones_like(x)
         t = _timed(lambda: y.copy_(x))
         memory.append((2.0 * x.nbytes, 2.0 * x.nbytes / max(t - call_s, 1e-9)))
-        # a clone is the copy into fresh memory: its time beyond the copy's is the first touch of its output. On
-        # a CPU, below glibc's largest mmap threshold (32 MiB) freed memory is reused: no first touch
-        if dev.type == "cpu" and x.nbytes > 32 << 20:
+        # a clone is the copy into fresh memory: its time beyond the copy's is the first touch of its output
+        if x.nbytes > fresh_from:
             fresh.append((float(x.nbytes), x.nbytes / max(_timed(lambda: x.clone()) - t, 1e-9)))
     link, link_s = link_seconds(dev)
-    return Rates(f"measured on {device}", matmul, tuple(memory), tuple(fresh), op_s, link=link, link_s=link_s)
+    return Rates(f"measured on {device}", matmul, tuple(memory), tuple(fresh), op_s, link=link, link_s=link_s,
+                 fresh_from=fresh_from)
 
 
 def link_seconds(device: torch.device | str = "cpu", small: int = 1 << 10, large: int = 64 << 20

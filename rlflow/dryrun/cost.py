@@ -23,10 +23,12 @@ import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 _ATTENTION = {p for p in flop_registry if "attention" in str(p)}
-# ops that move no data: their cost is the dispatch alone
-_SHAPE_ONLY = {"aten.empty", "aten.empty_strided", "aten.empty_like", "aten.new_empty", "aten.new_empty_strided",
-               "aten.lift_fresh", "aten._local_scalar_dense", "aten.sym_size", "aten.sym_stride", "aten.is_same_size",
-               "aten.set_", "aten.resize_", "aten.record_stream"}
+# ops that move no data: their cost is the dispatch alone, and for those making memory (``_EMPTIES``) its first
+# touch: on a CPU the page faults of a block fresh from the kernel come at its first write (a copy into it), whichever
+# op writes first
+_EMPTIES = {"aten.empty", "aten.empty_strided", "aten.empty_like", "aten.new_empty", "aten.new_empty_strided"}
+_SHAPE_ONLY = {*_EMPTIES, "aten.lift_fresh", "aten._local_scalar_dense", "aten.sym_size", "aten.sym_stride",
+               "aten.is_same_size", "aten.set_", "aten.resize_", "aten.record_stream"}
 
 # in-place writes of indexed rows, by the position of their source: they touch the rows written (their source's
 # bytes, read again where they accumulate), not the whole destination (a decode step's KV cache)
@@ -86,7 +88,7 @@ def op_cost(func, args, kwargs, out) -> OpCost | None:
     if func.namespace == "c10d":
         return OpCost(name, dtype, 0, sum(t.numel() * t.element_size() for t in _tensors((args, kwargs))))
     if name in _SHAPE_ONLY:
-        return OpCost(name, dtype, 0, 0)
+        return OpCost(name, dtype, 0, 0, sum(t.numel() * t.element_size() for t in outs) if name in _EMPTIES else 0)
     flops, kernel, small = 0, "", 0
     if name in FLOPS:
         flops, kernel, small = FLOPS[name](args, out)
@@ -141,8 +143,8 @@ class Rates:
     """A device's rates. ``matmul["mm:bfloat16"]`` (a matmul's kernel, ``MATMULS``, and dtype), ``memory`` and
     ``fresh``: (size, rate) pairs, size ascending (a matmul's smallest dimension and FLOP/s; bytes an op moves and
     bytes/s; bytes of new outputs and the rate memory is first touched at: a CPU's page faults, none on an
-    accelerator's caching allocator, and none below its first size), interpolated in log-log and flat beyond
-    the ends."""
+    accelerator's caching allocator, and none at or below ``fresh_from`` bytes), interpolated in log-log and flat
+    beyond the ends."""
     name: str
     matmul: dict[str, tuple[tuple[float, float], ...]]
     memory: tuple[tuple[float, float], ...]
@@ -154,6 +156,8 @@ class Rates:
     # costs the longer of its issue and its work; on a CPU the host does the work, and the two add up
     kernel_s: float = 0.0  # the least time the device spends on a kernel (an accelerator's launch)
     host: float = math.inf  # bytes/s between the device and the host (a swap; a CPU's own memory: free)
+    fresh_from: float = 0.0  # bytes of new outputs above which their memory is fresh (a CPU's mmap threshold:
+    # smaller blocks are freed memory reused)
 
     def seconds(self, op: OpCost) -> float:
         return self.issued(self.work(op))
@@ -168,11 +172,11 @@ class Rates:
             return self.link_s + op.bytes / self.link
         if op.op == HOST_COPY:
             return op.bytes / self.host
-        if op.op in _SHAPE_ONLY:
-            return 0.0
         t = op.bytes / _rate(self.memory, op.bytes) if op.bytes else 0.0
-        if self.fresh and op.fresh >= self.fresh[0][0]:  # smaller: memory an allocator reuses, no first touch
+        if self.fresh and op.fresh > self.fresh_from:
             t += op.fresh / _rate(self.fresh, op.fresh)
+        if op.op in _SHAPE_ONLY:  # no kernel
+            return t
         if op.flops:
             kernel = op.kernel or "mm"  # other counted ops: as matmuls at their peak
             table = self.matmul.get(f"{kernel}:{op.dtype}") or self.matmul[f"{kernel}:float32"]
