@@ -167,7 +167,7 @@ def run(model: str, world: int, steps: int, top: int = 0, routing: str = "balanc
     return dict(model=model, world=world, routing=routing, layouts=LAYOUTS[world], dry_seconds=dry_s, stages=rows,
                 op_errors=[r[3] for r in ranks],
                 rates=dict(op_us=rates.op_s * 1e6, mm_gflops=rates.matmul["mm:bfloat16"][-1][1] / 1e9,
-                           copy_gbps=rates.memory[-1][1] / 1e9,
+                           copy_gbps=rates.memory[-1][1] / 1e9, fresh_gbps=rates.fresh[0][1] / 1e9,
                            link_gbps=None if rates.link == float("inf") else rates.link / 1e9,
                            link_us=rates.link_s * 1e6))
 
@@ -203,9 +203,9 @@ def main() -> None:
             print(f"\n{model}, {world} process(es), train {out['layouts'][0]} / rollout {out['layouts'][1]} (dry "
                   f"traces in {out['dry_seconds']:.0f} s); rates (rank 0): an op issues in {r['op_us']:.2f} us, a "
                   f"1024-side bf16 matmul from cold caches at {r['mm_gflops']:.0f} GFLOP/s, a 256 MiB copy at "
-                  f"{r['copy_gbps']:.0f} GB/s, " + ("no link (one process):" if r["link_gbps"] is None else
-                                                    f"an all-reduce at {r['link_gbps']:.2f} GB/s + "
-                                                    f"{r['link_us']:.0f} us:"))
+                  f"{r['copy_gbps']:.0f} GB/s, into fresh memory at {r['fresh_gbps']:.1f} GB/s (64 MiB), "
+                  + ("no link (one process):" if r["link_gbps"] is None else
+                     f"an all-reduce at {r['link_gbps']:.2f} GB/s + {r['link_us']:.0f} us:"))
             print(f"  {'stage':8s} {'measured s':>11s} {'predicted s':>12s} {'ratio':>6s} {'real trace':>11s} "
                   f"{'ops dry/real':>14s} {'GFLOP':>8s} {'coll. MB':>9s}")
             for name, s in out["stages"].items():

@@ -5,6 +5,7 @@ world's traces catches a planted reorder."""
 import collections
 import contextlib
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -417,6 +418,30 @@ def test_the_link_is_measured_in_a_process_group_and_free_in_one_process():
     assert link_seconds() == (float("inf"), 0.0)
     for rate, latency in spawn(_link, 2):
         assert 0 < latency < 0.1 and 1e6 < rate < float("inf"), (rate, latency)
+
+
+def _lockstep(rank: int, world: int) -> list[int]:
+    """Calls of a timed op whose time differs by rank tenfold, as ``calibrate._timed`` makes them: in batches, and
+    from cold caches (a flush between calls)."""
+    from rlflow.dryrun.calibrate import _timed
+    counts = []
+    for flush in (None, lambda: None):
+        calls = [0]
+
+        def fn():
+            calls[0] += 1
+            time.sleep(0.001 if rank == 0 else 0.01)
+        _timed(fn, min_s=0.03, flush=flush)
+        counts.append(calls[0])
+    return counts
+
+
+@pytest.mark.slow
+def test_a_process_groups_members_time_their_calls_at_once_as_many_as_the_slowest_needs():
+    """The rates are measured on every rank at once, as a step's ranks contend for the memory: each timed call in
+    step across the group, so the faster rank makes as many calls as the slower one (it made more, alone)."""
+    fast, slow = spawn(_lockstep, 2)
+    assert fast == slow, (fast, slow)
 
 
 def test_the_swaps_host_copies_are_the_train_states_bytes_priced_over_the_host_link():

@@ -16,31 +16,50 @@ from rlflow.dryrun.trace import RankTrace, Watch
 
 def _timed(fn, min_s: float = 0.05, flush=None) -> float:
     """Seconds one call of ``fn`` takes: the best of 3 batches of calls lasting at least ``min_s`` each. With
-    ``flush`` (run before each call, untimed): from cold caches, the median of 3 to 50 calls."""
+    ``flush`` (run before each call, untimed): from cold caches, the median of 3 to 50 calls. In a process group
+    every member times its calls at once, as many as the slowest needs (``_anyone``): a step's ranks run the same
+    kernels at once, contending for the memory and the caches they share."""
     fn()
     if flush is not None:
         times = []
-        while len(times) < 3 or (sum(times) < min_s and len(times) < 50):
+        while True:
             flush()
+            if not _anyone(len(times) < 3 or (sum(times) < min_s and len(times) < 50)):
+                break
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
         return sorted(times)[len(times) // 2]
     n, best = 1, math.inf
     while True:
+        _anyone(True)
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
         dt = time.perf_counter() - t0
-        if dt >= min_s:
+        if not _anyone(dt < min_s):
             break
         n *= 2
     for _ in range(3):
+        _anyone(True)
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
         best = min(best, (time.perf_counter() - t0) / n)
     return best
+
+
+def _anyone(want: bool) -> bool:
+    """Whether any member of the default process group wants ``want`` (one process: its own): the members agree
+    on a loop's next turn, and leave this call at once."""
+    import torch.distributed as dist
+
+    from rlflow.device import process_device
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return want
+    flag = torch.tensor([int(want)], device=process_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def issue_seconds(device: torch.device | str = "cpu", model: str = "qwen3-moe-tiny") -> float:
@@ -129,20 +148,9 @@ def link_seconds(device: torch.device | str = "cpu", small: int = 1 << 10, large
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return math.inf, 0.0
     a, b = (torch.zeros(n // 4, device=device) for n in (small, large))
-    dist.barrier()  # both timings' batches sized alike on every member: ``_timed`` doubles until min_s, so a
-    # rank's count could differ from its peer's and leave one waiting; a fixed count keeps them in step
-    t_small = _fixed(lambda: dist.all_reduce(a), 200)
-    t_large = _fixed(lambda: dist.all_reduce(b), 5)
+    t_small = _timed(lambda: dist.all_reduce(a))
+    t_large = _timed(lambda: dist.all_reduce(b))
     return large / max(t_large - t_small, 1e-9), t_small
-
-
-def _fixed(fn, n: int) -> float:
-    """Seconds one call of ``fn`` takes over ``n`` calls after one (the same count on every rank of a group)."""
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n
 
 
 __all__ = ["issue_seconds", "link_seconds", "measure"]
