@@ -294,7 +294,8 @@ def test_a_registered_policy_loss_is_used(registries):
 
 def test_micro_batch_gradients_of_half_precision_leaves_add_up_in_float32():
     """``stages.accumulate`` over three micro-batches: each leaf's float32 sum is the sum of its gradients,
-    half-precision leaves (their later gradients cast through one reused buffer) and float32 ones alike."""
+    half-precision leaves (their later gradients cast through one buffer, the caller's from one micro-batch to the
+    next: a new one above glibc's mmap threshold is faulted in afresh) and float32 ones alike."""
     from rlflow.algos import stages
     torch.manual_seed(0)
     leaves = [torch.randn(5, 3, dtype=torch.bfloat16, requires_grad=True), torch.randn(7, requires_grad=True),
@@ -304,11 +305,14 @@ def test_micro_batch_gradients_of_half_precision_leaves_add_up_in_float32():
     def loss(x):
         return (leaves[0].float() @ x).square().sum() + (leaves[1] * x.sum()).sum() + leaves[2].float().sum() * x[0]
 
-    grads = [None] * 3
+    grads, cast, buffers = [None] * 3, [], []
     want = [torch.zeros(t.shape) for t in leaves]
     for x in xs:
-        stages.accumulate(grads, loss(x), leaves)
+        stages.accumulate(grads, loss(x), leaves, cast=cast)
+        buffers += cast
         for w, g in zip(want, torch.autograd.grad(loss(x), leaves)):
             w += g.float()
     for g, w in zip(grads, want):
         assert g.dtype == torch.float32 and torch.equal(g, w), (g, w)
+    # the later two micro-batches' one buffer, the largest gradient's size
+    assert len(buffers) == 2 and buffers[0] is buffers[1] and buffers[0].numel() == 15, buffers

@@ -127,12 +127,13 @@ def update(critic: Critic, batch: TrainBatch, cfg: ModelConfig, ccfg: CriticConf
     def grads_of(live, leaves, mbs, n_tokens, n_seqs, reduce):
         rows = sum(mb.size for mb in mbs)
         grads: list[Tensor | None] = [None] * len(leaves)
+        cast: list[Tensor] = []
         for mb in mbs:
             mask = mb.loss_mask if mb.scored_B is None else mb.loss_mask & mb.scored_B.bool()[:, None]
             loss, met = value_loss(values(live, cfg, mb, remat=ucfg.remat, ex=ex), mb.values_BTr, mb.returns_BTr,
                                    mask, value_clip=ccfg.value_clip, n_tokens=n_tokens)
             stages.record(sums, loss, met, mb.size / rows)
-            stages.accumulate(grads, loss, leaves, reduce if mb is mbs[-1] else None)
+            stages.accumulate(grads, loss, leaves, reduce if mb is mbs[-1] else None, cast)
         return grads
 
     params, opt_state, n_mb = stages.descend(critic.params, critic.opt_state, batch, ucfg, ccfg.optim, epochs=epochs,

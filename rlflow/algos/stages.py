@@ -208,16 +208,20 @@ def averaged(sums: dict[str, float], n_mb: int, layout) -> dict[str, float]:
     return {k: v / max(n_mb, 1) for k, v in sums.items()}
 
 
-def accumulate(grads: list[Tensor | None], loss: Tensor, leaves: list[Tensor], reduce=None) -> None:
+def accumulate(grads: list[Tensor | None], loss: Tensor, leaves: list[Tensor], reduce=None,
+               cast: list[Tensor] | None = None) -> None:
     """Add d loss / d leaves into ``grads`` in float32, whatever the parameters' dtype. ``reduce``: the
     mini-batch's last backward starts the data-parallel reduction (``dp.OverlappedGrads``, from ``descend``):
-    each leaf's sum goes to it as soon as the backward has computed the leaf's gradient."""
+    each leaf's sum goes to it as soon as the backward has computed the leaf's gradient. ``cast``: the caller's
+    list holding the CPU's cast buffer (below) from one micro-batch to the next."""
     # on a CPU a later micro-batch's half-precision gradient is cast into one float32 buffer, then added: a fresh
     # float32 copy of every gradient every micro-batch is memory first touched each time (page faults: two
     # thirds of a 0.5B update; docs/dryrun.md), and an in-place add of the half precision gradient is slower
-    # still. The buffer grows to the largest gradient added so far, held through the backward: an
-    # accelerator's caching allocator makes fresh copies free, and they hold less
-    cast: list[Tensor] = []
+    # still. The buffer grows to the largest gradient added so far, held through the backward and, in the
+    # caller's ``cast``, to the next micro-batch's (a new one, above glibc's mmap threshold, is faulted in
+    # afresh: the 0.5B head's, 131 MB a micro-batch). An accelerator's caching allocator makes fresh copies
+    # free, and they hold less
+    cast = [] if cast is None else cast
 
     def add(j, gr):
         if grads[j] is None:
@@ -305,12 +309,13 @@ def update(params: model.Params, opt_state: optim.AdamWState, batch: TrainBatch,
                                              replay=ucfg.routing_replay == "on")
             return [got[k].float() for k in got]  # the leaves', in their order
         grads: list[Tensor | None] = [None] * len(leaves)
+        cast: list[Tensor] = []
         for mb in mbs:
             lp, ent, aux = response_logprobs(live, cfg, mb, temperature=gcfg.temperature,
                                              with_entropy=bool(gcfg.entropy_coef), remat=ucfg.remat,
                                              with_aux=bool(ucfg.router_aux_coef), ex=ex,
                                              replay=ucfg.routing_replay == "on", routing_stats=routing_stats)
-            accumulate(grads, mb_loss(lp, ent, aux, mb), leaves, reduce if mb is mbs[-1] else None)
+            accumulate(grads, mb_loss(lp, ent, aux, mb), leaves, reduce if mb is mbs[-1] else None, cast)
         return grads
 
     new_params, opt_state, n_mb = descend(params, opt_state, batch, ucfg, ocfg, epochs=gcfg.epochs, seed=seed, lr=lr,
