@@ -57,16 +57,13 @@ def _rank(rank: int, world: int, case, steps: int, dock, routing: str, top: int 
     from rlflow import dryrun
     rates = _measure(case.model)
     own = dryrun.RankTrace(rank)
+    errors = {}
     with _routed(routing):
         _, outs = dryrun.real(case, rank, dock, steps=steps, watch=dryrun.Watch(own, device="cpu"))
         if top:  # the steps above compiled the shapes' kernels
             timed = dryrun.RankTrace(rank)
             _, (out,) = dryrun.real(case, rank, dock, watch=dryrun.Watch(timed, device="cpu", timed=True))
-    errors = {}
-    if top:
-        errors = op_errors(timed, rates, top)
-        for name, e in errors.items():
-            e["clock_s"] = out.figures.times[LAPS[name]]
+            errors = op_errors(timed, out.figures.times, rates, top)
     return rates, [o.figures.times for o in outs], own.stage_ops, errors
 
 
@@ -112,12 +109,13 @@ def run_pools(model: str, steps: int, routing: str = "balanced") -> dict:
                 step=dict(measured_s=step, slower_pool_predicted_s=bound, ratio=bound / step))
 
 
-def op_errors(own, rates, top: int) -> dict:
+def op_errors(own, clocks: dict, rates, top: int) -> dict:
     """Where the rates miss: per stage of ``own`` (a timed ``Watch``'s trace of a real step, its ops timed one by
     one; a collective's time is its issue alone: the transfer and the wait for the peers come in the ``Work``'s
-    wait, outside the op) the stage's clock and its ops' timed and predicted seconds summed (the clock's time
-    outside the ops: collectives' waits, Python between ops), and the ``top`` kinds of op (name, matmul kernel,
-    dtype) whose summed time is furthest from their predicted work (``Rates.work``: the issue left out)."""
+    wait, outside the op) the stage's clock (of ``clocks``, that step's) and its ops' timed and predicted seconds
+    summed (the clock's time outside the ops: collectives' waits, Python between ops), and the ``top`` kinds of
+    op (name, matmul kernel, dtype) whose summed time is furthest from their predicted work (``Rates.work``: the
+    issue left out)."""
     out = {}
     for name, parts in STAGES.items():
         by: dict = {}
@@ -128,7 +126,7 @@ def op_errors(own, rates, top: int) -> dict:
                 m, w, k = by.get((c.op, c.kernel, c.dtype), (0.0, 0.0, 0))
                 by[(c.op, c.kernel, c.dtype)] = (m + secs, w + n * rates.work(c), k + n)
                 timed, predicted = timed + secs, predicted + n * rates.seconds(c)
-        out[name] = dict(timed_s=timed, predicted_s=predicted, kinds=[
+        out[name] = dict(clock_s=clocks[LAPS[name]], timed_s=timed, predicted_s=predicted, kinds=[
             dict(op=" ".join(x for x in key if x), ops=k, timed_s=m, work_s=w)
             for key, (m, w, k) in sorted(by.items(), key=lambda kv: -abs(kv[1][0] - kv[1][1]))[:top]])
     return out

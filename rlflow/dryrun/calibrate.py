@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from rlflow.device import MMAP_THRESHOLD
+from rlflow.device import MMAP_THRESHOLD, process_device
 from rlflow.dryrun.cost import MATMULS, Rates
 from rlflow.dryrun.trace import RankTrace, Watch
 
@@ -62,8 +62,6 @@ def _anyone(want: bool) -> bool:
     """Whether any member of the default process group wants ``want`` (one process: its own): the members agree
     on a loop's next turn, and leave this call at once."""
     import torch.distributed as dist
-
-    from rlflow.device import process_device
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return want
     flag = torch.tensor([int(want)], device=process_device())
